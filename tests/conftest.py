@@ -1,0 +1,102 @@
+"""Shared fixtures: a tiny random-weight Llama with a real BPE tokenizer (seconds), and the
+embedded SmolLM2 cached once per test session (about 30 s) for the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens with a small model and verifies them with the target.",
+    "Hello! How can I help you today? Here is a short answer with numbers 1, 2 and 3.",
+    "def add(a, b):\n    return a + b\n",
+    "A user asks a question and the assistant answers it politely and precisely.",
+]
+
+CHATS = [
+    [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hello! How can I help you today?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add two numbers in Python."},
+     {"role": "assistant", "content": "def add(a, b):\n    return a + b"}, {"role": "user", "content": "Thanks"},
+     {"role": "assistant", "content": "You are welcome."}],
+    [{"role": "user", "content": "What does the fox do?"},
+     {"role": "assistant", "content": "The quick brown fox jumps over the lazy dog."}],
+]
+
+
+def make_tiny_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_tiny_llama(folder: Path, vocab_size: int, num_layers: int = 8, seed: int = 0) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """A folder with a random 8-layer Llama (hidden 64) and a trained 400-token BPE ChatML tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny_target")
+    tok = make_tiny_tokenizer(folder)
+    make_tiny_llama(folder, len(tok))
+    return folder
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture
+def chats_jsonl(tmp_path) -> Path:
+    """OpenAI-style chats, repeated with variations so batches mix lengths."""
+    records = []
+    for n in range(12):
+        chat = [dict(m) for m in CHATS[n % len(CHATS)]]
+        chat[-1]["content"] = chat[-1]["content"] + " " + " ".join(["More words."] * (n % 5))
+        records.append({"id": f"chat{n}", "messages": chat})
+    return write_jsonl(tmp_path / "chats.jsonl", records)
+
+
+@pytest.fixture(scope="session")
+def eaglet_home(tmp_path_factory):
+    """A private EAGLET_HOME for the session; SmolLM2 is cached into it on first use."""
+    home = tmp_path_factory.mktemp("eaglet_home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EAGLET_HOME", str(home))
+    yield home
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(eaglet_home) -> Path:
+    from eaglet.target import ensure_embedded_target
+
+    return ensure_embedded_target()

@@ -1,0 +1,241 @@
+"""Chat reading and the assistant-only loss mask, checked against independent references:
+every run of masked tokens must decode to exactly that assistant turn's text plus its
+end-of-turn token."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from eaglet import formats
+from eaglet.data import (ReadStats, TemplateSpanError, iter_records, prepare, to_messages, tokenize_chat)
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Renders earlier assistant turns differently from the last one (as templates that strip
+# reasoning from history do): the spans of earlier turns cannot be derived.
+HISTORY_REWRITING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ '<|im_start|>assistant\n[earlier answer]<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TEST_CHATS = [
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help you today?"}],
+    [{"role": "system", "content": "You answer in code."}, {"role": "user", "content": "Sum in Python?"},
+     {"role": "assistant", "content": "```python\ndef add(a, b):\n    return a + b\n```"},
+     {"role": "user", "content": "And in C?"}, {"role": "assistant", "content": "int add(int a, int b) { return a + b; }"},
+     {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "De rien ! 😊 不客气。"}],
+    [{"role": "user", "content": "Trailing?"}, {"role": "assistant", "content": "trailing spaces and a newline  \n"}],
+]
+
+
+def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    runs, current = [], []
+    for tok, m in zip(ids, mask):
+        if m:
+            current.append(tok)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def assert_mask_decodes_to_assistant_turns(tokenizer, chat, eot: str, trims: bool) -> None:
+    ids, mask, missing_eot = tokenize_chat(tokenizer, chat)
+    assert missing_eot == 0
+    # The tokens are exactly what the template renders.
+    assert ids == tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
+    expected = [(m["content"].strip() if trims else m["content"]) + eot for m in chat if m["role"] == "assistant"]
+    got = [tokenizer.decode(run, clean_up_tokenization_spaces=False) for run in masked_runs(ids, mask)]
+    assert got == expected
+
+
+def with_template(tokenizer_dir: Path, template: str, specials: list[str], bos: str, eos: str):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.bos_token, tok.eos_token = bos, eos
+    tok.chat_template = template
+    return tok
+
+
+@pytest.mark.parametrize("chat", TEST_CHATS)
+def test_mask_smollm2_template(smollm2_dir, chat):
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert_mask_decodes_to_assistant_turns(tok, chat, "<|im_end|>", trims=False)
+
+
+@pytest.mark.parametrize("chat", TEST_CHATS)
+def test_mask_llama3_template(smollm2_dir, chat):
+    tok = with_template(smollm2_dir, LLAMA3_TEMPLATE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                                      "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>")
+    assert_mask_decodes_to_assistant_turns(tok, chat, "<|eot_id|>", trims=True)
+
+
+@pytest.mark.parametrize("chat", [c for c in TEST_CHATS if c[0]["role"] != "system"])
+def test_mask_gemma_template(tiny_target, chat):
+    tok = with_template(tiny_target, GEMMA_TEMPLATE, ["<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>")
+    assert_mask_decodes_to_assistant_turns(tok, chat, "<end_of_turn>", trims=True)
+
+
+def test_mask_tiny_chatml(tiny_target):
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    for chat in TEST_CHATS:
+        assert_mask_decodes_to_assistant_turns(tok, chat, "<|im_end|>", trims=False)
+
+
+def test_mask_leading_whitespace_merged_into_the_prompt(smollm2_dir):
+    """SmolLM2's tokenizer merges the prompt's final newline with an answer's leading spaces
+    into one token; that token starts in the template, so it stays unmasked and the run
+    decodes to the rest of the answer."""
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    chat = [{"role": "user", "content": "Padded?"}, {"role": "assistant", "content": "  leading spaces"}]
+    ids, mask, _ = tokenize_chat(tok, chat)
+    (run,) = masked_runs(ids, mask)
+    decoded = tok.decode(run, clean_up_tokenization_spaces=False)
+    assert decoded.endswith("<|im_end|>") and chat[1]["content"].endswith(decoded.removesuffix("<|im_end|>"))
+    assert "leading spaces" in decoded
+
+
+def test_mask_never_covers_user_or_system_text(tiny_target):
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    ids, mask, _ = tokenize_chat(tok, TEST_CHATS[1])
+    unmasked = tok.decode([t for t, m in zip(ids, mask) if not m], clean_up_tokenization_spaces=False)
+    for m in TEST_CHATS[1]:
+        if m["role"] != "assistant":
+            assert m["content"] in unmasked
+    assert "<|im_start|>assistant\n" in unmasked  # the generation prompt is template, not assistant output
+
+
+def test_template_that_rewrites_history_fails_clearly(tiny_target):
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    tok.chat_template = HISTORY_REWRITING_TEMPLATE
+    with pytest.raises(TemplateSpanError, match="assistant turn 2's text does not follow its generation prompt"):
+        tokenize_chat(tok, TEST_CHATS[1])
+
+
+def test_prepare_refuses_a_template_that_never_works(tiny_target, tmp_path):
+    bad = tmp_path / "bad_target"
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    tok.chat_template = HISTORY_REWRITING_TEMPLATE
+    tok.save_pretrained(bad)
+    (bad / "config.json").write_text((tiny_target / "config.json").read_text())
+    chats = tmp_path / "c.jsonl"
+    chats.write_text("".join(json.dumps({"messages": TEST_CHATS[1]}) + "\n" for _ in range(25)))
+    with pytest.raises(TemplateSpanError, match="first 20 chats all failed"):
+        prepare(str(bad), str(chats), tmp_path / "out")
+
+
+# ------------------------------------------------------------------------------------------
+# Reading and normalizing records
+# ------------------------------------------------------------------------------------------
+
+def test_sharegpt_roles_mapped_odd_ones_counted():
+    stats = ReadStats()
+    rec = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "q"},
+                             {"from": "tool", "value": "x"}, {"from": "gpt", "value": "a"},
+                             {"from": "user", "value": "q2"}, {"from": "chatgpt", "value": "a2"},
+                             {"from": "human", "value": "dangling"}]}
+    msgs = to_messages(rec, stats)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
+    assert stats.dropped_roles == {"tool": 1}
+
+
+@pytest.mark.parametrize("record,reason", [
+    ("just a string", "record is not an object"),
+    ({"id": 1}, "no 'conversations' or 'messages' list"),
+    ({"conversations": [{"value": "x"}]}, "message without a string 'from'"),
+    ({"conversations": [{"from": "human", "value": 3}]}, "message with non-string 'value'"),
+    ({"messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn"),
+])
+def test_malformed_records_give_a_reason(record, reason):
+    assert to_messages(record, ReadStats()) == reason
+
+
+def test_non_alternating_chat_is_cut_there():
+    stats = ReadStats()
+    rec = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                        {"role": "assistant", "content": "again"}, {"role": "user", "content": "q2"}]}
+    assert [m["content"] for m in to_messages(rec, stats)] == ["q", "a"]
+    assert sum(stats.trimmed.values()) == 1
+
+
+def test_truncated_json_array_keeps_complete_records(tmp_path, caplog):
+    good = [{"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]} for i in range(3)]
+    text = json.dumps(good)
+    path = tmp_path / "cut.json"
+    path.write_text(text[:-1] + ', {"id": "3", "conversations": [{"from": "hum')
+    stats = ReadStats()
+    with caplog.at_level(logging.WARNING):
+        ids = [rid for rid, _ in iter_records(str(path), stats)]
+    assert ids == ["0", "1", "2"] and stats.truncated_input
+    assert "cut off mid-record" in caplog.text and "3 complete records" in caplog.text
+
+
+def test_embedded_sharegpt_streams_all_complete_records():
+    stats = ReadStats()
+    assert sum(1 for _ in iter_records("sharegpt", stats)) == 17671
+    assert stats.truncated_input
+
+
+def test_jsonl_bad_line_is_counted_not_fatal(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n{oops\n')
+    stats = ReadStats()
+    assert len(list(iter_records(str(path), stats))) == 1
+    assert stats.skipped["invalid JSON line"] == 1
+
+
+# ------------------------------------------------------------------------------------------
+# The prepare stage
+# ------------------------------------------------------------------------------------------
+
+def test_prepare_writes_dataset_with_counts(tiny_target, chats_jsonl, tmp_path):
+    out = tmp_path / "prep"
+    summary = prepare(str(tiny_target), str(chats_jsonl), out, max_length=512)
+    samples, config = formats.read_prepared(out)
+    assert len(samples) == summary.samples == 12 == config["num_samples"]
+    freq = formats.read_token_freq(out / formats.TOKEN_FREQ_FILE)
+    expected: dict[int, int] = {}
+    for s in samples:
+        for t, m in zip(s.input_ids, s.loss_mask):
+            if m:
+                expected[t] = expected.get(t, 0) + 1
+    assert freq == expected and sum(freq.values()) == config["num_masked_tokens"]
+
+
+def test_prepare_drops_samples_with_no_assistant_token_after_truncation(tiny_target, tmp_path):
+    long_user = "word " * 300
+    chats = tmp_path / "c.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": long_user}, {"role": "assistant", "content": "ok"}]})
+                     + "\n" + json.dumps({"messages": TEST_CHATS[0]}) + "\n")
+    summary = prepare(str(tiny_target), str(chats), tmp_path / "out", max_length=64)
+    assert summary.samples == 1 and summary.dropped_after_truncation == 1
+    samples, _ = formats.read_prepared(tmp_path / "out")
+    assert all(len(s.input_ids) <= 64 for s in samples)
+
+
+def test_prepare_embedded_sharegpt_with_smollm2(smollm2_dir, tmp_path):
+    summary = prepare(None, "sharegpt", tmp_path / "prep", max_length=512, num_samples=8)
+    samples, config = formats.read_prepared(tmp_path / "prep")
+    assert summary.samples == 8 and config["target_revision"]
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    for s in samples:
+        for run in masked_runs(s.input_ids, s.loss_mask)[:-1]:  # the last run may be cut by max_length
+            assert tok.decode(run[-1:]) == "<|im_end|>"
