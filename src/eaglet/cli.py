@@ -1,0 +1,129 @@
+"""`eaglet <stage>`: a thin command line over each stage's entry function."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+DEMO_OUT = "runs/demo"
+
+
+def parse_layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layer-ids {text!r}: expected integers like '2,15,27,30'") from None
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="Hugging Face model folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
+
+
+def add_extract_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layer-ids", type=parse_layer_ids, default=None,
+                   help="hidden_states ids to store, aux ids then the last layer N (default: 2,N//2,N-3,N); "
+                        "id 0 = embeddings, id k = output of decoder layer k-1")
+    p.add_argument("--dtype", default="bf16", help="compute dtype of the target: bf16 (default), fp16, fp32")
+    p.add_argument("--store-dtype", default="bf16", help="dtype of stored hidden states (default bf16)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward pass (default 8192)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="samples per forward pass at most (default 64)")
+
+
+def add_prepare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-length", type=int, default=2048, help="truncate chats to this many tokens (default 2048)")
+    p.add_argument("--skip", type=int, default=0, help="skip the first N records of the input")
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from eaglet.data import prepare
+
+    summary = prepare(args.target, args.data, args.out, args.max_length, args.num_samples, args.skip, args.command)
+    print("\n".join(summary.lines()))
+
+
+def cmd_extract(args: argparse.Namespace) -> None:
+    from eaglet.extract import extract
+
+    summary = extract(args.prepared, args.out, args.target, args.layer_ids, args.dtype, args.store_dtype, args.device,
+                      args.batch_tokens, args.max_batch_size, args.num_shards, args.shard_id, args.command)
+    print("\n".join(summary.lines()))
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """The main job on the embedded default: prepare a ShareGPT slice, extract its hidden states."""
+    from eaglet.data import prepare
+    from eaglet.extract import extract
+    from eaglet.formats import PREPARE_CONFIG_FILE
+
+    out = Path(args.out)
+    prepared = out / "prepared"
+    if (prepared / PREPARE_CONFIG_FILE).exists():
+        print(f"[1/2] prepare: reusing {prepared}")
+    else:
+        print(f"[1/2] prepare: {args.num_samples} ShareGPT chats with SmolLM2's chat template")
+        print("\n".join(prepare(None, "sharegpt", prepared, args.max_length, args.num_samples, 0, args.command).lines()))
+    print("[2/2] extract: target hidden states -> speculators v1 files")
+    summary = extract(prepared, out / "data", None, command=args.command)
+    print("\n".join(summary.lines()))
+    print(f"done: prepared chats in {prepared.resolve()}, hidden states in {(out / 'data').resolve()}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models and prove they speed up decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+
+    p = sub.add_parser("prepare", help="chat data -> tokens + assistant-only loss mask",
+                       description="Tokenize chats with the target's chat template; loss_mask = 1 on assistant tokens.")
+    add_target_args(p)
+    p.add_argument("--data", default="sharegpt",
+                   help="ShareGPT .json/.jsonl, OpenAI-style messages .jsonl, or 'sharegpt' for the embedded ShareGPT")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--num-samples", type=int, default=None, help="stop after this many usable chats")
+    add_prepare_args(p)
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("extract", help="target hidden states -> speculators v1 files",
+                       description="Run the target on prepared chats and write rows_{a}-{b}/data_{i}.pt files; "
+                                   "resumable, shardable.")
+    p.add_argument("--prepared", required=True, help="output folder of `eaglet prepare`")
+    p.add_argument("--out", required=True, help="dataset folder (hidden_states/ and side files go here)")
+    add_target_args(p)
+    add_extract_args(p)
+    p.add_argument("--num-shards", type=int, default=1, help="split the samples into K shards (default 1)")
+    p.add_argument("--shard-id", type=int, default=0, help="which shard this process extracts (default 0)")
+    p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser("demo", help="the main job on the embedded default (SmolLM2 + ShareGPT)",
+                       description="Prepare a ShareGPT slice and extract its hidden states with the embedded SmolLM2. "
+                                   "Resumable: a second run reuses finished work.")
+    p.add_argument("--out", default=DEMO_OUT, help=f"output folder (default {DEMO_OUT})")
+    p.add_argument("--num-samples", type=int, default=200, help="ShareGPT chats to use (default 200)")
+    p.add_argument("--max-length", type=int, default=1024, help="truncate chats to this many tokens (default 1024)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.command = shlex.join(["eaglet", *argv])
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "huggingface_hub", "accelerate"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"eaglet {args.stage}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
