@@ -87,6 +87,8 @@ def ensure_embedded_target() -> Path:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "EAGLET_SOURCE").write_text(f"{embedded.SMOLLM2_DIST}=={embedded.smollm2_version()} {gguf.name}\n")
+        if final.exists() and not (final / "config.json").exists():
+            shutil.rmtree(final)  # not ours: our folders only appear complete, by rename
         try:
             os.rename(tmp, final)
         except OSError:

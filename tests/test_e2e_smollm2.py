@@ -1,0 +1,59 @@
+"""End-to-end on the embedded default: SmolLM2-135M-Instruct and real ShareGPT chats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eaglet import embedded, formats
+from eaglet.cli import main
+from eaglet.data import prepare
+from eaglet.extract import extract
+from eaglet.target import load_target, parse_dtype, resolve_target
+
+pytestmark = pytest.mark.slow
+
+
+def test_cache_is_a_faithful_plain_safetensors_copy_of_the_gguf(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_hidden_layers"] == 30
+    assert (smollm2_dir / "model.safetensors").exists() and (smollm2_dir / "tokenizer.json").exists()
+    gguf = embedded.smollm2_gguf()
+    original = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    cached = load_target(resolve_target(None), torch.float32, torch.device("cpu"))
+    ids = torch.tensor([[1, 504, 3458, 282, 260, 1345, 30, 2]])
+    with torch.no_grad():
+        assert torch.equal(original(ids).logits, cached(ids).logits)
+
+
+def test_stray_temp_folder_is_never_used(smollm2_dir):
+    (smollm2_dir.parent / f".{smollm2_dir.name}.tmp-dead").mkdir()
+    assert resolve_target(None).path == str(smollm2_dir)
+
+
+def test_stored_aux_states_equal_output_hidden_states(smollm2_dir, tmp_path):
+    prepare(None, "sharegpt", tmp_path / "prep", max_length=256, num_samples=4)
+    extract(tmp_path / "prep", tmp_path / "data", None, max_batch_size=1, show_progress=False)
+    cfg = formats.read_json(tmp_path / "data" / "data_config.json")
+    assert cfg["layer_ids"] == [2, 15, 27, 30] and cfg["last_hidden_state"] == "pre_norm"
+    model = load_target(resolve_target(None), parse_dtype("bf16"), torch.device("cpu"))
+    for i, path in sorted(formats.list_v1_files(tmp_path / "data").items()):
+        s = formats.read_v1_sample(path)
+        with torch.no_grad():
+            hs = model(s.input_ids[None], output_hidden_states=True).hidden_states
+        for slot, layer_id in enumerate(cfg["layer_ids"][:-1]):
+            assert torch.equal(s.hidden_states[slot], hs[layer_id][0]), f"sample {i} slot {slot}"
+        with torch.no_grad():
+            assert torch.equal(model.model.norm(s.hidden_states[-1][None])[0], hs[30][0])
+
+
+def test_demo_command(smollm2_dir, tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--num-samples", "3", "--max-length", "128"]) == 0
+    text = capsys.readouterr().out
+    assert "hidden states in" in text and "bytes/token" in text
+    assert len(formats.list_v1_files(tmp_path / "demo" / "data")) == 3
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--num-samples", "3", "--max-length", "128"]) == 0
+    assert "reusing" in capsys.readouterr().out
