@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet import embedded
-from eaglet.formats import TokenizedSample, write_prepared
+from eaglet.formats import PreparedWriter, TokenizedSample
 
 log = logging.getLogger(__name__)
 
@@ -276,54 +276,53 @@ def prepare(target: str | None, data: str, out: str | Path, max_length: int = 20
         raise TemplateSpanError(f"target {ref.name}: tokenizer has no chat template")
     special_ids = special_token_ids(tokenizer)
     stats = ReadStats()
-    samples: list[TokenizedSample] = []
     template_failures: Counter = Counter()
     first_failure: str | None = None
     dropped_trunc = missing_eot = 0
     bar = tqdm(total=num_samples, desc="prepare", unit="chat", file=sys.stderr, dynamic_ncols=True)
-    for n, (sample_id, record) in enumerate(iter_records(data, stats)):
-        if n < skip:
-            continue
-        if num_samples is not None and len(samples) >= num_samples:
-            break
-        messages = to_messages(record, stats)
-        if isinstance(messages, str):
-            stats.skipped[messages] += 1
-            continue
-        try:
-            ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids)
-        except TemplateSpanError as e:
-            first_failure = first_failure or f"sample {sample_id}: {e}"
-            template_failures[str(e).split(" (")[0]] += 1
-            if not samples and sum(template_failures.values()) >= 20:
-                raise TemplateSpanError(f"the first 20 chats all failed; {first_failure}") from e
-            continue
-        except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
-            template_failures[f"template raised {type(e).__name__}: {str(e)[:80]}"] += 1
-            continue
-        missing_eot += no_eot
-        ids, mask = ids[:max_length], mask[:max_length]
-        if not any(mask):
-            dropped_trunc += 1
-            continue
-        samples.append(TokenizedSample(sample_id, ids, mask))
-        bar.update(1)
-    bar.close()
-    if not samples:
-        raise ValueError(f"--data {data}: no usable chat (records read: {stats.records}; "
-                         f"skipped: {dict(stats.skipped)}; template failures: {first_failure})")
-    tokens = sum(len(s.input_ids) for s in samples)
-    masked = sum(sum(s.loss_mask) for s in samples)
+    with PreparedWriter(out) as writer:
+        for n, (sample_id, record) in enumerate(iter_records(data, stats)):
+            if n < skip:
+                continue
+            if num_samples is not None and writer.samples >= num_samples:
+                break
+            messages = to_messages(record, stats)
+            if isinstance(messages, str):
+                stats.skipped[messages] += 1
+                continue
+            try:
+                ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids)
+            except TemplateSpanError as e:
+                first_failure = first_failure or f"sample {sample_id}: {e}"
+                template_failures[str(e).split(" (")[0]] += 1
+                if not writer.samples and sum(template_failures.values()) >= 20:
+                    raise TemplateSpanError(f"the first 20 chats all failed; {first_failure}") from e
+                continue
+            except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
+                template_failures[f"template raised {type(e).__name__}: {str(e)[:80]}"] += 1
+                continue
+            missing_eot += no_eot
+            ids, mask = ids[:max_length], mask[:max_length]
+            if not any(mask):
+                dropped_trunc += 1
+                continue
+            writer.add(TokenizedSample(sample_id, ids, mask))
+            bar.update(1)
+        bar.close()
+        if not writer.samples:
+            raise ValueError(f"--data {data}: no usable chat (records read: {stats.records}; "
+                             f"skipped: {dict(stats.skipped)}; template failures: {first_failure})")
     config = {
         "eaglet_version": __version__, "command": command,
         "target": ref.name, "target_spec": target, "target_path": ref.path, "target_revision": ref.revision,
         "chat_template_sha256": template_hash(tokenizer), "data": data, "skip": skip,
-        "max_length": max_length, "num_samples": len(samples), "num_tokens": tokens,
-        "num_masked_tokens": masked, "records_read": stats.records,
+        "max_length": max_length, "num_samples": writer.samples, "num_tokens": writer.tokens,
+        "num_masked_tokens": writer.masked_tokens, "records_read": stats.records,
         "skipped": dict(stats.skipped), "cut_short": dict(stats.trimmed),
         "dropped_roles": dict(stats.dropped_roles), "template_failures": dict(template_failures),
         "dropped_after_truncation": dropped_trunc, "assistant_turns_without_eot": missing_eot,
         "input_cut_off": stats.truncated_input,
     }
-    write_prepared(out, samples, config)
-    return PrepareSummary(Path(out), len(samples), tokens, masked, stats, dropped_trunc, template_failures, missing_eot)
+    writer.finish(config)
+    return PrepareSummary(Path(out), writer.samples, writer.tokens, writer.masked_tokens, stats, dropped_trunc,
+                          template_failures, missing_eot)

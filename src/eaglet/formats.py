@@ -144,18 +144,39 @@ class TokenizedSample:
         return sample
 
 
-def write_prepared(folder: str | os.PathLike, samples: list[TokenizedSample], config: dict[str, Any]) -> None:
-    folder = Path(folder)
-    with atomic_path(folder / PREPARED_FILE) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for s in samples:
-            f.write(s.to_json() + "\n")
-    freq: dict[int, int] = {}
-    for s in samples:
-        for tok, m in zip(s.input_ids, s.loss_mask):
+class PreparedWriter:
+    """Streams tokenized samples into `prepared.jsonl` and counts masked-token frequencies on
+    the way, so memory does not grow with the dataset. Use as a context manager: the JSONL
+    file appears (atomically) when the block succeeds; then `finish` writes the side files."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.freq: dict[int, int] = {}
+        self.samples = self.tokens = self.masked_tokens = 0
+
+    def __enter__(self) -> PreparedWriter:
+        # An older config would vouch for the new, unfinished data: drop it until `finish`.
+        (self.folder / PREPARE_CONFIG_FILE).unlink(missing_ok=True)
+        self._atomic = atomic_path(self.folder / PREPARED_FILE)
+        self._file = open(self._atomic.__enter__(), "w", encoding="utf-8")
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        self._file.close()
+        return self._atomic.__exit__(*exc)  # renames on success, deletes the temp file on error
+
+    def add(self, sample: TokenizedSample) -> None:
+        self._file.write(sample.to_json() + "\n")
+        for tok, m in zip(sample.input_ids, sample.loss_mask):
             if m:
-                freq[tok] = freq.get(tok, 0) + 1
-    write_token_freq(folder / TOKEN_FREQ_FILE, freq)
-    write_json_atomic(folder / PREPARE_CONFIG_FILE, config)  # last: its presence marks completion
+                self.freq[tok] = self.freq.get(tok, 0) + 1
+        self.samples += 1
+        self.tokens += len(sample.input_ids)
+        self.masked_tokens += sum(sample.loss_mask)
+
+    def finish(self, config: dict[str, Any]) -> None:
+        write_token_freq(self.folder / TOKEN_FREQ_FILE, self.freq)
+        write_json_atomic(self.folder / PREPARE_CONFIG_FILE, config)  # last: its presence marks completion
 
 
 def read_prepared(folder: str | os.PathLike) -> tuple[list[TokenizedSample], dict[str, Any]]:
@@ -425,3 +446,15 @@ def list_dataset_files(folder: str | os.PathLike, rows_per_folder: int = ROWS_PE
                     out.misplaced.append((index, p, why))
         return out
     return DatasetFiles(None, [], [], [])
+
+
+def torch_load_safe_mmap(path: str | os.PathLike) -> Any:
+    """`torch_load_safe`, with tensors memory-mapped from the file instead of copied: a reader
+    that looks at every byte once (eaglet check) skips an allocation and a copy per tensor.
+    Still weights_only. Files in torch's legacy (non-zip) format cannot be mapped: plain load."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e) and "zipfile" not in str(e):
+            raise
+        return torch_load_safe(path)
