@@ -1,0 +1,113 @@
+"""`eaglet check` read throughput vs a plain sequential `torch.load` loop over the same files.
+
+    python bench/check_throughput.py [--dir DIR] [--gb 1.1] [--hidden-size 576] [--workers N]
+
+Generates (or reuses, in --dir) a synthetic v1 dataset of random bf16 states, H=576 (SmolLM2),
+4 states per token, lengths 256..2048, with consistent side files; then times
+(a) a plain loop `torch.load(f, weights_only=True)` over every file, and
+(b) `check_dataset(dir, use_target=False)`: schema + values + side files on every file.
+Page cache: it cannot be dropped without root, so every file is read once first and both
+runs read from memory; that measures the CPU cost of the check, which is what differs
+between (a) and (b) (a cold disk is the same for both). Each is run twice, in the orders
+plain-check and check-plain, and MB/s is printed side by side with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from eaglet import formats
+from eaglet.check import check_dataset
+from eaglet.formats import V1Sample
+
+
+def generate(out: Path, gb: float, hidden: int, vocab: int = 49152, layer_ids: tuple[int, ...] = (2, 15, 27, 30),
+             seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    per_token = len(layer_ids) * hidden * 2 + 16
+    target_tokens = int(gb * 1e9 / per_token)
+    lengths: dict[int, int] = {}
+    freq: dict[int, int] = {}
+    total = masked_total = i = 0
+    while total < target_tokens:
+        T = int(torch.randint(256, 2049, (1,), generator=g))
+        ids = torch.randint(0, vocab, (T,), generator=g)
+        mask = torch.zeros(T, dtype=torch.long)
+        mask[T // 3:] = 1  # one assistant span, as a real chat would have
+        states = [torch.randn(T, hidden, generator=g).mul_(0.5 * (k + 1)).to(torch.bfloat16) for k in range(len(layer_ids))]
+        formats.write_v1_sample(out, i, V1Sample(ids, states, mask), fsync=False)
+        u, c = torch.unique(ids[mask == 1], return_counts=True)
+        for t, n in zip(u.tolist(), c.tolist()):
+            freq[t] = freq.get(t, 0) + n
+        lengths[i] = T
+        total += T
+        masked_total += int(mask.sum())
+        i += 1
+    formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, lengths)
+    formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, freq)
+    formats.write_json_atomic(out / formats.DATA_CONFIG_FILE, {
+        "format": "speculators-v1", "hidden_size": hidden, "vocab_size": vocab, "layer_ids": list(layer_ids),
+        "num_hidden_layers": layer_ids[-1], "last_hidden_state": "pre_norm", "hidden_states_dtype": "bfloat16",
+        "num_samples": len(lengths), "num_tokens": total, "num_masked_tokens": masked_total,
+        "seq_length": max(lengths.values()), "rows_per_folder": formats.ROWS_PER_FOLDER})
+
+
+def plain_loop(files: list[Path]) -> float:
+    t0 = time.perf_counter()
+    for f in files:
+        torch.load(f, map_location="cpu", weights_only=True)
+    return time.perf_counter() - t0
+
+
+def timed_check(folder: Path, workers: int | None) -> float:
+    t0 = time.perf_counter()
+    report = check_dataset(folder, use_target=False, workers=workers)
+    seconds = time.perf_counter() - t0
+    if report.errors:
+        raise SystemExit(f"the synthetic dataset should be clean: {report.lines()[-12:]}")
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="dataset folder to create or reuse (default: a temp folder, deleted)")
+    ap.add_argument("--gb", type=float, default=1.1, help="dataset size to generate (default 1.1)")
+    ap.add_argument("--hidden-size", type=int, default=576)
+    ap.add_argument("--workers", type=int, default=None, help="check's reader threads (default: its own)")
+    args = ap.parse_args()
+
+    folder = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="eaglet-check-bench-"))
+    try:
+        if not (folder / formats.DATA_CONFIG_FILE).exists():
+            t0 = time.perf_counter()
+            generate(folder, args.gb, args.hidden_size)
+            print(f"generated {folder} in {time.perf_counter() - t0:.1f} s")
+        files = [p for _, p in sorted(formats.list_v1_files(folder).items())]
+        mb = sum(p.stat().st_size for p in files) / 1e6
+        for p in files:  # warm the page cache so both runs read from memory (see the docstring)
+            with open(p, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+        print(f"{len(files)} files, {mb:,.0f} MB, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} intra-op threads")
+        rows = []
+        for order in (("plain", "check"), ("check", "plain")):
+            t = {name: plain_loop(files) if name == "plain" else timed_check(folder, args.workers) for name in order}
+            rows.append((order, t))
+        print(f"{'order':<14}{'plain torch.load MB/s':>24}{'eaglet check MB/s':>20}{'check/plain':>14}")
+        for order, t in rows:
+            print(f"{'-'.join(order):<14}{mb / t['plain']:>24,.0f}{mb / t['check']:>20,.0f}{t['plain'] / t['check']:>14.2f}")
+    finally:
+        if not args.dir:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,464 @@
+"""`eaglet check`: a clean extracted dataset passes; each corruption is found and named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglet import check as C
+from eaglet import formats
+from eaglet.cli import main
+
+
+def tiny_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def N(tiny_target) -> int:
+    return tiny_config(tiny_target)["num_hidden_layers"]
+
+
+@pytest.fixture(scope="module")
+def LAYER_IDS(N) -> list[int]:
+    return [2, 3, 4, N]  # aux ids then the last layer
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_target, tmp_path_factory, LAYER_IDS) -> Path:
+    """A dataset made by `eaglet extract` on the tiny target (fp32 compute, bf16 storage)."""
+    from conftest import CHATS, write_jsonl
+
+    from eaglet.data import prepare
+    from eaglet.extract import extract
+
+    root = tmp_path_factory.mktemp("check")
+    records = []
+    for n in range(12):
+        chat = [dict(m) for m in CHATS[n % len(CHATS)]]
+        chat[-1]["content"] = chat[-1]["content"] + " " + " ".join(["More words."] * (n % 5))
+        records.append({"id": f"chat{n}", "messages": chat})
+    chats = write_jsonl(root / "chats.jsonl", records)
+    prepare(str(tiny_target), str(chats), root / "prep", max_length=256)
+    extract(root / "prep", root / "data", str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32", show_progress=False)
+    return root / "data"
+
+
+@pytest.fixture
+def copy(clean, tmp_path):
+    def make(name: str = "ds") -> Path:
+        return Path(shutil.copytree(clean, tmp_path / name))
+    return make
+
+
+def sample_path(ds: Path, i: int) -> Path:
+    return ds / formats.v1_relative_path(i)
+
+
+def edit(ds: Path, i: int, fn) -> str:
+    """Load sample i, let `fn` change the dict, save it back; return its relative path."""
+    path = sample_path(ds, i)
+    obj = torch.load(path, weights_only=True)
+    fn(obj)
+    torch.save(obj, path)
+    return formats.v1_relative_path(i)
+
+
+def found(report: C.CheckReport, kind: str) -> list[C.Problem]:
+    return [p for p in report.errors if p.kind == kind]
+
+
+def assert_found(report: C.CheckReport, kind: str, path: str | None = None, *words: str) -> C.Problem:
+    hits = [p for p in found(report, kind) if path is None or p.path == path]
+    assert hits, f"no {kind!r} problem for {path}; got {[(p.kind, p.path, p.message) for p in report.problems]}"
+    for w in words:
+        assert any(w in p.message for p in hits), f"{w!r} not in {[p.message for p in hits]}"
+    assert not report.clean
+    return hits[0]
+
+
+def run_cli(*argv: str) -> int:
+    try:
+        return main(["check", *argv])
+    except SystemExit as e:
+        return int(e.code)
+
+
+# ---------------------------------------------------------------------------------------------
+# The clean dataset
+# ---------------------------------------------------------------------------------------------
+
+def test_clean_dataset_passes_with_target(clean, capsys, LAYER_IDS):
+    report = C.check_dataset(clean)  # target from data_config's target_path
+    assert report.clean, report.lines()
+    assert report.format == formats.FORMAT_V1
+    assert report.files == report.samples == 12 and report.tokens > 0 and 0 < report.masked_tokens < report.tokens
+    assert [s.expected for s in report.identity] == [f"layer {k}" for k in LAYER_IDS]
+    assert all(s.best == s.expected and s.cos > 0.999 for s in report.identity)
+    assert report.next_token_accuracy["agreement"] > 0.9
+    assert report.template_checked_files == 12
+    assert [s.layer for s in report.slots] == [f"layer {k}" for k in LAYER_IDS]
+    assert run_cli(str(clean)) == 0
+    out = capsys.readouterr().out
+    assert "result: CLEAN" in out and "bytes/token" in out and "lengths:" in out
+
+
+def test_json_output_parses(clean, capsys):
+    assert run_cli(str(clean), "--json", "--no-target") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["clean"] is True and data["format"] == formats.FORMAT_V1 and data["files"] == 12
+    assert data["warning_counts"] == {C.NOT_CHECKED: 1}  # skipped checks are said, not silently passed
+
+
+def test_corrupt_dataset_exits_nonzero(copy, capsys):
+    ds = copy()
+    rel = edit(ds, 4, lambda o: o["loss_mask"].zero_())
+    assert run_cli(str(ds), "--no-target") == 1
+    out = capsys.readouterr().out
+    assert "NOT CLEAN" in out and rel in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+class Boom:
+    """Loading this without weights_only would create a file: proof that nothing is executed."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_unsafe_pickle_is_reported_not_executed(copy, tmp_path):
+    ds = copy()
+    marker = tmp_path / "executed"
+    torch.save({"input_ids": torch.zeros(3, dtype=torch.long), "boom": Boom(str(marker))}, sample_path(ds, 2))
+    report = C.check_dataset(ds, use_target=False)
+    p = assert_found(report, C.UNSAFE_PICKLE, formats.v1_relative_path(2), "weights_only")
+    assert "open" in p.message  # names the global it refused
+    assert not marker.exists()
+
+
+def test_truncated_file(copy):
+    ds = copy()
+    path = sample_path(ds, 7)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert_found(C.check_dataset(ds, use_target=False), C.UNREADABLE, formats.v1_relative_path(7), "truncated")
+
+
+def test_garbage_file(copy):
+    ds = copy()
+    sample_path(ds, 1).write_bytes(b"not a torch file" * 10)
+    assert_found(C.check_dataset(ds, use_target=False), C.UNREADABLE, formats.v1_relative_path(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema
+# ---------------------------------------------------------------------------------------------
+
+def test_mask_5147_vs_input_ids_4095(copy, LAYER_IDS, tiny_target):
+    """The one seen in the wild: a loss_mask longer than input_ids."""
+    ds = copy()
+    T, H = 4095, tiny_config(tiny_target)["hidden_size"]
+    sample = {"input_ids": torch.randint(0, 300, (T,)), "loss_mask": torch.ones(5147, dtype=torch.long),
+              "hidden_states": [torch.randn(T, H).mul(0.02).to(torch.bfloat16) for _ in LAYER_IDS]}
+    torch.save(sample, sample_path(ds, 3))
+    assert_found(C.check_dataset(ds, use_target=False), C.LENGTH_MISMATCH, formats.v1_relative_path(3),
+                 "loss_mask has 5147 entries, input_ids has 4095")
+
+
+def test_wrong_keys(copy):
+    ds = copy()
+    rel = edit(ds, 0, lambda o: o.update(extra=torch.zeros(1)))
+    assert_found(C.check_dataset(ds, use_target=False), C.WRONG_KEYS, rel, "unexpected ['extra']")
+    rel = edit(ds, 1, lambda o: o.pop("loss_mask"))
+    assert_found(C.check_dataset(ds, use_target=False), C.WRONG_KEYS, rel, "missing ['loss_mask']")
+
+
+def test_wrong_dtypes(copy):
+    ds = copy()
+    rel_h = edit(ds, 0, lambda o: o.update(hidden_states=[h.half() for h in o["hidden_states"]]))
+    rel_i = edit(ds, 1, lambda o: o.update(input_ids=o["input_ids"].float()))
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.WRONG_DTYPE, rel_h, "float16, recorded bfloat16")
+    assert_found(report, C.WRONG_DTYPE, rel_i, "input_ids")
+
+
+def test_hidden_size_and_state_count(copy, LAYER_IDS, tiny_target):
+    ds = copy()
+    rel_h = edit(ds, 0, lambda o: o.update(hidden_states=[h[:, :32].clone() for h in o["hidden_states"]]))
+    rel_n = edit(ds, 1, lambda o: o.update(hidden_states=o["hidden_states"][:3]))
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.HIDDEN_SIZE, rel_h, f"H=32, expected {tiny_config(tiny_target)['hidden_size']}")
+    assert_found(report, C.STATE_COUNT, rel_n, "3 hidden states, expected 4")
+
+
+def test_state_rows_differ_from_tokens(copy):
+    ds = copy()
+    rel = edit(ds, 5, lambda o: o["hidden_states"].__setitem__(2, o["hidden_states"][2][:-1].clone()))
+    assert_found(C.check_dataset(ds, use_target=False), C.LENGTH_MISMATCH, rel, "slot 2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+# ---------------------------------------------------------------------------------------------
+
+def test_mask_all_zero_and_not_binary(copy):
+    ds = copy()
+    rel0 = edit(ds, 0, lambda o: o["loss_mask"].zero_())
+    rel1 = edit(ds, 1, lambda o: o["loss_mask"].__setitem__(slice(0, 3), 2))
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.MASK_EMPTY, rel0)
+    assert_found(report, C.MASK_VALUES, rel1, "[2]")
+
+
+def test_token_id_out_of_range(copy):
+    ds = copy()
+    rel = edit(ds, 2, lambda o: o["input_ids"].__setitem__(5, 100_000))
+    assert_found(C.check_dataset(ds, use_target=False), C.TOKEN_RANGE, rel, "positions 5")
+
+
+def test_nan_row_names_slot_and_row(copy):
+    ds = copy()
+    rel = edit(ds, 6, lambda o: o["hidden_states"][1][7].fill_(float("nan")))
+    rel2 = edit(ds, 8, lambda o: o["hidden_states"][3][2, 9].fill_(float("inf")))
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.NON_FINITE, rel, "slot 1 row 7: NaN")
+    assert_found(report, C.NON_FINITE, rel2, "slot 3 row 2: Inf")
+
+
+def test_all_zero_state_and_zero_rows(copy):
+    ds = copy()
+    rel = edit(ds, 3, lambda o: o["hidden_states"][0].zero_())
+    rel2 = edit(ds, 4, lambda o: o["hidden_states"][2][-5:].zero_())
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.ALL_ZERO, rel, "slot 0 is all zeros")
+    assert_found(report, C.ALL_ZERO, rel2, "slot 2: 5 of")
+
+
+def test_rms_outlier(copy):
+    ds = copy()
+    rel = edit(ds, 9, lambda o: o["hidden_states"][2].mul_(1000))
+    assert_found(C.check_dataset(ds, use_target=False), C.RMS_BOUNDS, rel, "slot 2")
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset level
+# ---------------------------------------------------------------------------------------------
+
+def test_missing_file_and_side_files_disagree(copy):
+    ds = copy()
+    sample_path(ds, 10).unlink()
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.MISSING_INDEX, None, "10")
+    assert_found(report, C.SAMPLE_LENGTHS, formats.SAMPLE_LENGTHS_FILE, "no file")
+    assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE)
+    assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "num_samples is 12, the files hold 11")
+
+
+def test_duplicate_index_and_folder_naming(copy):
+    ds = copy()
+    other = ds / formats.HIDDEN_STATES_DIR / "rows_2000-4000"
+    other.mkdir()
+    shutil.copy(sample_path(ds, 3), other / "data_3.pt")
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.DUPLICATE_INDEX, None, "index 3 appears 2 times")
+    assert_found(report, C.FOLDER_NAMING, str(other / "data_3.pt"), "outside its folder")
+
+
+def test_misnamed_folder(copy):
+    ds = copy()
+    hs = ds / formats.HIDDEN_STATES_DIR
+    (hs / "rows_0-2000").rename(hs / "rows_0-1000")
+    assert_found(C.check_dataset(ds, use_target=False), C.FOLDER_NAMING, None, "rows_0-1000")
+
+
+def test_sample_lengths_and_token_freq_edited(copy):
+    ds = copy()
+    lengths = formats.read_sample_lengths(ds / formats.SAMPLE_LENGTHS_FILE)
+    lengths[2] += 1
+    formats.write_sample_lengths(ds / formats.SAMPLE_LENGTHS_FILE, lengths)
+    freq = formats.read_token_freq(ds / formats.TOKEN_FREQ_FILE)
+    freq[next(iter(freq))] += 5
+    formats.write_token_freq(ds / formats.TOKEN_FREQ_FILE, freq)
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.SAMPLE_LENGTHS, formats.SAMPLE_LENGTHS_FILE, "sample 2: recorded length")
+    assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE, "1 token ids")
+
+
+def test_data_config_missing_or_inconsistent(copy, LAYER_IDS):
+    ds = copy()
+    (ds / formats.DATA_CONFIG_FILE).unlink()
+    assert_found(C.check_dataset(ds, use_target=False), C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "missing")
+    ds2 = copy("ds2")
+    cfg = formats.read_json(ds2 / formats.DATA_CONFIG_FILE)
+    cfg["hidden_size"] = 128
+    formats.write_json_atomic(ds2 / formats.DATA_CONFIG_FILE, cfg)
+    assert len(found(C.check_dataset(ds2, use_target=False), C.HIDDEN_SIZE)) == 12 * len(LAYER_IDS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer identity and the chat template (need the target)
+# ---------------------------------------------------------------------------------------------
+
+def test_swapped_layers_are_named(copy):
+    ds = copy()
+    for i in range(12):
+        edit(ds, i, lambda o: o.update(hidden_states=[o["hidden_states"][k] for k in (0, 2, 1, 3)]))
+    report = C.check_dataset(ds)
+    assert_found(report, C.LAYER_IDENTITY, None, "slot 1 matches layer 4, not 3", "slot 2 matches layer 3, not 4")
+
+
+def test_layer_ids_off_by_one(copy, LAYER_IDS):
+    ds = copy()
+    cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
+    cfg["layer_ids"] = [1, 2, 3, LAYER_IDS[-1]]
+    formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
+    report = C.check_dataset(ds)
+    assert_found(report, C.LAYER_IDENTITY, None, "slot 0 matches layer 2, not 1", "slot 2 matches layer 4, not 3")
+
+
+def test_post_norm_last_state_where_pre_norm_recorded(copy, tiny_target, LAYER_IDS):
+    from transformers import AutoModelForCausalLM
+
+    norm = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).model.norm
+    ds = copy()
+    for i in range(12):
+        def to_post_norm(o):
+            with torch.no_grad():
+                o["hidden_states"][3] = norm(o["hidden_states"][3].float()).to(torch.bfloat16)
+        edit(ds, i, to_post_norm)
+    report = C.check_dataset(ds)
+    p = assert_found(report, C.LAYER_IDENTITY, None, f"slot 3 (last) matches layer {LAYER_IDS[-1]} post-norm, recorded pre_norm")
+    assert p.path.endswith(".pt")
+
+
+def test_shifted_mask_does_not_match_template(copy):
+    ds = copy()
+    rel = edit(ds, 1, lambda o: o.update(loss_mask=torch.roll(o["loss_mask"], 1)))
+    report = C.check_dataset(ds)
+    assert_found(report, C.MASK_TEMPLATE, rel, "does not start after the generation prompt")
+    assert found(report, C.MASK_TEMPLATE)[0].path == rel  # only the edited file
+
+
+def test_user_turn_masked(copy):
+    ds = copy()
+    rel = edit(ds, 0, lambda o: o.update(loss_mask=1 - o["loss_mask"]))
+    assert_found(C.check_dataset(ds), C.MASK_TEMPLATE, rel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Foreign formats
+# ---------------------------------------------------------------------------------------------
+
+def load_clean_samples(clean: Path) -> list[formats.V1Sample]:
+    files = formats.list_v1_files(clean)
+    return [formats.read_v1_sample(files[i]) for i in sorted(files)]
+
+
+def test_flat_v1_layout(clean, tmp_path):
+    ds = tmp_path / "flat"
+    for i, s in enumerate(load_clean_samples(clean)):
+        formats.write_flat_v1_sample(ds, i, s)
+    for side in (formats.DATA_CONFIG_FILE, formats.SAMPLE_LENGTHS_FILE, formats.TOKEN_FREQ_FILE):
+        shutil.copy(clean / side, ds / side)
+    report = C.check_dataset(ds)
+    assert report.format == formats.FORMAT_V1_FLAT
+    assert report.clean, report.lines()
+    assert all(s.best == s.expected for s in report.identity) and len(report.identity) == 4
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
+    from transformers import AutoModelForCausalLM
+
+    norm = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).model.norm
+    ds = tmp_path / "specforge"
+    for i, s in enumerate(load_clean_samples(clean)):
+        with torch.no_grad():  # SpecForge stores the last state after the final norm
+            last = norm(s.hidden_states[3].float()).to(torch.bfloat16)
+        formats.write_specforge_sample(ds, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:3], dim=-1),
+                                       compressed=compressed)
+    # No data_config: expectations come from the first file; layer ids passed via a config-less target run.
+    report = C.check_dataset(ds, use_target=False)
+    assert report.format == formats.FORMAT_SPECFORGE
+    assert report.clean, report.lines()
+    assert report.files == 12 and len(report.slots) == 4 and report.masked_tokens > 0
+    # With the target and the layer ids recorded, the post-norm last state is recognized as such.
+    cfg = tiny_config(tiny_target)
+    formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, {"layer_ids": LAYER_IDS, "hidden_size": cfg["hidden_size"],
+                                                              "hidden_states_dtype": "bfloat16",
+                                                              "vocab_size": cfg["vocab_size"],
+                                                              "last_hidden_state": "post_norm"})
+    report = C.check_dataset(ds, target=str(tiny_target))
+    assert report.clean, report.lines()
+    assert report.identity[3].expected == report.identity[3].best == f"layer {LAYER_IDS[-1]} post-norm"
+    # A NaN in an aux slot is named by slot (aux_hidden_state's second third is slot 1).
+    path = ds / formats.specforge_relative_path(4, compressed)
+    obj = formats.read_specforge_sample(path)
+    obj["aux_hidden_state"][3, obj["hidden_state"].shape[-1] + 5] = float("nan")
+    formats.write_specforge_sample(ds, 4, obj["input_ids"], obj["loss_mask"], obj["hidden_state"],
+                                   obj["aux_hidden_state"], compressed=compressed)
+    assert_found(C.check_dataset(ds, use_target=False), C.NON_FINITE, formats.specforge_relative_path(4, compressed),
+                 "slot 1 row 3: NaN")
+
+
+def test_specforge_truncated_gz(clean, tmp_path):
+    ds = tmp_path / "sfgz"
+    for i, s in enumerate(load_clean_samples(clean)[:3]):
+        formats.write_specforge_sample(ds, i, s.input_ids, s.loss_mask, s.hidden_states[3],
+                                       torch.cat(s.hidden_states[:3], dim=-1), compressed=True)
+    path = ds / formats.specforge_relative_path(1, True)
+    path.write_bytes(path.read_bytes()[:300])
+    assert_found(C.check_dataset(ds, use_target=False), C.UNREADABLE, formats.specforge_relative_path(1, True))
+
+
+def test_speculators_safetensors_layout(clean, tmp_path):
+    ds = tmp_path / "hs"
+    for i, s in enumerate(load_clean_samples(clean)):
+        formats.write_hs_safetensors_sample(ds, i, s.input_ids, torch.stack(s.hidden_states, dim=1),
+                                            s.loss_mask if i % 2 else None)  # loss_mask is optional there
+    report = C.check_dataset(ds, use_target=False)
+    assert report.format == formats.FORMAT_HS_SAFETENSORS
+    assert report.clean, report.lines()
+    assert report.files == 12 and len(report.slots) == 4
+    # One file with 3 states instead of 4, one truncated.
+    s = load_clean_samples(clean)[2]
+    formats.write_hs_safetensors_sample(ds, 2, s.input_ids, torch.stack(s.hidden_states[:3], dim=1))
+    (ds / "hs_5.safetensors").write_bytes((ds / "hs_5.safetensors").read_bytes()[:200])
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.STATE_COUNT, "hs_2.safetensors", "3 hidden states, expected 4")
+    assert_found(report, C.UNREADABLE, "hs_5.safetensors")
+
+
+def test_no_dataset(tmp_path):
+    report = C.check_dataset(tmp_path, use_target=False)
+    assert report.format is None and found(report, C.NO_FILES)
+    assert run_cli(str(tmp_path)) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------
+
+def test_mask_template_issues_pure():
+    gen, eot = [1, 9], frozenset({2})
+    ids = [1, 5, 6, 2, 1, 9, 7, 8, 2, 3]
+    good = [0, 0, 0, 0, 0, 0, 1, 1, 1, 0]
+    assert C.mask_template_issues(ids, good, gen, eot) == []
+    shifted = [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]
+    assert len(C.mask_template_issues(ids, shifted, gen, eot)) == 2  # wrong start; assistant turn unmasked
+    truncated_ids, truncated = ids[:8], good[:8]  # cut at max_length inside the reply: fine
+    assert C.mask_template_issues(truncated_ids, truncated, gen, eot) == []
+
+
+def test_length_histogram():
+    assert C.length_histogram([1, 63, 64, 127, 128, 1000]) == {"0-63": 2, "64-127": 2, "128-255": 1, "512-1023": 1}
