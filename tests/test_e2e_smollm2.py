@@ -53,7 +53,8 @@ def test_stored_aux_states_equal_output_hidden_states(smollm2_dir, tmp_path):
 def test_demo_command(smollm2_dir, tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "demo"), "--num-samples", "3", "--max-length", "128"]) == 0
     text = capsys.readouterr().out
-    assert "hidden states in" in text and "bytes/token" in text
+    assert "hidden states in" in text and "bytes/token" in text and "result: CLEAN" in text
+    assert "slot 1 = layer 15" in text  # layer identity was checked against the target
     assert len(formats.list_v1_files(tmp_path / "demo" / "data")) == 3
     assert main(["demo", "--out", str(tmp_path / "demo"), "--num-samples", "3", "--max-length", "128"]) == 0
     assert "reusing" in capsys.readouterr().out

@@ -55,22 +55,43 @@ def cmd_extract(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """The main job on the embedded default: prepare a ShareGPT slice, extract its hidden states."""
+    """The main job on the embedded default: prepare a ShareGPT slice, extract its hidden
+    states, check them. Each stage reuses finished work, so a second run is quick."""
+    from eaglet.check import check_dataset
     from eaglet.data import prepare
     from eaglet.extract import extract
     from eaglet.formats import PREPARE_CONFIG_FILE
 
     out = Path(args.out)
-    prepared = out / "prepared"
+    prepared, data = out / "prepared", out / "data"
     if (prepared / PREPARE_CONFIG_FILE).exists():
-        print(f"[1/2] prepare: reusing {prepared}")
+        print(f"[1/3] prepare: reusing {prepared}")
     else:
-        print(f"[1/2] prepare: {args.num_samples} ShareGPT chats with SmolLM2's chat template")
+        print(f"[1/3] prepare: {args.num_samples} ShareGPT chats with SmolLM2's chat template")
         print("\n".join(prepare(None, "sharegpt", prepared, args.max_length, args.num_samples, 0, args.command).lines()))
-    print("[2/2] extract: target hidden states -> speculators v1 files")
-    summary = extract(prepared, out / "data", None, command=args.command)
-    print("\n".join(summary.lines()))
-    print(f"done: prepared chats in {prepared.resolve()}, hidden states in {(out / 'data').resolve()}")
+    print("[2/3] extract: target hidden states -> speculators v1 files")
+    print("\n".join(extract(prepared, data, None, command=args.command).lines()))
+    print("[3/3] check: every file, plus layer identity against the target")
+    report = check_dataset(data)
+    print("\n".join(report.lines()))
+    print(f"done: prepared chats in {prepared.resolve()}, hidden states in {data.resolve()}")
+    if not report.clean:
+        raise SystemExit(1)
+
+
+def cmd_check(args: argparse.Namespace) -> None:
+    """Print the report (or JSON); exit 1 when the dataset is not clean, so scripts can gate on it."""
+    import json
+
+    from eaglet.check import check_dataset
+
+    report = check_dataset(args.dir, args.target, not args.no_target, args.identity_samples, args.workers)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2, default=str))
+    else:
+        print("\n".join(report.lines(args.max_per_kind)))
+    if not report.clean:
+        raise SystemExit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,12 +121,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_extract)
 
     p = sub.add_parser("demo", help="the main job on the embedded default (SmolLM2 + ShareGPT)",
-                       description="Prepare a ShareGPT slice and extract its hidden states with the embedded SmolLM2. "
+                       description="Prepare a ShareGPT slice, extract its hidden states with the embedded SmolLM2 and check them. "
                                    "Resumable: a second run reuses finished work.")
     p.add_argument("--out", default=DEMO_OUT, help=f"output folder (default {DEMO_OUT})")
     p.add_argument("--num-samples", type=int, default=200, help="ShareGPT chats to use (default 200)")
     p.add_argument("--max-length", type=int, default=1024, help="truncate chats to this many tokens (default 1024)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("check", help="prove a hidden-state dataset is right before training",
+                       description="Check every file of a hidden-state dataset (v1, flat v1, SpecForge .ckpt[.gz], "
+                                   "speculators hs_*.safetensors): schema, values, side files; with a target, layer "
+                                   "identity and loss mask vs chat template on sampled files. Exit 0 only when clean.")
+    p.add_argument("dir", help="dataset folder")
+    p.add_argument("--target", default=None, help="model folder or hub id to recompute states with "
+                                                  "(default: data_config.json's target_path)")
+    p.add_argument("--no-target", action="store_true", help="skip the checks that need the target")
+    p.add_argument("--identity-samples", type=int, default=3, help="files to recompute with the target (default 3)")
+    p.add_argument("--workers", type=int, default=None, help="reader threads (default: one per core, at most 8)")
+    p.add_argument("--max-per-kind", type=int, default=10, help="problems shown per kind (default 10)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_check)
     return parser
 
 
