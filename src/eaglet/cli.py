@@ -18,9 +18,9 @@ def parse_layer_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--layer-ids {text!r}: expected integers like '2,15,27,30'") from None
 
 
-def add_target_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None,
-                   help="Hugging Face model folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
+def add_target_args(p: argparse.ArgumentParser,
+                    default: str = "the embedded SmolLM2-135M-Instruct") -> None:
+    p.add_argument("--target", default=None, help=f"Hugging Face model folder or hub id (default: {default})")
 
 
 def add_extract_args(p: argparse.ArgumentParser) -> None:
@@ -94,6 +94,18 @@ def cmd_check(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from eaglet.train import train
+
+    options = {k: getattr(args, k) for k in ("epochs", "total_steps", "stop_after", "lr", "min_lr_ratio", "warmup_steps",
+                                             "weight_decay", "max_grad_norm", "batch_size", "grad_accum", "max_length",
+                                             "ttt_steps", "draft_vocab_size", "fc_norm", "norm_output", "bf16",
+                                             "eval_fraction", "eval_every", "save_every", "log_every",
+                                             "keep_checkpoints", "seed", "device")}
+    summary = train(args.data, args.out, args.target, args.resume, command=args.command, **options)
+    print("\n".join(summary.lines()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models and prove they speed up decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -133,14 +145,45 @@ def build_parser() -> argparse.ArgumentParser:
                                    "speculators hs_*.safetensors): schema, values, side files; with a target, layer "
                                    "identity and loss mask vs chat template on sampled files. Exit 0 only when clean.")
     p.add_argument("dir", help="dataset folder")
-    p.add_argument("--target", default=None, help="model folder or hub id to recompute states with "
-                                                  "(default: data_config.json's target_path)")
+    add_target_args(p, "data_config.json's target_path")
     p.add_argument("--no-target", action="store_true", help="skip the checks that need the target")
     p.add_argument("--identity-samples", type=int, default=3, help="files to recompute with the target (default 3)")
     p.add_argument("--workers", type=int, default=None, help="reader threads (default: one per core, at most 8)")
     p.add_argument("--max-per-kind", type=int, default=10, help="problems shown per kind (default 10)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
+    p = sub.add_parser("train", help="train an EAGLE-3 drafter on a hidden-state dataset",
+                       description="Train the one-layer EAGLE-3 drafter with training-time test on an `eaglet extract` "
+                                   "dataset; metrics.jsonl, checkpoints (safetensors + config.json), best by simulated "
+                                   "acceptance length. Multi-process: torchrun --nproc_per_node N -m eaglet.cli train ...")
+    p.add_argument("data", help="dataset folder of `eaglet extract`")
+    p.add_argument("--out", required=True, help="run folder (metrics.jsonl, checkpoints/)")
+    add_target_args(p, "data_config.json's target_path")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--epochs", type=float, default=1.0, help="schedule length in epochs (default 1)")
+    p.add_argument("--total-steps", type=int, default=None, help="schedule length in optimizer steps (overrides --epochs)")
+    p.add_argument("--stop-after", type=int, default=None, help="stop this run at this step; --resume continues")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor as a fraction of --lr (default 0)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default 2%% of the schedule)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=0.5, help="gradient clipping norm (default 0.5)")
+    p.add_argument("--batch-size", type=int, default=1, help="samples per micro-batch per process (default 1)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step per process (default 1)")
+    p.add_argument("--max-length", type=int, default=None, help="truncate samples to this many tokens")
+    p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll length (default 7)")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary (default min(32000, target vocab))")
+    p.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1: RMSNorm before fc")
+    p.add_argument("--norm-output", action="store_true", help="EAGLE-3.1: feed the post-norm output to the next step")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (master weights stay fp32)")
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="held-out fraction of samples (default 0.05)")
+    p.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (default 200)")
+    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default 200)")
+    p.add_argument("--log-every", type=int, default=10, help="write train metrics every N steps (default 10)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept besides the best (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.set_defaults(func=cmd_train)
     return parser
 
 

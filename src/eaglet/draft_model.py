@@ -1,0 +1,465 @@
+"""The EAGLE-3 draft model ("drafter") in plain PyTorch, and its training-time-test (TTT) unroll.
+
+Architecture (module names are the EAGLE / SGLang checkpoint keys, so export is a copy):
+
+    g      = fc(concat(aux_low, aux_mid, aux_high))          # 3H -> H, fused target features
+    x      = concat(input_layernorm(embed(token)), hidden_norm(g))   # 2H, input of q/k/v
+    h      = g + o_proj(attention(q, k, v))                  # residual is g, not x
+    h      = h + mlp(post_attention_layernorm(h))            # SwiGLU
+    logits = lm_head(norm(h))                                # H -> draft vocab
+
+TTT (`Eagle3Draft.forward`): step 0 sees the target's fused features; step k feeds the
+drafter's own output `h` of step k-1 at the same position, with the input token shifted one
+further (teacher forced). A query at step k attends causally to the step-0 keys plus, from each
+step 1..k, only the key at its own position (the "diagonal"). `DiagonalTTTAttention` computes
+those extra keys as element-wise dot products merged by log-sum-exp with the causal block, which
+stays fused SDPA (its log-sum-exp has an SDPA-based backward), so no (L x L) scores are kept for
+backward, let alone (L x L*K). `bench/ttt_reference.py` holds the naive
+full-mask version that the tests compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_DRAFT_VOCAB = 32000
+DEFAULT_TTT_STEPS = 7
+STEP_WEIGHT_DECAY = 0.8
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm over the 3H concat before fc
+    norm_output: bool = False  # EAGLE-3.1: feed the post-norm output to the next TTT step
+    target_hidden_size: int | None = None  # width of the aux states (defaults to hidden_size)
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 < self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, {self.target_vocab_size}]")
+
+    @classmethod
+    def from_target(cls, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int | None = None,
+                    **overrides: Any) -> DraftConfig:
+        """One Llama layer shaped like the target's layers (the EAGLE-3 default)."""
+        c = target_config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        vocab = c.vocab_size
+        values = dict(
+            hidden_size=c.hidden_size, num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, intermediate_size=c.intermediate_size,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_theta=getattr(c, "rope_theta", None) or rope.get("rope_theta", 10000.0),
+            max_position_embeddings=getattr(c, "max_position_embeddings", 4096), target_vocab_size=vocab,
+            draft_vocab_size=draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab), aux_layer_ids=list(aux_layer_ids),
+            target_hidden_size=c.hidden_size)
+        values.update(overrides)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft vocabulary
+# ---------------------------------------------------------------------------------------------
+
+def build_draft_vocab(token_freq: dict[int, int], target_vocab_size: int,
+                      draft_vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) for the `draft_vocab_size` most frequent loss-masked tokens.
+
+    Draft ids are the chosen target ids in ascending order (as EAGLE does), so
+    `target_id = i + d2t[i]`. When the data has fewer distinct tokens than the draft vocab, the
+    lowest unused target ids fill it: a short vocab crashes engines that assume the size.
+    """
+    size = draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, target_vocab_size)
+    if not 0 < size <= target_vocab_size:
+        raise ValueError(f"draft vocab size {size} must be in [1, target vocab {target_vocab_size}]")
+    ranked = sorted(((c, t) for t, c in token_freq.items() if 0 <= t < target_vocab_size and c > 0),
+                    key=lambda ct: (-ct[0], ct[1]))
+    chosen = {t for _, t in ranked[:size]}
+    filler = (t for t in range(target_vocab_size) if t not in chosen)
+    while len(chosen) < size:
+        chosen.add(next(filler))
+    draft_ids = torch.tensor(sorted(chosen), dtype=torch.long)
+    d2t = draft_ids - torch.arange(size, dtype=torch.long)
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    return d2t, t2d
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Llama does): bf16 variance loses too much.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [L, head_dim] for the given positions (Llama's half-rotation layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+
+
+class TTTAttentionCore(Protocol):
+    """Holds the keys/values of earlier TTT steps of one unroll; returns attention outputs.
+
+    Called once per step with roped q [B, heads, L, d] and k, v [B, kv_heads, L, d]."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+DEFAULT_QUERY_CHUNK = 1024
+
+
+@torch.no_grad()
+def causal_lse(q: torch.Tensor, k: torch.Tensor, chunk_size: int = DEFAULT_QUERY_CHUNK) -> torch.Tensor:
+    """log sum_{s<=t} exp(scale q_t.k_s) per query, [B, heads, L], at least fp32; (chunk x L) scores at a time."""
+    B, nh, L, d = q.shape
+    nkv = k.shape[1]
+    work = torch.promote_types(q.dtype, torch.float32)  # at least fp32
+    qg, kf = q.to(work).view(B, nkv, nh // nkv, L, d), k.to(work)
+    out = []
+    for s in range(0, L, chunk_size):
+        e = min(L, s + chunk_size)
+        scores = torch.einsum("bhgcd,bhsd->bhgcs", qg[:, :, :, s:e], kf[:, :, :e]) * d ** -0.5
+        allowed = torch.arange(e, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
+        out.append(torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1))
+    return torch.cat(out, dim=-1).reshape(B, nh, L)
+
+
+class CausalLogSumExp(torch.autograd.Function):
+    """Differentiable `causal_lse`. Its gradients are attention outputs, so backward uses SDPA:
+    d lse_t / d q_t = scale * sum_s p_ts k_s = scale * SDPA(q, k, k)_t, and
+    d lse_t / d k_s = scale * p_ts q_t, i.e. the value-gradient of SDPA(q, k, .) for grad g*q."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        ctx.save_for_backward(q, k)
+        return causal_lse(q, k, chunk_size)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        q, k = ctx.saved_tensors
+        scale = q.shape[-1] ** -0.5
+        gqa = q.shape[1] != k.shape[1]
+        with torch.enable_grad():
+            values = k.detach().requires_grad_(True)
+            pk = F.scaled_dot_product_attention(q.detach(), k.detach(), values, is_causal=True, enable_gqa=gqa)
+            (dk,) = torch.autograd.grad(pk, values, grad_outputs=grad.unsqueeze(-1).to(q.dtype) * q)
+        return scale * grad.unsqueeze(-1) * pk.detach(), scale * dk, None
+
+
+def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
+                           diag_v: list[torch.Tensor], chunk_size: int = DEFAULT_QUERY_CHUNK) -> torch.Tensor:
+    """Causal attention over step-0 keys plus one same-position key per later step, jointly softmaxed.
+
+    The causal block is fused SDPA (its output o_c) plus its log-sum-exp lse_c (`CausalLogSumExp`,
+    scores made `chunk_size` queries at a time and never kept); the k diagonal keys are
+    element-wise dot products s_j. One softmax over all of them:
+        out = exp(lse_c - lse) o_c + sum_j exp(s_j - lse) v_j,  lse = logsumexp(lse_c, s_1..s_k).
+    Nothing of size (L x L) is kept for backward, let alone (L x L*K). GQA: query heads are
+    grouped over their kv head.
+    """
+    gqa = q.shape[1] != k0.shape[1]
+    o_c = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=gqa)
+    if not diag_k:  # step 0 (or TTT 1): plain causal attention
+        return o_c
+    B, nh, L, d = q.shape
+    nkv = k0.shape[1]
+    with torch.autocast(q.device.type, enabled=False):  # the merge stays fp32 under bf16 autocast
+        lse_c = CausalLogSumExp.apply(q.float(), k0.float(), chunk_size).view(B, nkv, nh // nkv, L, 1)
+        qg = q.float().view(B, nkv, nh // nkv, L, d)
+        dk, dv = torch.stack(diag_k).float(), torch.stack(diag_v).float()  # [k, B, kv, L, d]
+        diag = torch.einsum("bhgld,kbhld->bhglk", qg, dk) * d ** -0.5  # one dot product per position and step
+        lse = torch.logsumexp(torch.cat([lse_c, diag], dim=-1), dim=-1, keepdim=True)
+        out = torch.exp(lse_c - lse) * o_c.float().view(B, nkv, nh // nkv, L, d)
+        out = out + torch.einsum("bhglk,kbhld->bhgld", torch.exp(diag - lse), dv)
+    return out.reshape(B, nh, L, d).to(q.dtype)
+
+
+class DiagonalTTTAttention:
+    """The efficient TTT attention core: keeps step-0 keys and the per-step diagonal keys."""
+
+    def __init__(self, chunk_size: int = DEFAULT_QUERY_CHUNK) -> None:
+        self.chunk_size = chunk_size
+        self.k0: torch.Tensor | None = None
+        self.v0: torch.Tensor | None = None
+        self.diag_k: list[torch.Tensor] = []
+        self.diag_v: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.k0 is None:
+            self.k0, self.v0 = k, v
+        else:
+            self.diag_k.append(k)
+            self.diag_v.append(v)
+        return diagonal_ttt_attention(q, self.k0, self.v0, self.diag_k, self.diag_v, self.chunk_size)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        in_dim = 2 * cfg.hidden_size  # concat(embedding, hidden)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(in_dim, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, core: TTTAttentionCore) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The one decoder layer: attention over concat(norm(embedding), norm(hidden)), residual = hidden."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                core: TTTAttentionCore) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, core)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter
+# ---------------------------------------------------------------------------------------------
+
+def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """x[:, t + n] at position t along dim 1, `fill` past the end (teacher forcing n tokens ahead)."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+@dataclass
+class DraftOutput:
+    logits: list[torch.Tensor]  # per TTT step k: [B, L, draft_vocab]; position t predicts token t + k + 2
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
+        if cfg.fc_norm:
+            self.fc_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        d2t, t2d = build_draft_vocab({}, cfg.target_vocab_size, cfg.draft_vocab_size)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """g = fc(concat aux), the step-0 hidden input."""
+        if self.config.fc_norm:
+            aux_hidden = self.fc_norm(aux_hidden)
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int = DEFAULT_TTT_STEPS,
+                attention: Callable[[], TTTAttentionCore] = DiagonalTTTAttention) -> DraftOutput:
+        """Unroll `steps` TTT steps over right-padded sequences.
+
+        input_ids [B, L] are the sample's tokens; aux_hidden [B, L, 3H] the target's aux states at
+        the same positions. At step k, position t gets token t+1+k and RoPE position t+k, and
+        predicts token t+k+2.
+        """
+        L = input_ids.shape[1]
+        core = attention()
+        hidden = self.fuse(aux_hidden)
+        logits = []
+        for k in range(steps):
+            embeds = self.embed_tokens(shift_left(input_ids, 1 + k))
+            cos, sin = rope_cos_sin(torch.arange(k, k + L, device=input_ids.device), self.config.head_dim,
+                                    self.config.rope_theta)
+            out = self.midlayer(hidden, embeds.to(hidden.dtype), cos, sin, core)
+            normed = self.norm(out)
+            logits.append(self.lm_head(normed))
+            hidden = normed if self.config.norm_output else out
+        return DraftOutput(logits)
+
+
+def load_embeddings_from(draft: Eagle3Draft, target_embeddings: torch.Tensor) -> None:
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target_embeddings.to(draft.embed_tokens.weight.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher and loss
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Teacher:
+    """The target's distribution at each position, restricted to the draft vocabulary."""
+
+    log_probs: torch.Tensor  # [B, L, Vd] fp32, log-softmax over the draft-vocab logits
+    argmax: torch.Tensor  # [B, L] draft id of the target's argmax (meaningful where in_draft)
+    in_draft: torch.Tensor  # [B, L] bool: the target's full-vocab argmax is in the draft vocab
+
+
+@torch.no_grad()
+def make_teacher(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.Module, d2t: torch.Tensor,
+                 t2d: torch.Tensor) -> Teacher:
+    """`lm_head(final_norm(h_N))` of the frozen target from the stored pre-norm last state."""
+    dtype = lm_head.weight.dtype
+    full = lm_head(final_norm(last_hidden.to(dtype))).float()
+    draft_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+    restricted = full[..., draft_ids]
+    return Teacher(torch.log_softmax(restricted, dim=-1), restricted.argmax(-1), t2d[full.argmax(-1)])
+
+
+@dataclass
+class StepStats:
+    """Sums over counted positions, so micro-batches and processes add up exactly."""
+
+    loss_sum: torch.Tensor  # [K] soft cross-entropy summed over counted positions
+    correct: torch.Tensor  # [K] top-1 matches of the target's argmax
+    count: torch.Tensor  # [K] counted positions
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.stack([self.loss_sum, self.correct, self.count])
+
+
+def step_weights(steps: int, decay: float = STEP_WEIGHT_DECAY) -> list[float]:
+    return [decay ** k for k in range(steps)]
+
+
+def acceptance_length(acc: list[float]) -> float:
+    """Simulated acceptance length sum_k prod_{i<=k} acc_i (tokens accepted per draft chain)."""
+    total, run = 0.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
+
+
+def ttt_loss(out: DraftOutput, teacher: Teacher, loss_mask: torch.Tensor,
+             decay: float = STEP_WEIGHT_DECAY) -> tuple[torch.Tensor, StepStats]:
+    """Sum over steps of decay^k * mean soft cross-entropy vs the target, and per-step sums.
+
+    Step k at position t predicts token t+k+2 from the target's distribution at position t+k+1;
+    it counts when that token is loss-masked (assistant) and the target's argmax is drafted.
+    """
+    total = loss_mask.new_zeros((), dtype=torch.float32)
+    loss_sum, correct, count = [], [], []
+    probs = teacher.log_probs.exp()  # once for all steps; each step takes a view of it
+    L = loss_mask.shape[1]
+    for k, logits in enumerate(out.logits):
+        n_pos = max(0, L - k - 1)  # positions whose teacher (t+k+1) is inside the sequence
+        lg = logits[:, :n_pos].float()
+        valid = loss_mask[:, k + 2:].bool() & teacher.in_draft[:, k + 1:][:, :max(0, L - k - 2)]
+        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], n_pos - valid.shape[1])], dim=1)
+        # Soft CE as logsumexp(z) - <p, z> (sum p = 1): no log-softmax copy of the logits is kept.
+        ce = torch.logsumexp(lg, dim=-1) - (probs[:, k + 1:] * lg).sum(-1)
+        n = valid.sum()
+        step_sum = (ce * valid).sum()
+        total = total + (decay ** k) * step_sum / n.clamp(min=1)
+        with torch.no_grad():
+            hit = (lg.argmax(-1) == teacher.argmax[:, k + 1:]) & valid
+        loss_sum.append(step_sum.detach())
+        correct.append(hit.sum().float())
+        count.append(n.float())
+    return total, StepStats(torch.stack(loss_sum), torch.stack(correct), torch.stack(count))
+
+
+def stats_summary(sums: torch.Tensor) -> dict[str, Any]:
+    """Per-step loss/acc and tau from a [3, K] tensor of (loss_sum, correct, count)."""
+    loss_sum, correct, count = (sums[i].tolist() for i in range(3))
+    loss = [ls / c if c else float("nan") for ls, c in zip(loss_sum, count)]
+    acc = [cr / c if c else 0.0 for cr, c in zip(correct, count)]
+    return {"loss": loss, "acc": acc, "tau": acceptance_length(acc), "positions": count}
+
+
+def num_parameters(model: nn.Module, trainable_only: bool = True) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+__all__ = ["DraftConfig", "Eagle3Draft", "DiagonalTTTAttention", "DraftOutput", "Teacher", "StepStats",
+           "build_draft_vocab", "diagonal_ttt_attention", "make_teacher", "ttt_loss", "acceptance_length",
+           "stats_summary", "step_weights", "shift_left", "load_embeddings_from"]

@@ -1,0 +1,689 @@
+"""Train an EAGLE-3 drafter on a speculators v1 hidden-state dataset (`eaglet train`).
+
+One entry, `train(dataset_dir, out_dir, target=None, ...)`. It checks that the dataset and the
+target agree, builds the draft vocabulary from the dataset's token frequencies, and trains with
+AdamW (fp32 master weights, optional bf16 autocast), warmup + cosine, grad clipping and
+accumulation, over length-bucketed batches. Every `eval_every` steps it measures per-TTT-step
+accuracy on a held-out split and keeps the checkpoint with the best simulated acceptance length.
+
+Data order is a pure function of (seed, epoch), and a checkpoint records the position in it, so
+`resume=True` continues exactly. Under `torchrun` each process takes every W-th micro-batch of
+the same global order (DDP averages the gradients), so W processes with accumulation A match
+one process with accumulation A*W.
+
+Layout of `out_dir`: `metrics.jsonl`, `checkpoints/step_XXXXXXXX/{model.safetensors,
+config.json, training_state.pt}`, `checkpoints/latest.json`, `checkpoints/best.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eaglet import formats
+from eaglet.draft_model import (DEFAULT_TTT_STEPS, DraftConfig, Eagle3Draft, build_draft_vocab, load_embeddings_from,
+                                make_teacher, num_parameters, stats_summary, ttt_loss)
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "training_state.pt"
+LATEST_FILE = "latest.json"
+BEST_FILE = "best.json"
+BUCKET_BATCHES = 64  # length-sorting window, in batches: near-uniform padding, still shuffled
+REQUIRED_DATA_FIELDS = ("hidden_size", "vocab_size", "layer_ids", "last_hidden_state", "target_revision")
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 1.0  # length of the schedule when `total_steps` is not given
+    total_steps: int | None = None  # optimizer steps of the schedule (overrides epochs)
+    stop_after: int | None = None  # end this run at this step (the schedule is unchanged; resume later)
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int | None = None  # default: 2% of the schedule, at least 1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    batch_size: int = 1  # samples per micro-batch, per process
+    grad_accum: int = 1  # micro-batches per optimizer step, per process
+    max_length: int | None = None  # truncate samples to this many tokens
+    ttt_steps: int = DEFAULT_TTT_STEPS
+    draft_vocab_size: int | None = None  # default min(32000, target vocab)
+    fc_norm: bool = False
+    norm_output: bool = False
+    bf16: bool = False  # autocast the drafter's forward to bf16 (master weights stay fp32)
+    eval_fraction: float = 0.05
+    eval_every: int = 200
+    save_every: int = 200
+    log_every: int = 10
+    keep_checkpoints: int = 2  # newest step checkpoints kept, besides the best one
+    seed: int = 0
+    device: str | None = None
+
+    # Options that define the trajectory: a resumed run must use the same ones.
+    TRAJECTORY = ("epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
+                  "batch_size", "max_length", "ttt_steps", "draft_vocab_size", "fc_norm", "norm_output", "bf16",
+                  "eval_fraction", "seed")
+
+    def trajectory(self, world: int) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.TRAJECTORY}
+        d["global_accum"] = self.grad_accum * world  # W processes x A equals 1 process x A*W
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset: checks, split, batches
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Dataset:
+    root: Path
+    config: dict[str, Any]
+    files: dict[int, Path]
+    lengths: dict[int, int]
+    token_freq: dict[int, int]
+
+
+def open_dataset(root: str | Path) -> Dataset:
+    """Read and cross-check a v1 dataset's side files; refuse one that is incomplete or inconsistent."""
+    root = Path(root)
+    cfg_path = root / formats.DATA_CONFIG_FILE
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{root}: no {formats.DATA_CONFIG_FILE}; not an `eaglet extract` dataset "
+                                "(or extraction has not started)")
+    cfg = formats.read_json(cfg_path)
+    missing = [k for k in REQUIRED_DATA_FIELDS if k not in cfg]
+    if missing:
+        raise ValueError(f"{cfg_path}: missing field(s) {missing}")
+    layer_ids = cfg["layer_ids"]
+    if len(layer_ids) != 4:
+        raise ValueError(f"{cfg_path}: layer_ids {layer_ids}: EAGLE-3 needs 3 aux ids and the last layer id")
+    if "num_hidden_layers" in cfg and layer_ids[-1] != cfg["num_hidden_layers"]:
+        raise ValueError(f"{cfg_path}: last layer id {layer_ids[-1]} != num_hidden_layers {cfg['num_hidden_layers']}; "
+                         "the teacher needs the last layer's state")
+    if cfg["last_hidden_state"] != formats.LAST_STATE_PRE_NORM:
+        raise ValueError(f"{cfg_path}: last_hidden_state is {cfg['last_hidden_state']!r}; training applies the "
+                         f"target's final norm itself and needs {formats.LAST_STATE_PRE_NORM!r}")
+    files = formats.list_v1_files(root)
+    if not files:
+        raise FileNotFoundError(f"{root}: no {formats.HIDDEN_STATES_DIR}/rows_*/data_*.pt files")
+    expected = cfg.get("num_samples")
+    if expected is not None and len(files) != expected:
+        raise ValueError(f"{root}: {len(files)} sample files, data_config.json says {expected}; "
+                         "finish (or rerun) `eaglet extract` first")
+    lengths_path = root / formats.SAMPLE_LENGTHS_FILE
+    lengths = formats.read_sample_lengths(lengths_path) if lengths_path.exists() else {}
+    if not set(files) <= set(lengths):
+        raise ValueError(f"{lengths_path}: lengths missing for {len(set(files) - set(lengths))} sample(s)")
+    first = formats.read_v1_sample(files[min(files)])
+    shapes = [tuple(h.shape) for h in first.hidden_states]
+    want = (lengths[min(files)], cfg["hidden_size"])
+    if len(shapes) != len(layer_ids) or any(s != want for s in shapes):
+        raise ValueError(f"{files[min(files)]}: hidden_states shapes {shapes}, data_config.json implies "
+                         f"{len(layer_ids)} x {want}")
+    freq_path = root / formats.TOKEN_FREQ_FILE
+    if not freq_path.exists():
+        raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE}; the draft vocabulary is built from it")
+    return Dataset(root, cfg, files, {i: lengths[i] for i in files}, formats.read_token_freq(freq_path))
+
+
+def refuse_unclean_dataset(root: str | Path) -> None:
+    """Run `eaglet check` on every file (no target: schema, values, side files) and refuse to
+    spend training time on a dataset it rejects, with the check's own messages."""
+    from eaglet.check import check_dataset, problem_lines
+
+    report = check_dataset(root, use_target=False)
+    if not report.clean:
+        raise ValueError(f"{root}: `eaglet check` rejects this dataset:\n" + "\n".join(problem_lines(report.errors, 5)))
+
+
+def check_target_matches(data_cfg: dict[str, Any], target_cfg: Any, revision: str, name: str) -> None:
+    for key, theirs in (("hidden_size", target_cfg.hidden_size), ("vocab_size", target_cfg.vocab_size),
+                        ("target_revision", revision)):
+        if data_cfg[key] != theirs:
+            raise ValueError(f"target {name} has {key}={theirs!r}, the dataset was extracted with "
+                             f"{data_cfg[key]!r} ({data_cfg.get('target', '?')}); pass the same --target")
+
+
+def split_indices(indices: list[int], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, held-out) split: a seeded shuffle of the sorted indices."""
+    order = sorted(indices)
+    random.Random(seed).shuffle(order)
+    n_eval = min(max(1, round(eval_fraction * len(order))), len(order) - 1) if eval_fraction > 0 and len(order) > 1 else 0
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def bucketed_batches(indices: list[int], lengths: dict[int, int], batch_size: int,
+                     rng: random.Random | None) -> list[list[int]]:
+    """Batches of similar length: shuffle, sort within windows of BUCKET_BATCHES batches, shuffle
+    the batches. The number of batches depends only on len(indices), never on the shuffle."""
+    order = list(indices)
+    if rng is not None:
+        rng.shuffle(order)
+    window = batch_size * BUCKET_BATCHES
+    batches = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w:w + window], key=lambda i: (-lengths[i], i))
+        batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
+    if rng is not None:
+        rng.shuffle(batches)
+    return batches
+
+
+class BatchStream:
+    """The global sequence of micro-batches across epochs; micro-batch m is a pure function of m."""
+
+    def __init__(self, indices: list[int], lengths: dict[int, int], batch_size: int, seed: int):
+        self.indices, self.lengths, self.batch_size, self.seed = indices, lengths, batch_size, seed
+        self.per_epoch = len(bucketed_batches(indices, lengths, batch_size, None))
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def epoch(self, e: int) -> list[list[int]]:
+        if self._cache is None or self._cache[0] != e:
+            self._cache = (e, bucketed_batches(self.indices, self.lengths, self.batch_size,
+                                               random.Random(self.seed * 1_000_003 + e)))
+        return self._cache[1]
+
+    def __getitem__(self, m: int) -> list[int]:
+        return self.epoch(m // self.per_epoch)[m % self.per_epoch]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L] int64, right padded with 0
+    aux_hidden: torch.Tensor  # [B, L, 3H]
+    last_hidden: torch.Tensor  # [B, L, H] pre-norm
+    loss_mask: torch.Tensor  # [B, L], 0 on padding
+    tokens: int  # real tokens
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.input_ids.to(device), self.aux_hidden.to(device), self.last_hidden.to(device),
+                     self.loss_mask.to(device), self.tokens)
+
+
+class Prefetcher:
+    """Loads micro-batches in a background thread, one ahead, so disk reads overlap compute."""
+
+    def __init__(self, load: Any):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.load, self.pool, self.pending = load, ThreadPoolExecutor(max_workers=1), {}
+
+    def get(self, key: int, next_key: int | None) -> Any:
+        fut = self.pending.pop(key, None) or self.pool.submit(self.load, key)
+        if next_key is not None and next_key not in self.pending:
+            self.pending[next_key] = self.pool.submit(self.load, next_key)
+        return fut.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def load_batch(files: dict[int, Path], indices: list[int], max_length: int | None) -> Batch:
+    """Right-padded batch. Under causal attention a real token never sees padding on its right."""
+    samples = [formats.read_v1_sample(files[i]) for i in indices]
+    lens = [min(len(s.input_ids), max_length or len(s.input_ids)) for s in samples]
+    B, L, H = len(samples), max(lens), samples[0].hidden_states[0].shape[-1]
+    ids = torch.zeros(B, L, dtype=torch.long)
+    aux = torch.zeros(B, L, 3 * H, dtype=samples[0].hidden_states[0].dtype)
+    last = torch.zeros(B, L, H, dtype=samples[0].hidden_states[-1].dtype)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for row, (s, n) in enumerate(zip(samples, lens)):
+        ids[row, :n] = s.input_ids[:n]
+        aux[row, :n] = torch.cat([h[:n] for h in s.hidden_states[:-1]], dim=-1)
+        last[row, :n] = s.hidden_states[-1][:n]
+        mask[row, :n] = s.loss_mask[:n]
+    return Batch(ids, aux, last, mask, sum(lens))
+
+
+# ---------------------------------------------------------------------------------------------
+# Target pieces: embeddings (copied into the drafter), final norm + lm_head (the teacher)
+# ---------------------------------------------------------------------------------------------
+
+class TeacherHead(nn.Module):
+    """The frozen target's final norm and LM head; nothing else of the target is kept."""
+
+    def __init__(self, final_norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.final_norm, self.lm_head = final_norm, lm_head
+        self.requires_grad_(False)
+
+
+def target_pieces(model: nn.Module) -> tuple[torch.Tensor, TeacherHead]:
+    """(input embeddings, teacher head) of a Hugging Face causal LM."""
+    from eaglet.target import base_model
+
+    inner = base_model(model)
+    norm = next((getattr(inner, n) for n in ("norm", "final_layernorm", "ln_f") if hasattr(inner, n)), None)
+    if norm is None:
+        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+    return model.get_input_embeddings().weight.detach(), TeacherHead(norm, model.get_output_embeddings())
+
+
+def build_drafter(target_model: nn.Module, ds: Dataset, cfg: TrainConfig) -> Eagle3Draft:
+    """A drafter shaped like the target's layers, with its embeddings (frozen) and a draft vocab from the data."""
+    torch.manual_seed(cfg.seed)
+    dcfg = DraftConfig.from_target(target_model.config, ds.config["layer_ids"][:-1], cfg.draft_vocab_size,
+                                   fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+    draft = Eagle3Draft(dcfg)
+    load_embeddings_from(draft, target_model.get_input_embeddings().weight)
+    draft.set_draft_vocab(*build_draft_vocab(ds.token_freq, dcfg.target_vocab_size, dcfg.draft_vocab_size))
+    return draft
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule, distributed helpers
+# ---------------------------------------------------------------------------------------------
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            t = t.clone()
+            dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def init_distributed(device: torch.device) -> Dist:
+    """Join the process group when started by torchrun (WORLD_SIZE > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    """EAGLE / SGLang `LlamaForCausalLMEagle3` config, plus eaglet's own record."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.target_vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": cfg.aux_layer_ids, "use_aux_hidden_state": True},
+        "eaglet": {"draft_config": cfg.to_dict(), **extra},
+    }
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model: Eagle3Draft, config_json: dict[str, Any],
+                    state: dict[str, Any]) -> Path:
+    """Write a checkpoint folder under a temp name, then rename: a folder that exists is complete."""
+    from safetensors.torch import save_file
+
+    final = ckpt_root / f"step_{step:08d}"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{formats.TMP_MARK}", dir=ckpt_root))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / MODEL_FILE),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        torch.save(state, tmp / STATE_FILE)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # the same step saved twice (an eval right at the end): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def prune_checkpoints(ckpt_root: Path, keep: int, protect: set[str]) -> None:
+    steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    for p in steps[:-keep] if keep > 0 else steps:
+        if p.name not in protect:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:
+    path = ckpt_root / name
+    return formats.read_json(path) if path.exists() else None
+
+
+def load_draft_weights(model: Eagle3Draft, folder: Path) -> None:
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(str(folder / MODEL_FILE)))
+
+
+def load_checkpoint(folder: str | Path) -> Eagle3Draft:
+    """A trained drafter from a checkpoint folder (config.json + model.safetensors), in eval mode."""
+    folder = Path(folder)
+    config = formats.read_json(folder / "config.json")
+    if "eaglet" not in config:
+        raise ValueError(f"{folder}/config.json: not an eaglet checkpoint (no 'eaglet' section)")
+    draft = Eagle3Draft(DraftConfig(**config["eaglet"]["draft_config"]))
+    load_draft_weights(draft, folder)
+    return draft.eval()
+
+
+def restore(folder: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched: Any,
+            trajectory: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Load weights, optimizer, scheduler and RNG from a checkpoint; (step, best) to continue from."""
+    state = formats.torch_load_safe(folder / STATE_FILE)
+    then = state["trajectory"]
+    if then != trajectory:
+        diff = {k: (then.get(k), v) for k, v in trajectory.items() if then.get(k) != v}
+        raise ValueError(f"--resume: {folder} was trained with other settings {{option: (then, now)}}: {diff}")
+    load_draft_weights(draft, folder)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    log.info("resumed from %s (step %d)", folder, state["step"])
+    return state["step"], state["best"]
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines a killed run wrote after the checkpoint we resume from."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    formats.write_text_atomic(path, "".join(line + "\n" for line in keep))
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------
+
+class MetricsLog:
+    """metrics.jsonl (always) and TensorBoard (only when the `tensorboard` package is present)."""
+
+    def __init__(self, out: Path, enabled: bool):
+        self.path, self.enabled, self.tb = out / METRICS_FILE, enabled, None
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        except ImportError:
+            log.info("tensorboard is not installed; metrics go to %s only", self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            split, step = record["split"], record["step"]
+            for k, (loss, acc) in enumerate(zip(record["loss"], record["acc"])):
+                self.tb.add_scalar(f"{split}/loss_{k}", loss, step)
+                self.tb.add_scalar(f"{split}/acc_{k}", acc, step)
+            self.tb.add_scalar(f"{split}/tau", record["tau"], step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainSummary:
+    out: Path
+    step: int
+    total_steps: int
+    best_step: int | None
+    best_tau: float | None
+    last_eval: dict[str, Any] | None
+    train_tokens: int
+    seconds: float
+    trainable_parameters: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        rate = self.train_tokens / self.seconds if self.seconds > 0 else 0.0
+        out = [f"trained {self.step}/{self.total_steps} steps ({self.trainable_parameters:,} trainable parameters), "
+               f"{self.train_tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
+        if self.last_eval:
+            acc = " ".join(f"{a:.3f}" for a in self.last_eval["acc"])
+            out.append(f"held-out: acc per TTT step [{acc}], simulated acceptance length {self.last_eval['tau']:.3f}")
+        if self.best_step is not None:
+            out.append(f"best checkpoint: step {self.best_step} (tau {self.best_tau:.3f}) in "
+                       f"{self.out / CHECKPOINTS_DIR / f'step_{self.best_step:08d}'}")
+        return out
+
+
+def autocast(device: torch.device, enabled: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def forward_stats(model: nn.Module, teacher_head: TeacherHead, draft: Eagle3Draft, batch: Batch, cfg: TrainConfig,
+                  device: torch.device):
+    """Loss and per-step sums of one micro-batch (model may be the DDP wrapper of `draft`)."""
+    with autocast(device, cfg.bf16):
+        teacher = make_teacher(batch.last_hidden, teacher_head.final_norm, teacher_head.lm_head, draft.d2t, draft.t2d)
+        out = model(batch.input_ids, batch.aux_hidden.float(), steps=cfg.ttt_steps)
+        return ttt_loss(out, teacher, batch.loss_mask)
+
+
+@torch.no_grad()
+def evaluate(draft: Eagle3Draft, teacher_head: TeacherHead, ds: Dataset, batches: list[list[int]], cfg: TrainConfig,
+             device: torch.device, d: Dist) -> dict[str, Any] | None:
+    if not batches:
+        return None
+    draft.eval()
+    sums = torch.zeros(3, cfg.ttt_steps, device=device)
+    for b in batches[d.rank::d.world]:
+        _, stats = forward_stats(draft, teacher_head, draft, load_batch(ds.files, b, cfg.max_length).to(device), cfg,
+                                 device)
+        sums += stats.as_tensor()
+    draft.train()
+    return stats_summary(d.all_sum(sums).cpu())
+
+
+def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = None, resume: bool = False,
+          show_progress: bool = True, command: str = "", **options: Any) -> TrainSummary:
+    """Train a drafter on `dataset_dir` into `out_dir`; `options` are TrainConfig fields."""
+    from tqdm import tqdm
+
+    from eaglet.target import load_target, pick_device, resolve_target
+
+    unknown = set(options) - {f.name for f in fields(TrainConfig)}
+    if unknown:
+        raise TypeError(f"unknown training option(s): {sorted(unknown)}")
+    cfg = TrainConfig(**options)
+    out = Path(out_dir)
+    ckpt_root = out / CHECKPOINTS_DIR
+    ds = open_dataset(dataset_dir)
+    refuse_unclean_dataset(dataset_dir)
+
+    # Device and processes: under torchrun, one device per process.
+    device = pick_device(cfg.device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    d = init_distributed(device)
+
+    ref = resolve_target(target if target is not None else ds.config.get("target_path"))
+    tmodel = load_target(ref, torch.float32, torch.device("cpu"))
+    check_target_matches(ds.config, tmodel.config, ref.revision, ref.name)
+    draft = build_drafter(tmodel, ds, cfg).to(device)
+    teacher_head = target_pieces(tmodel)[1].to(device)
+    dcfg = draft.config
+    del tmodel
+
+    train_idx, eval_idx = split_indices(list(ds.files), cfg.eval_fraction, cfg.seed)
+    stream = BatchStream(train_idx, ds.lengths, cfg.batch_size, cfg.seed)
+    eval_batches = bucketed_batches(eval_idx, ds.lengths, cfg.batch_size, None)
+    micro_per_step = cfg.grad_accum * d.world
+    total_steps = cfg.total_steps or max(1, int(cfg.epochs * stream.per_epoch) // micro_per_step)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 50)
+    stop = min(total_steps, cfg.stop_after) if cfg.stop_after is not None else total_steps
+
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total_steps, cfg.min_lr_ratio))
+    step, best = 0, {"step": None, "tau": None}
+    trajectory = cfg.trajectory(d.world)
+
+    latest = read_pointer(ckpt_root, LATEST_FILE)
+    if resume and latest:
+        step, best = restore(ckpt_root / latest["path"], draft, opt, sched, trajectory)
+    elif resume:
+        log.info("--resume: no checkpoint in %s; starting from scratch", ckpt_root)
+    elif latest and not resume:
+        raise ValueError(f"{out} already holds a training run (checkpoint {latest['path']}); pass --resume to "
+                         "continue it, or use another --out")
+    if d.main:  # drop lines a killed run wrote after the checkpoint we start from (all, when from scratch)
+        truncate_metrics(out / METRICS_FILE, step)
+    d.barrier()
+
+    model: nn.Module = draft
+    if d.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(draft, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        formats.write_json_atomic(out / "train_config.json", {
+            **asdict(cfg), "world_size": d.world, "total_steps": total_steps, "warmup_steps": warmup,
+            "dataset": str(Path(dataset_dir).resolve()), "target": ref.name, "target_revision": ref.revision,
+            "train_samples": len(train_idx), "eval_samples": len(eval_idx), "command": command})
+    metrics = MetricsLog(out, d.main)
+    log.info("drafter: %s trainable parameters; %d train / %d held-out samples; %d steps (%d micro-batches of %d "
+             "per step)", f"{num_parameters(draft):,}", len(train_idx), len(eval_idx), total_steps, micro_per_step,
+             cfg.batch_size)
+
+    def checkpoint(last_eval: dict[str, Any] | None) -> None:
+        if not d.main:
+            return
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        state = {"step": step, "micro_position": step * micro_per_step, "optimizer": opt.state_dict(),
+                 "scheduler": sched.state_dict(), "rng": rng, "best": best, "trajectory": trajectory}
+        extra = {"step": step, "dataset": str(Path(dataset_dir).resolve()), "target": ref.name,
+                 "target_revision": ref.revision, "eval": last_eval}
+        folder = save_checkpoint(ckpt_root, step, draft, export_config(dcfg, extra), state)
+        formats.write_json_atomic(ckpt_root / LATEST_FILE, {"step": step, "path": folder.name})
+        protect = {folder.name} | ({f"step_{best['step']:08d}"} if best["step"] is not None else set())
+        prune_checkpoints(ckpt_root, cfg.keep_checkpoints, protect)
+
+    def eval_and_track() -> dict[str, Any] | None:
+        nonlocal best
+        result = evaluate(draft, teacher_head, ds, eval_batches, cfg, device, d)
+        if result is None:
+            return None
+        metrics.write({"step": step, "split": "eval", **result})
+        improved = best["tau"] is None or result["tau"] > best["tau"]
+        if improved:
+            best = {"step": step, "tau": result["tau"]}
+            if d.main:
+                formats.write_json_atomic(ckpt_root / BEST_FILE, {**best, "path": f"step_{step:08d}"})
+        return result
+
+    window = torch.zeros(3, cfg.ttt_steps, device=device)
+    window_tokens, train_tokens, t0, last_eval = 0, 0, time.time(), None
+    bar = tqdm(total=stop, initial=step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
+               disable=not (show_progress and d.main))
+    prefetch = Prefetcher(lambda m: load_batch(ds.files, stream[m], cfg.max_length))
+    draft.train()
+    try:
+        while step < stop:
+            step_sums = torch.zeros(3, cfg.ttt_steps, device=device)
+            for a in range(cfg.grad_accum):
+                m = step * micro_per_step + a * d.world + d.rank  # every W-th micro-batch of the global order
+                last_micro = step + 1 == stop and a == cfg.grad_accum - 1
+                batch = prefetch.get(m, None if last_micro else m + d.world).to(device)
+                sync = a == cfg.grad_accum - 1 or d.world == 1
+                with (contextlib.nullcontext() if sync else model.no_sync()):
+                    loss, stats = forward_stats(model, teacher_head, draft, batch, cfg, device)
+                    (loss / cfg.grad_accum).backward()
+                step_sums += stats.as_tensor()
+                window_tokens += batch.tokens
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            window += step_sums
+            if step % cfg.log_every == 0 or step == stop:
+                tokens = int(d.all_sum(torch.tensor([window_tokens], device=device)).item())
+                train_tokens += tokens
+                s = stats_summary(d.all_sum(window).cpu())
+                metrics.write({"step": step, "split": "train", "lr": sched.get_last_lr()[0],
+                               "grad_norm": float(grad_norm), "tokens": tokens, "elapsed": time.time() - t0, **s})
+                bar.set_postfix(loss=f"{s['loss'][0]:.3f}", acc=f"{s['acc'][0]:.3f}", tau=f"{s['tau']:.2f}")
+                window.zero_()
+                window_tokens = 0
+            bar.update(1)
+            evaluated = step % cfg.eval_every == 0 or step == stop
+            if evaluated:
+                prev_best = best["step"]
+                last_eval = eval_and_track() or last_eval
+                new_best = best["step"] != prev_best
+            else:
+                new_best = False
+            if step % cfg.save_every == 0 or step == stop or new_best:
+                checkpoint(last_eval)
+                d.barrier()
+    finally:
+        prefetch.close()
+        bar.close()
+        metrics.close()
+    if last_eval is None and eval_batches:
+        last_eval = evaluate(draft, teacher_head, ds, eval_batches, cfg, device, d)
+    summary = TrainSummary(out, step, total_steps, best["step"], best["tau"], last_eval, train_tokens,
+                           time.time() - t0, num_parameters(draft))
+    if d.world > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+def iter_metrics(out_dir: str | Path) -> Iterator[dict[str, Any]]:
+    path = Path(out_dir) / METRICS_FILE
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)

@@ -1,0 +1,171 @@
+"""The drafter and its TTT unroll: draft vocab, efficient TTT attention vs the naive full-mask
+reference (outputs and gradients in fp32), loss bookkeeping."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglet.draft_model import (DraftConfig, Eagle3Draft, acceptance_length, build_draft_vocab, make_teacher,
+                                shift_left, stats_summary, ttt_loss)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from ttt_reference import NaiveTTTAttention, ttt_mask  # noqa: E402
+
+
+def tiny_config(**kw) -> DraftConfig:
+    base = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5,
+                rope_theta=10000.0, max_position_embeddings=128, target_vocab_size=50, draft_vocab_size=30,
+                aux_layer_ids=[2, 4, 5])
+    base.update(kw)
+    return DraftConfig(**base)
+
+
+def test_draft_vocab_most_frequent_and_padded():
+    freq = {7: 100, 3: 50, 9: 50, 1: 10, 60: 999}  # 60 is outside the target vocab
+    d2t, t2d = build_draft_vocab(freq, target_vocab_size=20, draft_vocab_size=3)
+    ids = torch.arange(3) + d2t
+    assert ids.tolist() == [3, 7, 9] and d2t.dtype == torch.int64
+    assert t2d.dtype == torch.bool and t2d.sum() == 3 and t2d[ids].all()
+    # Fewer distinct tokens than the draft vocab: the lowest unused ids fill it.
+    d2t, t2d = build_draft_vocab(freq, target_vocab_size=20, draft_vocab_size=6)
+    assert (torch.arange(6) + d2t).tolist() == [0, 1, 2, 3, 7, 9]
+    assert t2d.sum() == 6
+    d2t, _ = build_draft_vocab({}, target_vocab_size=400)
+    assert d2t.shape == (400,) and (d2t == 0).all()  # default min(32000, vocab)
+    with pytest.raises(ValueError):
+        build_draft_vocab(freq, 20, 21)
+
+
+def test_config_from_target(tiny_target):
+    from transformers import AutoConfig
+
+    cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), [2, 4, 5])
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 4, 2, 16)
+    assert cfg.draft_vocab_size == cfg.target_vocab_size == 400 and cfg.target_hidden_size == 64
+
+
+def test_checkpoint_key_names():
+    keys = set(Eagle3Draft(tiny_config()).state_dict())
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d",
+                "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+                "midlayer.post_attention_layernorm.weight"}
+    expected |= {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"}
+    expected |= {f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert keys == expected
+    assert "fc_norm.weight" in Eagle3Draft(tiny_config(fc_norm=True)).state_dict()
+
+
+def test_ttt_mask_shape():
+    m = ttt_mask(4, 2)
+    assert m.shape == (4, 12)
+    assert m[2].tolist() == [True, True, True, False] + [False, False, True, False] * 2
+
+
+def random_batch(cfg: DraftConfig, B: int = 2, L: int = 13, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.target_vocab_size, (B, L), generator=g)
+    aux = torch.randn(B, L, 3 * cfg.hidden_size, generator=g)
+    last = torch.randn(B, L, cfg.hidden_size, generator=g)
+    mask = (torch.rand(B, L, generator=g) > 0.2).long()
+    return ids, aux, last, mask
+
+
+@pytest.mark.parametrize("norm_output,fc_norm,chunk", [(False, False, 1024), (True, True, 4)])
+def test_efficient_ttt_matches_naive_reference(norm_output, fc_norm, chunk):
+    cfg = tiny_config(norm_output=norm_output, fc_norm=fc_norm)
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg)
+    d2t, t2d = build_draft_vocab({i: 100 - i for i in range(0, 50, 2)}, 50, 30)
+    model.set_draft_vocab(d2t, t2d)
+    ids, aux, last, mask = random_batch(cfg)
+    head = torch.nn.Linear(cfg.hidden_size, cfg.target_vocab_size, bias=False)
+    teacher = make_teacher(last, torch.nn.Identity(), head, d2t, t2d)
+
+    def run(attention):
+        model.zero_grad()
+        a = aux.clone().requires_grad_(True)
+        out = model(ids, a, steps=5, attention=attention)
+        loss, stats = ttt_loss(out, teacher, mask)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return out, loss, stats, grads, a.grad
+
+    from eaglet.draft_model import DiagonalTTTAttention
+
+    out_e, loss_e, stats_e, grads_e, ga_e = run(lambda: DiagonalTTTAttention(chunk_size=chunk))
+    out_n, loss_n, stats_n, grads_n, ga_n = run(NaiveTTTAttention)
+    for a, b in zip(out_e.logits, out_n.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_e, loss_n, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats_e.as_tensor(), stats_n.as_tensor())
+    for name in grads_e:
+        torch.testing.assert_close(grads_e[name], grads_n[name], rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(ga_e, ga_n, rtol=1e-4, atol=1e-6)
+    # Later steps really attend to the diagonal: dropping it changes the output.
+    assert not torch.allclose(out_e.logits[1], model(ids, aux, steps=2).logits[0])
+
+
+def test_step_k_is_teacher_forced_and_position_shifted():
+    """Step 1 at position t sees token t+2 and RoPE position t+1: with one position in the
+    sequence changed, only the outputs that may see it change."""
+    cfg = tiny_config()
+    torch.manual_seed(1)
+    model = Eagle3Draft(cfg)
+    ids, aux, _, _ = random_batch(cfg, B=1, L=10)
+    ids2 = ids.clone()
+    ids2[0, 6] = (ids[0, 6] + 1) % cfg.target_vocab_size
+    with torch.no_grad():
+        a, b = model(ids, aux, steps=2).logits, model(ids2, aux, steps=2).logits
+    changed0 = (a[0] - b[0]).abs().amax(-1)[0] > 0
+    changed1 = (a[1] - b[1]).abs().amax(-1)[0] > 0
+    assert changed0.tolist() == [t >= 5 for t in range(10)]  # step 0 at t embeds token t+1
+    assert changed1.tolist() == [t >= 4 for t in range(10)]  # step 1 at t embeds token t+2
+
+
+def test_loss_counts_masked_drafted_positions():
+    B, L, V = 1, 6, 4
+    logp = torch.log_softmax(torch.randn(B, L, V), -1)
+    from eaglet.draft_model import DraftOutput, Teacher
+
+    teacher = Teacher(logp, logp.argmax(-1), torch.tensor([[True, True, False, True, True, True]]))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    perfect = DraftOutput([shift_left(logp, 1), shift_left(logp, 2)])
+    loss, stats = ttt_loss(perfect, teacher, mask)
+    # step 0 counts t when token t+2 is masked and teacher position t+1 is drafted: t in {0, 2, 3}
+    assert stats.count.tolist() == [3.0, 2.0]
+    assert stats.correct.tolist() == stats.count.tolist()
+    s = stats_summary(stats.as_tensor())
+    assert s["acc"] == [1.0, 1.0] and s["tau"] == 2.0
+    assert acceptance_length([0.5, 0.5, 0.0, 1.0]) == pytest.approx(0.75)
+
+
+def test_rope_matches_transformers_llama():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from eaglet.draft_model import apply_rope, rope_cos_sin
+
+    hf_cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=50000.0)
+    q, k = torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16)
+    pos = torch.arange(3, 12)
+    cos, sin = LlamaRotaryEmbedding(hf_cfg)(q, pos[None].expand(2, -1))
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
+    mine_cos, mine_sin = rope_cos_sin(pos, 16, 50000.0)
+    torch.testing.assert_close(apply_rope(q, mine_cos, mine_sin), ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rope(k, mine_cos, mine_sin), ref_k, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_logsumexp_gradients():
+    """The SDPA-based backward of the causal log-sum-exp against finite differences (fp64, GQA, chunks)."""
+    from eaglet.draft_model import CausalLogSumExp
+
+    q = torch.randn(1, 4, 7, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: CausalLogSumExp.apply(a, b, 3), (q, k))
+    scores = torch.einsum("bhld,bhsd->bhls", q, k.repeat_interleave(2, dim=1)) / 8 ** 0.5
+    ref = torch.logsumexp(scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf")), -1)
+    torch.testing.assert_close(CausalLogSumExp.apply(q, k, 3), ref)

@@ -1,0 +1,199 @@
+"""`eaglet train` on a tiny target: dataset/target checks, metrics and checkpoints, exact
+resume, and 2-process torchrun (gloo) matching one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import CHATS, write_jsonl
+from eaglet import formats
+from eaglet.cli import main as cli_main
+from eaglet.data import prepare
+from eaglet.extract import extract
+from eaglet.train import (BatchStream, bucketed_batches, iter_metrics, load_checkpoint, lr_lambda, open_dataset,
+                          split_indices, train)
+
+FAST = dict(ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4, log_every=2, batch_size=2,
+            eval_fraction=0.1)
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_target, tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("train_data")
+    records = []
+    for n in range(20):
+        chat = [dict(m) for m in CHATS[n % len(CHATS)]]
+        chat[-1]["content"] += " " + " ".join(["More words."] * (n % 6))
+        records.append({"id": f"chat{n}", "messages": chat})
+    prepare(str(tiny_target), str(write_jsonl(work / "chats.jsonl", records)), work / "prep", max_length=512)
+    extract(work / "prep", work / "data", str(tiny_target), show_progress=False)
+    return work / "data"
+
+
+def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
+
+
+def test_split_and_batches_are_deterministic():
+    idx = list(range(40))
+    lengths = {i: (i * 7) % 23 + 1 for i in idx}
+    tr, ev = split_indices(idx, 0.1, seed=3)
+    assert len(ev) == 4 and sorted(tr + ev) == idx and split_indices(idx, 0.1, 3) == (tr, ev)
+    s1, s2 = BatchStream(tr, lengths, 4, 0), BatchStream(tr, lengths, 4, 0)
+    assert [s1[m] for m in range(25)] == [s2[m] for m in range(25)]
+    assert sorted(i for b in s1.epoch(1) for i in b) == tr and s1.epoch(0) != s1.epoch(1)
+    assert len(bucketed_batches(tr, lengths, 4, None)) == s1.per_epoch == 9
+    f = lr_lambda(warmup=2, total=10, min_ratio=0.0)
+    assert f(0) == 0.5 and f(1) == 1.0 and f(2) == 1.0 and f(10) == pytest.approx(0.0)
+
+
+def test_train_writes_metrics_and_checkpoints(dataset, tmp_path):
+    run = tmp_path / "run"
+    summary = train(dataset, run, total_steps=8, show_progress=False, **FAST)
+    assert summary.step == 8 and summary.best_step is not None
+    records = list(iter_metrics(run))
+    train_rec = [r for r in records if r["split"] == "train"]
+    eval_rec = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train_rec] == [2, 4, 6, 8] and [r["step"] for r in eval_rec] == [4, 8]
+    for r in records:
+        assert len(r["loss"]) == len(r["acc"]) == 3 and r["tau"] >= 0
+    assert train_rec[-1]["loss"][0] < train_rec[0]["loss"][0]  # it learns
+    ckpt = run / "checkpoints"
+    best = formats.read_json(ckpt / "best.json")
+    assert best["step"] == summary.best_step and (ckpt / best["path"] / "model.safetensors").exists()
+    assert formats.read_json(ckpt / "latest.json")["path"] == "step_00000008"
+    cfg = formats.read_json(ckpt / "step_00000008" / "config.json")
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 400
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    w = weights(run, 8)
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "d2t", "t2d", "lm_head.weight"} <= set(w)
+    assert w["t2d"].dtype == torch.bool and w["d2t"].dtype == torch.int64
+    assert not any(p.name.startswith(".") for p in ckpt.iterdir())  # no temp folders left
+    draft = load_checkpoint(ckpt / "step_00000008")
+    assert draft.config.aux_layer_ids == [2, 4, 5] and torch.equal(draft.fc.weight, w["fc.weight"])
+    with pytest.raises(ValueError, match="--resume"):
+        train(dataset, run, total_steps=8, show_progress=False, **FAST)
+
+
+def test_resume_continues_exactly(dataset, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(dataset, straight, total_steps=8, show_progress=False, **FAST)
+    first = train(dataset, resumed, total_steps=8, stop_after=4, show_progress=False, **FAST)
+    assert first.step == 4
+    train(dataset, resumed, total_steps=8, resume=True, show_progress=False, **FAST)
+    a, b = weights(straight, 8), weights(resumed, 8)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in iter_metrics(resumed)] == [r["step"] for r in iter_metrics(straight)]
+    with pytest.raises(ValueError, match="lr"):
+        train(dataset, resumed, total_steps=8, resume=True, show_progress=False, **{**FAST, "lr": 1e-3})
+
+
+def test_refuses_bad_dataset_and_other_target(dataset, tiny_target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="data_config.json"):
+        train(tmp_path, tmp_path / "r", show_progress=False)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in dataset.iterdir():
+        if f.is_file():
+            (bad / f.name).write_bytes(f.read_bytes())
+    os.symlink(dataset / formats.HIDDEN_STATES_DIR, bad / formats.HIDDEN_STATES_DIR)
+    cfg = formats.read_json(dataset / formats.DATA_CONFIG_FILE)
+    for change, msg in (({"num_hidden_layers": 9}, "num_hidden_layers"), ({"num_samples": 99}, "99"),
+                        ({"last_hidden_state": "post_norm"}, "pre_norm"), ({"hidden_size": 32}, "hidden_states shapes")):
+        formats.write_json_atomic(bad / formats.DATA_CONFIG_FILE, {**cfg, **change})
+        with pytest.raises(ValueError, match=msg):
+            open_dataset(bad)
+    formats.write_json_atomic(bad / formats.DATA_CONFIG_FILE, {**cfg, "target_revision": "0123"})
+    with pytest.raises(ValueError, match="target_revision"):
+        train(bad, tmp_path / "r", target=str(tiny_target), show_progress=False)
+
+
+def test_dataset_the_check_rejects_is_refused_with_its_message(dataset, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dataset, bad)
+    path = formats.list_v1_files(bad)[1]
+    sample = formats.read_v1_sample(path)
+    sample.loss_mask = torch.cat([sample.loss_mask, sample.loss_mask])  # 2T mask beside T tokens
+    formats.torch_save_atomic(sample.to_dict(), path)
+    with pytest.raises(ValueError, match=r"eaglet check. rejects this dataset(.|\n)*data_1.pt"):
+        train(bad, tmp_path / "r", show_progress=False)
+
+
+def test_cli_train(dataset, tmp_path, capsys):
+    rc = cli_main(["train", str(dataset), "--out", str(tmp_path / "run"), "--total-steps", "2", "--ttt-steps", "2",
+                   "--eval-every", "2", "--log-every", "1", "--bf16"])
+    assert rc == 0 and "best checkpoint: step 2" in capsys.readouterr().out
+    assert cli_main(["train", str(tmp_path / "nothing"), "--out", str(tmp_path / "r2")]) == 2
+
+
+def test_torchrun_two_processes_match_one(dataset, tmp_path):
+    """2 processes x accumulation 1 == 1 process x accumulation 2 (same global batch, same order)."""
+    opts = ["--total-steps", "4", "--ttt-steps", "2", "--lr", "3e-3", "--warmup-steps", "1", "--batch-size", "2",
+            "--eval-every", "2", "--log-every", "1", "--eval-fraction", "0.1"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    with socket.socket() as sock:  # a free port, so parallel test runs do not collide
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), "-m", "eaglet.cli",
+                          "train", str(dataset), "--out", str(tmp_path / "two"), "--device", "cpu", *opts],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = train(dataset, tmp_path / "one", show_progress=False, device="cpu", grad_accum=2, total_steps=4,
+                ttt_steps=2, lr=3e-3, warmup_steps=1, batch_size=2, eval_every=2, log_every=1, eval_fraction=0.1)
+    assert one.step == 4
+    a, b = weights(tmp_path / "one", 4), weights(tmp_path / "two", 4)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+    m_one = [r for r in iter_metrics(tmp_path / "one")]
+    m_two = [r for r in iter_metrics(tmp_path / "two")]
+    assert [r["step"] for r in m_one] == [r["step"] for r in m_two]
+    assert m_one[-1]["positions"] == m_two[-1]["positions"]  # every rank's positions were counted
+    assert json.loads((tmp_path / "two" / "train_config.json").read_text())["world_size"] == 2
+
+
+def test_teacher_is_the_targets_own_next_token_distribution(dataset, tiny_target):
+    """lm_head(final_norm(stored pre-norm state)) equals the target's logits, restricted to the draft vocab."""
+    from transformers import AutoModelForCausalLM
+
+    from eaglet.draft_model import build_draft_vocab, make_teacher
+    from eaglet.train import target_pieces
+
+    ds = open_dataset(dataset)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    _, head = target_pieces(model)
+    d2t, t2d = build_draft_vocab(ds.token_freq, 400, 100)
+    sample = formats.read_v1_sample(ds.files[3])
+    teacher = make_teacher(sample.hidden_states[-1][None], head.final_norm, head.lm_head, d2t, t2d)
+    with torch.no_grad():
+        logits = model(sample.input_ids[None]).logits.float()
+    ref = torch.log_softmax(logits[..., torch.arange(100) + d2t], -1)
+    torch.testing.assert_close(teacher.log_probs, ref, rtol=0, atol=0.05)  # stored states are bf16
+    top2 = logits.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.05  # bf16 states may flip near-ties
+    assert clear.sum() >= 5
+    assert torch.equal(teacher.in_draft[clear], t2d[logits.argmax(-1)][clear])
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", 32), ("vocab_size", 401)])
+def test_target_shape_mismatch_is_refused(field, value):
+    from types import SimpleNamespace
+
+    from eaglet.train import check_target_matches
+
+    data_cfg = {"hidden_size": 64, "vocab_size": 400, "target_revision": "abc", "target": "tiny"}
+    target_cfg = SimpleNamespace(**{"hidden_size": 64, "vocab_size": 400, field: value})
+    with pytest.raises(ValueError, match=f"{field}={value}"):
+        check_target_matches(data_cfg, target_cfg, "abc", "other")
+    check_target_matches(data_cfg, SimpleNamespace(hidden_size=64, vocab_size=400), "abc", "tiny")
