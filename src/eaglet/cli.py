@@ -106,6 +106,18 @@ def cmd_train(args: argparse.Namespace) -> None:
     print("\n".join(summary.lines()))
 
 
+def cmd_regen(args: argparse.Namespace) -> None:
+    from eaglet.regen import regenerate
+
+    summary = regenerate(args.data, args.out, args.target, args.backend, base_url=args.base_url, model=args.model,
+                         api_key=args.api_key, temperature=args.temperature, top_p=args.top_p,
+                         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                         concurrency=args.concurrency, max_retries=args.max_retries, timeout=args.timeout,
+                         resume=args.resume, num_samples=args.num_samples, skip=args.skip, dtype=args.dtype,
+                         device=args.device, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens)
+    print("\n".join(summary.lines()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models and prove they speed up decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -184,6 +196,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("regen", help="regenerate the assistant turns of chats with the target",
+                       description="Regenerate every assistant turn, turn by turn, with the target (local Hugging Face "
+                                   "generation, or an OpenAI-compatible endpoint such as vLLM/SGLang), so the drafter "
+                                   "learns the target's own answers. Writes JSONL incrementally; --resume continues.")
+    p.add_argument("--data", default="sharegpt",
+                   help="ShareGPT .json/.jsonl, OpenAI-style messages .jsonl, or 'sharegpt' for the embedded ShareGPT")
+    p.add_argument("--out", required=True, help="output .jsonl (failures go to OUT.errors.jsonl)")
+    add_target_args(p)
+    p.add_argument("--backend", choices=("local", "openai"), default="local",
+                   help="local: Hugging Face generate (default); openai: an OpenAI-compatible chat endpoint")
+    p.add_argument("--base-url", default=None, help="endpoint base URL, e.g. http://127.0.0.1:8000/v1 (openai backend)")
+    p.add_argument("--model", default=None, help="served model name (openai backend; default: the first of GET /models)")
+    p.add_argument("--api-key", default=None, help="endpoint API key (default: $OPENAI_API_KEY, if set)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer at most (default 512)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="local: longest prompt to answer; a chat stops at a longer turn "
+                        "(default: the target's context minus --max-new-tokens)")
+    p.add_argument("--batch-size", type=int, default=16, help="local: prompts per generate call (default 16)")
+    p.add_argument("--concurrency", type=int, default=8, help="openai: conversations in flight (default 8)")
+    p.add_argument("--max-retries", type=int, default=5, help="openai: retries per request (default 5)")
+    p.add_argument("--timeout", type=float, default=600.0, help="openai: seconds per request (default 600)")
+    p.add_argument("--resume", action="store_true", help="continue an existing --out, skipping the ids it holds")
+    p.add_argument("--num-samples", type=int, default=None, help="stop after this many usable chats")
+    p.add_argument("--skip", type=int, default=0, help="skip the first N records of the input")
+    p.add_argument("--dtype", default="bf16", help="local: compute dtype bf16 (default), fp16, fp32")
+    p.add_argument("--device", default=None, help="local: cpu or cuda[:i] (default: cuda if available)")
+    p.add_argument("--seed", type=int, default=0, help="local sampling seed (default 0)")
+    p.set_defaults(func=cmd_regen)
     return parser
 
 

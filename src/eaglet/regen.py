@@ -1,0 +1,647 @@
+"""Regenerate the assistant turns of chat data with the target (`eaglet regen`).
+
+A drafter learns to predict the target, so it should train on the target's own answers, not
+on whatever model wrote the chat originally. Every assistant turn is regenerated turn by
+turn: turn k is generated from the chat so far *with the regenerated answers* of turns < k,
+exactly what the target would have seen serving that conversation.
+
+Two backends:
+- `local`: the target with Hugging Face `generate` (KV cache), batching the pending turns of
+  many conversations by similar prompt length, left-padded;
+- `openai`: any OpenAI-compatible `/chat/completions` endpoint (vLLM, SGLang), conversations
+  in parallel threads, retries with exponential backoff. Standard library only.
+
+Output: one JSONL line per finished conversation, `{"id", "messages", "regen"}` (OpenAI-style
+`messages`, which `eaglet prepare` reads), appended, flushed and fsynced line by line, so a
+kill loses at most the conversations in flight. `--resume` skips ids already written and cuts
+off a partial last line a kill left. Conversations that fail go to `OUT.errors.jsonl` (id +
+reason), which each run rewrites; `--resume` retries them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eaglet.data import ASSISTANT, Message, ReadStats, iter_records, to_messages
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("local", "openai")
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # worth another try; other 4xx are final
+
+
+class RegenError(Exception):
+    """A conversation cannot be regenerated; the message is the reason written to the errors file."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversations and turns (pure)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Turn:
+    """One regenerated assistant turn."""
+
+    text: str
+    finish_reason: str  # "stop" (end-of-turn) or "length" (hit max_new_tokens)
+    tokens: int  # generated tokens, end-of-turn token included
+
+
+def assistant_indices(messages: list[Message]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m["role"] == ASSISTANT]
+
+
+def turn_prompt(messages: list[Message], k: int) -> list[Message]:
+    """The messages the target answers for assistant turn k: everything before it. Callers
+    store each regenerated answer back into `messages`, so the history is the target's own."""
+    return messages[:assistant_indices(messages)[k]]
+
+
+def with_answer(messages: list[Message], k: int, text: str) -> list[Message]:
+    out = [dict(m) for m in messages]
+    out[assistant_indices(messages)[k]] = {"role": ASSISTANT, "content": text}
+    return out
+
+
+@dataclass
+class Conversation:
+    """A chat being regenerated: `messages` holds regenerated answers for turns < `done`."""
+
+    id: str
+    messages: list[Message]
+    done: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    tokens: int = 0
+
+    @property
+    def turns(self) -> int:
+        return len(assistant_indices(self.messages))
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.turns
+
+    def prompt(self) -> list[Message]:
+        return turn_prompt(self.messages, self.done)
+
+    def record(self, turn: Turn) -> None:
+        self.messages = with_answer(self.messages, self.done, turn.text)
+        self.finish_reasons.append(turn.finish_reason)
+        self.tokens += turn.tokens
+        self.done += 1
+
+    def cut(self) -> None:
+        """Keep only the turns regenerated so far (a later prompt is too long to answer)."""
+        self.messages = self.messages[:assistant_indices(self.messages)[self.done - 1] + 1]
+
+
+def split_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], str, int]:
+    """Generated tokens -> (answer tokens without the end-of-turn token, finish reason, count).
+    Tokens after the first stop token are padding `generate` added for finished rows."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[:i], "stop", i + 1
+    return tokens, "length", len(tokens)
+
+
+def length_batches(items: list[Any], key: Callable[[Any], int], batch_size: int) -> list[list[Any]]:
+    """Sort by `key` (prompt length) and cut into batches: little padding per batch."""
+    ordered = sorted(items, key=key)
+    return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Output file: one conversation per line, append-only, resumable
+# ---------------------------------------------------------------------------------------------
+
+def errors_path(out: str | os.PathLike) -> Path:
+    out = Path(out)
+    stem = out.name[:-len(".jsonl")] if out.name.endswith(".jsonl") else out.name
+    return out.with_name(stem + ".errors.jsonl")
+
+
+def regen_record(conv: Conversation, meta: dict[str, Any]) -> dict[str, Any]:
+    return {"id": conv.id, "messages": conv.messages, "regen": {**meta, "finish_reasons": conv.finish_reasons}}
+
+
+def scan_output(path: str | os.PathLike) -> tuple[set[str], int, bool]:
+    """Ids of the complete lines of a regen output, the byte length they span, and whether a
+    partial last line follows them. A line counts only once its newline is written: each line
+    goes out in one write, so a kill mid-write leaves a last line without one."""
+    done: set[str] = set()
+    good = 0
+    with open(path, "rb") as f:  # streamed: an output of a million chats need not fit in memory
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break  # a kill's partial last line: dropped on resume
+            if line.strip():
+                try:
+                    done.add(str(json.loads(line)["id"]))
+                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+                    raise ValueError(f"{path}:{n}: not a regen record ({type(e).__name__}); the file was not "
+                                     f"written by `eaglet regen` alone, refusing to append to it") from e
+            good += len(line)
+        size = f.seek(0, os.SEEK_END)
+    return done, good, good < size
+
+
+class RegenWriter:
+    """Appends one JSON line per conversation, flushed and fsynced, so every line a run
+    reports as written survives a kill or power loss."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab")
+
+    def write(self, record: dict[str, Any]) -> None:
+        # One write call per line: a kill leaves at worst one partial line, without newline.
+        self._file.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> RegenWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_output(out: Path, resume: bool) -> set[str]:
+    """Check `out` may be written; on resume, drop a partial last line and return the done ids."""
+    if not out.exists():
+        return set()
+    if not resume:
+        raise ValueError(f"--out {out} exists; pass --resume to continue it, or choose another file "
+                              f"(eaglet never overwrites regenerated data)")
+    done, good, partial = scan_output(out)
+    if partial:
+        log.warning("%s: dropping a partial last line (a killed run was writing it)", out)
+        with open(out, "rb+") as f:
+            f.truncate(good)
+            os.fsync(f.fileno())
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the input
+# ---------------------------------------------------------------------------------------------
+
+def iter_conversations(data: str, stats: ReadStats, num_samples: int | None, skip: int
+                       ) -> Iterator[Conversation]:
+    """The usable chats of `data`, like `eaglet prepare` selects them: records after `skip`,
+    at most `num_samples` usable ones. A repeated id gets a `#n` suffix, because resume keys
+    on ids and a duplicate must not pass for done."""
+    seen: Counter = Counter()
+    usable = 0
+    for n, (sample_id, record) in enumerate(iter_records(data, stats)):
+        if n < skip:
+            continue
+        if num_samples is not None and usable >= num_samples:
+            return
+        messages = to_messages(record, stats)
+        if isinstance(messages, str):
+            stats.skipped[messages] += 1
+            continue
+        usable += 1
+        seen[sample_id] += 1
+        cid = sample_id if seen[sample_id] == 1 else f"{sample_id}#{seen[sample_id]}"
+        yield Conversation(cid, messages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local backend: Hugging Face generate
+# ---------------------------------------------------------------------------------------------
+
+class LocalGenerator:
+    """Batched generation with the target; prompts rendered by its own chat template."""
+
+    def __init__(self, model, tokenizer, temperature: float, top_p: float, max_new_tokens: int):
+        from transformers import GenerationConfig
+
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
+        sample = temperature > 0
+        # `generate` fills every unset field from the model's own generation_config.json, and
+        # checkpoints ship sampling defaults there (Qwen: top_k 20, repetition_penalty 1.05).
+        # Those would silently change what --temperature/--top-p mean and bend greedy output:
+        # replace it, so only these settings and transformers' neutral globals apply.
+        self.config = GenerationConfig(
+            do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p if sample else 1.0,
+            top_k=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.stop_ids), use_cache=True)
+        model.generation_config = self.config
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        self.max_prompt_tokens = (max_pos - max_new_tokens) if max_pos else None
+
+    def prompt_ids(self, messages: list[Message]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template writes BOS itself (as in `eaglet prepare`): no special tokens added here.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, prompts: list[list[int]]) -> list[Turn]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        # Left padding: every row's last prompt token sits at the same column, where the
+        # first new token is predicted; the mask (and positions derived from it) hide the pad.
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=self.config)
+        turns = []
+        for row in out[:, width:].tolist():
+            kept, reason, count = split_at_stop(row, self.stop_ids)
+            turns.append(Turn(self.tokenizer.decode(kept, skip_special_tokens=True), reason, count))
+        return turns
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """End-of-turn ids: the tokenizer's EOS and the model's generation_config EOS (chat models
+    like Llama 3 end turns with a token other than the tokenizer's EOS)."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    if not ids:
+        raise ValueError("the target's tokenizer and generation config name no end-of-turn (EOS) token")
+    return ids
+
+
+def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: int, max_prompt_tokens: int | None,
+              emit: Callable[[Conversation], None], fail: Callable[[Conversation, str], None],
+              progress: Callable[[int], None], tick: Callable[[], None]) -> None:
+    """Regenerate in rounds over a pool of conversations: each round renders every pooled
+    conversation's next turn, batches the prompts by length and generates; finished
+    conversations leave the pool (and are written) and new ones come in."""
+    import torch
+
+    pool: list[Conversation] = []
+    pool_size = batch_size * 4  # more candidates than one batch, so batches match lengths well
+    exhausted = False
+    while True:
+        while not exhausted and len(pool) < pool_size:
+            conv = next(convs, None)
+            if conv is None:
+                exhausted = True
+            else:
+                pool.append(conv)
+        if not pool:
+            return
+        pending: list[tuple[Conversation, list[int]]] = []
+        for conv in pool:
+            try:
+                ids = gen.prompt_ids(conv.prompt())
+            except Exception as e:  # a template that raises on this chat (jinja raise_exception)
+                fail(conv, f"chat template failed on turn {conv.done}: {type(e).__name__}: {e}")
+                continue
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                if conv.done:
+                    emit(conv)  # writes the turns regenerated so far, as prepare keeps a truncated chat
+                else:
+                    fail(conv, f"prompt of turn 0 has {len(ids)} tokens, more than the {max_prompt_tokens} allowed")
+                continue
+            pending.append((conv, ids))
+        pool = [conv for conv, _ in pending]
+        for batch in length_batches(pending, lambda item: len(item[1]), batch_size):
+            for conv, turn in zip((c for c, _ in batch), generate_or_split(gen, [ids for _, ids in batch], torch)):
+                if isinstance(turn, str):
+                    fail(conv, turn)
+                    pool.remove(conv)
+                    continue
+                conv.record(turn)
+                progress(turn.tokens)
+                if conv.finished:
+                    emit(conv)
+                    pool.remove(conv)
+            tick()  # tokens/s moves per batch, not only when a conversation completes
+
+
+def generate_or_split(gen: LocalGenerator, prompts: list[list[int]], torch) -> list[Turn | str]:
+    """Generate a batch; when it runs out of memory, halve it, down to single prompts (whose
+    failure becomes that conversation's error) instead of stopping the whole run."""
+    try:
+        return gen.generate(prompts)
+    except torch.OutOfMemoryError:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if len(prompts) == 1:
+            return [f"out of memory generating from a prompt of {len(prompts[0])} tokens"]
+        half = len(prompts) // 2
+        return generate_or_split(gen, prompts[:half], torch) + generate_or_split(gen, prompts[half:], torch)
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI-compatible endpoint backend
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Endpoint:
+    base_url: str
+    model: str
+    api_key: str | None = None
+    timeout: float = 600.0
+    max_retries: int = 5
+    backoff: float = 1.0  # first retry waits about this many seconds, doubling each time
+    max_backoff: float = 60.0
+
+
+def url_opener(base_url: str) -> urllib.request.OpenerDirector:
+    """urllib's opener, without proxies for a server on this machine: an HTTP(S)_PROXY meant
+    for the internet must not swallow requests to a local vLLM."""
+    host = urllib.parse.urlsplit(base_url).hostname or ""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    return urllib.request.build_opener()
+
+
+def backoff_delay(attempt: int, base: float, cap: float, retry_after: str | None = None) -> float:
+    """Seconds to wait before retry `attempt` (0-based): the server's Retry-After when it gives
+    seconds, else exponential with jitter (so parallel workers do not retry in lockstep)."""
+    if retry_after:
+        try:
+            return min(max(float(retry_after), 0.0), cap)
+        except ValueError:
+            pass
+    return min(cap, base * 2 ** attempt) * (0.5 + random.random() / 2)
+
+
+def chat_request(ep: Endpoint, messages: list[Message], max_tokens: int, temperature: float, top_p: float
+                 ) -> urllib.request.Request:
+    body = {"model": ep.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+            "top_p": top_p}
+    headers = {"Content-Type": "application/json"}
+    if ep.api_key:
+        headers["Authorization"] = f"Bearer {ep.api_key}"
+    return urllib.request.Request(ep.base_url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
+                                  headers=headers, method="POST")
+
+
+def parse_chat_response(body: bytes) -> Turn:
+    """An OpenAI chat completion -> Turn; `usage.completion_tokens` counts tokens when given,
+    else the answer's whitespace-separated words stand in (only the progress bar uses it)."""
+    try:
+        resp = json.loads(body)
+        choice = resp["choices"][0]
+        text = choice["message"]["content"]
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"not a chat completion response ({type(e).__name__}: {body[:200]!r})") from e
+    if not isinstance(text, str):
+        raise ValueError(f"response message content is {type(text).__name__}, not a string")
+    reason = choice.get("finish_reason") or "stop"
+    usage = resp.get("usage") or {}
+    tokens = usage.get("completion_tokens")
+    return Turn(text, reason, int(tokens) if isinstance(tokens, int) else len(text.split()))
+
+
+def post_with_retries(ep: Endpoint, request: urllib.request.Request, sleep: Callable[[float], None] = time.sleep
+                      ) -> bytes:
+    """POST; retry 429/5xx, timeouts, connection errors and garbled bodies with backoff.
+    Other HTTP errors (400 context too long, 401...) will not get better: RegenError at once."""
+    last = ""
+    for attempt in range(ep.max_retries + 1):
+        retry_after = None
+        try:
+            with url_opener(ep.base_url).open(request, timeout=ep.timeout) as resp:
+                body = resp.read()
+            parse_chat_response(body)  # a truncated or garbled body is retried like a 5xx
+            return body
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode("utf-8", "replace")
+            last = f"HTTP {e.code}: {detail}"
+            if e.code not in RETRY_STATUS:
+                raise RegenError(last) from None
+            retry_after = e.headers.get("Retry-After") if e.headers else None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            last = f"{type(e).__name__}: {reason}"
+        except ValueError as e:
+            last = str(e)
+        if attempt < ep.max_retries:
+            delay = backoff_delay(attempt, ep.backoff, ep.max_backoff, retry_after)
+            log.debug("retry %d/%d in %.2f s after %s", attempt + 1, ep.max_retries, delay, last)
+            sleep(delay)
+    raise RegenError(f"gave up after {ep.max_retries + 1} attempts; last: {last}")
+
+
+def regen_conversation_remote(ep: Endpoint, conv: Conversation, max_new_tokens: int, temperature: float,
+                              top_p: float, progress: Callable[[int], None]) -> Conversation:
+    """Regenerate every turn of one conversation, in order (turn k needs answer k-1)."""
+    while not conv.finished:
+        body = post_with_retries(ep, chat_request(ep, conv.prompt(), max_new_tokens, temperature, top_p))
+        turn = parse_chat_response(body)
+        conv.record(turn)
+        progress(turn.tokens)
+    return conv
+
+
+def endpoint_model(base_url: str, api_key: str | None, timeout: float) -> str:
+    """The served model's name from GET /models (vLLM and SGLang serve one), for when --model is not given."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    req = urllib.request.Request(base_url.rstrip("/") + "/models", headers=headers)
+    try:
+        with url_opener(base_url).open(req, timeout=timeout) as resp:
+            models = json.loads(resp.read())["data"]
+        return str(models[0]["id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise RuntimeError(f"--base-url {base_url}: could not list the served models ({e}); pass --model") from e
+
+
+def run_remote(convs: Iterator[Conversation], ep: Endpoint, concurrency: int, max_new_tokens: int,
+               temperature: float, top_p: float, emit: Callable[[Conversation], None],
+               fail: Callable[[Conversation, str], None], progress: Callable[[int], None],
+               tick: Callable[[], None]) -> None:
+    """Conversations in parallel threads; only this thread writes, so no file lock is needed.
+    At most 2x `concurrency` conversations are read ahead, so memory stays flat."""
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regen") as pool:
+        running: dict[Future, Conversation] = {}
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(running) < 2 * concurrency:
+                    conv = next(convs, None)
+                    if conv is None:
+                        exhausted = True
+                        break
+                    running[pool.submit(regen_conversation_remote, ep, conv, max_new_tokens, temperature, top_p,
+                                        progress)] = conv
+                if not running:
+                    return
+                finished, _ = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
+                tick()
+                for fut in finished:
+                    conv = running.pop(fut)
+                    try:
+                        emit(fut.result())
+                    except RegenError as e:
+                        fail(conv, f"turn {conv.done}: {e}")
+        except BaseException:
+            for fut in running:
+                fut.cancel()  # queued conversations do not start; in-flight ones are lost, by design
+            raise
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class RegenSummary:
+    out: Path
+    errors_file: Path
+    written: int = 0
+    already_done: int = 0
+    failed: int = 0
+    cut_short: int = 0
+    turns: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    finish_reasons: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)  # reason head -> conversations
+    stats: ReadStats = field(default_factory=ReadStats)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        out = [f"regenerated {self.written} conversations ({self.turns} turns, {self.tokens} tokens, "
+               f"{self.tokens_per_s:.1f} tokens/s) -> {self.out}",
+               f"read {self.stats.records} records; {self.already_done} already done (resume)"]
+        if self.finish_reasons:
+            out.append("  finish reasons: " + ", ".join(f"{k} {v}" for k, v in self.finish_reasons.most_common()))
+        if self.cut_short:
+            out.append(f"  cut short (a later prompt was too long; earlier turns kept): {self.cut_short}")
+        for reason, n in self.stats.skipped.most_common():
+            out.append(f"  skipped: {reason}: {n}")
+        if self.failed:
+            out.append(f"  failed: {self.failed} conversations, reasons in {self.errors_file} (--resume retries them)")
+            for reason, n in self.errors.most_common(5):
+                out.append(f"    {reason}: {n}")
+        return out
+
+
+def regenerate(data: str, out: str | os.PathLike, target: str | None = None, backend: str = "local", *,
+               base_url: str | None = None, model: str | None = None, api_key: str | None = None,
+               temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 512, batch_size: int = 16,
+               concurrency: int = 8, max_retries: int = 5, timeout: float = 600.0, backoff: float = 1.0,
+               resume: bool = False, num_samples: int | None = None, skip: int = 0, dtype: str = "bf16",
+               device: str | None = None, seed: int = 0, max_prompt_tokens: int | None = None,
+               progress_bar: bool = True) -> RegenSummary:
+    """Regenerate every assistant turn of the chats in `data` with the target; write `out` (JSONL)."""
+    from tqdm import tqdm
+
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or batch_size < 1 or concurrency < 1:
+        raise ValueError("need --temperature >= 0, 0 < --top-p <= 1, and --max-new-tokens, --batch-size, "
+                         "--concurrency >= 1")
+    out = Path(out)
+    done = open_output(out, resume)
+    summary = RegenSummary(out, errors_path(out))
+
+    meta: dict[str, Any] = {"backend": backend, "temperature": temperature, "top_p": top_p,
+                            "max_new_tokens": max_new_tokens}
+    if backend == "local":
+        import torch
+
+        from eaglet.target import load_target, load_tokenizer, parse_dtype, pick_device, resolve_target
+
+        ref = resolve_target(target)
+        tokenizer = load_tokenizer(ref)
+        if not tokenizer.chat_template:
+            raise ValueError(f"target {ref.name}: tokenizer has no chat template")
+        torch.manual_seed(seed)
+        gen = LocalGenerator(load_target(ref, parse_dtype(dtype), pick_device(device)), tokenizer,
+                             temperature, top_p, max_new_tokens)
+        max_prompt_tokens = max_prompt_tokens or gen.max_prompt_tokens
+        meta = {"target": ref.name, "target_revision": ref.revision, **meta, "dtype": dtype,
+                **({"seed": seed} if temperature > 0 else {})}
+    else:
+        if not base_url:
+            raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
+        api_key = api_key or os.environ.get("OPENAI_API_KEY") or None
+        model = model or endpoint_model(base_url, api_key, min(timeout, 30.0))
+        ep = Endpoint(base_url, model, api_key, timeout, max_retries, backoff)
+        meta = {"target": model, **meta, "base_url": base_url}
+
+    stats = summary.stats
+    selected = iter_conversations(data, stats, num_samples, skip)
+
+    def todo() -> Iterator[Conversation]:
+        for conv in selected:
+            if conv.id in done:
+                summary.already_done += 1
+                continue
+            yield conv
+
+    total = (num_samples - len(done)) if num_samples is not None and len(done) <= num_samples else None
+    bar = tqdm(total=total, desc="regen", unit="chat", file=sys.stderr, dynamic_ncols=True, disable=not progress_bar)
+    lock = threading.Lock()
+    t0 = time.time()
+
+    def progress(tokens: int) -> None:  # called from worker threads (endpoint backend)
+        with lock:
+            summary.tokens += tokens
+            summary.turns += 1
+
+    def tick() -> None:
+        bar.set_postfix_str(f"{summary.tokens / max(time.time() - t0, 1e-9):.1f} tok/s")
+
+    errors_file = open(summary.errors_file, "w", encoding="utf-8")  # a report of this run; resume retries them
+    try:
+        with RegenWriter(out) as writer:
+            def emit(conv: Conversation) -> None:
+                if conv.done < conv.turns:
+                    summary.cut_short += 1
+                    conv.cut()
+                writer.write(regen_record(conv, meta))
+                summary.written += 1
+                summary.finish_reasons.update(conv.finish_reasons)
+                tick()
+                bar.update(1)
+
+            def fail(conv: Conversation, reason: str) -> None:
+                errors_file.write(json.dumps({"id": conv.id, "reason": reason}, ensure_ascii=False) + "\n")
+                errors_file.flush()
+                os.fsync(errors_file.fileno())
+                summary.failed += 1
+                summary.errors[reason.split(":")[0][:80]] += 1
+
+            if backend == "local":
+                run_local(todo(), gen, batch_size, max_prompt_tokens, emit, fail, progress, tick)
+            else:
+                run_remote(todo(), ep, concurrency, max_new_tokens, temperature, top_p, emit, fail, progress, tick)
+    finally:
+        errors_file.close()
+        bar.close()
+        summary.seconds = time.time() - t0
+    if not summary.failed:
+        summary.errors_file.unlink(missing_ok=True)  # no empty errors file to wonder about
+    return summary

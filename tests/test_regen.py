@@ -1,0 +1,391 @@
+"""`eaglet regen`: the local backend against an independent greedy loop, the endpoint backend
+against a stand-in OpenAI-compatible server on loopback (history, retries, errors file),
+resume after a kill, and `eaglet prepare` reading the output back."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import write_jsonl
+from eaglet import regen
+from eaglet.cli import main
+from eaglet.data import prepare
+from eaglet.formats import read_prepared
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------
+
+CHATS = [
+    [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi!"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add two numbers in Python."},
+     {"role": "assistant", "content": "def add(a, b): return a + b"}, {"role": "user", "content": "Thanks"},
+     {"role": "assistant", "content": "You are welcome."}],
+    [{"role": "user", "content": "What does the fox do?"}, {"role": "assistant", "content": "It jumps."},
+     {"role": "user", "content": "Over what?"}, {"role": "assistant", "content": "The lazy dog."},
+     {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Nobody knows."}],
+    [{"role": "user", "content": "A user asks a question and the assistant answers it politely and precisely. " * 3},
+     {"role": "assistant", "content": "Sure."}],
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's matrices are too small to split across threads; on a busy machine the
+    thread hand-off costs far more than the math (seen: 60x)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def lively_target(tiny_target, tmp_path_factory) -> Path:
+    """tiny_target with its matrices scaled up: the random model then answers with varied
+    tokens and sometimes ends its turn, instead of repeating one token (a weak test). Its
+    generation_config.json carries sampling defaults that greedy regen must ignore."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("lively_target")
+    for f in tiny_target.iterdir():
+        if f.is_file() and not f.name.startswith("model"):
+            shutil.copy(f, folder / f.name)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(10)
+    # Hub-style sampling defaults, as many checkpoints ship: regen must not let them leak in.
+    model.generation_config.update(do_sample=True, temperature=0.3, top_k=3, repetition_penalty=3.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+def chats_file(path: Path, n: int, tag: str = "") -> Path:
+    records = []
+    for i in range(n):
+        chat = [dict(m) for m in CHATS[i % len(CHATS)]]
+        for m in chat:
+            if m["role"] == "user":
+                m["content"] = f"{m['content']} [{tag}{i}]"  # distinct prompts: the server tells chats apart
+        records.append({"id": f"c{i}", "messages": chat})
+    return write_jsonl(path, records)
+
+
+def read_out(path: Path) -> dict[str, dict]:
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    by_id = {r["id"]: r for r in recs}
+    assert len(by_id) == len(recs), "duplicate ids in the output"
+    return by_id
+
+
+def answers(rec: dict) -> list[str]:
+    return [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+
+
+class StandIn:
+    """An OpenAI-compatible chat server on 127.0.0.1 answering deterministically: the answer
+    is a function of the last user message and the assistant turns in the history. Markers in
+    the user message script failures: FLAKY (first try 500), BUSY (first try 429 +
+    Retry-After), SLOW (first try sleeps past the client's timeout), BAD (always 400)."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self.tries: dict[str, int] = {}
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def reply(self, code: int, obj: dict, headers: dict | None = None) -> None:
+                body = json.dumps(obj).encode()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    for k, v in (headers or {}).items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client timed out and left
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self.reply(200, {"object": "list", "data": [{"id": "stand-in-model", "object": "model"}]})
+                else:
+                    self.reply(404, {"error": "no such path"})
+
+            def do_POST(self):
+                if self.path != "/v1/chat/completions":
+                    return self.reply(404, {"error": "no such path"})
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                user = [m["content"] for m in req["messages"] if m["role"] == "user"][-1]
+                with stand_in.lock:
+                    stand_in.requests.append(req)
+                    tries = stand_in.tries[user] = stand_in.tries.get(user, 0) + 1
+                if "BAD" in user:
+                    return self.reply(400, {"error": {"message": "prompt is too long"}})
+                if "ALWAYS500" in user:
+                    return self.reply(500, {"error": "boom"})
+                if tries == 1 and "FLAKY" in user:
+                    return self.reply(500, {"error": "internal"})
+                if tries == 1 and "BUSY" in user:
+                    return self.reply(429, {"error": "rate limited"}, {"Retry-After": "0"})
+                if tries == 1 and "SLOW" in user:
+                    threading.Event().wait(1.0)
+                text = stand_in.answer(req["messages"])
+                self.reply(200, {"id": "x", "object": "chat.completion", "model": req["model"],
+                                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                              "finish_reason": "stop"}],
+                                 "usage": {"prompt_tokens": 1, "completion_tokens": len(text.split()),
+                                           "total_tokens": 1}})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def answer(messages: list[dict]) -> str:
+        user = [m["content"] for m in messages if m["role"] == "user"][-1]
+        earlier = sum(m["role"] == "assistant" for m in messages)
+        return f"re: {user.upper()} #{earlier}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stand_in():
+    server = StandIn()
+    yield server
+    server.close()
+
+
+def endpoint_regen(data: Path, out: Path, server: StandIn, **kw):
+    kw = {"base_url": server.url, "concurrency": 4, "max_retries": 3, "backoff": 0.01, "timeout": 5.0,
+          "progress_bar": False, **kw}
+    return regen.regenerate(str(data), out, backend="openai", **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces
+# ---------------------------------------------------------------------------------------------
+
+def test_turn_prompts_and_stop_split():
+    chat = CHATS[1]
+    assert regen.turn_prompt(chat, 0) == chat[:2]
+    updated = regen.with_answer(chat, 0, "NEW")
+    assert regen.turn_prompt(updated, 1) == [chat[0], chat[1], {"role": "assistant", "content": "NEW"}, chat[3]]
+    assert regen.split_at_stop([5, 6, 2, 0, 0], {2}) == ([5, 6], "stop", 3)
+    assert regen.split_at_stop([5, 6, 7], {2}) == ([5, 6, 7], "length", 3)
+    assert regen.errors_path(Path("a/out.jsonl")) == Path("a/out.errors.jsonl")
+    assert regen.backoff_delay(3, 1.0, 60.0, "2") == 2.0
+    assert 4.0 <= regen.backoff_delay(3, 1.0, 60.0) <= 8.0
+    assert regen.backoff_delay(30, 1.0, 60.0) <= 60.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Local backend
+# ---------------------------------------------------------------------------------------------
+
+def reference_greedy(model, tokenizer, messages: list[dict], max_new: int) -> tuple[str, str]:
+    """Plain greedy decoding, one prompt, no padding, no KV cache, no `generate`."""
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == tokenizer.eos_token_id:
+                return tokenizer.decode(new, skip_special_tokens=True), "stop"
+            new.append(nxt)
+    return tokenizer.decode(new, skip_special_tokens=True), "length"
+
+
+def test_local_greedy_batched_equals_unbatched_and_uses_regenerated_history(lively_target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = chats_file(tmp_path / "chats.jsonl", 12)
+    kw = {"target": str(lively_target), "dtype": "fp32", "device": "cpu", "max_new_tokens": 12,
+          "progress_bar": False}
+    one = regen.regenerate(str(data), tmp_path / "b1.jsonl", batch_size=1, **kw)
+    many = regen.regenerate(str(data), tmp_path / "b8.jsonl", batch_size=8, **kw)
+    assert one.written == many.written == 12 and one.turns == many.turns == 21
+    b1, b8 = read_out(tmp_path / "b1.jsonl"), read_out(tmp_path / "b8.jsonl")
+    assert b1 == b8  # left padding + attention mask change nothing in greedy fp32
+
+    # Independent reference, turn by turn: each prompt carries the reference's own earlier answers.
+    model = AutoModelForCausalLM.from_pretrained(lively_target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(lively_target)
+    reasons = set()
+    for rec in b8.values():
+        history = [dict(m) for m in rec["messages"]]
+        for k, idx in enumerate(regen.assistant_indices(history)):
+            text, reason = reference_greedy(model, tokenizer, history[:idx], 12)
+            assert history[idx]["content"] == text and rec["regen"]["finish_reasons"][k] == reason
+            reasons.add(reason)
+    assert reasons == {"stop", "length"}  # both ends of a turn are exercised
+    assert rec["regen"]["target"] == str(lively_target) and rec["regen"]["temperature"] == 0.0
+    # Regenerated, not copied: no original answer survives.
+    originals = {m["content"] for chat in CHATS for m in chat if m["role"] == "assistant"}
+    assert not originals & {a for r in b8.values() for a in answers(r)}
+
+
+def test_local_sampling_is_seeded(lively_target, tmp_path):
+    data = chats_file(tmp_path / "chats.jsonl", 4)
+    kw = {"target": str(lively_target), "dtype": "fp32", "device": "cpu", "max_new_tokens": 8, "temperature": 0.9,
+          "top_p": 0.9, "batch_size": 4, "progress_bar": False}
+    regen.regenerate(str(data), tmp_path / "s1.jsonl", seed=3, **kw)
+    regen.regenerate(str(data), tmp_path / "s2.jsonl", seed=3, **kw)
+    assert read_out(tmp_path / "s1.jsonl") == read_out(tmp_path / "s2.jsonl")
+    rec = next(iter(read_out(tmp_path / "s1.jsonl").values()))
+    assert rec["regen"]["temperature"] == 0.9 and rec["regen"]["top_p"] == 0.9
+
+
+def test_local_prompt_too_long(lively_target, tmp_path):
+    """A first prompt over the limit fails (errors file); a later one keeps the turns before it."""
+    data = chats_file(tmp_path / "chats.jsonl", 4)
+    out = tmp_path / "out.jsonl"
+    s = regen.regenerate(str(data), out, str(lively_target), dtype="fp32", device="cpu", max_new_tokens=4,
+                         max_prompt_tokens=55, progress_bar=False)
+    recs = read_out(out)
+    errors = [json.loads(line) for line in regen.errors_path(out).read_text().splitlines()]
+    assert {e["id"] for e in errors} == {"c3"} and "tokens, more than the 55 allowed" in errors[0]["reason"]
+    assert s.failed == 1 and s.cut_short >= 1
+    assert any(len(answers(r)) < len(regen.assistant_indices(CHATS[int(r["id"][1:])])) for r in recs.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoint backend
+# ---------------------------------------------------------------------------------------------
+
+def test_endpoint_turn_by_turn_history(stand_in, tmp_path):
+    data = chats_file(tmp_path / "chats.jsonl", 6)
+    s = endpoint_regen(data, tmp_path / "out.jsonl", stand_in, temperature=0.5, top_p=0.8, max_new_tokens=33)
+    assert s.written == 6 and s.failed == 0 and s.turns == 10
+    assert s.tokens == sum(len(StandIn.answer(r["messages"]).split()) for r in stand_in.requests)
+    recs = read_out(tmp_path / "out.jsonl")
+    for rec in recs.values():
+        msgs = rec["messages"]
+        for k, idx in enumerate(regen.assistant_indices(msgs)):
+            # The request for turn k is exactly the output before it, i.e. with regenerated answers...
+            sent = [r for r in stand_in.requests if r["messages"] == msgs[:idx]]
+            assert len(sent) == 1, (rec["id"], k)
+            # ...and the answer stored is what the server said to that request.
+            assert msgs[idx]["content"] == StandIn.answer(msgs[:idx])
+        assert rec["regen"] == {"target": "stand-in-model", "backend": "openai", "temperature": 0.5, "top_p": 0.8,
+                                "max_new_tokens": 33, "base_url": stand_in.url,
+                                "finish_reasons": ["stop"] * len(answers(rec))}
+    assert all(r["model"] == "stand-in-model" and r["max_tokens"] == 33 and r["temperature"] == 0.5
+               and r["top_p"] == 0.8 for r in stand_in.requests)
+    # Multi-turn: the second answer saw the first regenerated one (its "#1" counts it).
+    assert answers(recs["c2"])[2].endswith("#2") and "#" in answers(recs["c2"])[1]
+
+
+def test_endpoint_retries_and_errors_file(stand_in, tmp_path):
+    records = [
+        {"id": "ok", "messages": [{"role": "user", "content": "plain"}, {"role": "assistant", "content": "x"}]},
+        {"id": "flaky", "messages": [{"role": "user", "content": "FLAKY one"}, {"role": "assistant", "content": "x"}]},
+        {"id": "busy", "messages": [{"role": "user", "content": "BUSY one"}, {"role": "assistant", "content": "x"}]},
+        {"id": "slow", "messages": [{"role": "user", "content": "SLOW one"}, {"role": "assistant", "content": "x"}]},
+        {"id": "bad", "messages": [{"role": "user", "content": "BAD one"}, {"role": "assistant", "content": "x"}]},
+        {"id": "bad2", "messages": [{"role": "user", "content": "fine first"}, {"role": "assistant", "content": "x"},
+                                    {"role": "user", "content": "then BAD"}, {"role": "assistant", "content": "y"}]},
+        {"id": "down", "messages": [{"role": "user", "content": "ALWAYS500"}, {"role": "assistant", "content": "x"}]},
+    ]
+    data = write_jsonl(tmp_path / "chats.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    s = endpoint_regen(data, out, stand_in, timeout=0.4, max_retries=2)
+    assert set(read_out(out)) == {"ok", "flaky", "busy", "slow"}
+    assert s.written == 4 and s.failed == 3
+    errors = {e["id"]: e["reason"] for e in map(json.loads, regen.errors_path(out).read_text().splitlines())}
+    assert set(errors) == {"bad", "bad2", "down"}
+    assert "HTTP 400" in errors["bad"] and "prompt is too long" in errors["bad"]
+    assert errors["bad2"].startswith("turn 1: HTTP 400")
+    assert "gave up after 3 attempts" in errors["down"] and "HTTP 500" in errors["down"]
+    tries = stand_in.tries
+    assert tries["FLAKY one"] == 2 and tries["BUSY one"] == 2 and tries["SLOW one"] == 2
+    assert tries["BAD one"] == 1 and tries["ALWAYS500"] == 3  # a 400 is final; a 500 is retried
+
+    # Resume retries only the failed conversations.
+    n = len(stand_in.requests)
+    s2 = endpoint_regen(data, out, stand_in, resume=True, max_retries=0)
+    assert s2.already_done == 4 and s2.written == 0 and s2.failed == 3
+    assert sorted(r["messages"][-1]["content"] for r in stand_in.requests[n:]) == [
+        "ALWAYS500", "BAD one", "fine first", "then BAD"]
+
+
+def test_resume_after_kill(stand_in, tmp_path):
+    data = chats_file(tmp_path / "chats.jsonl", 10)
+    out = tmp_path / "out.jsonl"
+    endpoint_regen(data, out, stand_in)
+    lines = out.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 10
+    # A kill mid-write: 6 complete lines and half of the 7th, without its newline.
+    killed = b"".join(lines[:6]) + lines[6][:len(lines[6]) // 2]
+    out.write_bytes(killed)
+    kept_ids = {json.loads(line)["id"] for line in lines[:6]}
+
+    with pytest.raises(ValueError, match="--resume"):
+        endpoint_regen(data, out, stand_in)  # never overwrites
+    assert out.read_bytes() == killed
+
+    n = len(stand_in.requests)
+    s = endpoint_regen(data, out, stand_in, resume=True)
+    assert s.already_done == 6 and s.written == 4
+    new_lines = out.read_bytes().splitlines(keepends=True)
+    assert new_lines[:6] == lines[:6]  # complete lines untouched
+    recs = read_out(out)  # asserts no duplicate ids
+    assert set(recs) == {f"c{i}" for i in range(10)}
+    redone = {re.search(r"\[(\d+)\]", next(m["content"] for m in r["messages"] if m["role"] == "user")).group(1)
+              for r in stand_in.requests[n:]}
+    assert redone == {k[1:] for k in set(recs) - kept_ids}  # done ids not asked again
+
+    # A second resume has nothing to do.
+    assert endpoint_regen(data, out, stand_in, resume=True).written == 0
+
+
+def test_output_reads_back_with_prepare(stand_in, tiny_target, tmp_path):
+    data = chats_file(tmp_path / "chats.jsonl", 5)
+    out = tmp_path / "regen.jsonl"
+    endpoint_regen(data, out, stand_in, num_samples=4, skip=1)
+    recs = read_out(out)
+    assert set(recs) == {"c1", "c2", "c3", "c4"}
+    summary = prepare(str(tiny_target), str(out), tmp_path / "prepared")
+    assert summary.samples == 4
+    samples, _ = read_prepared(tmp_path / "prepared")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    for sample in samples:
+        masked = tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+        for text in answers(recs[sample.sample_id]):
+            assert text in masked
+
+
+def test_cli_regen(stand_in, tmp_path, capsys):
+    data = chats_file(tmp_path / "chats.jsonl", 3)
+    out = tmp_path / "cli.jsonl"
+    argv = ["regen", "--data", str(data), "--out", str(out), "--backend", "openai", "--base-url", stand_in.url,
+            "--model", "served-name", "--concurrency", "2", "--max-new-tokens", "16"]
+    assert main(argv) == 0
+    assert "regenerated 3 conversations" in capsys.readouterr().out
+    assert {r["regen"]["target"] for r in read_out(out).values()} == {"served-name"}
+    assert main(argv) == 2  # exists, no --resume: refused
+    assert "--resume" in capsys.readouterr().err
+    assert main(argv + ["--resume"]) == 0
+    assert len(read_out(out)) == 3
