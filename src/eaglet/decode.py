@@ -1,0 +1,652 @@
+"""Speculative decoding with an EAGLE-3 drafter: EAGLE-2 dynamic trees (or chains), verified exactly.
+
+One decoding cycle, batch size 1:
+
+    committed tokens x_0 .. x_{n-1} sit in the target's KV cache; x_n (the "root") is known
+    (the target's own choice from the previous pass) but not yet fed to the target.
+    1. the proposer drafts a tree of candidate continuations of x_n (tokens with parents);
+    2. ONE target pass over [root, nodes] with a tree attention mask (cache visible to all,
+       a node sees its ancestors and itself) and tree positions (n + depth);
+    3. walk down from the root: accept the child equal to the target's choice at its parent
+       (greedy) or by recursive rejection sampling over siblings (T > 0); the target's choice
+       at the last accepted node is the bonus token;
+    4. the target's cache keeps prefix + root + accepted path (index-select per layer); the
+       proposer is told the new committed tokens and the target's aux states at them.
+
+Accounting (explicit, as asked): the prefill is a target forward and yields the first new
+token, so `tau = new_tokens / target_forwards` counts it (plain decoding has tau exactly 1.0).
+`tau_verify = (new_tokens - 1) / verify_forwards` is the per-cycle acceptance length the
+EAGLE papers report (accepted draft tokens + 1 bonus per verification pass).
+
+The drafter's KV cache only ever holds "step 0" entries (fed with the target's fused aux
+states): tree-node keys are scratch for one cycle. After verification, the accepted positions
+are recomputed from the verification pass's aux states, as EAGLE-3 does, so nothing of the
+drafter's cache needs compaction.
+
+Sampling (temperature > 0, top_p) is exact: siblings are deterministic candidates, so the
+rejection rule per sibling is "accept x with probability p(x); on reject zero p(x) and
+renormalise; try the next sibling; if all fail, sample from what is left" (SpecInfer / SpecTr
+with one-hot drafts). The output distribution equals plain sampling from the processed target
+distribution, whatever the drafter proposes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_DEPTH = 7
+DEFAULT_TOP_K = 10
+DEFAULT_TOTAL_TOKENS = 60
+
+TokenIds = Sequence[int] | torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pure helpers
+# ---------------------------------------------------------------------------------------------
+
+def as_id_list(input_ids: TokenIds) -> list[int]:
+    """Token ids from a list, a [L] or a [1, L] tensor (batch size 1 only)."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"batch size 1 only, got input_ids of shape {tuple(input_ids.shape)}")
+            input_ids = input_ids[0]
+        return [int(t) for t in input_ids.tolist()]
+    return [int(t) for t in input_ids]
+
+
+def token_budget(prompt_len: int, max_new_tokens: int, max_positions: int) -> int:
+    """How many new tokens may be generated: the prompt plus the output never exceeds the
+    target's max_position_embeddings (the same rule for plain and speculative decoding)."""
+    if prompt_len < 1:
+        raise ValueError("empty prompt")
+    if prompt_len > max_positions:
+        raise ValueError(f"prompt of {prompt_len} tokens exceeds the target's {max_positions} positions")
+    return max(0, min(max_new_tokens, max_positions - prompt_len))
+
+
+def truncate_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
+    """Tokens up to and including the first EOS, and whether one was found."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def process_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The sampling distribution (fp32, last dim): softmax(logits / T), cut to the smallest
+    most-probable set of mass >= top_p and renormalised. Plain and speculative sampling share it."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep a token while the mass before it is < top_p: the token crossing the threshold stays
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep_sorted[..., 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def ancestor_matrix(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool, row i true at i and its ancestors. parents[i] is -1 (root) or < i."""
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    return anc
+
+
+def tree_attention_mask(parents: list[int], prefix_len: int, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, 1 + N, prefix_len + 1 + N] mask for the verification pass over
+    [root, nodes]: the cached prefix is visible to all, the root to all nodes, and a node sees
+    its ancestors and itself. Additive 0 / finfo.min works with both Llama's eager attention
+    (which adds the mask) and SDPA (float masks are additive); a bool mask would be wrong for eager."""
+    n = len(parents)
+    # with the root as node 0, every node's parent index shifts by one
+    anc = ancestor_matrix([-1] + [p + 1 for p in parents])
+    allowed = torch.cat([torch.ones(n + 1, prefix_len, dtype=torch.bool), anc], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def children_lists(parents: list[int]) -> list[list[int]]:
+    """children[0] are the root's children; children[i + 1] those of node i (in node order)."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        children[p + 1].append(i)
+    return children
+
+
+def accept_greedy(tokens: list[int], parents: list[int], target_choice: list[int]) -> tuple[list[int], int]:
+    """Longest path whose every token equals the target's greedy choice at its parent.
+
+    target_choice[0] is the argmax after the root, target_choice[i + 1] after node i. Returns
+    the accepted node indices (root excluded) and the bonus token."""
+    children = children_lists(parents)
+    path: list[int] = []
+    at = 0  # position in [root, nodes]
+    while True:
+        want = target_choice[at]
+        nxt = next((c for c in children[at] if tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        at = nxt + 1
+
+
+def accept_sampling(tokens: list[int], parents: list[int], probs: torch.Tensor,
+                    generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Recursive rejection sampling over siblings; probs [1 + N, V] are the processed target
+    distributions after the root and after each node. Siblings are tried in node order (the
+    drafter's order, fixed before the target's randomness), each accepted with the current
+    residual probability of its token; a rejected token's mass is zeroed and the rest
+    renormalised. Exact: the emitted tokens are distributed as plain sampling from probs."""
+    children = children_lists(parents)
+    path: list[int] = []
+    at = 0
+    while True:
+        p = probs[at].clone()
+        accepted = None
+        for c in children[at]:
+            pc = float(p[tokens[c]])
+            if pc > 0.0 and float(torch.rand((), generator=generator)) < pc:
+                accepted = c
+                break
+            p[tokens[c]] = 0.0
+            total = float(p.sum())
+            if total <= 0.0:  # cannot happen with pc < 1 rejected, but never divide by zero
+                break
+            p = p / total
+        if accepted is None:
+            return path, sample_from(p, generator)
+        path.append(accepted)
+        at = accepted + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The proposer interface
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class DraftTree:
+    """Candidate tokens (target ids) below the root; parents[i] is -1 for the root's children,
+    else an index < i (parents come first). Siblings must hold distinct tokens."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @staticmethod
+    def empty() -> DraftTree:
+        return DraftTree([], [])
+
+    @staticmethod
+    def chain(tokens: list[int]) -> DraftTree:
+        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def validate(self, max_depth: int, max_nodes: int) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("draft tree: tokens and parents differ in length")
+        if len(self.tokens) > max_nodes:
+            raise ValueError(f"draft tree: {len(self.tokens)} nodes > budget {max_nodes}")
+        if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError("draft tree: every parent must come before its child")
+        if self.tokens and max(node_depths(self.parents)) > max_depth:
+            raise ValueError(f"draft tree deeper than {max_depth}")
+        pairs = set(zip(self.parents, self.tokens))
+        if len(pairs) != len(self.tokens):
+            raise ValueError("draft tree: siblings must hold distinct tokens")
+
+
+class Proposer(Protocol):
+    """What the engine needs from a drafter.
+
+    `aux_layer_ids`: the target's hidden-state ids (HF convention, id k = output of decoder
+    layer k-1) the proposer wants after every target pass; empty for none.
+    `observe(seq, aux)`: `seq` is the whole committed sequence ending with the root (the token
+    the target chose last, not yet fed to it); `aux` [m, sum H] are the target's aux states at
+    the m positions the target just processed and kept, i.e. seq[-1-m:-1] (None when no ids).
+    `propose(max_depth, top_k, total_tokens)`: a `DraftTree` below the root.
+    """
+
+    aux_layer_ids: list[int]
+
+    def observe(self, seq: list[int], aux: torch.Tensor | None) -> None: ...
+
+    def propose(self, max_depth: int, top_k: int, total_tokens: int) -> DraftTree: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# The EAGLE-3 proposer
+# ---------------------------------------------------------------------------------------------
+
+class Eagle3Proposer:
+    """Drafts EAGLE-2 dynamic trees with an `Eagle3Draft`, keeping its own KV cache.
+
+    Context position t holds g_t = fc(aux states at t) with the embedding of token t+1 at RoPE
+    position t, and predicts token t+2 (training's step 0). A tree node at depth d is fed its
+    parent's output (pre-norm, or post-norm with config.norm_output) and its own token, at RoPE
+    position (last context position + d), attending to the context cache and its ancestors
+    only: the inference twin of the training-time-test unroll.
+    """
+
+    def __init__(self, drafter: nn.Module):
+        self.drafter = drafter
+        cfg = drafter.config
+        self.cfg = cfg
+        self.aux_layer_ids = list(cfg.aux_layer_ids)
+        self.draft_to_target = (torch.arange(cfg.draft_vocab_size, device=drafter.d2t.device)
+                                + drafter.d2t).tolist()
+        self.reset()
+
+    def reset(self) -> None:
+        # One buffer per K and V [1, kv_heads, capacity, head_dim] (roped keys): the context
+        # occupies [0, context_len); a cycle's tree nodes are scratch written right after it,
+        # so attention reads a view and nothing is re-concatenated per depth.
+        self.k_buf: torch.Tensor | None = None
+        self.v_buf: torch.Tensor | None = None
+        self.context_len = 0
+        self.root_out: torch.Tensor | None = None  # [H] drafter output at the last context position
+        self.draft_forwards = 0
+
+    def reserve(self, length: int, live: int) -> None:
+        """Room for `length` slots, keeping the first `live` (context + this cycle's tree so far)."""
+        cfg, w = self.cfg, self.drafter.fc.weight
+        if self.k_buf is not None and self.k_buf.shape[2] >= length:
+            return
+        cap = max(length, 2 * (0 if self.k_buf is None else self.k_buf.shape[2]), 256)
+        k_buf = w.new_zeros(1, cfg.num_kv_heads, cap, cfg.head_dim)
+        v_buf = w.new_zeros(1, cfg.num_kv_heads, cap, cfg.head_dim)
+        if self.k_buf is not None:
+            k_buf[:, :, :live] = self.k_buf[:, :, :live]
+            v_buf[:, :, :live] = self.v_buf[:, :, :live]
+        self.k_buf, self.v_buf = k_buf, v_buf
+
+    # -- one pass of the drafter's layer -------------------------------------------------------
+
+    def layer(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, slot: int,
+              allowed: torch.Tensor) -> torch.Tensor:
+        """The midlayer for q new queries (fed hidden [q, H], tokens [q]) at RoPE `positions`
+        [q]. Their keys/values go to buffer slots [slot, slot + q); they attend to slots
+        [0, slot + q) as `allowed` [q, slot + q] says. Returns the outputs [q, H]."""
+        from eaglet.draft_model import apply_rope, rope_cos_sin
+
+        d = self.drafter
+        ml, attn, cfg = d.midlayer, d.midlayer.self_attn, self.cfg
+        q_len = hidden.shape[0]
+        self.reserve(slot + q_len, live=slot)
+        hidden = hidden.to(d.fc.weight.dtype)
+        embeds = d.embed_tokens(token_ids).to(hidden.dtype)
+        x = torch.cat([ml.input_layernorm(embeds), ml.hidden_norm(hidden)], dim=-1)[None]
+        q = attn.q_proj(x).view(1, q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        q = apply_rope(q, cos, sin)
+        self.k_buf[:, :, slot: slot + q_len] = apply_rope(k, cos, sin)
+        self.v_buf[:, :, slot: slot + q_len] = v
+        o = F.scaled_dot_product_attention(q, self.k_buf[:, :, : slot + q_len], self.v_buf[:, :, : slot + q_len],
+                                           attn_mask=allowed[None, None],
+                                           enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        h = hidden + attn.o_proj(o.transpose(1, 2).reshape(1, q_len, -1))[0]
+        h = h + ml.mlp(ml.post_attention_layernorm(h))
+        self.draft_forwards += 1
+        return h
+
+    def log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab log-probabilities of the next token from a layer output [q, H]."""
+        return torch.log_softmax(self.drafter.lm_head(self.drafter.norm(out)).float(), dim=-1)
+
+    def fed_back(self, out: torch.Tensor) -> torch.Tensor:
+        """The hidden a node passes to its children (what TTT step k+1 got from step k)."""
+        return self.drafter.norm(out) if self.cfg.norm_output else out
+
+    # -- Proposer interface --------------------------------------------------------------------
+
+    def observe(self, seq: list[int], aux: torch.Tensor | None) -> None:
+        if aux is None:
+            raise ValueError("Eagle3Proposer needs the target's aux states")
+        m = aux.shape[0]
+        start = self.context_len
+        if start + m != len(seq) - 1:
+            raise ValueError(f"drafter context {start} + {m} new positions != committed {len(seq) - 1}")
+        if m == 0:
+            return
+        device = self.drafter.fc.weight.device
+        g = self.drafter.fuse(aux.to(device)[None])[0]
+        next_tokens = torch.tensor(seq[start + 1: start + m + 1], device=device)
+        positions = torch.arange(start, start + m, device=device)
+        allowed = torch.cat([torch.ones(m, start, dtype=torch.bool, device=device),
+                             torch.ones(m, m, dtype=torch.bool, device=device).tril()], dim=1)
+        out = self.layer(g, next_tokens, positions, start, allowed)
+        self.context_len = start + m
+        self.root_out = out[-1]
+
+    def propose(self, max_depth: int, top_k: int, total_tokens: int) -> DraftTree:
+        """EAGLE-2: expand the top_k best frontier nodes per depth in one batched pass, score by
+        cumulative log-prob, keep the best top_k as the next frontier; finally keep the
+        total_tokens best of all candidates (ancestor-closed: a child never outscores its parent,
+        and on ties the shallower candidate sorts first)."""
+        if max_depth < 1 or total_tokens < 1 or self.root_out is None:
+            return DraftTree.empty()
+        device = self.root_out.device
+        k = min(top_k, self.cfg.draft_vocab_size)
+        root_pos = self.context_len - 1
+
+        # candidates, in depth order: draft id, cumulative score, parent candidate (-1 = root)
+        lp = self.log_probs(self.root_out[None])[0]
+        scores, ids = lp.topk(k)
+        cand_ids, cand_scores, cand_parent = [ids], [scores], [torch.full((k,), -1, device=device)]
+        n_cand = k
+        frontier = torch.arange(k, device=device)  # candidate indices of the frontier
+        frontier_scores, frontier_ids = scores, ids
+        frontier_hidden = self.fed_back(self.root_out)[None].expand(k, -1)
+        anc = torch.zeros(0, 0, dtype=torch.bool, device=device)  # expanded x expanded
+        frontier_anc = torch.zeros(k, 0, dtype=torch.bool, device=device)  # ancestors among expanded
+
+        for depth in range(1, max_depth):
+            n_exp = anc.shape[0]
+            # the frontier sees its ancestors and itself among expanded nodes
+            new_anc = torch.cat([frontier_anc, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+            anc = torch.cat([torch.cat([anc, torch.zeros(n_exp, k, dtype=torch.bool, device=device)], 1),
+                             new_anc], dim=0)
+            allowed = torch.cat([torch.ones(k, self.context_len, dtype=torch.bool, device=device), new_anc], dim=1)
+            positions = torch.full((k,), root_pos + depth, device=device)
+            # expanded nodes sit in buffer slots context_len + (their expansion index)
+            out = self.layer(frontier_hidden, frontier_ids, positions, self.context_len + n_exp, allowed)
+
+            child_scores, child_ids = self.log_probs(out).topk(k, dim=-1)  # [k, k]
+            child_scores = child_scores + frontier_scores[:, None]
+            cand_ids.append(child_ids.reshape(-1))
+            cand_scores.append(child_scores.reshape(-1))
+            cand_parent.append(frontier.repeat_interleave(k))
+            best = child_scores.reshape(-1).topk(k).indices
+            par = best // k  # which frontier node each new frontier node hangs under
+            frontier = n_cand + best
+            n_cand += k * k
+            frontier_scores = child_scores.reshape(-1)[best]
+            frontier_ids = child_ids.reshape(-1)[best]
+            frontier_hidden = self.fed_back(out)[par]
+            frontier_anc = anc[n_exp + par]
+
+        return self.select(torch.cat(cand_ids), torch.cat(cand_scores), torch.cat(cand_parent), total_tokens)
+
+    def select(self, ids: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, total_tokens: int) -> DraftTree:
+        # stable sort on descending score keeps depth order among ties: parents precede children
+        order = torch.sort(scores, descending=True, stable=True).indices[:total_tokens]
+        keep = order.sort().values.tolist()  # candidate order is depth order: topological
+        local = {c: i for i, c in enumerate(keep)}
+        ids_l, parents_l = ids.tolist(), parents.tolist()
+        tokens = [self.draft_to_target[ids_l[c]] for c in keep]
+        tree_parents = [-1 if parents_l[c] < 0 else local[parents_l[c]] for c in keep]
+        return DraftTree(tokens, tree_parents)
+
+
+# ---------------------------------------------------------------------------------------------
+# The target side
+# ---------------------------------------------------------------------------------------------
+
+class TargetRunner:
+    """The HF target with its DynamicCache and (optionally) hooks on the aux layers."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None):
+        from transformers import DynamicCache
+
+        from eaglet.extract import LayerCapture
+        from eaglet.target import decoder_layers
+
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in (None, "sdpa", "eager"):
+            raise ValueError(f"tree verification needs a custom 4D attention mask: load the target with "
+                             f"attn_implementation 'sdpa' or 'eager', not {impl!r}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.cache = DynamicCache(config=model.config)
+        self.capture = LayerCapture(decoder_layers(model), aux_layer_ids) if aux_layer_ids else None
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def forward(self, token_ids: list[int], positions: list[int] | None = None,
+                mask: torch.Tensor | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [q or 1, V] (fp32) and the aux states [q, sum H] of the fed tokens."""
+        t0 = time.perf_counter()
+        ids = torch.tensor([token_ids], device=self.device)
+        pos = None if positions is None else torch.tensor([positions], device=self.device)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True,
+                         logits_to_keep=1 if last_only else 0)
+        aux = torch.cat(self.capture.take(), dim=-1)[0] if self.capture is not None else None
+        self.forwards += 1
+        self.seconds += time.perf_counter() - t0
+        return out.logits[0].float(), aux
+
+    def keep(self, start: int, rel: list[int]) -> None:
+        """Keep cache entries [0, start) + start + rel (rel sorted), dropping rejected tree nodes.
+
+        Per layer on `.layers[i].keys/.values` (DynamicLayer, transformers 5): a slice when the
+        kept entries are a prefix (chains), an index-select otherwise."""
+        contiguous = rel == list(range(len(rel)))
+        idx = None if contiguous else torch.tensor(list(range(start)) + [start + r for r in rel], device=self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
+                raise NotImplementedError(f"KV compaction of {type(layer).__name__} cache layers")
+            if contiguous:
+                layer.keys = layer.keys[..., : start + len(rel), :]
+                layer.values = layer.values[..., : start + len(rel), :]
+            else:
+                layer.keys = layer.keys.index_select(-2, idx)
+                layer.values = layer.values.index_select(-2, idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain decoding (the reference)
+# ---------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def plain_generate(target: nn.Module, input_ids: TokenIds, max_new_tokens: int, eos_ids: Sequence[int] = (),
+                   temperature: float = 0.0, top_p: float = 1.0,
+                   generator: torch.Generator | None = None) -> tuple[list[int], dict[str, Any]]:
+    """Token by token with the KV cache: greedy at temperature 0, else sampling from
+    `process_probs`. Returns the new tokens (ending at the first EOS, if any) and stats."""
+    prompt = as_id_list(input_ids)
+    runner = TargetRunner(target)
+    budget = token_budget(len(prompt), max_new_tokens, runner.max_positions)
+    eos = set(eos_ids)
+    out: list[int] = []
+    t0 = time.perf_counter()
+    feed = prompt
+    while len(out) < budget:
+        logits, _ = runner.forward(feed, last_only=True)
+        tok = (int(logits[-1].argmax()) if temperature <= 0
+               else sample_from(process_probs(logits[-1], temperature, top_p), generator))
+        out.append(tok)
+        if tok in eos:
+            break
+        feed = [tok]
+    wall = time.perf_counter() - t0
+    return out, {"new_tokens": len(out), "target_forwards": runner.forwards, "wall_s": wall,
+                 "tokens_per_s": len(out) / wall if wall > 0 else 0.0}
+
+
+def plain_greedy(target: nn.Module, input_ids: TokenIds, max_new_tokens: int,
+                 eos_ids: Sequence[int] = ()) -> list[int]:
+    return plain_generate(target, input_ids, max_new_tokens, eos_ids)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class DecodeStats:
+    new_tokens: int = 0
+    target_forwards: int = 0  # prefill included
+    verify_forwards: int = 0
+    draft_forwards: int = 0  # batched drafter layer passes
+    accept_counts: list[int] = field(default_factory=list)  # [m] cycles that accepted m draft tokens
+    position_reached: list[int] = field(default_factory=list)  # [d] cycles whose tree had depth > d
+    position_accepted: list[int] = field(default_factory=list)  # [d] cycles that accepted > d tokens
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    wall_s: float = 0.0
+    stopped: str = ""  # "eos" | "max_new_tokens" | "context"
+
+    @property
+    def tau(self) -> float:
+        """new tokens / target forwards, the prefill counted as one (plain decoding: 1.0)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tau_verify(self) -> float:
+        """Tokens per verification pass (accepted + bonus), the prefill's token excluded."""
+        return (self.new_tokens - 1) / self.verify_forwards if self.verify_forwards else 0.0
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """Per draft position d (0-based): P(accept d | reached d with a node at depth d+1)."""
+        return [a / r if r else 0.0 for a, r in zip(self.position_accepted, self.position_reached)]
+
+    def record(self, accepted: int, tree_depth: int) -> None:
+        for xs, n in ((self.accept_counts, accepted + 1), (self.position_reached, tree_depth),
+                      (self.position_accepted, tree_depth)):
+            xs.extend([0] * (n - len(xs)))
+        self.accept_counts[accepted] += 1
+        # position d counts only when the previous d were accepted and the tree reached depth d+1
+        for d in range(min(accepted + 1, tree_depth)):
+            self.position_reached[d] += 1
+            if d < accepted:
+                self.position_accepted[d] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(tau=self.tau, tau_verify=self.tau_verify, acceptance_rates=self.acceptance_rates,
+                 tokens_per_s=self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0)
+        return d
+
+
+def tree_limits(mode: str, depth: int, top_k: int, total_tokens: int) -> tuple[int, int, int]:
+    if mode == "chain":
+        return depth, 1, depth
+    if mode != "tree":
+        raise ValueError(f"mode must be 'tree' or 'chain', not {mode!r}")
+    if depth < 1 or top_k < 1 or total_tokens < 1:
+        raise ValueError("depth, top_k and total_tokens must be >= 1")
+    return depth, top_k, total_tokens
+
+
+@torch.inference_mode()
+def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input_ids: TokenIds,
+                         max_new_tokens: int, eos_ids: Sequence[int] = (), mode: str = "tree",
+                         depth: int = DEFAULT_DEPTH, top_k: int = DEFAULT_TOP_K,
+                         total_tokens: int = DEFAULT_TOTAL_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
+                         generator: torch.Generator | None = None) -> tuple[list[int], DecodeStats]:
+    """Generate like `plain_generate` (token for token at T=0, in distribution at T>0) with
+    drafts verified by the target. `drafter` is an `Eagle3Draft` or any `Proposer`."""
+    depth, top_k, total_tokens = tree_limits(mode, depth, top_k, total_tokens)
+    proposer: Proposer = drafter if hasattr(drafter, "propose") else Eagle3Proposer(drafter)
+    if isinstance(proposer, Eagle3Proposer):
+        proposer.reset()
+    sampling = temperature > 0
+    prompt = as_id_list(input_ids)
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    stats = DecodeStats()
+    t_start = time.perf_counter()
+    try:
+        budget = token_budget(len(prompt), max_new_tokens, runner.max_positions)
+        if budget == 0:
+            stats.stopped = "context" if max_new_tokens > 0 else "max_new_tokens"
+            return [], stats
+
+        def choose(logits_row: torch.Tensor) -> int:
+            if sampling:
+                return sample_from(process_probs(logits_row, temperature, top_p), generator)
+            return int(logits_row.argmax())
+
+        logits, aux = runner.forward(prompt, last_only=True)
+        out = [choose(logits[-1])]
+        eos = set(eos_ids)
+        seq = prompt + out
+        while True:
+            if out[-1] in eos:
+                stats.stopped = "eos"
+                break
+            if len(out) >= budget:
+                stats.stopped = "max_new_tokens" if budget == max_new_tokens else "context"
+                break
+            t0 = time.perf_counter()
+            proposer.observe(seq, aux)
+            # a cycle adds accepted + 1 tokens: drafting deeper than budget - 1 is wasted work,
+            # and this bound also keeps every tree position below max_position_embeddings
+            max_depth = min(depth, budget - len(out) - 1)
+            tree = proposer.propose(max_depth, top_k, total_tokens) if max_depth > 0 else DraftTree.empty()
+            stats.draft_s += time.perf_counter() - t0
+            tree.validate(max_depth, total_tokens)
+
+            prefix = runner.cached  # == len(seq) - 1: everything but the root
+            depths = node_depths(tree.parents)
+            mask = tree_attention_mask(tree.parents, prefix, runner.dtype, runner.device) if len(tree) else None
+            logits, aux_all = runner.forward([seq[-1]] + tree.tokens, [prefix] + [prefix + d for d in depths], mask)
+            stats.verify_forwards += 1
+            if sampling:
+                probs = process_probs(logits, temperature, top_p)
+                path, bonus = accept_sampling(tree.tokens, tree.parents, probs, generator)
+            else:
+                path, bonus = accept_greedy(tree.tokens, tree.parents, logits.argmax(-1).tolist())
+            stats.record(len(path), max(depths, default=0))
+
+            kept = [0] + [i + 1 for i in path]  # root + accepted nodes, in [root, nodes] order
+            runner.keep(prefix, kept)
+            aux = aux_all[kept] if aux_all is not None else None
+            new, _ = truncate_at_eos([tree.tokens[i] for i in path] + [bonus], eos)
+            new = new[: budget - len(out)]
+            out += new
+            seq += new
+            # tokens cut after an EOS or the budget are never fed again: the loop stops next
+    finally:
+        runner.close()
+        stats.new_tokens = len(out) if "out" in locals() else 0
+        stats.target_forwards = runner.forwards
+        stats.target_s = runner.seconds
+        stats.draft_forwards = getattr(proposer, "draft_forwards", 0)
+        stats.wall_s = time.perf_counter() - t_start
+    return out, stats
+
+
+__all__ = ["DraftTree", "Proposer", "Eagle3Proposer", "TargetRunner", "DecodeStats", "plain_generate",
+           "plain_greedy", "speculative_generate", "process_probs", "accept_greedy", "accept_sampling",
+           "tree_attention_mask", "token_budget"]

@@ -1,0 +1,385 @@
+"""Speculative decoding (eaglet.decode): exact against plain decoding on the tiny random Llama."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from eaglet.decode import (DraftTree, Eagle3Proposer, accept_greedy, accept_sampling, ancestor_matrix,
+                           plain_generate, plain_greedy, process_probs, speculative_generate, tree_attention_mask)
+from eaglet.draft_model import DraftConfig, Eagle3Draft
+
+AUX_IDS = [2, 4, 5]
+PROMPTS = [[5, 17, 99, 3, 42, 7], [1, 200, 201, 202], [300, 12, 12, 12, 12, 88, 91, 150, 2, 77, 31]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    # One thread: this tiny model is all per-op overhead, and a second thread only spins
+    # (about 10x slower on a shared 2-core machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    torch.set_num_threads(threads)
+
+
+def make_drafter(target, seed: int = 0, **overrides) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    cfg = DraftConfig.from_target(target.config, AUX_IDS, draft_vocab_size=300, **overrides)
+    drafter = Eagle3Draft(cfg).eval()
+    # a non-trivial draft vocab (all even ids, odd ids below 200), so the d2t mapping matters
+    ids = torch.tensor(sorted(set(range(0, 400, 2)) | set(range(1, 200, 2))))
+    d2t = ids - torch.arange(300)
+    t2d = torch.zeros(400, dtype=torch.bool)
+    t2d[ids] = True
+    drafter.set_draft_vocab(d2t, t2d)
+    return drafter
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation (from plain_greedy), so nearly every draft
+    token is accepted. With `decoys`, each depth's true token comes after a wrong sibling, which
+    the tree walk must skip."""
+
+    aux_layer_ids: list[int] = []
+
+    def __init__(self, full: list[int], vocab: int, decoys: bool = False):
+        self.full, self.vocab, self.decoys = full, vocab, decoys
+        self.seq: list[int] = []
+
+    def observe(self, seq, aux) -> None:
+        assert aux is None
+        self.seq = list(seq)
+
+    def propose(self, max_depth: int, top_k: int, total_tokens: int) -> DraftTree:
+        n = len(self.seq)
+        if self.full[:n] != self.seq:
+            return DraftTree.empty()
+        truth = self.full[n: n + max_depth]
+        if not self.decoys or top_k == 1:
+            return DraftTree.chain(truth[:total_tokens])
+        tokens, parents, parent = [], [], -1
+        for t in truth:
+            if len(tokens) + 2 > total_tokens:
+                break
+            tokens += [(t + 1) % self.vocab, t]
+            parents += [parent, parent]
+            parent = len(tokens) - 1
+        return DraftTree(tokens, parents)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces
+# ---------------------------------------------------------------------------------------------
+
+def test_tree_mask_and_greedy_walk():
+    #        root
+    #       /    \
+    #   0:a       1:b
+    #   |   \       \
+    #  2:c  3:d     4:e
+    parents = [-1, -1, 0, 0, 1]
+    anc = ancestor_matrix(parents)
+    assert anc[2].tolist() == [True, False, True, False, False]
+    assert anc[4].tolist() == [False, True, False, False, True]
+    mask = tree_attention_mask(parents, prefix_len=3, dtype=torch.float32, device=torch.device("cpu"))
+    assert mask.shape == (1, 1, 6, 9)
+    visible = (mask[0, 0] == 0)
+    assert visible[:, :3].all()  # the cached prefix
+    assert visible[:, 3].all()  # the root
+    assert visible[3].tolist()[3:] == [True, True, False, True, False, False]  # node 2 sees root, 0, itself
+    tokens = [10, 11, 12, 13, 14]
+    # target choices after [root, n0..n4]: root->11 (node 1), node1 -> 14 (node 4), node4 -> 99 bonus
+    assert accept_greedy(tokens, parents, [11, 0, 14, 0, 0, 99]) == ([1, 4], 99)
+    assert accept_greedy(tokens, parents, [10, 13, 0, 0, 0, 0]) == ([0, 3], 0)
+    assert accept_greedy(tokens, parents, [7, 0, 0, 0, 0, 0]) == ([], 7)
+    assert accept_greedy([], [], [5]) == ([], 5)
+
+
+def test_tree_validation():
+    DraftTree([1, 2], [-1, 0]).validate(2, 2)
+    with pytest.raises(ValueError):
+        DraftTree([1, 1], [-1, -1]).validate(2, 2)  # siblings with one token
+    with pytest.raises(ValueError):
+        DraftTree([1, 2], [1, -1]).validate(2, 2)  # child before parent
+    with pytest.raises(ValueError):
+        DraftTree([1, 2, 3], [-1, 0, 1]).validate(2, 3)  # too deep
+
+
+def test_process_probs_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(process_probs(logits, 1.0, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = process_probs(logits, 1.0, 0.7)  # 0.5 < 0.7, 0.5 + 0.3 crosses: keep two
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    assert process_probs(logits, 1.0, 0.1).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def chi_square_ok(counts: Counter, expected: dict, n: int) -> tuple[float, int, bool]:
+    """Pearson chi-square with cells of expected count < 5 pooled; passes below
+    dof + 5 sqrt(2 dof) (about a 1e-4 false alarm rate at these sizes)."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for key, p in expected.items():
+        e = p * n
+        if e >= 5:
+            stat += (counts.get(key, 0) - e) ** 2 / e
+            cells += 1
+        else:
+            pooled_obs += counts.get(key, 0)
+            pooled_exp += e
+    pooled_obs += sum(c for k, c in counts.items() if k not in expected)
+    if pooled_exp >= 1:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    else:
+        assert pooled_obs <= 3, "mass outside the expected support"
+    dof = max(cells - 1, 1)
+    return stat, dof, stat < dof + 5 * math.sqrt(2 * dof)
+
+
+def test_accept_sampling_is_exact_on_a_synthetic_tree():
+    """Joint law of (accepted path + bonus) tokens == sampling from the target distributions."""
+    V = 4
+    gen = torch.Generator().manual_seed(0)
+    # target distribution after the root, and after each token as the first / second token
+    p_root = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    p_after = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.2, 0.2, 0.5, 0.1], [0.25, 0.25, 0.25, 0.25],
+                            [0.05, 0.05, 0.1, 0.8]])
+    # tree: root -> {2, 1, 3}; node(2) -> {0, 3}; node(1) -> {2}
+    tokens, parents = [2, 1, 3, 0, 3, 2], [-1, -1, -1, 0, 0, 1]
+    probs = torch.stack([p_root] + [p_after[t] for t in tokens])
+    n = 6000
+    counts: Counter = Counter()
+    for _ in range(n):
+        path, bonus = accept_sampling(tokens, parents, probs, gen)
+        seq = [tokens[i] for i in path] + [bonus]
+        if len(seq) == 1:  # nothing accepted: the second token would come from the next cycle
+            seq.append(-1)
+        counts[(seq[0], seq[1])] += 1
+    # expected: first token ~ p_root; the second is sampled here only if the first is in the tree
+    expected = {}
+    for a in range(V):
+        if a in (2, 1, 3):
+            for b in range(V):
+                expected[(a, b)] = float(p_root[a] * p_after[a][b])
+        else:
+            expected[(a, -1)] = float(p_root[a])
+    stat, dof, ok = chi_square_ok(counts, expected, n)
+    assert ok, (stat, dof, counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter's inference pass == its training unroll
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_output,fc_norm", [(False, False), (True, True)])
+def test_drafter_inference_matches_training_unroll(target, norm_output, fc_norm):
+    drafter = make_drafter(target, norm_output=norm_output, fc_norm=fc_norm)
+    L, K, t = 14, 4, 7  # position t, unrolled K steps
+    torch.manual_seed(1)
+    ids = torch.randint(0, 400, (1, L))
+    aux = torch.randn(1, L, 3 * 64)
+    with torch.no_grad():
+        train = drafter(ids, aux, steps=K).logits
+        prop = Eagle3Proposer(drafter)
+        seq = ids[0, : t + 2].tolist()  # context 0..t, root = token t+1
+        prop.observe(seq, aux[0, : t + 1])
+        torch.testing.assert_close(prop.log_probs(prop.root_out[None])[0], torch.log_softmax(train[0][0, t], -1),
+                                   rtol=1e-4, atol=1e-4)
+        # a chain of teacher-forced nodes: step k feeds token t+1+k at RoPE t+k, sees ctx + chain
+        hidden = prop.fed_back(prop.root_out)[None]
+        for k in range(1, K):
+            slot = prop.context_len + k - 1  # the chain's nodes follow the context in the buffer
+            allowed = torch.ones(1, slot + 1, dtype=torch.bool)
+            out = prop.layer(hidden, ids[0, t + 1 + k: t + 2 + k], torch.tensor([t + k]), slot, allowed)
+            torch.testing.assert_close(prop.log_probs(out)[0], torch.log_softmax(train[k][0, t], -1),
+                                       rtol=1e-4, atol=1e-4)
+            hidden = prop.fed_back(out)
+
+
+def test_eagle3_tree_shape(target):
+    drafter = make_drafter(target)
+    prop = Eagle3Proposer(drafter)
+    with torch.no_grad():
+        prop.observe([5, 6, 7, 8], torch.randn(3, 192))
+        tree = prop.propose(max_depth=4, top_k=3, total_tokens=10)
+        tree.validate(4, 10)
+        assert len(tree) == 10
+        t2d = drafter.t2d
+        assert all(bool(t2d[t]) for t in tree.tokens)  # mapped back to target ids in the draft vocab
+        chain = prop.propose(max_depth=5, top_k=1, total_tokens=5)
+        assert chain.parents == [-1, 0, 1, 2, 3]
+
+
+def test_eagle3_buffer_growth_mid_tree(target):
+    """The drafter's KV buffer (256 slots at first) may grow while a tree is being drafted."""
+    drafter = make_drafter(target)
+    torch.manual_seed(2)
+    seq, aux = torch.randint(0, 400, (252,)).tolist(), torch.randn(251, 192)
+    trees, keys = [], []
+    for presize in (False, True):
+        prop = Eagle3Proposer(drafter)
+        if presize:
+            prop.reserve(2048, live=0)
+        with torch.no_grad():
+            prop.observe(seq, aux)
+            trees.append(prop.propose(max_depth=4, top_k=3, total_tokens=12))
+        keys.append(prop.k_buf[:, :, : 251 + 3 * 3].clone())  # context + 3 expansions of 3 nodes
+    assert prop.k_buf.shape[2] == 2048
+    assert trees[0] == trees[1]
+    torch.testing.assert_close(keys[0], keys[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy exactness against plain decoding
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_random_drafter_is_exact(target, mode):
+    drafter = make_drafter(target)
+    for prompt in PROMPTS:
+        ref = plain_greedy(target, prompt, 24)
+        out, stats = speculative_generate(target, drafter, prompt, 24, mode=mode, depth=4, top_k=4, total_tokens=12)
+        assert out == ref
+        assert stats.new_tokens == 24 and stats.stopped == "max_new_tokens"
+        assert stats.target_forwards == stats.verify_forwards + 1
+        assert sum(stats.accept_counts) == stats.verify_forwards
+
+
+def test_norm_output_drafter_is_exact(target):
+    drafter = make_drafter(target, seed=3, norm_output=True, fc_norm=True)
+    ref = plain_greedy(target, PROMPTS[0], 16)
+    out, _ = speculative_generate(target, drafter, PROMPTS[0], 16, depth=3, top_k=3, total_tokens=8)
+    assert out == ref
+
+
+@pytest.mark.parametrize("mode,decoys", [("chain", False), ("tree", False), ("tree", True)])
+def test_oracle_is_exact_and_accepts_everything(target, mode, decoys):
+    depth, new = 4, 41
+    for prompt in PROMPTS:
+        ref = plain_greedy(target, prompt, new)
+        oracle = OracleProposer(prompt + ref, 400, decoys=decoys)
+        out, stats = speculative_generate(target, oracle, prompt, new, mode=mode, depth=depth, top_k=3,
+                                          total_tokens=2 * depth)
+        assert out == ref
+        # 1 token from the prefill, then full cycles of depth + 1: 40 / 5 = 8 verifications
+        assert stats.verify_forwards == math.ceil((new - 1) / (depth + 1))
+        assert stats.tau_verify == pytest.approx(depth + 1)
+        assert stats.acceptance_rates == [1.0] * depth
+
+
+def test_eos_stop(target):
+    prompt = PROMPTS[1]
+    ref = plain_greedy(target, prompt, 30)
+    # an EOS that first occurs mid-output, in the middle of an accepted path
+    pos = next(i for i in range(3, 30) if ref[i] not in ref[:i])
+    eos = [ref[pos]]
+    ref_eos = plain_greedy(target, prompt, 30, eos_ids=eos)
+    assert ref_eos == ref[: pos + 1]
+    oracle = OracleProposer(prompt + ref, 400)
+    out, stats = speculative_generate(target, oracle, prompt, 30, eos_ids=eos, mode="chain", depth=6)
+    assert out == ref_eos and stats.stopped == "eos"
+    out, _ = speculative_generate(target, make_drafter(target), prompt, 30, eos_ids=eos, depth=3, top_k=3,
+                                  total_tokens=8)
+    assert out == ref_eos
+
+
+@pytest.mark.parametrize("new", [1, 2, 5, 7])
+def test_max_new_tokens_stop(target, new):
+    prompt = PROMPTS[0]
+    ref = plain_greedy(target, prompt, new)
+    assert len(ref) == new
+    oracle = OracleProposer(prompt + plain_greedy(target, prompt, 20), 400)
+    out, stats = speculative_generate(target, oracle, prompt, new, mode="chain", depth=4)
+    assert out == ref and stats.new_tokens == new
+
+
+def test_context_limit(target):
+    """Never past max_position_embeddings: the tree shrinks near the end, output == plain."""
+    limit = target.config.max_position_embeddings
+    target.config.max_position_embeddings = 20
+    try:
+        prompt = PROMPTS[2]  # 11 tokens: 9 more fit
+        ref = plain_greedy(target, prompt, 50)
+        assert len(ref) == 9
+        oracle = OracleProposer(prompt + ref, 400)
+        out, stats = speculative_generate(target, oracle, prompt, 50, mode="chain", depth=6)
+        assert out == ref and stats.stopped == "context"
+        out, _ = speculative_generate(target, make_drafter(target), prompt, 50, depth=6, top_k=3, total_tokens=10)
+        assert out == ref
+        assert speculative_generate(target, oracle, list(range(20)), 5)[0] == []
+        with pytest.raises(ValueError):
+            speculative_generate(target, oracle, list(range(21)), 5)
+    finally:
+        target.config.max_position_embeddings = limit
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+class TargetTreeProposer:
+    """Drafts from the target itself: its 2nd to 4th most likely tokens after the root (so the
+    residual after rejections often has to produce the top token), and the top-2 after each of
+    them, so sibling rejections and depth-2 acceptances both happen often."""
+
+    aux_layer_ids: list[int] = []
+
+    def __init__(self, model):
+        self.model = model
+        self.memo: dict[tuple, DraftTree] = {}  # the same few contexts recur across samples
+
+    def observe(self, seq, aux) -> None:
+        self.seq = list(seq)
+
+    def propose(self, max_depth: int, top_k: int, total_tokens: int) -> DraftTree:
+        key = (tuple(self.seq), max_depth)
+        if key not in self.memo:
+            self.memo[key] = self.draft(max_depth)
+        return self.memo[key]
+
+    def draft(self, max_depth: int) -> DraftTree:
+        first = self.model(torch.tensor([self.seq])).logits[0, -1].topk(4).indices[1:].tolist()
+        if max_depth < 2:
+            return DraftTree(first, [-1, -1, -1])
+        batch = torch.tensor([self.seq + [t] for t in first])
+        second = self.model(batch).logits[:, -1].topk(2).indices.tolist()
+        tokens, parents = list(first), [-1, -1, -1]
+        for i, pair in enumerate(second):
+            tokens += pair
+            parents += [i, i]
+        return DraftTree(tokens, parents)
+
+
+def test_sampling_matches_target_distribution(target):
+    T, top_p, n = 0.05, 0.9, 500
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        p1 = process_probs(target(torch.tensor([prompt])).logits[0, -1], T, top_p)
+        support = p1.nonzero().flatten().tolist()
+        p2 = process_probs(target(torch.tensor([prompt + [a] for a in support])).logits[:, -1], T, top_p)
+    expected = {(a, b): float(p1[a] * p2[i, b])
+                for i, a in enumerate(support) for b in p2[i].nonzero().flatten().tolist()}
+    gen = torch.Generator().manual_seed(0)
+    proposer = TargetTreeProposer(target)
+    counts: Counter = Counter()
+    accepted: Counter = Counter()
+    for _ in range(n):
+        # 4 tokens: 1 from the prefill, then a depth-2 tree (its max with 3 tokens left)
+        out, stats = speculative_generate(target, proposer, prompt, 4, temperature=T, top_p=top_p, generator=gen,
+                                          depth=2, top_k=3, total_tokens=9)
+        counts[(out[0], out[1])] += 1
+        accepted.update({m: c for m, c in enumerate(stats.accept_counts)})
+    stat, dof, ok = chi_square_ok(counts, expected, n)
+    assert ok, (stat, dof)
+    # rejections, depth-1 and depth-2 acceptances were all exercised
+    assert min(accepted[0], accepted[1], accepted[2]) > 30, accepted
+    # and plain sampling draws from the same law (a check of the reference itself)
+    gen = torch.Generator().manual_seed(1)
+    plain = Counter(tuple(plain_generate(target, prompt, 2, temperature=T, top_p=top_p, generator=gen)[0])
+                    for _ in range(200))
+    assert chi_square_ok(plain, expected, 200)[2]
