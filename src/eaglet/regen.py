@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet.data import ASSISTANT, Message, ReadStats, iter_records, to_messages
+from eaglet.formats import RegenWriter, errors_path, open_output
 
 log = logging.getLogger(__name__)
 
@@ -129,76 +130,8 @@ def length_batches(items: list[Any], key: Callable[[Any], int], batch_size: int)
 # Output file: one conversation per line, append-only, resumable
 # ---------------------------------------------------------------------------------------------
 
-def errors_path(out: str | os.PathLike) -> Path:
-    out = Path(out)
-    stem = out.name[:-len(".jsonl")] if out.name.endswith(".jsonl") else out.name
-    return out.with_name(stem + ".errors.jsonl")
-
-
 def regen_record(conv: Conversation, meta: dict[str, Any]) -> dict[str, Any]:
     return {"id": conv.id, "messages": conv.messages, "regen": {**meta, "finish_reasons": conv.finish_reasons}}
-
-
-def scan_output(path: str | os.PathLike) -> tuple[set[str], int, bool]:
-    """Ids of the complete lines of a regen output, the byte length they span, and whether a
-    partial last line follows them. A line counts only once its newline is written: each line
-    goes out in one write, so a kill mid-write leaves a last line without one."""
-    done: set[str] = set()
-    good = 0
-    with open(path, "rb") as f:  # streamed: an output of a million chats need not fit in memory
-        for n, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
-                break  # a kill's partial last line: dropped on resume
-            if line.strip():
-                try:
-                    done.add(str(json.loads(line)["id"]))
-                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-                    raise ValueError(f"{path}:{n}: not a regen record ({type(e).__name__}); the file was not "
-                                     f"written by `eaglet regen` alone, refusing to append to it") from e
-            good += len(line)
-        size = f.seek(0, os.SEEK_END)
-    return done, good, good < size
-
-
-class RegenWriter:
-    """Appends one JSON line per conversation, flushed and fsynced, so every line a run
-    reports as written survives a kill or power loss."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")
-
-    def write(self, record: dict[str, Any]) -> None:
-        # One write call per line: a kill leaves at worst one partial line, without newline.
-        self._file.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
-        self._file.flush()
-        os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self) -> RegenWriter:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-def open_output(out: Path, resume: bool) -> set[str]:
-    """Check `out` may be written; on resume, drop a partial last line and return the done ids."""
-    if not out.exists():
-        return set()
-    if not resume:
-        raise ValueError(f"--out {out} exists; pass --resume to continue it, or choose another file "
-                              f"(eaglet never overwrites regenerated data)")
-    done, good, partial = scan_output(out)
-    if partial:
-        log.warning("%s: dropping a partial last line (a killed run was writing it)", out)
-        with open(out, "rb+") as f:
-            f.truncate(good)
-            os.fsync(f.fileno())
-    return done
 
 
 # ---------------------------------------------------------------------------------------------
