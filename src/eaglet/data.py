@@ -135,7 +135,7 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
             continue
         if role != expected:
             if not messages or messages[-1]["role"] == SYSTEM:
-                stats.trimmed["leading non-user turns dropped"] += 1
+                stats.trimmed["leading non-user messages dropped (counted per message)"] += 1
                 continue
             stats.trimmed["roles stop alternating: cut there"] += 1
             break
