@@ -20,7 +20,7 @@ import torch
 
 from eaglet import formats
 from eaglet.data import prepare
-from eaglet.extract import extract, length_batches
+from eaglet.extract import extract, length_batches, pad_right
 from eaglet.target import base_model, load_target, parse_dtype, pick_device, resolve_target
 
 
@@ -28,13 +28,7 @@ from eaglet.target import base_model, load_target, parse_dtype, pick_device, res
 def plain_forward_seconds(model, samples, batches, device) -> float:
     t0 = time.perf_counter()
     for batch in batches:
-        longest = max(len(samples[i].input_ids) for i in batch)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        attn = torch.zeros(len(batch), longest, dtype=torch.long)
-        for row, i in enumerate(batch):
-            n = len(samples[i].input_ids)
-            ids[row, :n] = torch.tensor(samples[i].input_ids)
-            attn[row, :n] = 1
+        ids, attn = pad_right([samples[i] for i in batch])  # the same padding extraction uses
         base_model(model)(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
     return time.perf_counter() - t0
 

@@ -88,18 +88,24 @@ def length_batches(indices: list[int], lengths: list[int], batch_tokens: int, ma
     return batches
 
 
-@torch.inference_mode()
-def run_batch(model: nn.Module, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
-              store_dtype: torch.dtype) -> list[list[torch.Tensor]]:
-    """One padded forward; per sample, the captured states cut to its length, on CPU."""
-    from eaglet.target import base_model
-
+def pad_right(batch: list[TokenizedSample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, longest], padded on the right with 0 / mask 0."""
     longest = max(len(s.input_ids) for s in batch)
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     attn = torch.zeros(len(batch), longest, dtype=torch.long)
     for row, s in enumerate(batch):
         ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
         attn[row, : len(s.input_ids)] = 1
+    return ids, attn
+
+
+@torch.inference_mode()
+def run_batch(model: nn.Module, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
+              store_dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    """One padded forward; per sample, the captured states cut to its length, on CPU."""
+    from eaglet.target import base_model
+
+    ids, attn = pad_right(batch)
     base_model(model)(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
     states = [h.to("cpu", store_dtype) for h in capture.take()]
     # .clone(): each stored tensor must own its storage, or torch.save writes the whole batch.
