@@ -118,6 +118,64 @@ def cmd_regen(args: argparse.Namespace) -> None:
     print("\n".join(summary.lines()))
 
 
+def parse_list(text: str) -> list[str]:
+    return [x for x in text.replace(",", " ").split() if x]
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from eaglet.evaluate import DecodeSettings, evaluate
+
+    settings = DecodeSettings(max_new_tokens=args.max_new_tokens, depth=args.depth, top_k=args.top_k,
+                              total_tokens=args.total_tokens, chain_depth=args.chain_depth,
+                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    result = evaluate(args.drafter, args.target, args.prompts, args.num_prompts, args.methods, settings, args.dtype,
+                      args.device, args.threads, args.out, plot=not args.no_plot)
+    print(result.table())
+    for label, path in (("results", result.json_path), ("plot", result.plot_path)):
+        if path is not None:
+            print(f"{label}: {path}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from eaglet.export import export_drafter
+
+    summary = export_drafter(args.ckpt, args.out, args.format, args.dtype, args.verifier, args.num_speculative_tokens)
+    print("\n".join(summary.lines()))
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from eaglet.export import import_drafter
+
+    print("\n".join(import_drafter(args.dir, args.out, args.target).lines()))
+
+
+def add_export_parsers(sub: argparse._SubParsersAction) -> None:
+    """`eaglet export` and `eaglet import`: drafter folders for and from vLLM / SGLang."""
+    p = sub.add_parser("export", help="write a drafter folder that vLLM (speculators) or SGLang (eagle) loads",
+                       description="Check a trained drafter (shapes, d2t/t2d, layer ids) and write it as a "
+                                   "speculators folder (vLLM) or an EAGLE-3 / SGLang folder: config.json + "
+                                   "model.safetensors, atomically.")
+    p.add_argument("ckpt", help="checkpoint folder (checkpoints/step_N) or train run folder (its best checkpoint)")
+    p.add_argument("out", help="output folder (must not exist, or be empty)")
+    p.add_argument("--format", required=True, choices=("speculators", "eagle"),
+                   help="speculators: vLLM; eagle: SGLang and the official EAGLE-3 code (vLLM loads it too)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weight dtype (default bf16)")
+    p.add_argument("--verifier", default=None,
+                   help="target name or path recorded as the verifier (default: the checkpoint's target)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="speculators: default draft length vLLM reads from the folder (default 3)")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("import", help="read a speculators / EAGLE-3 / SGLang drafter into an eaglet checkpoint",
+                       description="Read a drafter folder (speculators, official EAGLE-3 incl. pytorch_model.bin, "
+                                   "SGLang) and write an eaglet checkpoint folder (model.safetensors + config.json). "
+                                   "Unknown or mismatched tensors are refused, with their names.")
+    p.add_argument("dir", help="drafter folder")
+    p.add_argument("--out", required=True, help="output checkpoint folder (must not exist, or be empty)")
+    p.add_argument("--target", default=None,
+                   help="target model folder or hub id, for folders without embeddings or layer ids")
+    p.set_defaults(func=cmd_import)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models and prove they speed up decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -226,6 +284,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="local: cpu or cuda[:i] (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="local sampling seed (default 0)")
     p.set_defaults(func=cmd_regen)
+
+    from eaglet.evaluate import CPU_CHAIN_DEPTH, CPU_TREE, DEFAULT_METHODS, METHODS, PROMPT_SETS
+    p = sub.add_parser("eval", help="acceptance length and speedup of a drafter on prompt sets",
+                       description="Decode prompt sets with plain greedy and with each method (speculative chain / "
+                                   "tree with the drafter, Hugging Face prompt lookup), interleaved per prompt; report "
+                                   "tau, acceptance per draft position, tokens/s, speedup over plain greedy and "
+                                   "whether outputs equal plain greedy's. Table, OUT/eval.json and OUT/eval.png.")
+    p.add_argument("drafter", help="eaglet checkpoint or run folder (its best checkpoint), or an EAGLE-3 / "
+                                   "speculators drafter folder")
+    add_target_args(p, default="the target recorded in the drafter's checkpoint")
+    p.add_argument("--prompts", type=parse_list, default=["mtbench"],
+                   help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file of "
+                        "{{\"prompt\"}} / {{\"turns\"}} / {{\"messages\"}} lines (default mtbench: first turns)")
+    p.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set (default: all)")
+    p.add_argument("--methods", type=parse_list, default=list(DEFAULT_METHODS),
+                   help=f"besides plain greedy, comma-separated from {', '.join(METHODS)} "
+                        f"(default {','.join(DEFAULT_METHODS)})")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most (default 128)")
+    p.add_argument("--depth", type=int, default=CPU_TREE["depth"], help=f"tree depth (default {CPU_TREE['depth']})")
+    p.add_argument("--top-k", type=int, default=CPU_TREE["top_k"],
+                   help=f"tree branching per node (default {CPU_TREE['top_k']})")
+    p.add_argument("--total-tokens", type=int, default=CPU_TREE["total_tokens"],
+                   help=f"tree draft tokens verified per pass (default {CPU_TREE['total_tokens']}; "
+                        "EAGLE-2's GPU setting is 60 with depth 7, top-k 10)")
+    p.add_argument("--chain-depth", type=int, default=CPU_CHAIN_DEPTH,
+                   help=f"draft tokens per pass in chain mode (default {CPU_CHAIN_DEPTH})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    p.add_argument("--dtype", default="bf16", help="target and drafter dtype: bf16 (default), fp16, fp32")
+    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--out", default=None, help="folder for eval.json and eval.png")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.set_defaults(func=cmd_eval)
+    add_export_parsers(sub)
     return parser
 
 

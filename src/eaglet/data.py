@@ -158,6 +158,12 @@ def render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> s
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def chat_prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
+    """Tokens the target answers from: the chat rendered with the generation prompt. The
+    template writes BOS itself (as in `tokenize_chat`), so no special tokens are added."""
+    return tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
 def assistant_char_spans(tokenizer, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
     """Render the chat; return the text and, per assistant turn, `(start, content_end)`.
 

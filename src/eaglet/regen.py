@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eaglet.data import ASSISTANT, Message, ReadStats, iter_records, to_messages
+from eaglet.data import ASSISTANT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
 from eaglet.formats import RegenWriter, errors_path, open_output
 
 log = logging.getLogger(__name__)
@@ -188,9 +188,7 @@ class LocalGenerator:
         self.max_prompt_tokens = (max_pos - max_new_tokens) if max_pos else None
 
     def prompt_ids(self, messages: list[Message]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # The template writes BOS itself (as in `eaglet prepare`): no special tokens added here.
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def generate(self, prompts: list[list[int]]) -> list[Turn]:
         import torch

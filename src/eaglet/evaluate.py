@@ -1,0 +1,566 @@
+"""`eaglet eval`: acceptance length and real speedup of a drafter on prompt sets.
+
+For every prompt the same target decodes the same prompt with every method, in a rotating
+order so that machine drift (frequency scaling, other jobs) spreads evenly over the methods:
+
+    plain          eaglet's own greedy loop with a KV cache: the baseline of every speedup
+    chain, tree    speculative decoding with the drafter (`decode.speculative_generate`)
+    prompt-lookup  Hugging Face `generate(prompt_lookup_num_tokens=10)`, the no-training baseline
+    hf-greedy      Hugging Face `generate` greedy: prompt lookup's own-engine baseline
+
+Speedup = (method's new tokens / its seconds) / (plain's new tokens / its seconds), summed over
+a prompt set. At temperature 0 every method must reproduce plain's tokens; in fp32 they do
+exactly, in bf16 matmuls of different shapes round differently, so the share of identical
+outputs and the mean position of the first divergence are reported instead of assumed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from eaglet import embedded, formats
+from eaglet.data import EMBEDDED_SHAREGPT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
+from eaglet.decode import (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, DecodeStats, plain_generate,
+                           speculative_generate, truncate_at_eos)
+from eaglet.draft_model import Eagle3Draft
+
+log = logging.getLogger(__name__)
+
+PROMPT_SETS = ("mtbench", "mtbench-2turn", "humaneval", "sharegpt")
+SPEC_METHODS = ("chain", "tree")
+HF_METHODS = ("prompt-lookup", "hf-greedy")
+METHODS = SPEC_METHODS + HF_METHODS
+BASELINE = "plain"
+DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
+# Measured on a 2-core CPU with SmolLM2-135M and a drafter trained by `eaglet train`: a wide tree
+# costs more drafter passes and a longer verification than it wins back there; on a GPU the
+# EAGLE-2 defaults (60/7/10) are cheap. These are the CPU defaults of `eaglet eval`.
+CPU_TREE = {"depth": 5, "top_k": 4, "total_tokens": 12}
+CPU_CHAIN_DEPTH = 4
+PROMPT_LOOKUP_TOKENS = 10  # HF's own example value, and what the baseline figure was measured with
+# The embedded ShareGPT's first records feed `eaglet prepare` / `eaglet regen` by default; the
+# held-out prompts come from far behind them.
+SHAREGPT_HELDOUT_START = 60_000
+RESULTS_FILE = "eval.json"
+PLOT_FILE = "eval.png"
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt sets
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Prompt:
+    """A conversation to continue: fixed `context` messages, then each user turn in `turns`
+    is answered in order (the next turn sees the target's greedy answer to the previous one)."""
+
+    set_name: str
+    id: str
+    turns: list[str]
+    context: list[Message] = field(default_factory=list)
+
+
+def mtbench_prompts(both_turns: bool) -> Iterator[Prompt]:
+    name = "mtbench-2turn" if both_turns else "mtbench"
+    with open(embedded.mtbench_questions()) as f:
+        for line in f:
+            q = json.loads(line)
+            turns = q["turns"] if both_turns else q["turns"][:1]
+            yield Prompt(name, str(q["question_id"]), list(turns))
+
+
+def humaneval_prompts() -> Iterator[Prompt]:
+    with gzip.open(embedded.humaneval_problems(), "rt") as f:
+        for line in f:
+            p = json.loads(line)
+            yield Prompt("humaneval", p["task_id"], [p["prompt"]])
+
+
+def sharegpt_prompts(start: int = SHAREGPT_HELDOUT_START) -> Iterator[Prompt]:
+    """First user turns of embedded ShareGPT chats from `start` on (held out from training)."""
+    stats = ReadStats()
+    for n, (sid, record) in enumerate(iter_records(EMBEDDED_SHAREGPT, stats)):
+        if n < start:
+            continue
+        messages = to_messages(record, stats)
+        if isinstance(messages, str):
+            continue
+        first_user = next(m for m in messages if m["role"] == "user")
+        yield Prompt("sharegpt", sid, [first_user["content"]])
+
+
+def jsonl_prompts(path: Path) -> Iterator[Prompt]:
+    """Any JSONL: one prompt per line, `{"prompt": str}`, `{"turns": [str, ...]}` or
+    `{"messages": [...]}` ending with a user message; optional `"id"`."""
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e})") from None
+            pid = str(rec.get("id", line_no)) if isinstance(rec, dict) else str(line_no)
+            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                yield Prompt(path.stem, pid, [rec["prompt"]])
+            elif isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"]:
+                yield Prompt(path.stem, pid, [str(t) for t in rec["turns"]])
+            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
+                msgs = rec["messages"]
+                if not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+                    raise ValueError(f"{where}: field 'messages': every message needs 'role' and 'content'")
+                if msgs[-1]["role"] != "user":
+                    raise ValueError(f"{where}: field 'messages': the last message must be the user's, "
+                                     f"got {msgs[-1]['role']!r}")
+                yield Prompt(path.stem, pid, [msgs[-1]["content"]], [dict(m) for m in msgs[:-1]])
+            else:
+                raise ValueError(f"{where}: expected a 'prompt' string, a 'turns' list or a 'messages' list")
+
+
+def load_prompt_set(spec: str, limit: int | None) -> list[Prompt]:
+    """`mtbench`, `mtbench-2turn`, `humaneval`, `sharegpt`, or a path to a JSONL of prompts."""
+    if spec in ("mtbench", "mtbench-2turn"):
+        source: Iterator[Prompt] = mtbench_prompts(spec == "mtbench-2turn")
+    elif spec == "humaneval":
+        source = humaneval_prompts()
+    elif spec == "sharegpt":
+        source = sharegpt_prompts()
+    elif Path(spec).is_file():
+        source = jsonl_prompts(Path(spec))
+    else:
+        raise ValueError(f"--prompts {spec!r}: not one of {', '.join(PROMPT_SETS)} and not a file")
+    out = []
+    for p in source:
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(p)
+    if not out:
+        raise ValueError(f"--prompts {spec!r}: no prompts")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One decoding job per method
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One method's answer to one prompt turn."""
+
+    tokens: list[int]
+    wall_s: float
+    target_forwards: int
+    stats: DecodeStats | None = None
+
+
+@dataclass
+class DecodeSettings:
+    max_new_tokens: int = 128
+    eos_ids: tuple[int, ...] = ()
+    depth: int = CPU_TREE["depth"]
+    top_k: int = CPU_TREE["top_k"]
+    total_tokens: int = CPU_TREE["total_tokens"]
+    chain_depth: int = CPU_CHAIN_DEPTH
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class ForwardCounter:
+    """Counts the target's forward calls (for prompt lookup's acceptance length)."""
+
+    def __init__(self, model: nn.Module):
+        self.count = 0
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_: Any) -> None:
+        self.count += 1
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def hf_generation_config(s: DecodeSettings, pad_id: int, prompt_lookup: bool):
+    """A full GenerationConfig, so the checkpoint's own sampling defaults never apply."""
+    from transformers import GenerationConfig
+
+    sampling = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": 0} \
+        if s.temperature > 0 else {"do_sample": False}
+    return GenerationConfig(
+        **sampling, repetition_penalty=1.0, max_new_tokens=s.max_new_tokens, pad_token_id=pad_id,
+        eos_token_id=list(s.eos_ids), use_cache=True,
+        prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS if prompt_lookup else None)
+
+
+def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids: list[int],
+               s: DecodeSettings) -> Run:
+    gen = torch.Generator().manual_seed(s.seed) if s.temperature > 0 else None
+    if method == BASELINE:
+        toks, info = plain_generate(target, ids, s.max_new_tokens, s.eos_ids, s.temperature, s.top_p, gen)
+        return Run(toks, info["wall_s"], info["target_forwards"])
+    if method in SPEC_METHODS:
+        depth = s.chain_depth if method == "chain" else s.depth
+        toks, stats = speculative_generate(target, drafter, ids, s.max_new_tokens, s.eos_ids, mode=method,
+                                           depth=depth, top_k=s.top_k, total_tokens=s.total_tokens,
+                                           temperature=s.temperature, top_p=s.top_p, generator=gen)
+        return Run(toks, stats.wall_s, stats.target_forwards, stats)
+    if method in HF_METHODS:
+        if gen is not None:
+            torch.manual_seed(s.seed)  # HF samples from the global generator
+        device = next(target.parameters()).device
+        x = torch.tensor([ids], device=device)
+        config = hf_generation_config(s, pad_id=s.eos_ids[0], prompt_lookup=method == "prompt-lookup")
+        counter = ForwardCounter(target)
+        try:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config)
+            wall = time.perf_counter() - t0
+        finally:
+            counter.remove()
+        toks, _ = truncate_at_eos(out[0, len(ids):].tolist(), set(s.eos_ids))
+        return Run(toks, wall, counter.count)
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix), None if equal."""
+    if list(a) == list(b):
+        return None
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------------------------
+
+def add_into(xs: list[int], ys: Sequence[int]) -> None:
+    xs.extend([0] * (len(ys) - len(xs)))
+    for i, y in enumerate(ys):
+        xs[i] += y
+
+
+@dataclass
+class MethodTotals:
+    """One method's sums over a prompt set."""
+
+    turns: int = 0
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    target_forwards: int = 0
+    verify_forwards: int = 0
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    position_reached: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    identical: int = 0
+    divergences: list[int] = field(default_factory=list)
+
+    def add(self, run: Run, reference: list[int] | None) -> None:
+        self.turns += 1
+        self.new_tokens += len(run.tokens)
+        self.wall_s += run.wall_s
+        self.target_forwards += run.target_forwards
+        if run.stats is not None:
+            self.verify_forwards += run.stats.verify_forwards
+            self.target_s += run.stats.target_s
+            self.draft_s += run.stats.draft_s
+            add_into(self.position_reached, run.stats.position_reached)
+            add_into(self.position_accepted, run.stats.position_accepted)
+        if reference is not None:
+            d = first_divergence(run.tokens, reference)
+            if d is None:
+                self.identical += 1
+            else:
+                self.divergences.append(d)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self, plain: MethodTotals | None, compared: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "turns": self.turns, "new_tokens": self.new_tokens, "wall_s": round(self.wall_s, 3),
+            "tokens_per_s": round(self.tokens_per_s, 3), "target_forwards": self.target_forwards,
+            "tau": round(self.new_tokens / self.target_forwards, 4) if self.target_forwards else None,
+        }
+        if plain is not None and plain.tokens_per_s > 0:
+            out["speedup"] = round(self.tokens_per_s / plain.tokens_per_s, 4)
+        if self.verify_forwards:
+            out["tau_verify"] = round((self.new_tokens - self.turns) / self.verify_forwards, 4)
+            out["acceptance_rates"] = [round(a / r, 4) if r else None
+                                       for a, r in zip(self.position_accepted, self.position_reached)]
+            # the speedup if everything but the target and drafter passes cost nothing
+            if plain is not None and plain.new_tokens and self.target_forwards:
+                t_token = plain.wall_s / plain.new_tokens
+                t_cycle = (self.target_s + self.draft_s) / self.target_forwards
+                out["ceiling_speedup"] = round(out["tau"] * t_token / t_cycle, 4) if t_cycle > 0 else None
+        if compared:
+            out["identical_share"] = round(self.identical / self.turns, 4) if self.turns else None
+            out["mean_first_divergence"] = (round(sum(self.divergences) / len(self.divergences), 2)
+                                            if self.divergences else None)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluation loop
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class EvalResult:
+    config: dict[str, Any]
+    sets: dict[str, dict[str, dict[str, Any]]]
+    prompts: list[dict[str, Any]]
+    json_path: Path | None = None
+    plot_path: Path | None = None
+
+    def table(self) -> str:
+        return format_table(self.sets)
+
+
+def rotated(methods: list[str], k: int) -> list[str]:
+    k %= len(methods)
+    return methods[k:] + methods[:k]
+
+
+def evaluate_set(prompts: list[Prompt], methods: list[str], target: nn.Module, drafter: Eagle3Draft | None,
+                 tokenizer, s: DecodeSettings, on_turn: Callable[[dict[str, MethodTotals]], None],
+                 records: list[dict[str, Any]]) -> dict[str, MethodTotals]:
+    all_methods = [BASELINE, *methods]
+    totals = {m: MethodTotals() for m in all_methods}
+    k = 0
+    for p in prompts:
+        history = list(p.context)
+        for turn_no, user_text in enumerate(p.turns):
+            history.append({"role": "user", "content": user_text})
+            ids = chat_prompt_ids(tokenizer, history)
+            runs = {m: run_method(m, target, drafter, ids, s) for m in rotated(all_methods, k)}
+            k += 1
+            reference = runs[BASELINE].tokens if s.temperature <= 0 else None
+            for m in all_methods:
+                totals[m].add(runs[m], reference if m != BASELINE else None)
+            records.append({
+                "set": p.set_name, "id": p.id, "turn": turn_no, "prompt_tokens": len(ids),
+                "methods": {m: {"new_tokens": len(r.tokens), "wall_s": round(r.wall_s, 4),
+                                "target_forwards": r.target_forwards,
+                                **({"identical": r.tokens == reference} if reference is not None and m != BASELINE
+                                   else {})}
+                            for m, r in runs.items()}})
+            answer = tokenizer.decode(runs[BASELINE].tokens, skip_special_tokens=True)
+            history.append({"role": "assistant", "content": answer})
+            on_turn(totals)
+    return totals
+
+
+def warm_up(methods: list[str], target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt,
+            s: DecodeSettings) -> None:
+    """One short untimed run per method: first calls pay for allocations and kernel selection."""
+    from dataclasses import replace
+
+    ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
+    for m in [BASELINE, *methods]:
+        run_method(m, target, drafter, ids, replace(s, max_new_tokens=min(8, s.max_new_tokens)))
+
+
+def load_drafter(path: str | Path) -> Eagle3Draft:
+    """A drafter from an eaglet checkpoint folder, a training run folder (its best checkpoint),
+    or an exported/published EAGLE-3 or speculators folder."""
+    from eaglet.train import BEST_FILE, LATEST_FILE, load_checkpoint
+
+    path = Path(path)
+    ckpt_root = path / "checkpoints"
+    if ckpt_root.is_dir():  # a run folder: its best checkpoint, else its latest
+        for pointer in (BEST_FILE, LATEST_FILE):
+            if (ckpt_root / pointer).exists():
+                return load_drafter(ckpt_root / formats.read_json(ckpt_root / pointer)["path"])
+        raise FileNotFoundError(f"{ckpt_root}: no {BEST_FILE} or {LATEST_FILE}; has the run saved a checkpoint?")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json; expected an eaglet checkpoint or run folder, "
+                                f"or an EAGLE-3 / speculators drafter folder")
+    if "eaglet" in formats.read_json(path / "config.json"):
+        return load_checkpoint(path)
+    from eaglet.export import load_drafter as load_foreign
+
+    return load_foreign(path)
+
+
+def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: Sequence[str] = ("mtbench",),
+             num_prompts: int | None = None, methods: Sequence[str] = DEFAULT_METHODS,
+             settings: DecodeSettings | None = None, dtype: str = "bf16", device: str | None = None,
+             threads: int | None = None, out: str | Path | None = None, plot: bool = True,
+             progress: bool = True) -> EvalResult:
+    """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot."""
+    from tqdm import tqdm
+
+    from eaglet.regen import stop_token_ids
+    from eaglet.target import load_target, load_tokenizer, parse_dtype, pick_device, resolve_target
+
+    methods = list(dict.fromkeys(methods))
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
+    if threads:
+        torch.set_num_threads(threads)
+    s = settings or DecodeSettings()
+    dev = pick_device(device)
+    torch_dtype = parse_dtype(dtype)
+    drafter = load_drafter(drafter_path) if any(m in SPEC_METHODS for m in methods) else None
+    target_spec = target
+    if target_spec is None and drafter is not None:
+        target_spec = drafter_target(drafter_path)
+    ref = resolve_target(target_spec)
+    tokenizer = load_tokenizer(ref)
+    model = load_target(ref, torch_dtype, dev)
+    if drafter is not None:
+        check_drafter_fits(drafter, model)
+        drafter = drafter.to(device=dev, dtype=torch_dtype).eval()
+    s.eos_ids = tuple(sorted(stop_token_ids(model, tokenizer)))
+    sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
+
+    warm_up(methods, model, drafter, tokenizer, next(iter(sets.values()))[0], s)
+    n_turns = sum(len(p.turns) for ps in sets.values() for p in ps)
+    bar = tqdm(total=n_turns, desc="eval", unit="turn", disable=not progress, dynamic_ncols=True)
+    records: list[dict[str, Any]] = []
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def on_turn(totals: dict[str, MethodTotals]) -> None:
+        bar.update(1)
+        plain = totals[BASELINE]
+        bar.set_postfix({m: f"{t.tokens_per_s / plain.tokens_per_s:.2f}x" for m, t in totals.items()
+                         if m != BASELINE and plain.tokens_per_s > 0})
+
+    with torch.inference_mode():
+        for spec, prompts in sets.items():
+            name = prompts[0].set_name
+            totals = evaluate_set(prompts, methods, model, drafter, tokenizer, s, on_turn, records)
+            compared = s.temperature <= 0
+            results[name] = {m: t.summary(totals[BASELINE] if m != BASELINE else None, compared and m != BASELINE)
+                             for m, t in totals.items()}
+    bar.close()
+
+    config = {"drafter": str(drafter_path), "target": ref.name, "target_revision": ref.revision,
+              "dtype": dtype, "device": str(dev), "threads": torch.get_num_threads(),
+              "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
+              "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+              "tree": {"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens},
+              "chain_depth": s.chain_depth, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed}
+    result = EvalResult(config, results, records)
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        result.json_path = out / RESULTS_FILE
+        formats.write_json_atomic(result.json_path, {"config": config, "sets": results, "prompts": records})
+        if plot:
+            result.plot_path = out / PLOT_FILE
+            write_plot(results, result.plot_path, title=f"drafter {drafter_path} | target {Path(ref.name).name} | {dtype}, "
+                                                            f"{s.max_new_tokens} new tokens, T={s.temperature:g}")
+    return result
+
+
+def drafter_target(drafter_path: str | Path) -> str | None:
+    """The target a checkpoint was trained for, as recorded in its config.json (eaglet's own)."""
+    path = Path(drafter_path)
+    for cfg_path in (path / "config.json", *sorted(path.glob("checkpoints/step_*/config.json"))[-1:]):
+        if cfg_path.exists():
+            cfg = formats.read_json(cfg_path)
+            return cfg.get("eaglet", {}).get("target")
+    return None
+
+
+def check_drafter_fits(drafter: Eagle3Draft, target: nn.Module) -> None:
+    """A drafter for another model would verify fine and accept nothing: refuse it up front."""
+    from eaglet.target import decoder_layers
+
+    tc, dc = target.config, drafter.config
+    problems = []
+    if dc.target_hidden_size != tc.hidden_size:
+        problems.append(f"hidden size {dc.target_hidden_size} vs the target's {tc.hidden_size}")
+    if dc.target_vocab_size != tc.vocab_size:
+        problems.append(f"vocabulary {dc.target_vocab_size} vs the target's {tc.vocab_size}")
+    n_layers = len(decoder_layers(target))
+    bad = [i for i in dc.aux_layer_ids if not 0 <= i <= n_layers]
+    if bad:
+        problems.append(f"aux layer ids {bad} outside the target's 0..{n_layers}")
+    if problems:
+        raise ValueError("the drafter does not fit this target: " + "; ".join(problems)
+                         + " (pass the target it was trained for with --target)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Table and plot
+# ---------------------------------------------------------------------------------------------
+
+def fmt(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
+    head = (f"{'prompt set':<16} {'method':<14} {'turns':>5} {'tokens':>7} {'tok/s':>8} {'speedup':>8} "
+            f"{'tau':>6} {'identical':>9} {'1st diff':>8}  acceptance per position")
+    lines = [head, "-" * len(head)]
+    for name, methods in sets.items():
+        for m, r in methods.items():
+            acc = " ".join(fmt(a, ".2f") for a in r.get("acceptance_rates", []))
+            lines.append(f"{name:<16} {m:<14} {r['turns']:>5} {r['new_tokens']:>7} {r['tokens_per_s']:>8.2f} "
+                         f"{fmt(r.get('speedup'), '.2f') + 'x' if 'speedup' in r else '-':>8} "
+                         f"{fmt(r.get('tau'), '.2f'):>6} {fmt(r.get('identical_share'), '.0%'):>9} "
+                         f"{fmt(r.get('mean_first_divergence'), '.1f'):>8}  {acc}")
+    return "\n".join(lines)
+
+
+def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) -> None:
+    """Left: acceptance rate per draft position (one line per set and mode). Right: speedup
+    over plain greedy per set and method, each bar labelled with its tau."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, (ax_acc, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, methods in sets.items():
+        for m, r in methods.items():
+            rates = r.get("acceptance_rates")
+            if rates:
+                ax_acc.plot(range(1, len(rates) + 1), [x if x is not None else float("nan") for x in rates],
+                            marker="o", label=f"{name} {m}")
+    ax_acc.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title="acceptance per position")
+    ax_acc.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax_acc.grid(alpha=0.3)
+    if ax_acc.lines:
+        ax_acc.legend(fontsize=8)
+
+    names = list(sets)
+    methods = [m for m in dict.fromkeys(m for ms in sets.values() for m in ms) if m != BASELINE]
+    width = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(names))]
+        ys = [sets[n].get(m, {}).get("speedup") or 0.0 for n in names]
+        bars = ax_speed.bar(xs, ys, width, label=m)
+        for b, n in zip(bars, names):
+            tau = sets[n].get(m, {}).get("tau")
+            if tau is not None:
+                ax_speed.annotate(f"τ {tau:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                  ha="center", va="bottom", fontsize=7)
+    ax_speed.axhline(1.0, color="gray", lw=1, ls="--")
+    ax_speed.set_xticks(range(len(names)), names)
+    ax_speed.set(ylabel="speedup over plain greedy", title="speedup (bar label: tau)")
+    ax_speed.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    with formats.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)

@@ -1,0 +1,131 @@
+"""`eaglet eval` (eaglet.evaluate): prompt sets, exactness report, sums, table, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eaglet import formats
+from eaglet.decode import DecodeStats
+from eaglet.draft_model import DraftConfig, Eagle3Draft
+from eaglet.evaluate import (DecodeSettings, MethodTotals, Run, evaluate, first_divergence, format_table,
+                             load_prompt_set)
+from eaglet.train import export_config, save_checkpoint
+
+from conftest import write_jsonl
+
+
+@pytest.fixture(scope="module")
+def drafter_ckpt(tiny_target, tmp_path_factory):
+    """A random-weight drafter saved as an eaglet checkpoint for the tiny target."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), [2, 4, 5], draft_vocab_size=300)
+    root = tmp_path_factory.mktemp("run") / "checkpoints"
+    return save_checkpoint(root, 1, Eagle3Draft(cfg), export_config(cfg, {"target": str(tiny_target)}), {})
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models are per-op overhead; a second thread only spins
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_embedded_prompt_sets():
+    mt = load_prompt_set("mtbench", None)
+    assert len(mt) == 80 and all(len(p.turns) == 1 for p in mt)
+    both = load_prompt_set("mtbench-2turn", 5)
+    assert len(both) == 5 and all(len(p.turns) == 2 for p in both)
+    assert both[0].turns[0] == mt[0].turns[0]
+    he = load_prompt_set("humaneval", None)
+    assert len(he) == 164 and he[0].id == "HumanEval/0" and "def " in he[0].turns[0]
+
+
+def test_jsonl_prompts_and_errors(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "a", "prompt": "hi"}, {"turns": ["one", "two"]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}]}])
+    a, b, c = load_prompt_set(str(path), None)
+    assert (a.id, a.turns) == ("a", ["hi"]) and b.turns == ["one", "two"]
+    assert c.context == [{"role": "system", "content": "be brief"}] and c.turns == ["q"]
+    assert len(load_prompt_set(str(path), 2)) == 2
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"messages": [{"role": "user", "content": "q"},
+                                                                                {"role": "assistant", "content": "a"}]}])
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'messages': the last message must be the user's"):
+        load_prompt_set(str(bad), None)
+    odd = write_jsonl(tmp_path / "odd.jsonl", [{"text": "x"}])
+    with pytest.raises(ValueError, match=r"odd.jsonl:1: expected a 'prompt'"):
+        load_prompt_set(str(odd), None)
+    with pytest.raises(ValueError, match="not one of mtbench"):
+        load_prompt_set("no-such-set", None)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_totals_arithmetic():
+    """tau, speedup and per-position acceptance from known counts."""
+    plain = MethodTotals()
+    plain.add(Run([1] * 10, wall_s=2.0, target_forwards=10), None)
+    spec = MethodTotals()
+    stats = DecodeStats(new_tokens=10, target_forwards=4, verify_forwards=3,
+                        position_reached=[3, 2, 1], position_accepted=[2, 1, 0], target_s=0.4, draft_s=0.1)
+    spec.add(Run([1] * 10, wall_s=0.5, target_forwards=4, stats=stats), reference=[1] * 10)
+    other = [1] * 9 + [2]
+    spec.add(Run(other, wall_s=0.5, target_forwards=4, stats=stats), reference=[1] * 10)
+    r = spec.summary(plain, compared=True)
+    assert r["tau"] == 2.5 and r["speedup"] == 4.0  # 20 tok/s vs 5 tok/s
+    assert r["tau_verify"] == 3.0  # (20 - 2 prefill tokens) / 6 verifications
+    assert r["acceptance_rates"] == [round(2 / 3, 4), 0.5, 0.0]
+    assert r["identical_share"] == 0.5 and r["mean_first_divergence"] == 9
+    # ceiling: tau 2.5 * 0.2 s per plain token / (1.0 s of passes / 8 forwards)
+    assert r["ceiling_speedup"] == 4.0
+
+
+def test_eval_end_to_end_fp32_is_exact(tiny_target, drafter_ckpt, tmp_path, one_thread):
+    """Every method reproduces plain greedy token for token in fp32, on single- and two-turn
+    prompts; the JSON, table and plot are written."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"id": "x", "prompt": "Write a function that adds two numbers."},
+        {"id": "y", "turns": ["Hello there", "And then?"]}])
+    out = tmp_path / "eval"
+    settings = DecodeSettings(max_new_tokens=12, depth=3, top_k=3, total_tokens=8, chain_depth=3)
+    result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
+                      methods=["chain", "tree", "prompt-lookup", "hf-greedy"], settings=settings, dtype="fp32",
+                      device="cpu", out=out, progress=False)
+    r = result.sets["prompts"]
+    assert r["plain"]["turns"] == 3 and r["plain"]["tau"] == 1.0
+    for m in ("chain", "tree", "prompt-lookup", "hf-greedy"):
+        assert r[m]["identical_share"] == 1.0, (m, r[m])
+        assert r[m]["new_tokens"] == r["plain"]["new_tokens"]
+        assert r[m]["speedup"] > 0
+    assert len(r["tree"]["acceptance_rates"]) >= 1
+    saved = formats.read_json(out / "eval.json")
+    assert saved["sets"] == json.loads(json.dumps(result.sets))
+    assert [(p["id"], p["turn"]) for p in saved["prompts"]] == [("x", 0), ("y", 0), ("y", 1)]
+    # the second turn's prompt holds the first turn's answer, so it is longer than turn 0's
+    assert saved["prompts"][2]["prompt_tokens"] > saved["prompts"][1]["prompt_tokens"] + 12
+    assert (out / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = format_table(result.sets)
+    assert "prompt-lookup" in table and "100%" in table
+
+
+def test_eval_refuses_a_drafter_for_another_target(tiny_target, tmp_path, one_thread):
+    from transformers import AutoConfig
+
+    cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), [2, 4, 5], draft_vocab_size=300)
+    cfg.target_hidden_size = 32  # trained on another model's hidden states
+    ckpt = save_checkpoint(tmp_path / "checkpoints", 1, Eagle3Draft(cfg), export_config(cfg, {}), {})
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(ValueError, match="hidden size 32 vs the target's 64"):
+        evaluate(ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], dtype="fp32", device="cpu",
+                 progress=False)
