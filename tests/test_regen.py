@@ -389,3 +389,14 @@ def test_cli_regen(stand_in, tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
     assert main(argv + ["--resume"]) == 0
     assert len(read_out(out)) == 3
+
+
+def test_max_turns_keeps_the_first_answers(stand_in, tmp_path):
+    data = chats_file(tmp_path / "chats.jsonl", 6)
+    s = endpoint_regen(data, tmp_path / "out.jsonl", stand_in, max_turns=1)
+    assert s.written == 6 and s.turns == 6
+    for rec in read_out(tmp_path / "out.jsonl").values():
+        assert len(regen.assistant_indices(rec["messages"])) == 1
+        assert rec["messages"][-1]["role"] == "assistant"  # later user turns are dropped with their answers
+    with pytest.raises(ValueError, match="--max-turns 0"):
+        endpoint_regen(data, tmp_path / "out2.jsonl", stand_in, max_turns=0)

@@ -6,7 +6,6 @@ import argparse
 import logging
 import shlex
 import sys
-from pathlib import Path
 
 DEMO_OUT = "runs/demo"
 
@@ -54,29 +53,22 @@ def cmd_extract(args: argparse.Namespace) -> None:
     print("\n".join(summary.lines()))
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
-    """The main job on the embedded default: prepare a ShareGPT slice, extract its hidden
-    states, check them. Each stage reuses finished work, so a second run is quick."""
-    from eaglet.check import check_dataset
-    from eaglet.data import prepare
-    from eaglet.extract import extract
-    from eaglet.formats import PREPARE_CONFIG_FILE
+def cmd_run(args: argparse.Namespace) -> None:
+    from eaglet.recipe import run_recipe
 
-    out = Path(args.out)
-    prepared, data = out / "prepared", out / "data"
-    if (prepared / PREPARE_CONFIG_FILE).exists():
-        print(f"[1/3] prepare: reusing {prepared}")
-    else:
-        print(f"[1/3] prepare: {args.num_samples} ShareGPT chats with SmolLM2's chat template")
-        print("\n".join(prepare(None, "sharegpt", prepared, args.max_length, args.num_samples, 0, args.command).lines()))
-    print("[2/3] extract: target hidden states -> speculators v1 files")
-    print("\n".join(extract(prepared, data, None, command=args.command).lines()))
-    print("[3/3] check: every file, plus layer identity against the target")
-    report = check_dataset(data)
-    print("\n".join(report.lines()))
-    print(f"done: prepared chats in {prepared.resolve()}, hidden states in {data.resolve()}")
-    if not report.clean:
-        raise SystemExit(1)
+    summary = run_recipe(args.recipe, args.out, args.scale, args.set, args.only, args.command)
+    print("\n".join(summary.lines()))
+
+
+def add_run_args(p: argparse.ArgumentParser, default_out: str | None) -> None:
+    p.add_argument("--out", default=default_out,
+                   help=f"output folder (default {default_out or 'runs/<recipe name>'})")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the recipe's data size (its [scale] options, e.g. regen.num_samples) by this")
+    p.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="override one option, e.g. --set train.total_steps=200 (repeatable)")
+    p.add_argument("--only", type=parse_list, default=None,
+                   help="run only these stages (comma-separated); finished earlier stages are reused")
 
 
 def cmd_check(args: argparse.Namespace) -> None:
@@ -114,7 +106,8 @@ def cmd_regen(args: argparse.Namespace) -> None:
                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                          concurrency=args.concurrency, max_retries=args.max_retries, timeout=args.timeout,
                          resume=args.resume, num_samples=args.num_samples, skip=args.skip, dtype=args.dtype,
-                         device=args.device, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens)
+                         device=args.device, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
+                         max_turns=args.max_turns)
     print("\n".join(summary.lines()))
 
 
@@ -202,13 +195,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-id", type=int, default=0, help="which shard this process extracts (default 0)")
     p.set_defaults(func=cmd_extract)
 
-    p = sub.add_parser("demo", help="the main job on the embedded default (SmolLM2 + ShareGPT)",
-                       description="Prepare a ShareGPT slice, extract its hidden states with the embedded SmolLM2 and check them. "
-                                   "Resumable: a second run reuses finished work.")
-    p.add_argument("--out", default=DEMO_OUT, help=f"output folder (default {DEMO_OUT})")
-    p.add_argument("--num-samples", type=int, default=200, help="ShareGPT chats to use (default 200)")
-    p.add_argument("--max-length", type=int, default=1024, help="truncate chats to this many tokens (default 1024)")
-    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("demo", help="the main job on the embedded default: regen -> ... -> eval (~20 min)",
+                       description="Run the built-in demo recipe on the embedded default (SmolLM2-135M-Instruct + "
+                                   "ShareGPT): regenerate a slice of ShareGPT, prepare, extract, check, train a "
+                                   "drafter, evaluate it on MT-bench, and print one summary table. Every stage "
+                                   "resumes, so a second run reuses finished work.")
+    add_run_args(p, DEMO_OUT)
+    p.set_defaults(func=cmd_run, recipe="demo")
+
+    p = sub.add_parser("run", help="run a recipe (a TOML file or a built-in name) stage by stage, resumably",
+                       description="Run every stage of a recipe: regen, prepare, extract, check, train, eval, each "
+                                   "with the options of its table in the TOML file. Finished stages are recorded "
+                                   "in OUT/stages/ and reused; unfinished ones continue where they stopped. "
+                                   "Built-in recipes: demo, smollm2-sharegpt.")
+    p.add_argument("recipe", help="path to a recipe .toml, or a built-in recipe name")
+    add_run_args(p, None)
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check", help="prove a hidden-state dataset is right before training",
                        description="Check every file of a hidden-state dataset (v1, flat v1, SpecForge .ckpt[.gz], "
@@ -280,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue an existing --out, skipping the ids it holds")
     p.add_argument("--num-samples", type=int, default=None, help="stop after this many usable chats")
     p.add_argument("--skip", type=int, default=0, help="skip the first N records of the input")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="answer at most the first N assistant turns of each chat (default: all)")
     p.add_argument("--dtype", default="bf16", help="local: compute dtype bf16 (default), fp16, fp32")
     p.add_argument("--device", default=None, help="local: cpu or cuda[:i] (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="local sampling seed (default 0)")

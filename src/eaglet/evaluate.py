@@ -16,11 +16,12 @@ outputs and the mean position of the first divergence are reported instead of as
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -29,8 +30,7 @@ from torch import nn
 
 from eaglet import embedded, formats
 from eaglet.data import EMBEDDED_SHAREGPT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
-from eaglet.decode import (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, DecodeStats, plain_generate,
-                           speculative_generate, truncate_at_eos)
+from eaglet.decode import DecodeStats, plain_generate, speculative_generate, truncate_at_eos
 from eaglet.draft_model import Eagle3Draft
 
 log = logging.getLogger(__name__)
@@ -190,18 +190,6 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def hf_generation_config(s: DecodeSettings, pad_id: int, prompt_lookup: bool):
-    """A full GenerationConfig, so the checkpoint's own sampling defaults never apply."""
-    from transformers import GenerationConfig
-
-    sampling = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": 0} \
-        if s.temperature > 0 else {"do_sample": False}
-    return GenerationConfig(
-        **sampling, repetition_penalty=1.0, max_new_tokens=s.max_new_tokens, pad_token_id=pad_id,
-        eos_token_id=list(s.eos_ids), use_cache=True,
-        prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS if prompt_lookup else None)
-
-
 def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids: list[int],
                s: DecodeSettings) -> Run:
     gen = torch.Generator().manual_seed(s.seed) if s.temperature > 0 else None
@@ -215,11 +203,14 @@ def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids:
                                            temperature=s.temperature, top_p=s.top_p, generator=gen)
         return Run(toks, stats.wall_s, stats.target_forwards, stats)
     if method in HF_METHODS:
+        from eaglet.target import generation_config
+
         if gen is not None:
             torch.manual_seed(s.seed)  # HF samples from the global generator
         device = next(target.parameters()).device
         x = torch.tensor([ids], device=device)
-        config = hf_generation_config(s, pad_id=s.eos_ids[0], prompt_lookup=method == "prompt-lookup")
+        config = generation_config(s.temperature, s.top_p, s.max_new_tokens, s.eos_ids[0], list(s.eos_ids),
+                                   prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS if method == "prompt-lookup" else None)
         counter = ForwardCounter(target)
         try:
             t0 = time.perf_counter()
@@ -330,6 +321,14 @@ class EvalResult:
     def table(self) -> str:
         return format_table(self.sets)
 
+    def save(self, out: Path, plot: bool, title: str) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.json_path = out / RESULTS_FILE
+        formats.write_json_atomic(self.json_path, {"config": self.config, "sets": self.sets, "prompts": self.prompts})
+        if plot:
+            self.plot_path = out / PLOT_FILE
+            write_plot(self.sets, self.plot_path, title)
+
 
 def rotated(methods: list[str], k: int) -> list[str]:
     k %= len(methods)
@@ -368,33 +367,21 @@ def evaluate_set(prompts: list[Prompt], methods: list[str], target: nn.Module, d
 def warm_up(methods: list[str], target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt,
             s: DecodeSettings) -> None:
     """One short untimed run per method: first calls pay for allocations and kernel selection."""
-    from dataclasses import replace
-
     ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
     for m in [BASELINE, *methods]:
         run_method(m, target, drafter, ids, replace(s, max_new_tokens=min(8, s.max_new_tokens)))
 
 
-def load_drafter(path: str | Path) -> Eagle3Draft:
-    """A drafter from an eaglet checkpoint folder, a training run folder (its best checkpoint),
-    or an exported/published EAGLE-3 or speculators folder."""
-    from eaglet.train import BEST_FILE, LATEST_FILE, load_checkpoint
-
-    path = Path(path)
-    ckpt_root = path / "checkpoints"
-    if ckpt_root.is_dir():  # a run folder: its best checkpoint, else its latest
-        for pointer in (BEST_FILE, LATEST_FILE):
-            if (ckpt_root / pointer).exists():
-                return load_drafter(ckpt_root / formats.read_json(ckpt_root / pointer)["path"])
-        raise FileNotFoundError(f"{ckpt_root}: no {BEST_FILE} or {LATEST_FILE}; has the run saved a checkpoint?")
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path}: no config.json; expected an eaglet checkpoint or run folder, "
-                                f"or an EAGLE-3 / speculators drafter folder")
-    if "eaglet" in formats.read_json(path / "config.json"):
-        return load_checkpoint(path)
-    from eaglet.export import load_drafter as load_foreign
-
-    return load_foreign(path)
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with n CPU threads (None: unchanged), restoring the previous count after."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: Sequence[str] = ("mtbench",),
@@ -405,6 +392,7 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
     """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot."""
     from tqdm import tqdm
 
+    from eaglet.export import load_drafter_for_target
     from eaglet.regen import stop_token_ids
     from eaglet.target import load_target, load_tokenizer, parse_dtype, pick_device, resolve_target
 
@@ -412,72 +400,54 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
-    if threads:
-        torch.set_num_threads(threads)
-    s = settings or DecodeSettings()
-    dev = pick_device(device)
-    torch_dtype = parse_dtype(dtype)
-    drafter = load_drafter(drafter_path) if any(m in SPEC_METHODS for m in methods) else None
-    target_spec = target
-    if target_spec is None and drafter is not None:
-        target_spec = drafter_target(drafter_path)
-    ref = resolve_target(target_spec)
-    tokenizer = load_tokenizer(ref)
-    model = load_target(ref, torch_dtype, dev)
-    if drafter is not None:
-        check_drafter_fits(drafter, model)
-        drafter = drafter.to(device=dev, dtype=torch_dtype).eval()
-    s.eos_ids = tuple(sorted(stop_token_ids(model, tokenizer)))
-    sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
+    with torch_threads(threads):
+        s = replace(settings or DecodeSettings())  # a copy: eos ids are filled in below
+        dev = pick_device(device)
+        torch_dtype = parse_dtype(dtype)
+        drafter, target_spec = None, target
+        if any(m in SPEC_METHODS for m in methods):
+            drafter, target_spec = load_drafter_for_target(drafter_path, target)
+        ref = resolve_target(target_spec)
+        tokenizer = load_tokenizer(ref)
+        model = load_target(ref, torch_dtype, dev)
+        if drafter is not None:
+            check_drafter_fits(drafter, model)
+            drafter = drafter.to(device=dev, dtype=torch_dtype).eval()
+        s.eos_ids = tuple(sorted(stop_token_ids(model, tokenizer)))
+        sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
 
-    warm_up(methods, model, drafter, tokenizer, next(iter(sets.values()))[0], s)
-    n_turns = sum(len(p.turns) for ps in sets.values() for p in ps)
-    bar = tqdm(total=n_turns, desc="eval", unit="turn", disable=not progress, dynamic_ncols=True)
-    records: list[dict[str, Any]] = []
-    results: dict[str, dict[str, dict[str, Any]]] = {}
+        warm_up(methods, model, drafter, tokenizer, next(iter(sets.values()))[0], s)
+        n_turns = sum(len(p.turns) for ps in sets.values() for p in ps)
+        bar = tqdm(total=n_turns, desc="eval", unit="turn", disable=not progress, dynamic_ncols=True)
+        records: list[dict[str, Any]] = []
+        results: dict[str, dict[str, dict[str, Any]]] = {}
 
-    def on_turn(totals: dict[str, MethodTotals]) -> None:
-        bar.update(1)
-        plain = totals[BASELINE]
-        bar.set_postfix({m: f"{t.tokens_per_s / plain.tokens_per_s:.2f}x" for m, t in totals.items()
-                         if m != BASELINE and plain.tokens_per_s > 0})
+        def on_turn(totals: dict[str, MethodTotals]) -> None:
+            bar.update(1)
+            plain = totals[BASELINE]
+            bar.set_postfix({m: f"{t.tokens_per_s / plain.tokens_per_s:.2f}x" for m, t in totals.items()
+                             if m != BASELINE and plain.tokens_per_s > 0})
 
-    with torch.inference_mode():
-        for spec, prompts in sets.items():
-            name = prompts[0].set_name
-            totals = evaluate_set(prompts, methods, model, drafter, tokenizer, s, on_turn, records)
-            compared = s.temperature <= 0
-            results[name] = {m: t.summary(totals[BASELINE] if m != BASELINE else None, compared and m != BASELINE)
-                             for m, t in totals.items()}
-    bar.close()
+        with torch.inference_mode():
+            for spec, prompts in sets.items():
+                name = prompts[0].set_name
+                totals = evaluate_set(prompts, methods, model, drafter, tokenizer, s, on_turn, records)
+                compared = s.temperature <= 0
+                results[name] = {m: t.summary(totals[BASELINE] if m != BASELINE else None, compared and m != BASELINE)
+                                 for m, t in totals.items()}
+        bar.close()
 
-    config = {"drafter": str(drafter_path), "target": ref.name, "target_revision": ref.revision,
-              "dtype": dtype, "device": str(dev), "threads": torch.get_num_threads(),
-              "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
-              "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-              "tree": {"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens},
-              "chain_depth": s.chain_depth, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed}
-    result = EvalResult(config, results, records)
-    if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        result.json_path = out / RESULTS_FILE
-        formats.write_json_atomic(result.json_path, {"config": config, "sets": results, "prompts": records})
-        if plot:
-            result.plot_path = out / PLOT_FILE
-            write_plot(results, result.plot_path, title=f"drafter {drafter_path} | target {Path(ref.name).name} | {dtype}, "
-                                                            f"{s.max_new_tokens} new tokens, T={s.temperature:g}")
-    return result
-
-
-def drafter_target(drafter_path: str | Path) -> str | None:
-    """The target a checkpoint was trained for, as recorded in its config.json (eaglet's own)."""
-    path = Path(drafter_path)
-    for cfg_path in (path / "config.json", *sorted(path.glob("checkpoints/step_*/config.json"))[-1:]):
-        if cfg_path.exists():
-            cfg = formats.read_json(cfg_path)
-            return cfg.get("eaglet", {}).get("target")
-    return None
+        config = {"drafter": str(drafter_path), "target": ref.name, "target_revision": ref.revision,
+                  "dtype": dtype, "device": str(dev), "threads": torch.get_num_threads(),
+                  "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
+                  "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                  "tree": {"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens},
+                  "chain_depth": s.chain_depth, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed}
+        result = EvalResult(config, results, records)
+        if out is not None:
+            result.save(Path(out), plot, title=f"drafter {drafter_path} | target {Path(ref.name).name} | {dtype}, "
+                                               f"{s.max_new_tokens} new tokens, T={s.temperature:g}")
+        return result
 
 
 def check_drafter_fits(drafter: Eagle3Draft, target: nn.Module) -> None:

@@ -7,7 +7,9 @@ nowhere else:
   `prepare_config.json`, `token_freq.pt`;
 - the speculators "v1" hidden-state dataset (`eaglet extract`):
   `hidden_states/rows_{a}-{b}/data_{i}.pt`, plus `data_config.json`, `sample_lengths.json`
-  and `token_freq.pt` beside the `hidden_states/` folder.
+  and `token_freq.pt` beside the `hidden_states/` folder;
+- drafter folders for the serving engines (`eaglet export` / `eaglet import`): the speculators
+  (vLLM) and EAGLE-3 / SGLang `config.json` layouts and their weight names.
 
 All writes are atomic (temp file in the same folder, then `os.replace`), so a reader sees a
 complete file or none, whatever moment a writer is killed at.
@@ -20,6 +22,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -235,9 +238,10 @@ def write_v1_sample(out_dir: str | os.PathLike, index: int, sample: V1Sample, fs
     return path
 
 
-def read_v1_sample(path: str | os.PathLike) -> V1Sample:
-    """Load and schema-check one v1 file; errors name the file and the field."""
-    obj = torch_load_safe(path)
+def read_v1_sample(path: str | os.PathLike, mmap: bool = False) -> V1Sample:
+    """Load and schema-check one v1 file; errors name the file and the field. `mmap` maps the
+    tensors instead of reading them, for a caller that only looks at some of them."""
+    obj = torch_load_safe_mmap(path) if mmap else torch_load_safe(path)
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: expected a dict, got {type(obj).__name__}")
     if set(obj) != set(V1_KEYS):
@@ -464,6 +468,117 @@ def torch_load_safe_mmap(path: str | os.PathLike) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# The training view of every hidden-state layout: one reader per layout, each returning the same
+# (input_ids, aux [T, 3H], last [T, H], loss_mask), so `eaglet train` reads any dataset that
+# `eaglet check` accepts. Whether `last` is before or after the target's final norm is a property
+# of the dataset (data_config.json, or the layout's convention), not of a file.
+# ---------------------------------------------------------------------------------------------
+
+LAST_STATE_POST_NORM = "post_norm"  # the last state after the target's final norm (SpecForge's `hidden_state`)
+LAST_STATE_CONVENTIONS = (LAST_STATE_PRE_NORM, LAST_STATE_POST_NORM)
+EAGLE3_NUM_STATES = 4  # three aux states (low, mid, high), then the last layer's
+
+
+@dataclass
+class TrainingSample:
+    input_ids: torch.Tensor  # int64 [T]
+    aux_hidden: torch.Tensor  # [T, 3H]: the three aux states concatenated in layer-id order
+    last_hidden: torch.Tensor  # [T, H]: the last layer's state
+    loss_mask: torch.Tensor  # int64 [T]
+
+
+def _drop_batch_dim(t: Any, dims: int) -> Any:
+    """SpecForge versions differ on a leading batch dimension of 1; accept both."""
+    if isinstance(t, torch.Tensor) and t.dim() == dims + 1 and t.shape[0] == 1:
+        return t[0]
+    return t
+
+
+def _eagle3_states(path: str | os.PathLike, states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [T, 3H], last [T, H]) from the states in layer-id order."""
+    if len(states) != EAGLE3_NUM_STATES:
+        raise ValueError(f"{path}: {len(states)} hidden states; EAGLE-3 training needs {EAGLE3_NUM_STATES} "
+                         "(three aux layers, then the last layer)")
+    return torch.cat(states[:-1], dim=-1), states[-1]
+
+
+def _specforge_fields(obj: Any, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    if not isinstance(obj, dict) or any(k not in obj for k in SPECFORGE_KEYS):
+        got = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"{path}: expected a dict with keys {list(SPECFORGE_KEYS)}, got {got}")
+    dims = {"input_ids": 1, "loss_mask": 1, "hidden_state": 2, "aux_hidden_state": 2}
+    return {k: _drop_batch_dim(obj[k], d) for k, d in dims.items()}
+
+
+def _hs_loss_mask(path: str | os.PathLike, names: Any) -> None:
+    # Without a mask every user and system token would be trained on, silently: refuse instead.
+    if "loss_mask" not in names:
+        raise ValueError(f"{path}: no loss_mask tensor, so the assistant tokens (the only ones trained on) are "
+                         "unknown; write the files with a loss_mask [T] (1 = assistant token), or run `eaglet "
+                         "prepare` + `eaglet extract` (or `eaglet train --online`) on the chats")
+
+
+def _v1_training_sample(path: str | os.PathLike) -> TrainingSample:
+    s = read_v1_sample(path)
+    aux, last = _eagle3_states(path, s.hidden_states)
+    return TrainingSample(s.input_ids.long(), aux, last, s.loss_mask.long())
+
+
+def _specforge_training_sample(path: str | os.PathLike) -> TrainingSample:
+    f = _specforge_fields(read_specforge_sample(path), path)
+    aux, last = f["aux_hidden_state"], f["hidden_state"]
+    if aux.dim() != 2 or last.dim() != 2 or aux.shape[-1] != 3 * last.shape[-1]:
+        raise ValueError(f"{path}: hidden_state {tuple(last.shape)} and aux_hidden_state {tuple(aux.shape)}: "
+                         "expected [T, H] and [T, 3H]")
+    return TrainingSample(f["input_ids"].long(), aux, last, f["loss_mask"].long())
+
+
+def _hs_safetensors_training_sample(path: str | os.PathLike) -> TrainingSample:
+    obj = read_hs_safetensors_sample(path)
+    _hs_loss_mask(path, obj)
+    hs = obj["hidden_states"]
+    if hs.dim() != 3:
+        raise ValueError(f"{path}: hidden_states {tuple(hs.shape)}: expected [T, S, H]")
+    aux, last = _eagle3_states(path, list(hs.unbind(1)))
+    return TrainingSample(obj["token_ids"].long(), aux, last, obj["loss_mask"].long())
+
+
+TRAINING_READERS = {
+    FORMAT_V1: _v1_training_sample,
+    FORMAT_V1_FLAT: _v1_training_sample,
+    FORMAT_SPECFORGE: _specforge_training_sample,
+    FORMAT_HS_SAFETENSORS: _hs_safetensors_training_sample,
+}
+
+
+def read_training_sample(path: str | os.PathLike, layout: str) -> TrainingSample:
+    """One sample of a dataset in `layout` (a FORMAT_* of `list_dataset_files`), as training takes it."""
+    if layout not in TRAINING_READERS:
+        raise ValueError(f"{path}: no training reader for layout {layout!r}")
+    return TRAINING_READERS[layout](path)
+
+
+def read_sample_tokens(path: str | os.PathLike, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, loss_mask) of one file, reading as little else as the layout allows: the hidden
+    states of `.pt` / `.ckpt` files are memory-mapped and never touched, safetensors tensors are
+    read by name; only a `.ckpt.gz` must be decompressed whole."""
+    if layout in (FORMAT_V1, FORMAT_V1_FLAT):
+        s = read_v1_sample(path, mmap=True)
+        return s.input_ids.long(), s.loss_mask.long()
+    if layout == FORMAT_SPECFORGE:
+        obj = read_specforge_sample(path) if str(path).endswith(".gz") else torch_load_safe_mmap(path)
+        f = _specforge_fields(obj, path)
+        return f["input_ids"].long(), f["loss_mask"].long()
+    if layout == FORMAT_HS_SAFETENSORS:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as h:
+            _hs_loss_mask(path, set(h.keys()))
+            return h.get_tensor("token_ids").long(), h.get_tensor("loss_mask").long()
+    raise ValueError(f"{path}: no reader for layout {layout!r}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Regenerated chats (`eaglet regen`): one conversation per JSON line, append-only, resumable.
 # Records are `{"id", "messages": [{"role", "content"}...], "regen": {...}}`, which
 # `eaglet prepare` reads as OpenAI-style chats.
@@ -524,6 +639,7 @@ class RegenWriter:
 def open_output(out: Path, resume: bool) -> set[str]:
     """Check `out` may be written; on resume, drop a partial last line and return the done ids."""
     if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
         return set()
     if not resume:
         raise ValueError(f"--out {out} exists; pass --resume to continue it, or choose another file "
@@ -535,3 +651,296 @@ def open_output(out: Path, resume: bool) -> set[str]:
             f.truncate(good)
             os.fsync(f.fileno())
     return done
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafter folders for the serving engines (`eaglet export` writes them, `eaglet import` reads them)
+#
+# Both are a `config.json` plus weights. eaglet's own tensor names (draft_model.py) already are the
+# official EAGLE-3 / SGLang names, so the maps below only list what differs. Matched against:
+#   vLLM  vllm/model_executor/models/llama_eagle3.py @ 00bd149 (Eagle3LlamaForCausalLM.load_weights:
+#         `midlayer.` -> `layers.0.`, `d2t` -> draft_id_to_target_id, `t2d` skipped, `embed_tokens`
+#         loaded when present (v1/spec_decode shares the target's when absent or identical), q/k/v and
+#         gate/up stacked into qkv_proj / gate_up_proj); vllm/transformers_utils/configs/speculators/
+#         base.py + algos.py @ cfb173a (update_eagle3: draft_vocab_size, target_hidden_size,
+#         `norm_before_residual` defaulting to TRUE when absent, eagle_aux_hidden_state_layer_ids);
+#         vllm/v1/worker/gpu_model_runner.py `_get_eagle3_aux_layers_from_config` (top-level
+#         `eagle_aux_hidden_state_layer_ids` first, then `eagle_config[...]`, ids in HF
+#         hidden_states indexing: the target captures *before* decoder layer id).
+#   SGLang python/sglang/srt/models/llama_eagle3.py @ 03d5a77 (LlamaForCausalLMEagle3: names as
+#         eaglet's, optional `model.` prefix, unknown names skipped silently, `d2t` -> hot_token_id,
+#         lm_head tied to embed_tokens when `tie_word_embeddings`); models/llama.py @ 0023954
+#         (set_eagle3_layers_to_capture adds 1 to `eagle_config.eagle_aux_hidden_state_layer_ids`:
+#         SGLang ids name the *output* of decoder layer id, i.e. HF id - 1; sgl-project/sglang#25454
+#         keeps the +1 only when the first id is 1); speculative/eagle_worker.py (`eagle_config`).
+#   speculators src/speculators/models/eagle3/config.py @ 27ec382 (Eagle3SpeculatorConfig),
+#         src/speculators/config.py (SpeculatorsConfig, VerifierConfig), proposals/greedy.py,
+#         convert/eagle/eagle3_converter.py @ ef8d232 (`midlayer.` -> `layers.0.`, embeddings kept);
+#         `norm_before_fc` is one RMSNorm over the 3H concat with weight `input_norm.weight`
+#         (vllm-project/speculators#337, vllm-project/vllm#36545), which is eaglet's `fc_norm`.
+# ---------------------------------------------------------------------------------------------
+
+DRAFTER_CONFIG_FILE = "config.json"
+DRAFTER_WEIGHTS_FILE = "model.safetensors"
+FORMAT_EAGLET = "eaglet"  # a training checkpoint: config.json with an "eaglet" section
+FORMAT_EAGLE = "eagle"  # official EAGLE-3 / SGLang `LlamaForCausalLMEagle3`
+FORMAT_SPECULATORS = "speculators"  # vLLM / speculators `Eagle3Speculator`
+EXPORT_FORMATS = (FORMAT_SPECULATORS, FORMAT_EAGLE)
+EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+# eaglet name prefix -> name prefix in the format. `fc_norm` is eaglet's single RMSNorm over the
+# 3H concat; the engines call that `norm_before_fc` / `input_norm` (their `fc_norm` is per layer).
+FORMAT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    FORMAT_EAGLET: (),
+    FORMAT_EAGLE: (("fc_norm.", "input_norm."),),
+    FORMAT_SPECULATORS: (("midlayer.", "layers.0."), ("fc_norm.", "input_norm.")),
+}
+# Buffers some older checkpoints carry that hold no learned state (RoPE is recomputed).
+IGNORABLE_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+
+
+def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def format_name(name: str, fmt: str) -> str:
+    """An eaglet tensor name as `fmt` stores it."""
+    return _rename(name, FORMAT_RENAMES[fmt])
+
+
+def to_format_names(tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    return {format_name(k, fmt): v for k, v in tensors.items()}
+
+
+def from_format_names(tensors: dict[str, torch.Tensor], fmt: str, where: str) -> dict[str, torch.Tensor]:
+    """Names as stored in `fmt` -> eaglet names. SGLang also accepts each name with a `model.`
+    prefix (its params live under `model.`), so an eagle folder may use either spelling."""
+    back = tuple((new, old) for old, new in FORMAT_RENAMES[fmt])
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        plain = name[len("model."):] if fmt == FORMAT_EAGLE and name.startswith("model.") else name
+        ours = _rename(plain, back)
+        if ours in out:
+            raise ValueError(f"{where}: two tensors map to {ours!r} (one is {name!r})")
+        out[ours] = t
+    return out
+
+
+def hf_to_sglang_layer_ids(ids: list[int]) -> list[int]:
+    """HF hidden_states ids -> SGLang's `eagle_config` ids (output of decoder layer id)."""
+    return [i - 1 for i in ids]
+
+
+def sglang_to_hf_layer_ids(ids: list[int]) -> list[int]:
+    """SGLang's reading of `eagle_config` ids (sgl-project/sglang#25454): a first id of 1 means
+    "output of layer id" (+1); any other first id is already a capture-before-layer index."""
+    return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
+
+
+def _llama_block(cfg: Any) -> dict[str, Any]:
+    """The Llama keys of the one decoder layer, as a LlamaConfig dict (eagle: top level;
+    speculators: `transformer_layer_config`). `vocab_size` is the target's vocabulary."""
+    return {
+        "model_type": "llama", "num_hidden_layers": 1, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.target_vocab_size,
+        "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False,  # SGLang would make lm_head the embedding matrix otherwise
+    }
+
+
+def _refuse(where: str, field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{where}: field {field} = {value!r}: {why}")
+
+
+def _llama_fields(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """DraftConfig fields from a Llama block; variants eaglet's drafter cannot run are refused."""
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if not isinstance(block.get(key), int):
+            raise ValueError(f"{where}: field {key} missing or not an integer")
+    if block.get("num_hidden_layers", 1) != 1:
+        raise _refuse(where, "num_hidden_layers", block["num_hidden_layers"], "eaglet drafters have one decoder layer")
+    if block.get("hidden_act", "silu") != "silu":
+        raise _refuse(where, "hidden_act", block["hidden_act"], "eaglet's MLP is SwiGLU (silu)")
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        if block.get(key):
+            raise _refuse(where, key, block[key], "not supported by eaglet's drafter")
+    rope = block.get("rope_parameters") or block.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise _refuse(where, "rope_parameters.rope_type", rope_type, "eaglet's drafter uses plain RoPE")
+    heads, hidden = block["num_attention_heads"], block["hidden_size"]
+    return dict(hidden_size=hidden, num_heads=heads, num_kv_heads=int(block.get("num_key_value_heads") or heads),
+                head_dim=int(block.get("head_dim") or hidden // heads), intermediate_size=block["intermediate_size"],
+                rms_norm_eps=float(block.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(block.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                max_position_embeddings=int(block.get("max_position_embeddings", 2048)),
+                target_vocab_size=block["vocab_size"])
+
+
+def _draft_fields(c: dict[str, Any], fields: dict[str, Any], where: str, norm_before_residual: Any,
+                  norm_before_fc: Any, per_layer_fc_norm: Any, norm_output: Any) -> dict[str, Any]:
+    """The EAGLE-3 fields both formats share, on top of the Llama block's."""
+    if norm_before_residual:
+        raise _refuse(where, "norm_before_residual", norm_before_residual,
+                      "eaglet's drafter keeps the un-normalised hidden state as the residual")
+    if per_layer_fc_norm:
+        raise _refuse(where, "fc_norm", per_layer_fc_norm, "per-layer norms before fc are not eaglet's "
+                      "fc_norm (one RMSNorm over the concat, `norm_before_fc`)")
+    draft_vocab = c.get("draft_vocab_size")
+    if not isinstance(draft_vocab, int):
+        raise ValueError(f"{where}: field draft_vocab_size missing or not an integer (engines disagree on the default)")
+    return {**fields, "draft_vocab_size": draft_vocab,
+            "target_hidden_size": int(c.get("target_hidden_size") or fields["hidden_size"]),
+            "fc_norm": bool(norm_before_fc), "norm_output": bool(norm_output)}
+
+
+def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any]) -> dict[str, Any]:
+    """config.json of an EAGLE-3 / SGLang folder (`LlamaForCausalLMEagle3`)."""
+    return {
+        "architectures": [EAGLE_ARCHITECTURES[0]], **_llama_block(cfg), "torch_dtype": torch_dtype,
+        "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+        # vLLM reads the top-level ids first (HF indexing); SGLang reads only eagle_config's, as
+        # output-of-layer ids (it adds 1), so the two lists differ by one on purpose.
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": hf_to_sglang_layer_ids(cfg.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+        "norm_before_residual": False, "norm_output": cfg.norm_output,
+        "eaglet_export": provenance,
+    }
+
+
+def parse_eagle_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
+    """(DraftConfig fields, aux ids in HF indexing or None when the folder names none)."""
+    if not any(a in EAGLE_ARCHITECTURES for a in c.get("architectures") or []):
+        raise _refuse(where, "architectures", c.get("architectures"), f"expected one of {list(EAGLE_ARCHITECTURES)}")
+    eagle = c.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state") is False:
+        raise _refuse(where, "eagle_config.use_aux_hidden_state", False, "not an EAGLE-3 drafter (no fused aux states)")
+    fields = _draft_fields(c, _llama_fields(c, where), where, c.get("norm_before_residual"),
+                           eagle.get("norm_before_fc", c.get("norm_before_fc")), c.get("fc_norm") or eagle.get("fc_norm"),
+                           c.get("norm_output", eagle.get("norm_output")))
+    top, nested = c.get("eagle_aux_hidden_state_layer_ids"), eagle.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        if nested and list(nested) not in (list(top), hf_to_sglang_layer_ids(list(top))):
+            raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {top} and eagle_config."
+                             f"eagle_aux_hidden_state_layer_ids {nested} name different layers")
+        return fields, list(top)
+    if nested:
+        if nested[0] != 1:
+            log.warning("%s: eagle_config.eagle_aux_hidden_state_layer_ids %s: read as capture-before-layer ids "
+                        "(as SGLang >= #25454 does; older SGLang adds 1)", where, nested)
+        return fields, sglang_to_hf_layer_ids(list(nested))
+    return fields, None
+
+
+def build_speculators_config(cfg: Any, torch_dtype: str, verifier_name: str, verifier_architectures: list[str],
+                             speculative_tokens: int, provenance: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a speculators `Eagle3Speculator` folder (what vLLM's SpeculatorsConfig reads)."""
+    return {
+        "architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": "eagle3",
+        "transformer_layer_config": _llama_block(cfg),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures)},
+        },
+        "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        # Written even when false: vLLM's update_eagle3 defaults a missing norm_before_residual to true.
+        "norm_before_residual": False, "norm_before_fc": cfg.fc_norm, "fc_norm": False,
+        "norm_output": cfg.norm_output, "torch_dtype": torch_dtype,
+        "eaglet_export": provenance,
+    }
+
+
+def parse_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
+    """(DraftConfig fields, aux ids in HF indexing or None) of a speculators eagle3 config."""
+    if c.get("speculators_model_type") != "eagle3":
+        raise _refuse(where, "speculators_model_type", c.get("speculators_model_type"), "expected 'eagle3'")
+    block = c.get("transformer_layer_config")
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: field transformer_layer_config missing or not a dict")
+    if "norm_before_residual" not in c:
+        raise ValueError(f"{where}: field norm_before_residual missing (vLLM then assumes true, speculators false)")
+    fields = _draft_fields(c, _llama_fields(block, f"{where} transformer_layer_config"), where,
+                           c["norm_before_residual"], c.get("norm_before_fc"), c.get("fc_norm"), c.get("norm_output"))
+    ids = c.get("eagle_aux_hidden_state_layer_ids")
+    return fields, (list(ids) if ids else None)
+
+
+def detect_drafter_format(c: dict[str, Any], where: str) -> str:
+    if "eaglet" in c:
+        return FORMAT_EAGLET
+    if "speculators_model_type" in c:
+        return FORMAT_SPECULATORS
+    if any(a in EAGLE_ARCHITECTURES for a in c.get("architectures") or []):
+        return FORMAT_EAGLE
+    raise ValueError(f"{where}: not a drafter config (no 'eaglet' section, no speculators_model_type, "
+                     f"architectures {c.get('architectures')} not in {list(EAGLE_ARCHITECTURES)})")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a model folder: an index's shards, or model.safetensors, or pytorch_model.bin."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).exists():
+            return [folder / f for f in sorted(set(read_json(folder / index)["weight_map"].values()))]
+    for name in (DRAFTER_WEIGHTS_FILE, "pytorch_model.bin"):
+        if (folder / name).exists():
+            return [folder / name]
+    raise FileNotFoundError(f"{folder}: no {DRAFTER_WEIGHTS_FILE}, pytorch_model.bin or weight index")
+
+
+def read_weight_files(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a model folder; `.bin` files load with weights_only=True (no pickled code runs)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in weight_files(Path(folder)):
+        part = load_file(str(path), device="cpu") if path.suffix == ".safetensors" else torch_load_safe(path)
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise ValueError(f"{path}: expected a flat dict of tensors")
+        for name in part.keys() & out.keys():
+            raise ValueError(f"{path}: tensor {name!r} appears in two weight files")
+        out.update(part)
+    return out
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp folder beside `final`; on success fsync its files and rename it onto `final`
+    (which may not exist yet, or be empty), else delete it: a folder that exists is complete."""
+    final = Path(final)
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise ValueError(f"{final} exists and is not empty; remove it or choose another folder")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP_MARK}", dir=final.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():
+            final.rmdir()
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_drafter_folder(out: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """config.json + model.safetensors, written as one atomic folder."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(out) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / DRAFTER_WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+        (tmp / DRAFTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return Path(out)

@@ -138,8 +138,8 @@ def regen_record(conv: Conversation, meta: dict[str, Any]) -> dict[str, Any]:
 # Reading the input
 # ---------------------------------------------------------------------------------------------
 
-def iter_conversations(data: str, stats: ReadStats, num_samples: int | None, skip: int
-                       ) -> Iterator[Conversation]:
+def iter_conversations(data: str, stats: ReadStats, num_samples: int | None, skip: int,
+                       max_turns: int | None = None) -> Iterator[Conversation]:
     """The usable chats of `data`, like `eaglet prepare` selects them: records after `skip`,
     at most `num_samples` usable ones. A repeated id gets a `#n` suffix, because resume keys
     on ids and a duplicate must not pass for done."""
@@ -154,6 +154,10 @@ def iter_conversations(data: str, stats: ReadStats, num_samples: int | None, ski
         if isinstance(messages, str):
             stats.skipped[messages] += 1
             continue
+        if max_turns is not None:  # keep the chat up to its max_turns-th assistant answer
+            answers = assistant_indices(messages)
+            if len(answers) > max_turns:
+                messages = messages[:answers[max_turns - 1] + 1]
         usable += 1
         seen[sample_id] += 1
         cid = sample_id if seen[sample_id] == 1 else f"{sample_id}#{seen[sample_id]}"
@@ -168,21 +172,13 @@ class LocalGenerator:
     """Batched generation with the target; prompts rendered by its own chat template."""
 
     def __init__(self, model, tokenizer, temperature: float, top_p: float, max_new_tokens: int):
-        from transformers import GenerationConfig
+        from eaglet.target import generation_config
 
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
-        sample = temperature > 0
-        # `generate` fills every unset field from the model's own generation_config.json, and
-        # checkpoints ship sampling defaults there (Qwen: top_k 20, repetition_penalty 1.05).
-        # Those would silently change what --temperature/--top-p mean and bend greedy output:
-        # replace it, so only these settings and transformers' neutral globals apply.
-        self.config = GenerationConfig(
-            do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p if sample else 1.0,
-            top_k=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-            eos_token_id=sorted(self.stop_ids), use_cache=True)
+        self.config = generation_config(temperature, top_p, max_new_tokens, self.pad_id, sorted(self.stop_ids))
         model.generation_config = self.config
         max_pos = getattr(model.config, "max_position_embeddings", None)
         self.max_prompt_tokens = (max_pos - max_new_tokens) if max_pos else None
@@ -484,7 +480,7 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
                concurrency: int = 8, max_retries: int = 5, timeout: float = 600.0, backoff: float = 1.0,
                resume: bool = False, num_samples: int | None = None, skip: int = 0, dtype: str = "bf16",
                device: str | None = None, seed: int = 0, max_prompt_tokens: int | None = None,
-               progress_bar: bool = True) -> RegenSummary:
+               max_turns: int | None = None, progress_bar: bool = True) -> RegenSummary:
     """Regenerate every assistant turn of the chats in `data` with the target; write `out` (JSONL)."""
     from tqdm import tqdm
 
@@ -523,7 +519,9 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
         meta = {"target": model, **meta, "base_url": base_url}
 
     stats = summary.stats
-    selected = iter_conversations(data, stats, num_samples, skip)
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"--max-turns {max_turns}: must be at least 1")
+    selected = iter_conversations(data, stats, num_samples, skip, max_turns)
 
     def todo() -> Iterator[Conversation]:
         for conv in selected:

@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -175,3 +176,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def default_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3 aux ids (low, mid, high) in hidden_states indexing, plus the last layer N."""
     return [2, num_layers // 2, num_layers - 3, num_layers]
+
+
+def generation_config(temperature: float, top_p: float, max_new_tokens: int, pad_id: int, eos_ids: list[int],
+                      **extra: Any):
+    """A complete GenerationConfig for `generate`. `generate` fills every unset field from the
+    model's own generation_config.json, and checkpoints ship sampling defaults there (Qwen:
+    top_k 20, repetition_penalty 1.05). Those would silently change what temperature/top_p mean
+    and bend greedy output: this one replaces it, so only these settings and transformers'
+    neutral globals apply."""
+    from transformers import GenerationConfig
+
+    sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0
+                else {"do_sample": False})
+    return GenerationConfig(**sampling, repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                            eos_token_id=list(eos_ids), use_cache=True, **extra)

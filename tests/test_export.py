@@ -1,0 +1,395 @@
+"""`eaglet export` / `eaglet import`: bit-exact round trips through the speculators (vLLM) and
+EAGLE-3 / SGLang folders, the two config.json layouts, each folder loaded by a minimal loader
+written here from the engines' own key names (not eaglet's import code), and the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglet import formats
+from eaglet.cli import main as cli_main
+from eaglet.draft_model import DraftConfig, Eagle3Draft, build_draft_vocab
+from eaglet.export import export_drafter, import_drafter, load_drafter
+from eaglet.train import export_config, load_checkpoint, save_checkpoint
+
+TARGET = "org/tiny-target"
+AUX = [2, 4, 5]
+
+
+def tiny_config(**kw) -> DraftConfig:
+    base = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5,
+                rope_theta=10000.0, max_position_embeddings=128, target_vocab_size=50, draft_vocab_size=30,
+                aux_layer_ids=list(AUX))
+    base.update(kw)
+    return DraftConfig(**base)
+
+
+def random_drafter(cfg: DraftConfig, seed: int = 0) -> Eagle3Draft:
+    """Every tensor random (norms too), so a swapped or dropped weight changes the logits."""
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_()
+    freq = {t: int(c) for t, c in enumerate(torch.randint(0, 100, (cfg.target_vocab_size,)).tolist())}
+    draft.set_draft_vocab(*build_draft_vocab(freq, cfg.target_vocab_size, cfg.draft_vocab_size))
+    return draft.eval()
+
+
+def write_checkpoint(root: Path, draft: Eagle3Draft) -> Path:
+    return save_checkpoint(root / "checkpoints", 5, draft, export_config(draft.config, {"step": 5, "target": TARGET}), {})
+
+
+def logits(draft: Eagle3Draft) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    ids = torch.randint(0, draft.config.target_vocab_size, (2, 9))
+    aux = torch.randn(2, 9, 3 * draft.config.target_hidden_size)
+    with torch.no_grad():
+        return draft(ids, aux, steps=3).logits
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def tamper(folder: Path, edit) -> None:
+    tensors = weights(folder)
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    return write_checkpoint(tmp_path, random_drafter(tiny_config()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,variant", [("speculators", {}), ("eagle", {}),
+                                         ("speculators", {"fc_norm": True, "norm_output": True}),
+                                         ("eagle", {"norm_output": True, "target_hidden_size": 40})])
+def test_round_trip_is_bit_exact(tmp_path, fmt, variant):
+    draft = random_drafter(tiny_config(**variant))
+    ckpt = write_checkpoint(tmp_path, draft)
+    out, back = tmp_path / "exported", tmp_path / "back"
+    export_drafter(ckpt, out, fmt, dtype="fp32")
+    summary = import_drafter(out, back)
+    assert summary.source_format == fmt and not summary.embeddings_from_target
+    original, returned = weights(ckpt), weights(back)
+    assert original.keys() == returned.keys()
+    for name, t in original.items():
+        assert returned[name].dtype == t.dtype and torch.equal(returned[name], t), name
+    assert config(back)["eaglet"]["draft_config"] == draft.config.to_dict()
+    before = logits(draft)
+    for reloaded in (load_checkpoint(back), load_drafter(out), load_drafter(back)):
+        assert all(torch.equal(a, b) for a, b in zip(before, logits(reloaded)))
+
+
+def test_run_folder_exports_its_best_checkpoint(tmp_path, ckpt):
+    formats.write_json_atomic(tmp_path / "checkpoints" / "best.json", {"step": 5, "tau": 1.0, "path": ckpt.name})
+    export_drafter(tmp_path, tmp_path / "out", "speculators", dtype="fp32")
+    assert torch.equal(weights(tmp_path / "out")["fc.weight"], weights(ckpt)["fc.weight"])
+
+
+def test_bf16_export_keeps_vocab_map_dtypes(tmp_path, ckpt):
+    for fmt in ("speculators", "eagle"):
+        out = tmp_path / fmt
+        export_drafter(ckpt, out, fmt)  # bf16 is the default
+        w = weights(out)
+        assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+        assert all(t.dtype == torch.bfloat16 for k, t in w.items() if k not in ("d2t", "t2d"))
+        assert torch.equal(w["fc.weight"], weights(ckpt)["fc.weight"].bfloat16())
+        assert config(out)["torch_dtype"] == "bfloat16"
+
+
+def test_cli_export_and_import(tmp_path, ckpt, capsys):
+    out, back = tmp_path / "out", tmp_path / "back"
+    assert cli_main(["export", str(ckpt), str(out), "--format", "eagle", "--dtype", "fp32"]) == 0
+    assert "SGLang" in capsys.readouterr().out
+    assert cli_main(["import", str(out), "--out", str(back)]) == 0
+    assert torch.equal(weights(back)["lm_head.weight"], weights(ckpt)["lm_head.weight"])
+    # An existing, non-empty folder is never overwritten; a failed write leaves no temp folder.
+    assert cli_main(["export", str(ckpt), str(out), "--format", "eagle"]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "checkpoints", "out"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The two config.json layouts, and minimal engine loaders written from the engines' key names
+# ---------------------------------------------------------------------------------------------
+
+LLAMA_KEYS = {"model_type": str, "num_hidden_layers": int, "hidden_size": int, "intermediate_size": int,
+              "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int, "hidden_act": str,
+              "rms_norm_eps": float, "rope_theta": float, "max_position_embeddings": int, "vocab_size": int,
+              "tie_word_embeddings": bool}
+
+
+def assert_llama_block(block: dict) -> None:
+    for key, typ in LLAMA_KEYS.items():
+        assert isinstance(block[key], typ), key
+    assert block["model_type"] == "llama" and block["num_hidden_layers"] == 1 and block["hidden_act"] == "silu"
+    assert block["vocab_size"] == 50 and block["tie_word_embeddings"] is False  # SGLang ties lm_head otherwise
+
+
+def test_speculators_config_layout(tmp_path, ckpt):
+    export_drafter(ckpt, tmp_path / "out", "speculators", verifier="org/other", speculative_tokens=4)
+    c = config(tmp_path / "out")
+    assert c["architectures"] == ["Eagle3Speculator"] and c["speculators_model_type"] == "eagle3"
+    assert_llama_block(c["transformer_layer_config"])
+    sc = c["speculators_config"]  # what vLLM's SpeculatorsConfig.validate_speculators_config requires
+    assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 4, "verifier_accept_k": 1,
+                                       "accept_tolerance": 0.0}]
+    assert sc["verifier"]["name_or_path"] == "org/other" and isinstance(sc["verifier"]["architectures"], list)
+    assert c["draft_vocab_size"] == 30 and c["target_hidden_size"] == 32
+    assert c["eagle_aux_hidden_state_layer_ids"] == AUX
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert c[flag] is False, flag  # written even when false: vLLM defaults norm_before_residual to true
+    assert "embed_tokens.weight" in weights(tmp_path / "out")  # speculators checkpoints carry them
+    export_drafter(ckpt, tmp_path / "default", "speculators")
+    assert config(tmp_path / "default")["speculators_config"]["verifier"]["name_or_path"] == TARGET
+
+
+def test_eagle_config_layout(tmp_path, ckpt):
+    export_drafter(ckpt, tmp_path / "out", "eagle")
+    c = config(tmp_path / "out")
+    assert c["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert_llama_block(c)
+    assert c["draft_vocab_size"] == 30 and c["target_hidden_size"] == 32
+    assert c["eagle_aux_hidden_state_layer_ids"] == AUX  # vLLM: HF hidden_states ids
+    assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
+    assert c["norm_before_residual"] is False and c["norm_output"] is False
+    # Ids not starting at 2 are written all the same, with a note: SGLang's reading of them varies by release.
+    other = write_checkpoint(tmp_path / "other", random_drafter(tiny_config(aux_layer_ids=[3, 5, 6])))
+    summary = export_drafter(other, tmp_path / "other_out", "eagle")
+    assert config(tmp_path / "other_out")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert any("#25454" in n for n in summary.notes)
+
+
+STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+
+
+def engine_params(hf: dict, layer: str) -> dict:
+    """Parameter shapes of the engines' Eagle3 Llama drafter, built from config.json alone; stacked
+    parameters map shard id -> shard shape. `layer` is `layers.0` (vLLM) or `midlayer` (SGLang)."""
+    H, nh = hf["hidden_size"], hf["num_attention_heads"]
+    nkv, hd, inter = hf.get("num_key_value_heads", nh), hf.get("head_dim", H // nh), hf["intermediate_size"]
+    T, Vd = hf.get("target_hidden_size") or H, hf.get("draft_vocab_size") or hf["vocab_size"]
+    m = f"model.{layer}"
+    params = {"model.embed_tokens.weight": (hf["vocab_size"], H), "model.fc.weight": (H, 3 * T),
+              f"{m}.self_attn.qkv_proj.weight": {"q": (nh * hd, 2 * H), "k": (nkv * hd, 2 * H), "v": (nkv * hd, 2 * H)},
+              f"{m}.self_attn.o_proj.weight": (H, nh * hd), f"{m}.mlp.gate_up_proj.weight": {0: (inter, H), 1: (inter, H)},
+              f"{m}.mlp.down_proj.weight": (H, inter), "model.norm.weight": (H,), "lm_head.weight": (Vd, H)}
+    for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+        params[f"{m}.{norm}.weight"] = (H,)
+    if hf.get("norm_before_fc"):
+        params["model.input_norm.weight"] = (3 * T,)
+    return params
+
+
+def land(params: dict, loaded: dict, name: str, t: torch.Tensor) -> None:
+    """Put `t` where the engine would (stacked shards by shard id); it must fit exactly, once."""
+    for fused, shard, sid in STACKED:
+        if shard in name:
+            name = name.replace(shard, fused)
+            key, shape = (name, sid), params[name][sid]
+            break
+    else:
+        key, shape = name, params[name]  # KeyError: the engine has no parameter of that name
+    assert tuple(t.shape) == shape and key not in loaded, name
+    loaded[key] = t
+
+
+def everything(params: dict) -> set:
+    return {(n, s) if isinstance(v, dict) else n for n, v in params.items() for s in (v if isinstance(v, dict) else [0])}
+
+
+def vllm_load(folder: Path) -> tuple[dict, dict]:
+    """vLLM: SpeculatorsConfig (base.py + algos.update_eagle3) for speculators folders, the config
+    as is otherwise; then Eagle3LlamaForCausalLM.load_weights' renames (llama_eagle3.py)."""
+    c = config(folder)
+    hf = dict(c)
+    if "speculators_model_type" in c:
+        hf = {**c["transformer_layer_config"], "draft_vocab_size": c.get("draft_vocab_size"),
+              "norm_before_residual": c.get("norm_before_residual", True),
+              "norm_before_fc": c.get("norm_before_fc", False), "norm_output": c.get("norm_output", False)}
+        for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+            if c.get(key) is not None:
+                hf[key] = c[key]
+    params, loaded = engine_params(hf, "layers.0"), {}
+    params["draft_id_to_target_id"] = (hf["draft_vocab_size"],)
+    for name, t in weights(folder).items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            name = name.replace("d2t", "draft_id_to_target_id")
+        elif "lm_head" not in name:
+            name = "model." + name
+        land(params, loaded, name.replace("midlayer.", "layers.0."), t)
+    assert set(loaded) == everything(params)  # nothing missing, nothing left over
+    return hf, loaded
+
+
+def sglang_load(folder: Path) -> tuple[list[int], torch.Tensor, dict]:
+    """SGLang: LlamaForCausalLMEagle3.load_weights (llama_eagle3.py) and the target's capture
+    layers from eagle_config (llama.py set_eagle3_layers_to_capture adds 1)."""
+    c = config(folder)
+    assert not c.get("tie_word_embeddings") and c["eagle_config"]["use_aux_hidden_state"]
+    params, loaded, hot = engine_params(c, "midlayer"), {}, None
+    for name, t in weights(folder).items():
+        if "d2t" in name:
+            hot = t + torch.arange(t.shape[0])
+            continue
+        if "t2d" in name:
+            continue
+        stacked = next((name.replace(shard, fused) for fused, shard, _ in STACKED if shard in name), name)
+        land(params, loaded, name if stacked in params else "model." + name, t)
+    assert set(loaded) == everything(params)
+    return [i + 1 for i in c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]], hot, loaded
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "eagle"])
+def test_vllm_loads_the_export(tmp_path, ckpt, fmt):
+    export_drafter(ckpt, tmp_path / "out", fmt, dtype="fp32")
+    hf, loaded = vllm_load(tmp_path / "out")
+    assert not hf.get("norm_before_residual")  # eaglet's residual is the un-normalised hidden state
+    assert hf["eagle_aux_hidden_state_layer_ids"] == AUX  # vLLM reads the top-level ids first, HF indexing
+    w = weights(ckpt)
+    assert torch.equal(loaded["draft_id_to_target_id"], w["d2t"])
+    assert torch.equal(loaded[("model.layers.0.self_attn.qkv_proj.weight", "k")], w["midlayer.self_attn.k_proj.weight"])
+    assert torch.equal(loaded["model.layers.0.hidden_norm.weight"], w["midlayer.hidden_norm.weight"])
+
+
+def test_vllm_loads_the_pre_fc_norm(tmp_path):
+    ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config(fc_norm=True)))
+    export_drafter(ckpt, tmp_path / "out", "speculators", dtype="fp32")
+    hf, loaded = vllm_load(tmp_path / "out")
+    assert hf["norm_before_fc"] is True
+    assert torch.equal(loaded["model.input_norm.weight"], weights(ckpt)["fc_norm.weight"])
+
+
+def test_sglang_loads_the_export(tmp_path, ckpt):
+    export_drafter(ckpt, tmp_path / "out", "eagle", dtype="fp32")
+    captured, hot, loaded = sglang_load(tmp_path / "out")
+    w = weights(ckpt)
+    assert captured == AUX  # the target captures the states the drafter was trained on
+    assert torch.equal(hot, torch.arange(30) + w["d2t"]) and torch.equal(hot, w["t2d"].nonzero().flatten())
+    assert torch.equal(loaded[("model.midlayer.mlp.gate_up_proj.weight", 1)], w["midlayer.mlp.up_proj.weight"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals
+# ---------------------------------------------------------------------------------------------
+
+def flip_first_marked(w: dict) -> None:
+    w["t2d"][w["t2d"].nonzero()[0]] = False
+
+
+def swap_two_offsets(w: dict) -> None:
+    w["d2t"][[0, 1]] = w["d2t"][[1, 0]] + torch.tensor([1, -1])
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda w: w.pop("d2t"), "model.safetensors: field d2t missing (without it the engines map draft id i"),
+    (flip_first_marked, "field t2d marks 29 target ids, draft_vocab_size is 30"),
+    (swap_two_offsets, "field d2t disagrees with t2d at 2 draft ids"),
+    (lambda w: w.update({"lm_head.weight": torch.zeros(31, 32)}),
+     "field lm_head.weight has shape [31, 32], config.json implies [30, 32]"),
+    (lambda w: w.update({"norm.weight": torch.full((32,), float("nan"))}), "field norm.weight holds NaN"),
+])
+def test_export_refuses_broken_weights(tmp_path, ckpt, edit, message):
+    tamper(ckpt, edit)
+    with pytest.raises(ValueError, match="drafter refused") as e:
+        export_drafter(ckpt, tmp_path / "out", "speculators")
+    assert message in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("ids,message", [([], "field aux_layer_ids is missing or empty"),
+                                         ([5, 4, 2], "expected 3 increasing integer ids >= 1")])
+def test_export_refuses_bad_layer_ids(tmp_path, ckpt, ids, message):
+    c = config(ckpt)
+    c["eaglet"]["draft_config"]["aux_layer_ids"] = ids
+    (ckpt / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="config.json: field aux_layer_ids") as e:
+        export_drafter(ckpt, tmp_path / "out", "eagle")
+    assert message in str(e.value)
+
+
+def test_eagle_export_refuses_pre_fc_norm(tmp_path):
+    ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config(fc_norm=True)))
+    with pytest.raises(ValueError, match="cannot export as eagle: fc_norm"):
+        export_drafter(ckpt, tmp_path / "out", "eagle")
+
+
+def test_import_refuses_unknown_and_mismatched_tensors(tmp_path, ckpt):
+    out = tmp_path / "out"
+    export_drafter(ckpt, out, "speculators", dtype="fp32")
+    tamper(out, lambda w: w.update({"fc.bias": torch.zeros(32), "layers.0.self_attn.q_norm.weight": torch.ones(8)}))
+    with pytest.raises(ValueError) as e:
+        import_drafter(out, tmp_path / "back")
+    assert "unknown tensor fc.bias [32]" in str(e.value) and "unknown tensor layers.0.self_attn.q_norm.weight" in str(e.value)
+    tamper(out, lambda w: (w.pop("fc.bias"), w.pop("layers.0.self_attn.q_norm.weight"),
+                           w.update({"layers.0.mlp.down_proj.weight": torch.zeros(32, 47)})))
+    with pytest.raises(ValueError, match=r"field layers.0.mlp.down_proj.weight has shape \[32, 47\]"):
+        import_drafter(out, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
+def test_import_refuses_configs_eaglet_cannot_run(tmp_path, ckpt):
+    out = tmp_path / "out"
+    export_drafter(ckpt, out, "speculators", dtype="fp32")
+    c = config(out)
+    for edit, message in ((lambda c: c.pop("norm_before_residual"), "field norm_before_residual missing"),
+                          (lambda c: c.update(norm_before_residual=True), "field norm_before_residual = True"),
+                          (lambda c: c.pop("draft_vocab_size"), "field draft_vocab_size missing")):
+        broken = json.loads(json.dumps(c))
+        edit(broken)
+        (out / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=message):
+            import_drafter(out, tmp_path / "back")
+
+
+def test_import_official_eagle_bin_with_target(tmp_path, tiny_target):
+    """An official EAGLE-3 style folder: pytorch_model.bin (SGLang-style `model.` names), no
+    embeddings and no layer ids; both come from the target."""
+    from transformers import AutoConfig
+
+    cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), AUX, draft_vocab_size=64)
+    draft = random_drafter(cfg)
+    folder = tmp_path / "official"
+    folder.mkdir()
+    c = formats.build_eagle_config(cfg, "float32", {})
+    for key in ("eagle_aux_hidden_state_layer_ids", "eagle_config", "eaglet_export"):
+        c.pop(key)
+    (folder / "config.json").write_text(json.dumps(c))
+    state = {(k if k.startswith("lm_head") or k in ("d2t", "t2d") else "model." + k): v
+             for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    torch.save({**state, "model.midlayer.self_attn.rotary_emb.inv_freq": torch.ones(4)}, folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="no eagle_aux_hidden_state_layer_ids.*pass the target"):
+        import_drafter(folder, tmp_path / "back")
+    c["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}  # SGLang's output-of-layer ids
+    (folder / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="field embed_tokens.weight missing .*pass the target"):
+        import_drafter(folder, tmp_path / "back")
+    summary = import_drafter(folder, tmp_path / "back", target=str(tiny_target))
+    assert summary.embeddings_from_target and summary.config.aux_layer_ids == AUX
+    back = load_checkpoint(tmp_path / "back")
+    target_embed = load_file(str(tiny_target / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(back.embed_tokens.weight, target_embed.float())
+    assert torch.equal(back.fc.weight, draft.fc.weight) and torch.equal(back.d2t, draft.d2t)
+    c.pop("eagle_config")
+    (folder / "config.json").write_text(json.dumps(c))
+    assert load_drafter(folder, target=str(tiny_target)).config.aux_layer_ids == AUX  # the engines' default ids
