@@ -70,3 +70,79 @@ def test_demo_command(smollm2_dir, tmp_path, capsys):
     assert "mtbench chain: tau" in text and (tmp_path / "demo" / "eval" / "eval.png").exists()
     assert main(["demo", "--out", str(tmp_path / "demo"), *tiny]) == 0
     assert capsys.readouterr().out.count("reusing it") == 6
+
+
+class NoisyOracle:
+    """Proposes SmolLM2's own greedy continuation with one wrong token at a seeded depth, so
+    cycles accept every length from 0 to the full depth; in tree mode the wrong token's right
+    sibling comes second, so the walk must skip a rejected node."""
+
+    aux_layer_ids: list[int] = []
+
+    def __init__(self, full: list[int], seed: int):
+        self.full, self.rng, self.seq = full, torch.Generator().manual_seed(seed), []
+
+    def observe(self, seq, aux) -> None:
+        self.seq = list(seq)
+
+    def propose(self, max_depth: int, top_k: int, total_tokens: int):
+        from eaglet.decode import DraftTree
+
+        n = len(self.seq)
+        truth = self.full[n:n + max_depth] if self.full[:n] == self.seq else []
+        wrong_at = int(torch.randint(0, max_depth + 1, (1,), generator=self.rng))
+        tokens, parents, parent = [], [], -1
+        for d, t in enumerate(truth):
+            if d == wrong_at:
+                tokens.append((t + 1) % 49152)
+                parents.append(parent)
+                if top_k == 1:
+                    break  # a chain stops at its wrong token
+            if len(tokens) + 1 > total_tokens:
+                break
+            tokens.append(t)
+            parents.append(parent)
+            parent = len(tokens) - 1
+        return DraftTree(tokens, parents)
+
+
+def test_speculative_greedy_equals_plain_greedy_on_smollm2(smollm2_dir):
+    """fp32, real prompts: chain and tree decoding give SmolLM2's own greedy output token for
+    token, with a random EAGLE-3 drafter (almost nothing accepted) and with a proposer that is
+    right up to a random depth (every acceptance length, rejected siblings)."""
+    from eaglet.data import chat_prompt_ids
+    from eaglet.decode import plain_greedy, speculative_generate
+    from eaglet.draft_model import DraftConfig, Eagle3Draft, load_embeddings_from
+    from eaglet.evaluate import load_prompt_set
+    from eaglet.regen import stop_token_ids
+    from eaglet.target import default_layer_ids, load_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = resolve_target(None)
+        model, tokenizer = load_target(ref, torch.float32, torch.device("cpu")), load_tokenizer(ref)
+        eos = sorted(stop_token_ids(model, tokenizer))
+        torch.manual_seed(0)
+        drafter = Eagle3Draft(DraftConfig.from_target(model.config, default_layer_ids(30)[:3])).eval()
+        load_embeddings_from(drafter, model.get_input_embeddings().weight)
+        prompts = load_prompt_set("mtbench", 3) + load_prompt_set("humaneval", 1)
+        accepted = cycles = 0
+        with torch.inference_mode():
+            for i, p in enumerate(prompts):
+                ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}])
+                plain = plain_greedy(model, ids, 32, eos)
+                if i % 2 == 0:  # the slowest case (about one token per cycle): half the prompts
+                    out, _ = speculative_generate(model, drafter, ids, 32, eos, mode="tree", depth=3, top_k=3,
+                                                  total_tokens=8)
+                    assert out == plain, f"{p.id}: random drafter, tree"
+                for mode, top_k in (("chain", 1), ("tree", 2)):
+                    oracle = NoisyOracle(ids + plain, seed=i)
+                    out, stats = speculative_generate(model, oracle, ids, 32, eos, mode=mode, depth=5, top_k=top_k,
+                                                      total_tokens=10)
+                    assert out == plain, f"{p.id}: noisy oracle, {mode}"
+                    accepted += stats.new_tokens - stats.verify_forwards - 1
+                    cycles += stats.verify_forwards
+        assert accepted / cycles > 1.5  # the oracle's drafts were mostly taken: the accept path ran
+    finally:
+        torch.set_num_threads(threads)
