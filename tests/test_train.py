@@ -26,14 +26,20 @@ FAST = dict(ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4, lo
             eval_fraction=0.1)
 
 
-@pytest.fixture(scope="module")
-def dataset(tiny_target, tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("train_data")
+def chat_records(count: int = 20) -> list[dict]:
+    """Chats of mixed lengths, so batches mix lengths."""
     records = []
-    for n in range(20):
+    for n in range(count):
         chat = [dict(m) for m in CHATS[n % len(CHATS)]]
         chat[-1]["content"] += " " + " ".join(["More words."] * (n % 6))
         records.append({"id": f"chat{n}", "messages": chat})
+    return records
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_target, tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("train_data")
+    records = chat_records()
     prepare(str(tiny_target), str(write_jsonl(work / "chats.jsonl", records)), work / "prep", max_length=512)
     extract(work / "prep", work / "data", str(tiny_target), show_progress=False)
     return work / "data"
@@ -108,7 +114,7 @@ def test_refuses_bad_dataset_and_other_target(dataset, tiny_target, tmp_path):
     os.symlink(dataset / formats.HIDDEN_STATES_DIR, bad / formats.HIDDEN_STATES_DIR)
     cfg = formats.read_json(dataset / formats.DATA_CONFIG_FILE)
     for change, msg in (({"num_hidden_layers": 9}, "num_hidden_layers"), ({"num_samples": 99}, "99"),
-                        ({"last_hidden_state": "post_norm"}, "pre_norm"), ({"hidden_size": 32}, "hidden_states shapes")):
+                        ({"last_hidden_state": "after_norm"}, "pre_norm"), ({"hidden_size": 32}, "hidden_states shapes")):
         formats.write_json_atomic(bad / formats.DATA_CONFIG_FILE, {**cfg, **change})
         with pytest.raises(ValueError, match=msg):
             open_dataset(bad)

@@ -93,7 +93,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                                              "weight_decay", "max_grad_norm", "batch_size", "grad_accum", "max_length",
                                              "ttt_steps", "draft_vocab_size", "fc_norm", "norm_output", "bf16",
                                              "eval_fraction", "eval_every", "save_every", "log_every",
-                                             "keep_checkpoints", "seed", "device")}
+                                             "keep_checkpoints", "seed", "device", "online", "target_dtype",
+                                             "aux_layer_ids", "last_hidden_state")}
     summary = train(args.data, args.out, args.target, args.resume, command=args.command, **options)
     print("\n".join(summary.lines()))
 
@@ -225,13 +226,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("train", help="train an EAGLE-3 drafter on a hidden-state dataset",
-                       description="Train the one-layer EAGLE-3 drafter with training-time test on an `eaglet extract` "
-                                   "dataset; metrics.jsonl, checkpoints (safetensors + config.json), best by simulated "
-                                   "acceptance length. Multi-process: torchrun --nproc_per_node N -m eaglet.cli train ...")
-    p.add_argument("data", help="dataset folder of `eaglet extract`")
+                       description="Train the one-layer EAGLE-3 drafter with training-time test on stored hidden "
+                                   "states (any layout `eaglet check` reads) or, with --online, on an `eaglet prepare` "
+                                   "output with the target run inside the loop; metrics.jsonl, checkpoints "
+                                   "(safetensors + config.json), best by simulated acceptance length. "
+                                   "Multi-process: torchrun --nproc_per_node N -m eaglet.cli train ...")
+    p.add_argument("data", help="hidden-state dataset folder (eaglet v1, speculators, SpecForge), or with --online "
+                                "the output folder of `eaglet prepare`")
     p.add_argument("--out", required=True, help="run folder (metrics.jsonl, checkpoints/)")
-    add_target_args(p, "data_config.json's target_path")
+    add_target_args(p, "data_config.json's target_path; --online: the target `eaglet prepare` used")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--online", action="store_true",
+                   help="compute the hidden states with the target inside the loop (no disk); DATA is a prepare folder")
+    p.add_argument("--target-dtype", default="bf16", help="--online: compute dtype of the target (default bf16)")
+    p.add_argument("--aux-layer-ids", type=parse_layer_ids, default=None,
+                   help="the 3 aux hidden_states ids: --online, the layers to capture (default 2,N//2,N-3); a "
+                        "foreign dataset without data_config.json, the layers its stored aux states come from")
+    p.add_argument("--last-hidden-state", choices=("pre_norm", "post_norm"), default=None,
+                   help="a foreign dataset's last state, before or after the target's final norm "
+                        "(default: data_config.json, else post_norm for SpecForge and pre_norm otherwise)")
     p.add_argument("--epochs", type=float, default=1.0, help="schedule length in epochs (default 1)")
     p.add_argument("--total-steps", type=int, default=None, help="schedule length in optimizer steps (overrides --epochs)")
     p.add_argument("--stop-after", type=int, default=None, help="stop this run at this step; --resume continues")

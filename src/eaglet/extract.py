@@ -20,13 +20,16 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from eaglet import formats
 from eaglet.formats import TokenizedSample, V1Sample
+
+if TYPE_CHECKING:
+    from eaglet.target import TargetRef
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +104,14 @@ def pad_right(batch: list[TokenizedSample]) -> tuple[torch.Tensor, torch.Tensor]
 
 @torch.inference_mode()
 def run_batch(model: nn.Module, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
-              store_dtype: torch.dtype) -> list[list[torch.Tensor]]:
-    """One padded forward; per sample, the captured states cut to its length, on CPU."""
+              store_dtype: torch.dtype, out_device: torch.device | str = "cpu") -> list[list[torch.Tensor]]:
+    """One padded forward; per sample, the captured states cut to its length, on `out_device`
+    (CPU for writing files; the compute device when `eaglet train --online` consumes them)."""
     from eaglet.target import base_model
 
     ids, attn = pad_right(batch)
     base_model(model)(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
-    states = [h.to("cpu", store_dtype) for h in capture.take()]
+    states = [h.to(out_device, store_dtype) for h in capture.take()]
     # .clone(): each stored tensor must own its storage, or torch.save writes the whole batch.
     return [[h[row, : len(s.input_ids)].clone() for h in states] for row, s in enumerate(batch)]
 
@@ -155,6 +159,17 @@ def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfi
         "prepared_data": pconfig.get("data"),
         "prepared_sha256": prepared_sha256(samples),
     }
+
+
+def prepared_target(prepared: str | Path, pconfig: dict, target: str | None) -> TargetRef:
+    """The target `prepared` was tokenized with (`target`, else the recorded one); refuse another."""
+    from eaglet.target import resolve_target
+
+    ref = resolve_target(target if target is not None else pconfig.get("target_spec"))
+    if ref.revision != pconfig["target_revision"]:
+        raise ValueError(f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
+                         f"({pconfig['target']}, revision {pconfig['target_revision']})")
+    return ref
 
 
 def ensure_data_config(out: Path, config: dict) -> None:
@@ -209,17 +224,13 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     from tqdm import tqdm
 
     from eaglet.data import template_hash
-    from eaglet.target import (decoder_layers, default_layer_ids, load_target, load_tokenizer, parse_dtype,
-                               pick_device, resolve_target)
+    from eaglet.target import decoder_layers, default_layer_ids, load_target, load_tokenizer, parse_dtype, pick_device
 
     if not 0 <= shard_id < num_shards:
         raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
     out = Path(out)
     samples, pconfig = formats.read_prepared(prepared)
-    ref = resolve_target(target if target is not None else pconfig.get("target_spec"))
-    if ref.revision != pconfig["target_revision"]:
-        raise ValueError(f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
-                         f"({pconfig['target']}, revision {pconfig['target_revision']})")
+    ref = prepared_target(prepared, pconfig, target)
     template_sha = template_hash(load_tokenizer(ref))
     compute_dtype, save_dtype, dev = parse_dtype(dtype), parse_dtype(store_dtype), pick_device(device)
     model = load_target(ref, compute_dtype, dev)

@@ -1,7 +1,11 @@
-"""Train an EAGLE-3 drafter on a speculators v1 hidden-state dataset (`eaglet train`).
+"""Train an EAGLE-3 drafter (`eaglet train`).
 
-One entry, `train(dataset_dir, out_dir, target=None, ...)`. It checks that the dataset and the
-target agree, builds the draft vocabulary from the dataset's token frequencies, and trains with
+One entry, `train(dataset_dir, out_dir, target=None, ...)`. Offline (the default) it reads stored
+hidden states in any layout `eaglet check` accepts (eaglet's v1, speculators' flat v1 and
+hs_*.safetensors, SpecForge .ckpt[.gz]); online (`online=True`) it reads an `eaglet prepare`
+output and runs the target inside the loop, with extract.py's capture code, to make the same
+hidden states on the fly. Either way the loop sees one `Source`. It checks that the data and the
+target agree, builds the draft vocabulary from the data's token frequencies, and trains with
 AdamW (fp32 master weights, optional bf16 autocast), warmup + cosine, grad clipping and
 accumulation, over length-bucketed batches. Every `eval_every` steps it measures per-TTT-step
 accuracy on a held-out split and keeps the checkpoint with the best simulated acceptance length.
@@ -18,6 +22,7 @@ config.json, training_state.pt}`, `checkpoints/latest.json`, `checkpoints/best.j
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -29,7 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -76,6 +81,12 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest step checkpoints kept, besides the best one
     seed: int = 0
     device: str | None = None
+    # Where the hidden states come from. Offline (default): a stored dataset in any layout `eaglet
+    # check` accepts. Online: the target runs inside the loop on an `eaglet prepare` output.
+    online: bool = False
+    target_dtype: str = "bf16"  # online: compute dtype of the target (its states are used in it as is)
+    aux_layer_ids: list[int] | None = None  # online: layers to capture; offline: what a foreign dataset holds
+    last_hidden_state: str | None = None  # a foreign dataset's last state, pre_norm or post_norm
 
     # Options that define the trajectory: a resumed run must use the same ones.
     TRAJECTORY = ("epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
@@ -94,54 +105,176 @@ class TrainConfig:
 
 @dataclass
 class Dataset:
+    """A hidden-state dataset on disk, in any layout `eaglet check` accepts, ready to train on."""
+
     root: Path
-    config: dict[str, Any]
+    config: dict[str, Any]  # data_config.json (empty for a foreign dataset without one) + the inferred hidden_size
     files: dict[int, Path]
     lengths: dict[int, int]
     token_freq: dict[int, int]
+    layout: str = formats.FORMAT_V1
+    aux_layer_ids: list[int] = field(default_factory=list)  # hidden_states ids of the three aux states
+    last_hidden_state: str = formats.LAST_STATE_PRE_NORM  # whether the stored last state is before the final norm
+    hidden_dtype: str = "bfloat16"  # dtype of the stored aux states
 
 
-def open_dataset(root: str | Path) -> Dataset:
-    """Read and cross-check a v1 dataset's side files; refuse one that is incomplete or inconsistent."""
-    root = Path(root)
-    cfg_path = root / formats.DATA_CONFIG_FILE
-    if not cfg_path.exists():
+def data_config(root: Path) -> dict[str, Any]:
+    path = root / formats.DATA_CONFIG_FILE
+    return formats.read_json(path) if path.exists() else {}
+
+
+def no_files_message(root: Path) -> str:
+    hint = ("; this is an `eaglet prepare` output: train on it with --online, or run `eaglet extract` on it first"
+            if (root / formats.PREPARE_CONFIG_FILE).exists() else "")
+    return (f"{root}: no hidden-state files (hidden_states/rows_*/data_*.pt, data_*.pt, rows_*/data_*.ckpt[.gz] or "
+            f"hs_*.safetensors) and no {formats.DATA_CONFIG_FILE}; not an `eaglet extract`, speculators or "
+            f"SpecForge dataset{hint}")
+
+
+def check_v1_config(root: Path, cfg: dict[str, Any]) -> None:
+    """eaglet's own layout always has a complete data_config.json: refuse one that is missing or short."""
+    if not cfg:
         raise FileNotFoundError(f"{root}: no {formats.DATA_CONFIG_FILE}; not an `eaglet extract` dataset "
                                 "(or extraction has not started)")
-    cfg = formats.read_json(cfg_path)
     missing = [k for k in REQUIRED_DATA_FIELDS if k not in cfg]
     if missing:
-        raise ValueError(f"{cfg_path}: missing field(s) {missing}")
-    layer_ids = cfg["layer_ids"]
-    if len(layer_ids) != 4:
-        raise ValueError(f"{cfg_path}: layer_ids {layer_ids}: EAGLE-3 needs 3 aux ids and the last layer id")
-    if "num_hidden_layers" in cfg and layer_ids[-1] != cfg["num_hidden_layers"]:
-        raise ValueError(f"{cfg_path}: last layer id {layer_ids[-1]} != num_hidden_layers {cfg['num_hidden_layers']}; "
-                         "the teacher needs the last layer's state")
-    if cfg["last_hidden_state"] != formats.LAST_STATE_PRE_NORM:
-        raise ValueError(f"{cfg_path}: last_hidden_state is {cfg['last_hidden_state']!r}; training applies the "
-                         f"target's final norm itself and needs {formats.LAST_STATE_PRE_NORM!r}")
-    files = formats.list_v1_files(root)
-    if not files:
-        raise FileNotFoundError(f"{root}: no {formats.HIDDEN_STATES_DIR}/rows_*/data_*.pt files")
-    expected = cfg.get("num_samples")
-    if expected is not None and len(files) != expected:
-        raise ValueError(f"{root}: {len(files)} sample files, data_config.json says {expected}; "
-                         "finish (or rerun) `eaglet extract` first")
-    lengths_path = root / formats.SAMPLE_LENGTHS_FILE
-    lengths = formats.read_sample_lengths(lengths_path) if lengths_path.exists() else {}
+        raise ValueError(f"{root / formats.DATA_CONFIG_FILE}: missing field(s) {missing}")
+
+
+def resolve_aux_layer_ids(root: Path, cfg: dict[str, Any], given: list[int] | None) -> list[int]:
+    """The aux ids from data_config.json's layer_ids, else from --aux-layer-ids. Never guessed:
+    an off-by-one layer id trains a drafter that silently never gets accepted."""
+    where = root / formats.DATA_CONFIG_FILE
+    recorded = cfg.get("layer_ids")
+    if recorded is not None:
+        if len(recorded) != 4:
+            raise ValueError(f"{where}: layer_ids {recorded}: EAGLE-3 needs 3 aux ids and the last layer id")
+        if "num_hidden_layers" in cfg and recorded[-1] != cfg["num_hidden_layers"]:
+            raise ValueError(f"{where}: last layer id {recorded[-1]} != num_hidden_layers "
+                             f"{cfg['num_hidden_layers']}; the teacher needs the last layer's state")
+        if given is not None and list(given) != recorded[:-1]:
+            raise ValueError(f"--aux-layer-ids {list(given)}: {where} records aux ids {recorded[:-1]}")
+        return list(recorded[:-1])
+    if given is None:
+        raise ValueError(f"{root}: no {formats.DATA_CONFIG_FILE} with layer_ids, so which target layers the three "
+                         "stored aux states come from is not recorded; pass --aux-layer-ids (EAGLE-3's default for "
+                         "an N-layer target is 2,N//2,N-3 in hidden_states ids, which SpecForge's hooks on layers "
+                         "1,N//2-1,N-4 also produce; `eaglet check DIR --target T` names the layer of each slot)")
+    if len(given) != 3:
+        raise ValueError(f"--aux-layer-ids {list(given)}: EAGLE-3 fuses exactly 3 aux states")
+    return list(given)
+
+
+def resolve_last_state(root: Path, cfg: dict[str, Any], given: str | None, layout: str) -> str:
+    """pre_norm or post_norm: recorded in data_config.json, else --last-hidden-state, else the
+    layout's convention (the one `eaglet check` assumes: post-norm for SpecForge, else pre-norm)."""
+    from eaglet.check import default_last_convention
+
+    recorded = cfg.get("last_hidden_state")
+    if recorded is not None and given is not None and recorded != given:
+        raise ValueError(f"--last-hidden-state {given}: {root / formats.DATA_CONFIG_FILE} records {recorded!r}")
+    value = recorded or given or default_last_convention(layout)
+    if value not in formats.LAST_STATE_CONVENTIONS:
+        raise ValueError(f"{root}: last_hidden_state is {value!r}; training knows "
+                         f"{list(formats.LAST_STATE_CONVENTIONS)} (with {formats.LAST_STATE_PRE_NORM!r} it applies the target's final norm itself)")
+    return value
+
+
+def scan_tokens(root: Path, files: dict[int, Path], layout: str,
+                show_progress: bool) -> tuple[dict[int, int], dict[int, int]]:
+    """(lengths, masked-token frequencies) read from the files themselves, for a dataset that has
+    no sample_lengths.json / token_freq.pt. Reads input_ids and loss_mask only."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    def read(i: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """(index, length, masked token ids, their counts) of one file."""
+        try:
+            ids, mask = formats.read_sample_tokens(files[i], layout)
+            return (i, len(ids), *ids[mask.bool()].unique(return_counts=True))
+        except ValueError:
+            raise  # the format readers' own messages already name the file and the field
+        except Exception as e:  # a corrupt file: point at the full report rather than a bare traceback
+            raise ValueError(f"{files[i]}: cannot read input_ids / loss_mask ({type(e).__name__}: {e}); "
+                             f"`eaglet check {root}` reports every problem") from e
+
+    lengths: dict[int, int] = {}
+    freq: dict[int, int] = {}
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for i, n, toks, counts in tqdm(pool.map(read, sorted(files)), total=len(files), desc="read token ids",
+                                       unit="file", file=sys.stderr, dynamic_ncols=True, disable=not show_progress):
+            lengths[i] = n
+            for tok, c in zip(toks.tolist(), counts.tolist()):
+                freq[tok] = freq.get(tok, 0) + c
+    return lengths, freq
+
+
+def side_data(root: Path, files: dict[int, Path], layout: str,
+              show_progress: bool) -> tuple[dict[int, int], dict[int, int]]:
+    """Sample lengths and token frequencies from sample_lengths.json / token_freq.pt. eaglet's own
+    layout must have both; a foreign dataset may lack them, and then they are computed from its files."""
+    lengths_path, freq_path = root / formats.SAMPLE_LENGTHS_FILE, root / formats.TOKEN_FREQ_FILE
+    lengths = formats.read_sample_lengths(lengths_path) if lengths_path.exists() else None
+    freq = formats.read_token_freq(freq_path) if freq_path.exists() else None
+    if layout == formats.FORMAT_V1 and freq is None:
+        raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE}; the draft vocabulary is built from it")
+    if layout == formats.FORMAT_V1 and lengths is None:
+        lengths = {}  # reported below as lengths missing for every sample
+    if lengths is None or freq is None:
+        missing = [p.name for p, v in ((lengths_path, lengths), (freq_path, freq)) if v is None]
+        log.info("%s has no %s: reading the token ids and loss masks of its %d files to compute them "
+                 "(the draft vocabulary comes from masked-token frequencies, length bucketing from lengths)",
+                 root, " / ".join(missing), len(files))
+        scanned_lengths, scanned_freq = scan_tokens(root, files, layout, show_progress)
+        lengths = scanned_lengths if lengths is None else lengths
+        freq = scanned_freq if freq is None else freq
     if not set(files) <= set(lengths):
         raise ValueError(f"{lengths_path}: lengths missing for {len(set(files) - set(lengths))} sample(s)")
-    first = formats.read_v1_sample(files[min(files)])
-    shapes = [tuple(h.shape) for h in first.hidden_states]
-    want = (lengths[min(files)], cfg["hidden_size"])
-    if len(shapes) != len(layer_ids) or any(s != want for s in shapes):
-        raise ValueError(f"{files[min(files)]}: hidden_states shapes {shapes}, data_config.json implies "
-                         f"{len(layer_ids)} x {want}")
-    freq_path = root / formats.TOKEN_FREQ_FILE
-    if not freq_path.exists():
-        raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE}; the draft vocabulary is built from it")
-    return Dataset(root, cfg, files, {i: lengths[i] for i in files}, formats.read_token_freq(freq_path))
+    return {i: lengths[i] for i in files}, freq
+
+
+def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_hidden_state: str | None = None,
+                 show_progress: bool = False) -> Dataset:
+    """Open a hidden-state dataset in any layout `eaglet check` accepts, cross-check what it records
+    against its files, and refuse one that is incomplete or inconsistent. eaglet's v1 layout must
+    have all its side files; a foreign one (flat v1, SpecForge, hs_*.safetensors) may lack them."""
+    root = Path(root)
+    cfg = data_config(root)
+    listing = formats.list_dataset_files(root, int(cfg.get("rows_per_folder", formats.ROWS_PER_FOLDER)))
+    layout = listing.format
+    if layout is None and not cfg:
+        raise FileNotFoundError(no_files_message(root))
+    if layout in (None, formats.FORMAT_V1):
+        layout = formats.FORMAT_V1
+        check_v1_config(root, cfg)
+        files = formats.list_v1_files(root)
+        if not files:
+            raise FileNotFoundError(f"{root}: no {formats.HIDDEN_STATES_DIR}/rows_*/data_*.pt files")
+    else:
+        files = dict(listing.files)
+        if len(files) != len(listing.files):
+            raise ValueError(f"{root}: {len(listing.files) - len(files)} duplicate sample indices; "
+                             f"`eaglet check {root}` lists them")
+    expected = cfg.get("num_samples")
+    if expected is not None and len(files) != expected:
+        raise ValueError(f"{root}: {len(files)} sample files, {formats.DATA_CONFIG_FILE} says {expected}; "
+                         "finish (or rerun) `eaglet extract` first")
+    aux_ids = resolve_aux_layer_ids(root, cfg, aux_layer_ids)
+    last_state = resolve_last_state(root, cfg, last_hidden_state, layout)
+    lengths, freq = side_data(root, files, layout, show_progress)
+    first_path = files[min(files)]
+    first = formats.read_training_sample(first_path, layout)
+    hidden = cfg.get("hidden_size", first.last_hidden.shape[-1])
+    shapes = (tuple(first.aux_hidden.shape), tuple(first.last_hidden.shape))
+    want = ((lengths[min(files)], 3 * hidden), (lengths[min(files)], hidden))
+    if shapes != want:
+        raise ValueError(f"{first_path}: hidden_states shapes aux {shapes[0]}, last {shapes[1]}; "
+                         f"{formats.DATA_CONFIG_FILE} / sample lengths imply {want[0]}, {want[1]}")
+    from eaglet.target import dtype_name
+
+    return Dataset(root, {**cfg, "hidden_size": hidden}, files, lengths, freq, layout, aux_ids, last_state,
+                   dtype_name(first.aux_hidden.dtype))
 
 
 def refuse_unclean_dataset(root: str | Path) -> None:
@@ -155,11 +288,28 @@ def refuse_unclean_dataset(root: str | Path) -> None:
 
 
 def check_target_matches(data_cfg: dict[str, Any], target_cfg: Any, revision: str, name: str) -> None:
+    """Refuse a target unlike the one the data came from (only what the dataset records is compared)."""
     for key, theirs in (("hidden_size", target_cfg.hidden_size), ("vocab_size", target_cfg.vocab_size),
                         ("target_revision", revision)):
-        if data_cfg[key] != theirs:
+        if key in data_cfg and data_cfg[key] != theirs:
             raise ValueError(f"target {name} has {key}={theirs!r}, the dataset was extracted with "
                              f"{data_cfg[key]!r} ({data_cfg.get('target', '?')}); pass the same --target")
+
+
+def dataset_target(ds: Dataset, target: str | None) -> str | None:
+    """--target, else the recorded target_path. eaglet's own layout falls back to the embedded default
+    as every stage does; a foreign dataset that records no target must be told which one it is."""
+    if target is not None or "target_path" in ds.config or ds.layout == formats.FORMAT_V1:
+        return target if target is not None else ds.config.get("target_path")
+    raise ValueError(f"{ds.root}: no {formats.DATA_CONFIG_FILE} with target_path records which model these hidden "
+                     "states came from; pass --target (the model folder or hub id)")
+
+
+def check_aux_layer_ids(aux: list[int], num_layers: int) -> None:
+    """Three increasing ids of decoder-layer outputs, below the last layer (which feeds the teacher)."""
+    if len(aux) != 3 or any(b <= a for a, b in zip(aux, aux[1:])) or aux[0] < 1 or aux[-1] >= num_layers:
+        raise ValueError(f"aux layer ids {aux}: need 3 strictly increasing ids in 1..{num_layers - 1} for this "
+                         f"{num_layers}-layer target (id k = output of decoder layer k-1)")
 
 
 def split_indices(indices: list[int], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -219,38 +369,122 @@ class Batch:
 
 
 class Prefetcher:
-    """Loads micro-batches in a background thread, one ahead, so disk reads overlap compute."""
+    """Loads micro-batches in a background thread, one ahead, so disk reads overlap compute.
+    With `background=False` it loads on the caller's thread: an online batch runs the target on
+    the training device, where loading ahead would only hold one more batch of activations."""
 
-    def __init__(self, load: Any):
+    def __init__(self, load: Any, background: bool = True):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.load, self.pool, self.pending = load, ThreadPoolExecutor(max_workers=1), {}
+        self.load, self.pending = load, {}
+        self.pool = ThreadPoolExecutor(max_workers=1) if background else None
 
     def get(self, key: int, next_key: int | None) -> Any:
+        if self.pool is None:
+            return self.load(key)
         fut = self.pending.pop(key, None) or self.pool.submit(self.load, key)
         if next_key is not None and next_key not in self.pending:
             self.pending[next_key] = self.pool.submit(self.load, next_key)
         return fut.result()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def load_batch(files: dict[int, Path], indices: list[int], max_length: int | None) -> Batch:
-    """Right-padded batch. Under causal attention a real token never sees padding on its right."""
-    samples = [formats.read_v1_sample(files[i]) for i in indices]
+def collate(samples: list[formats.TrainingSample], max_length: int | None) -> Batch:
+    """Right-padded batch, zeros past each sample's end, on the samples' device. Under causal
+    attention a real token never sees padding on its right."""
     lens = [min(len(s.input_ids), max_length or len(s.input_ids)) for s in samples]
-    B, L, H = len(samples), max(lens), samples[0].hidden_states[0].shape[-1]
-    ids = torch.zeros(B, L, dtype=torch.long)
-    aux = torch.zeros(B, L, 3 * H, dtype=samples[0].hidden_states[0].dtype)
-    last = torch.zeros(B, L, H, dtype=samples[0].hidden_states[-1].dtype)
-    mask = torch.zeros(B, L, dtype=torch.long)
+    first = samples[0]
+    B, L, H, dev = len(samples), max(lens), first.last_hidden.shape[-1], first.aux_hidden.device
+    ids = torch.zeros(B, L, dtype=torch.long, device=dev)
+    aux = torch.zeros(B, L, 3 * H, dtype=first.aux_hidden.dtype, device=dev)
+    last = torch.zeros(B, L, H, dtype=first.last_hidden.dtype, device=dev)
+    mask = torch.zeros(B, L, dtype=torch.long, device=dev)
     for row, (s, n) in enumerate(zip(samples, lens)):
         ids[row, :n] = s.input_ids[:n]
-        aux[row, :n] = torch.cat([h[:n] for h in s.hidden_states[:-1]], dim=-1)
-        last[row, :n] = s.hidden_states[-1][:n]
+        aux[row, :n] = s.aux_hidden[:n]
+        last[row, :n] = s.last_hidden[:n]
         mask[row, :n] = s.loss_mask[:n]
     return Batch(ids, aux, last, mask, sum(lens))
+
+
+def load_batch(files: dict[int, Path], indices: list[int], max_length: int | None,
+               layout: str = formats.FORMAT_V1) -> Batch:
+    """The micro-batch of these samples, read from files of a dataset in `layout`."""
+    return collate([formats.read_training_sample(files[i], layout) for i in indices], max_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources of micro-batches: stored hidden states (offline) or the target run in the loop (online)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Source:
+    """What the training loop needs from its data, wherever the hidden states come from."""
+
+    path: Path
+    lengths: dict[int, int]  # sample index -> tokens (for the split and length bucketing)
+    token_freq: dict[int, int]  # masked-token counts (for the draft vocabulary)
+    aux_layer_ids: list[int]
+    last_hidden_state: str
+    hidden_dtype: str
+    load: Callable[[list[int]], Batch]  # the right-padded micro-batch of these sample indices
+    background: bool  # whether loads may run in a background thread (disk reads: yes; the target: no)
+
+    def identity(self) -> dict[str, Any]:
+        """What the batches hold; a resumed run must get the same (offline or online alike)."""
+        return {"aux_layer_ids": self.aux_layer_ids, "last_hidden_state": self.last_hidden_state,
+                "hidden_dtype": self.hidden_dtype}
+
+
+def offline_source(ds: Dataset, max_length: int | None) -> Source:
+    return Source(ds.root, ds.lengths, ds.token_freq, ds.aux_layer_ids, ds.last_hidden_state, ds.hidden_dtype,
+                  lambda indices: load_batch(ds.files, indices, max_length, ds.layout), background=True)
+
+
+def open_prepared(root: str | Path) -> tuple[list[formats.TokenizedSample], dict[str, Any], dict[int, int]]:
+    """(samples, prepare config, token frequencies) of an `eaglet prepare` output, for --online."""
+    root = Path(root)
+    if not (root / formats.PREPARE_CONFIG_FILE).exists():
+        stored = (root / formats.DATA_CONFIG_FILE).exists() or formats.list_dataset_files(root).format is not None
+        hint = "; it holds stored hidden states: train on it without --online" if stored else ""
+        raise FileNotFoundError(f"{root}: no {formats.PREPARE_CONFIG_FILE}; --online trains on a finished "
+                                f"`eaglet prepare` output{hint}")
+    samples, pconfig = formats.read_prepared(root)
+    freq_path = root / formats.TOKEN_FREQ_FILE
+    if not freq_path.exists():
+        raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE} (the draft vocabulary is built from it); "
+                                "rerun `eaglet prepare`, which writes it")
+    return samples, pconfig, formats.read_token_freq(freq_path)
+
+
+def truncate(sample: formats.TokenizedSample, max_length: int | None) -> formats.TokenizedSample:
+    if max_length is None or len(sample.input_ids) <= max_length:
+        return sample
+    return formats.TokenizedSample(sample.sample_id, sample.input_ids[:max_length], sample.loss_mask[:max_length])
+
+
+def online_source(root: Path, samples: list[formats.TokenizedSample], token_freq: dict[int, int],
+                  model: nn.Module, layer_ids: list[int], device: torch.device, max_length: int | None) -> Source:
+    """Batches whose hidden states the target computes on the fly, with extract.py's own capture
+    code (hooks, padding, per-sample cut), so they hold what `eaglet extract` would have stored
+    with this compute dtype; only the copy to disk and back is skipped."""
+    from eaglet.extract import LayerCapture, run_batch
+    from eaglet.target import decoder_layers, dtype_name
+
+    capture = LayerCapture(decoder_layers(model), layer_ids)
+    dtype = next(model.parameters()).dtype
+
+    def load(indices: list[int]) -> Batch:
+        batch = [truncate(samples[i], max_length) for i in indices]
+        states = run_batch(model, capture, batch, device, dtype, out_device=device)
+        return collate([formats.TrainingSample(torch.tensor(s.input_ids), torch.cat(h[:-1], dim=-1), h[-1],
+                                               torch.tensor(s.loss_mask)) for s, h in zip(batch, states)], None)
+
+    return Source(root, {i: len(s.input_ids) for i, s in enumerate(samples)}, token_freq, layer_ids[:-1],
+                  formats.LAST_STATE_PRE_NORM, dtype_name(dtype), load, background=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,14 +511,31 @@ def target_pieces(model: nn.Module) -> tuple[torch.Tensor, TeacherHead]:
     return model.get_input_embeddings().weight.detach(), TeacherHead(norm, model.get_output_embeddings())
 
 
-def build_drafter(target_model: nn.Module, ds: Dataset, cfg: TrainConfig) -> Eagle3Draft:
+def fp32(module: nn.Module) -> nn.Module:
+    """`module` itself when it is fp32 already (no second copy of a large LM head), else an fp32
+    copy: the target running online in bf16 must stay bf16."""
+    if all(p.dtype == torch.float32 for p in module.parameters()):
+        return module
+    return copy.deepcopy(module).float()
+
+
+def make_teacher_head(model: nn.Module, last_hidden_state: str) -> TeacherHead:
+    """The teacher in fp32 whatever the target's dtype; without the final norm when the stored
+    last state is already normed (SpecForge stores it after the norm)."""
+    _, head = target_pieces(model)
+    norm = head.final_norm if last_hidden_state == formats.LAST_STATE_PRE_NORM else nn.Identity()
+    return TeacherHead(fp32(norm), fp32(head.lm_head))
+
+
+def build_drafter(target_model: nn.Module, aux_layer_ids: list[int], token_freq: dict[int, int],
+                  cfg: TrainConfig) -> Eagle3Draft:
     """A drafter shaped like the target's layers, with its embeddings (frozen) and a draft vocab from the data."""
     torch.manual_seed(cfg.seed)
-    dcfg = DraftConfig.from_target(target_model.config, ds.config["layer_ids"][:-1], cfg.draft_vocab_size,
+    dcfg = DraftConfig.from_target(target_model.config, aux_layer_ids, cfg.draft_vocab_size,
                                    fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
     draft = Eagle3Draft(dcfg)
     load_embeddings_from(draft, target_model.get_input_embeddings().weight)
-    draft.set_draft_vocab(*build_draft_vocab(ds.token_freq, dcfg.target_vocab_size, dcfg.draft_vocab_size))
+    draft.set_draft_vocab(*build_draft_vocab(token_freq, dcfg.target_vocab_size, dcfg.draft_vocab_size))
     return draft
 
 
@@ -409,8 +660,9 @@ def restore(folder: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched:
     """Load weights, optimizer, scheduler and RNG from a checkpoint; (step, best) to continue from."""
     state = formats.torch_load_safe(folder / STATE_FILE)
     then = state["trajectory"]
-    if then != trajectory:
-        diff = {k: (then.get(k), v) for k, v in trajectory.items() if then.get(k) != v}
+    # A key an older checkpoint lacks was not recorded then: nothing to compare it with.
+    diff = {k: (then[k], v) for k, v in trajectory.items() if k in then and then[k] != v}
+    if diff:
         raise ValueError(f"--resume: {folder} was trained with other settings {{option: (then, now)}}: {diff}")
     load_draft_weights(draft, folder)
     opt.load_state_dict(state["optimizer"])
@@ -508,15 +760,14 @@ def forward_stats(model: nn.Module, teacher_head: TeacherHead, draft: Eagle3Draf
 
 
 @torch.no_grad()
-def evaluate(draft: Eagle3Draft, teacher_head: TeacherHead, ds: Dataset, batches: list[list[int]], cfg: TrainConfig,
-             device: torch.device, d: Dist) -> dict[str, Any] | None:
+def evaluate(draft: Eagle3Draft, teacher_head: TeacherHead, load: Callable[[list[int]], Batch],
+             batches: list[list[int]], cfg: TrainConfig, device: torch.device, d: Dist) -> dict[str, Any] | None:
     if not batches:
         return None
     draft.eval()
     sums = torch.zeros(3, cfg.ttt_steps, device=device)
     for b in batches[d.rank::d.world]:
-        _, stats = forward_stats(draft, teacher_head, draft, load_batch(ds.files, b, cfg.max_length).to(device), cfg,
-                                 device)
+        _, stats = forward_stats(draft, teacher_head, draft, load(b).to(device), cfg, device)
         sums += stats.as_tensor()
     draft.train()
     return stats_summary(d.all_sum(sums).cpu())
@@ -524,10 +775,11 @@ def evaluate(draft: Eagle3Draft, teacher_head: TeacherHead, ds: Dataset, batches
 
 def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = None, resume: bool = False,
           show_progress: bool = True, command: str = "", **options: Any) -> TrainSummary:
-    """Train a drafter on `dataset_dir` into `out_dir`; `options` are TrainConfig fields."""
+    """Train a drafter on `dataset_dir` into `out_dir`; `options` are TrainConfig fields.
+    `dataset_dir` holds stored hidden states, or with `online=True` an `eaglet prepare` output."""
     from tqdm import tqdm
 
-    from eaglet.target import load_target, pick_device, resolve_target
+    from eaglet.target import default_layer_ids, load_target, parse_dtype, pick_device, resolve_target
 
     unknown = set(options) - {f.name for f in fields(TrainConfig)}
     if unknown:
@@ -535,8 +787,14 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
     cfg = TrainConfig(**options)
     out = Path(out_dir)
     ckpt_root = out / CHECKPOINTS_DIR
-    ds = open_dataset(dataset_dir)
-    refuse_unclean_dataset(dataset_dir)
+    if cfg.online:
+        if cfg.last_hidden_state not in (None, formats.LAST_STATE_PRE_NORM):
+            raise ValueError("--last-hidden-state: online, the last state is captured before the final norm (pre_norm)")
+        samples, pconfig, token_freq = open_prepared(dataset_dir)
+    else:
+        ds = open_dataset(dataset_dir, cfg.aux_layer_ids, cfg.last_hidden_state,
+                          show_progress and int(os.environ.get("RANK", "0")) == 0)
+        refuse_unclean_dataset(dataset_dir)
 
     # Device and processes: under torchrun, one device per process.
     device = pick_device(cfg.device)
@@ -546,17 +804,29 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         torch.cuda.set_device(device)
     d = init_distributed(device)
 
-    ref = resolve_target(target if target is not None else ds.config.get("target_path"))
-    tmodel = load_target(ref, torch.float32, torch.device("cpu"))
-    check_target_matches(ds.config, tmodel.config, ref.revision, ref.name)
-    draft = build_drafter(tmodel, ds, cfg).to(device)
-    teacher_head = target_pieces(tmodel)[1].to(device)
-    dcfg = draft.config
-    del tmodel
+    if cfg.online:  # under torchrun every process runs its own copy of the target on its own device
+        from eaglet.extract import prepared_target
 
-    train_idx, eval_idx = split_indices(list(ds.files), cfg.eval_fraction, cfg.seed)
-    stream = BatchStream(train_idx, ds.lengths, cfg.batch_size, cfg.seed)
-    eval_batches = bucketed_batches(eval_idx, ds.lengths, cfg.batch_size, None)
+        ref = prepared_target(dataset_dir, pconfig, target)
+        tmodel = load_target(ref, parse_dtype(cfg.target_dtype), device)
+        n = tmodel.config.num_hidden_layers
+        aux_ids = cfg.aux_layer_ids or default_layer_ids(n)[:-1]
+        check_aux_layer_ids(aux_ids, n)
+        src = online_source(Path(dataset_dir), samples, token_freq, tmodel, [*aux_ids, n], device, cfg.max_length)
+    else:
+        ref = resolve_target(dataset_target(ds, target))
+        tmodel = load_target(ref, torch.float32, torch.device("cpu"))
+        check_target_matches(ds.config, tmodel.config, ref.revision, ref.name)
+        check_aux_layer_ids(ds.aux_layer_ids, tmodel.config.num_hidden_layers)
+        src = offline_source(ds, cfg.max_length)
+    draft = build_drafter(tmodel, src.aux_layer_ids, src.token_freq, cfg).to(device)
+    teacher_head = make_teacher_head(tmodel, src.last_hidden_state).to(device)
+    dcfg = draft.config
+    del tmodel  # offline nothing else of the target is kept; online the source holds it
+
+    train_idx, eval_idx = split_indices(list(src.lengths), cfg.eval_fraction, cfg.seed)
+    stream = BatchStream(train_idx, src.lengths, cfg.batch_size, cfg.seed)
+    eval_batches = bucketed_batches(eval_idx, src.lengths, cfg.batch_size, None)
     micro_per_step = cfg.grad_accum * d.world
     total_steps = cfg.total_steps or max(1, int(cfg.epochs * stream.per_epoch) // micro_per_step)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 50)
@@ -566,7 +836,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total_steps, cfg.min_lr_ratio))
     step, best = 0, {"step": None, "tau": None}
-    trajectory = cfg.trajectory(d.world)
+    trajectory = {**cfg.trajectory(d.world), **src.identity()}
 
     latest = read_pointer(ckpt_root, LATEST_FILE)
     if resume and latest:
@@ -590,7 +860,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         out.mkdir(parents=True, exist_ok=True)
         formats.write_json_atomic(out / "train_config.json", {
             **asdict(cfg), "world_size": d.world, "total_steps": total_steps, "warmup_steps": warmup,
-            "dataset": str(Path(dataset_dir).resolve()), "target": ref.name, "target_revision": ref.revision,
+            "dataset": str(src.path.resolve()), "target": ref.name, "target_revision": ref.revision,
             "train_samples": len(train_idx), "eval_samples": len(eval_idx), "command": command})
     metrics = MetricsLog(out, d.main)
     log.info("drafter: %s trainable parameters; %d train / %d held-out samples; %d steps (%d micro-batches of %d "
@@ -603,7 +873,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         state = {"step": step, "micro_position": step * micro_per_step, "optimizer": opt.state_dict(),
                  "scheduler": sched.state_dict(), "rng": rng, "best": best, "trajectory": trajectory}
-        extra = {"step": step, "dataset": str(Path(dataset_dir).resolve()), "target": ref.name,
+        extra = {"step": step, "dataset": str(src.path.resolve()), "online": cfg.online, "target": ref.name,
                  "target_revision": ref.revision, "eval": last_eval}
         folder = save_checkpoint(ckpt_root, step, draft, export_config(dcfg, extra), state)
         formats.write_json_atomic(ckpt_root / LATEST_FILE, {"step": step, "path": folder.name})
@@ -612,7 +882,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
 
     def eval_and_track() -> dict[str, Any] | None:
         nonlocal best
-        result = evaluate(draft, teacher_head, ds, eval_batches, cfg, device, d)
+        result = evaluate(draft, teacher_head, src.load, eval_batches, cfg, device, d)
         if result is None:
             return None
         metrics.write({"step": step, "split": "eval", **result})
@@ -627,7 +897,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
     window_tokens, train_tokens, t0, last_eval = 0, 0, time.time(), None
     bar = tqdm(total=stop, initial=step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=not (show_progress and d.main))
-    prefetch = Prefetcher(lambda m: load_batch(ds.files, stream[m], cfg.max_length))
+    prefetch = Prefetcher(lambda m: src.load(stream[m]), background=src.background)
     draft.train()
     try:
         while step < stop:
@@ -673,7 +943,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         bar.close()
         metrics.close()
     if last_eval is None and eval_batches:
-        last_eval = evaluate(draft, teacher_head, ds, eval_batches, cfg, device, d)
+        last_eval = evaluate(draft, teacher_head, src.load, eval_batches, cfg, device, d)
     summary = TrainSummary(out, step, total_steps, best["step"], best["tau"], last_eval, train_tokens,
                            time.time() - t0, num_parameters(draft))
     if d.world > 1:
