@@ -280,9 +280,13 @@ def test_vllm_loads_the_pre_fc_norm(tmp_path):
     assert torch.equal(loaded["model.input_norm.weight"], weights(ckpt)["fc_norm.weight"])
 
 
-def test_sglang_loads_the_export(tmp_path, ckpt):
-    export_drafter(ckpt, tmp_path / "out", "eagle", dtype="fp32")
-    captured, hot, loaded = sglang_load(tmp_path / "out")
+@pytest.mark.parametrize("exported", [True, False])
+def test_sglang_loads_the_export(tmp_path, ckpt, exported):
+    """The eagle export, and a training checkpoint as it is (its config.json is the same layout)."""
+    folder = tmp_path / "out" if exported else ckpt
+    if exported:
+        export_drafter(ckpt, folder, "eagle", dtype="fp32")
+    captured, hot, loaded = sglang_load(folder)
     w = weights(ckpt)
     assert captured == AUX  # the target captures the states the drafter was trained on
     assert torch.equal(hot, torch.arange(30) + w["d2t"]) and torch.equal(hot, w["t2d"].nonzero().flatten())

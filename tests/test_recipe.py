@@ -129,5 +129,14 @@ chain_depth = 3
         with pytest.raises(ValueError, match=r"train: .* already holds this stage run with other options "
                                              r"\{'total_steps': \(3, 5\)\}"):
             run_recipe(recipe, out, scale=1.5, overrides=["train.total_steps=5"])
+        # online training: no extract/check stages, the target runs inside the training loop
+        online = tmp_path / "online.toml"
+        text = recipe.read_text()
+        cut = text[text.index("[extract]"):text.index("[train]")]
+        online.write_text(text.replace(cut, "").replace("[train]\n", "[train]\nonline = true\n"))
+        summary = run_recipe(online, tmp_path / "online", scale=1.5)
+        assert list(summary.stages) == ["regen", "prepare", "train", "eval"]
+        assert summary.stages["train"]["result"]["steps"] == 3
+        assert formats.read_json(tmp_path / "online" / "train" / "train_config.json")["online"] is True
     finally:
         torch.set_num_threads(threads)

@@ -79,7 +79,8 @@ def test_train_writes_metrics_and_checkpoints(dataset, tmp_path):
     assert formats.read_json(ckpt / "latest.json")["path"] == "step_00000008"
     cfg = formats.read_json(ckpt / "step_00000008" / "config.json")
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 400
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # hidden_states ids (vLLM)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang adds 1
     w = weights(run, 8)
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "d2t", "t2d", "lm_head.weight"} <= set(w)
     assert w["t2d"].dtype == torch.bool and w["d2t"].dtype == torch.int64

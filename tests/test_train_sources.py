@@ -92,7 +92,7 @@ def test_foreign_layout_trains_exactly_like_v1(layout, work, v1_run, tiny_target
     a, b = weights(v1_run, 4), weights(run, 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
     cfg = formats.read_json(run / "checkpoints" / "step_00000004" / "config.json")
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX
 
 
 def test_foreign_side_files_are_used_when_present(work, v1_run, tmp_path):
@@ -138,7 +138,7 @@ def test_online_matches_offline(work, tmp_path, max_length):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
         assert b["tau"] == pytest.approx(a["tau"], rel=1e-6)
     cfg = formats.read_json(tmp_path / "on" / "checkpoints" / "step_00000002" / "config.json")
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX and cfg["eaglet"]["online"] is True
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX and cfg["eaglet"]["online"] is True
 
 
 def test_online_resume_continues_exactly(work, tmp_path):
@@ -159,4 +159,4 @@ def test_cli_train_online(work, tmp_path, capsys):
                    "--total-steps", "1", "--ttt-steps", "2", "--eval-every", "1", "--aux-layer-ids", "1,3,6"])
     assert rc == 0 and "best checkpoint: step 1" in capsys.readouterr().out
     cfg = formats.read_json(tmp_path / "run" / "checkpoints" / "step_00000001" / "config.json")
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]

@@ -801,9 +801,10 @@ def _draft_fields(c: dict[str, Any], fields: dict[str, Any], where: str, norm_be
             "fc_norm": bool(norm_before_fc), "norm_output": bool(norm_output)}
 
 
-def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any]) -> dict[str, Any]:
-    """config.json of an EAGLE-3 / SGLang folder (`LlamaForCausalLMEagle3`)."""
-    return {
+def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any] | None) -> dict[str, Any]:
+    """config.json of an EAGLE-3 / SGLang folder (`LlamaForCausalLMEagle3`); `provenance`
+    (eaglet version, source, target) is recorded under `eaglet_export` when given."""
+    config = {
         "architectures": [EAGLE_ARCHITECTURES[0]], **_llama_block(cfg), "torch_dtype": torch_dtype,
         "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
         # vLLM reads the top-level ids first (HF indexing); SGLang reads only eagle_config's, as
@@ -812,8 +813,8 @@ def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any]) -
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": hf_to_sglang_layer_ids(cfg.aux_layer_ids),
                          "use_aux_hidden_state": True},
         "norm_before_residual": False, "norm_output": cfg.norm_output,
-        "eaglet_export": provenance,
     }
+    return {**config, "eaglet_export": provenance} if provenance is not None else config
 
 
 def parse_eagle_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
@@ -935,12 +936,17 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_drafter_folder(out: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
-    """config.json + model.safetensors, written as one atomic folder."""
+def write_drafter_files(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """config.json + model.safetensors into `folder` (a temp folder of `atomic_dir`)."""
     from safetensors.torch import save_file
 
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(folder / DRAFTER_WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    (folder / DRAFTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def write_drafter_folder(out: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """config.json + model.safetensors, written as one atomic folder."""
     with atomic_dir(out) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / DRAFTER_WEIGHTS_FILE),
-                  metadata={"format": "pt"})
-        (tmp / DRAFTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        write_drafter_files(tmp, config, tensors)
     return Path(out)

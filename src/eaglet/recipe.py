@@ -239,7 +239,9 @@ def run_check(opts: dict[str, Any], paths: Paths, target: str | None, command: s
 def run_train(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
     from eaglet.train import train
 
-    s = train(paths.data, paths.train, target, resume=True, command=command, **opts)
+    # online training runs the target in the loop on the prepared chats: no extract stage needed
+    data = paths.prepared if opts.get("online") else paths.data
+    s = train(data, paths.train, target, resume=True, command=command, **opts)
     log_lines(s.lines())
     last = s.last_eval or {}
     return {"steps": s.step, "best_step": s.best_step, "best_tau": s.best_tau, "heldout_acc": last.get("acc"),

@@ -30,7 +30,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -48,7 +47,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
-MODEL_FILE = "model.safetensors"
+MODEL_FILE = formats.DRAFTER_WEIGHTS_FILE
 STATE_FILE = "training_state.pt"
 LATEST_FILE = "latest.json"
 BEST_FILE = "best.json"
@@ -588,41 +587,21 @@ def init_distributed(device: torch.device) -> Dist:
 # ---------------------------------------------------------------------------------------------
 
 def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    """EAGLE / SGLang `LlamaForCausalLMEagle3` config, plus eaglet's own record."""
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.target_vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-        "tie_word_embeddings": False, "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": cfg.aux_layer_ids, "use_aux_hidden_state": True},
-        "eaglet": {"draft_config": cfg.to_dict(), **extra},
-    }
+    """The EAGLE-3 / SGLang `LlamaForCausalLMEagle3` config (the same as `eaglet export
+    --format eagle` writes, so a checkpoint is also a valid eagle folder in fp32), plus
+    eaglet's own record, which `load_checkpoint` reads."""
+    return {**formats.build_eagle_config(cfg, "float32", None), "eaglet": {"draft_config": cfg.to_dict(), **extra}}
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model: Eagle3Draft, config_json: dict[str, Any],
                     state: dict[str, Any]) -> Path:
     """Write a checkpoint folder under a temp name, then rename: a folder that exists is complete."""
-    from safetensors.torch import save_file
-
     final = ckpt_root / f"step_{step:08d}"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{formats.TMP_MARK}", dir=ckpt_root))
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / MODEL_FILE),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    if final.exists():  # the same step saved twice (an eval right at the end): replace it
+        shutil.rmtree(final)
+    with formats.atomic_dir(final) as tmp:
+        formats.write_drafter_files(tmp, config_json, model.state_dict())
         torch.save(state, tmp / STATE_FILE)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():  # the same step saved twice (an eval right at the end): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
