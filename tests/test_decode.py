@@ -201,6 +201,32 @@ def test_drafter_inference_matches_training_unroll(target, norm_output, fc_norm)
             hidden = prop.fed_back(out)
 
 
+def test_drafted_tokens_are_fed_back_as_target_ids(target):
+    """Each depth embeds its parent's token as a target id (the head scores draft ids; this
+    drafter's d2t maps draft id i >= 200 to target id 2i - 200), and a top-1 chain is the greedy
+    path of the training unroll fed those tokens."""
+    drafter = make_drafter(target, seed=5)
+    with torch.no_grad():  # draft ids >= 200 win: fed-back tokens then differ from their draft ids
+        drafter.lm_head.weight[200:].add_(drafter.lm_head.weight[200:].sign() * 0.05)
+    L, K, t = 16, 5, 8
+    torch.manual_seed(2)
+    ids = torch.randint(0, 400, (1, L))
+    aux = torch.randn(1, L, 3 * 64)
+    with torch.no_grad():
+        prop = Eagle3Proposer(drafter)
+        prop.observe(ids[0, : t + 2].tolist(), aux[0, : t + 1])
+        fed: list[list[int]] = []
+        layer = prop.layer
+        prop.layer = lambda hidden, token_ids, *a: fed.append(token_ids.tolist()) or layer(hidden, token_ids, *a)
+        chain = prop.propose(K, 1, K).tokens
+        assert len(chain) == K and any(c >= 200 and c % 2 == 0 for c in chain[:-1])
+        assert fed == [[c] for c in chain[:-1]]  # depth d is fed the token drafted at depth d - 1
+        full = torch.tensor([ids[0, : t + 2].tolist() + chain])
+        pad = torch.randn(1, full.shape[1] - (t + 1), 3 * 64)  # later positions do not reach position t
+        logits = drafter(full, torch.cat([aux[:, : t + 1], pad], dim=1), steps=K).logits
+        assert chain == [prop.draft_to_target[int(torch.argmax(logits[k][0, t]))] for k in range(K)]
+
+
 def test_eagle3_tree_shape(target):
     drafter = make_drafter(target)
     prop = Eagle3Proposer(drafter)

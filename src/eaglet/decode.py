@@ -260,8 +260,9 @@ class Eagle3Proposer:
         cfg = drafter.config
         self.cfg = cfg
         self.aux_layer_ids = list(cfg.aux_layer_ids)
-        self.draft_to_target = (torch.arange(cfg.draft_vocab_size, device=drafter.d2t.device)
-                                + drafter.d2t).tolist()
+        # draft id i is target id i + d2t[i]: the layer embeds target ids, the head scores draft ids
+        self.draft_to_target_ids = torch.arange(cfg.draft_vocab_size, device=drafter.d2t.device) + drafter.d2t
+        self.draft_to_target = self.draft_to_target_ids.tolist()
         self.reset()
 
     def reset(self) -> None:
@@ -378,7 +379,8 @@ class Eagle3Proposer:
             allowed = torch.cat([torch.ones(k, self.context_len, dtype=torch.bool, device=device), new_anc], dim=1)
             positions = torch.full((k,), root_pos + depth, device=device)
             # expanded nodes sit in buffer slots context_len + (their expansion index)
-            out = self.layer(frontier_hidden, frontier_ids, positions, self.context_len + n_exp, allowed)
+            out = self.layer(frontier_hidden, self.draft_to_target_ids[frontier_ids], positions,
+                             self.context_len + n_exp, allowed)
 
             child_scores, child_ids = self.log_probs(out).topk(k, dim=-1)  # [k, k]
             child_scores = child_scores + frontier_scores[:, None]
