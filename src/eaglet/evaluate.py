@@ -41,11 +41,13 @@ HF_METHODS = ("prompt-lookup", "hf-greedy")
 METHODS = SPEC_METHODS + HF_METHODS
 BASELINE = "plain"
 DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
-# Measured on a 2-core CPU with SmolLM2-135M and a drafter trained by `eaglet train`: a wide tree
-# costs more drafter passes and a longer verification than it wins back there; on a GPU the
-# EAGLE-2 defaults (60/7/10) are cheap. These are the CPU defaults of `eaglet eval`.
-CPU_TREE = {"depth": 5, "top_k": 4, "total_tokens": 12}
-CPU_CHAIN_DEPTH = 4
+# Chosen with bench/decode_sweep.py on 2 CPU cores, SmolLM2-135M and a drafter from `eaglet train`
+# (4 MT-bench prompts, bf16, 1 thread): chain 2 / 3 / 4 / 5 ran at 1.14x / 1.02x / 0.96x / 0.86x of
+# plain greedy, trees 4/2/6, 5/4/12, 6/8/30 at 0.95x / 0.87x / 0.77x although their tau was higher
+# (1.59 / 1.68 / 1.87 vs 1.41): on a CPU every drafted token costs verification time, so short
+# drafts win until the drafter is strong. On a GPU use EAGLE-2's 60/7/10.
+CPU_TREE = {"depth": 4, "top_k": 2, "total_tokens": 6}
+CPU_CHAIN_DEPTH = 2
 PROMPT_LOOKUP_TOKENS = 10  # HF's own example value, and what the baseline figure was measured with
 # The embedded ShareGPT's first records feed `eaglet prepare` / `eaglet regen` by default; the
 # held-out prompts come from far behind them.
