@@ -224,7 +224,7 @@ def test_drafted_tokens_are_fed_back_as_target_ids(target):
         full = torch.tensor([ids[0, : t + 2].tolist() + chain])
         pad = torch.randn(1, full.shape[1] - (t + 1), 3 * 64)  # later positions do not reach position t
         logits = drafter(full, torch.cat([aux[:, : t + 1], pad], dim=1), steps=K).logits
-        assert chain == [prop.draft_to_target[int(torch.argmax(logits[k][0, t]))] for k in range(K)]
+        assert chain == [int(prop.draft_to_target[torch.argmax(logits[k][0, t])]) for k in range(K)]
 
 
 def test_eagle3_tree_shape(target):

@@ -261,8 +261,7 @@ class Eagle3Proposer:
         self.cfg = cfg
         self.aux_layer_ids = list(cfg.aux_layer_ids)
         # draft id i is target id i + d2t[i]: the layer embeds target ids, the head scores draft ids
-        self.draft_to_target_ids = torch.arange(cfg.draft_vocab_size, device=drafter.d2t.device) + drafter.d2t
-        self.draft_to_target = self.draft_to_target_ids.tolist()
+        self.draft_to_target = drafter.draft_to_target_ids()
         self.reset()
 
     def reset(self) -> None:
@@ -379,7 +378,7 @@ class Eagle3Proposer:
             allowed = torch.cat([torch.ones(k, self.context_len, dtype=torch.bool, device=device), new_anc], dim=1)
             positions = torch.full((k,), root_pos + depth, device=device)
             # expanded nodes sit in buffer slots context_len + (their expansion index)
-            out = self.layer(frontier_hidden, self.draft_to_target_ids[frontier_ids], positions,
+            out = self.layer(frontier_hidden, self.draft_to_target[frontier_ids], positions,
                              self.context_len + n_exp, allowed)
 
             child_scores, child_ids = self.log_probs(out).topk(k, dim=-1)  # [k, k]
@@ -401,10 +400,11 @@ class Eagle3Proposer:
     def select(self, ids: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, total_tokens: int) -> DraftTree:
         # stable sort on descending score keeps depth order among ties: parents precede children
         order = torch.sort(scores, descending=True, stable=True).indices[:total_tokens]
-        keep = order.sort().values.tolist()  # candidate order is depth order: topological
+        kept = order.sort().values  # candidate order is depth order: topological
+        keep = kept.tolist()
         local = {c: i for i, c in enumerate(keep)}
-        ids_l, parents_l = ids.tolist(), parents.tolist()
-        tokens = [self.draft_to_target[ids_l[c]] for c in keep]
+        parents_l = parents.tolist()
+        tokens = self.draft_to_target[ids[kept]].tolist()
         tree_parents = [-1 if parents_l[c] < 0 else local[parents_l[c]] for c in keep]
         return DraftTree(tokens, tree_parents)
 

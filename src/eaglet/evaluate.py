@@ -333,27 +333,41 @@ class EvalResult:
             write_plot(self.sets, self.plot_path, title)
 
 
-def rotated(methods: list[str], k: int) -> list[str]:
-    k %= len(methods)
-    return methods[k:] + methods[:k]
+Variants = dict[str, tuple[str, DecodeSettings]]  # label -> (method, settings); BASELINE is one of them
 
 
-def evaluate_set(prompts: list[Prompt], methods: list[str], target: nn.Module, drafter: Eagle3Draft | None,
-                 tokenizer, s: DecodeSettings, on_turn: Callable[[dict[str, MethodTotals]], None],
+def variants_for(methods: Sequence[str], s: DecodeSettings) -> Variants:
+    """Plain greedy plus each method, all with the same settings (what `eaglet eval` compares)."""
+    return {m: (m, s) for m in [BASELINE, *methods]}
+
+
+def rotated(labels: list[str], k: int) -> list[str]:
+    k %= len(labels)
+    return labels[k:] + labels[:k]
+
+
+def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, drafter: Eagle3Draft | None,
+                 tokenizer, on_turn: Callable[[dict[str, MethodTotals]], None],
                  records: list[dict[str, Any]]) -> dict[str, MethodTotals]:
-    all_methods = [BASELINE, *methods]
-    totals = {m: MethodTotals() for m in all_methods}
+    """Decode every turn of every prompt with each variant, in a rotating order; sums per label.
+    The next turn's history holds plain greedy's answer, so every variant sees the same prompt."""
+    labels = list(variants)
+    totals = {label: MethodTotals() for label in labels}
+    greedy = variants[BASELINE][1].temperature <= 0
     k = 0
     for p in prompts:
         history = list(p.context)
         for turn_no, user_text in enumerate(p.turns):
             history.append({"role": "user", "content": user_text})
             ids = chat_prompt_ids(tokenizer, history)
-            runs = {m: run_method(m, target, drafter, ids, s) for m in rotated(all_methods, k)}
+            runs = {}
+            for label in rotated(labels, k):
+                method, settings = variants[label]
+                runs[label] = run_method(method, target, drafter, ids, settings)
             k += 1
-            reference = runs[BASELINE].tokens if s.temperature <= 0 else None
-            for m in all_methods:
-                totals[m].add(runs[m], reference if m != BASELINE else None)
+            reference = runs[BASELINE].tokens if greedy else None
+            for label in labels:
+                totals[label].add(runs[label], reference if label != BASELINE else None)
             records.append({
                 "set": p.set_name, "id": p.id, "turn": turn_no, "prompt_tokens": len(ids),
                 "methods": {m: {"new_tokens": len(r.tokens), "wall_s": round(r.wall_s, 4),
@@ -367,12 +381,18 @@ def evaluate_set(prompts: list[Prompt], methods: list[str], target: nn.Module, d
     return totals
 
 
-def warm_up(methods: list[str], target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt,
-            s: DecodeSettings) -> None:
-    """One short untimed run per method: first calls pay for allocations and kernel selection."""
+def summarize(totals: dict[str, MethodTotals], compared: bool) -> dict[str, dict[str, Any]]:
+    """Each label's figures, speedups against plain greedy; `compared`: report identical outputs."""
+    plain = totals[BASELINE]
+    return {label: t.summary(plain if label != BASELINE else None, compared and label != BASELINE)
+            for label, t in totals.items()}
+
+
+def warm_up(variants: Variants, target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt) -> None:
+    """One short untimed run per variant: first calls pay for allocations and kernel selection."""
     ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
-    for m in [BASELINE, *methods]:
-        run_method(m, target, drafter, ids, replace(s, max_new_tokens=min(8, s.max_new_tokens)))
+    for method, s in variants.values():
+        run_method(method, target, drafter, ids, replace(s, max_new_tokens=min(8, s.max_new_tokens)))
 
 
 @contextlib.contextmanager
@@ -419,7 +439,8 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
         s.eos_ids = tuple(sorted(stop_token_ids(model, tokenizer)))
         sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
 
-        warm_up(methods, model, drafter, tokenizer, next(iter(sets.values()))[0], s)
+        variants = variants_for(methods, s)
+        warm_up(variants, model, drafter, tokenizer, next(iter(sets.values()))[0])
         n_turns = sum(len(p.turns) for ps in sets.values() for p in ps)
         bar = tqdm(total=n_turns, desc="eval", unit="turn", disable=not progress, dynamic_ncols=True)
         records: list[dict[str, Any]] = []
@@ -434,10 +455,8 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
         with torch.inference_mode():
             for spec, prompts in sets.items():
                 name = prompts[0].set_name
-                totals = evaluate_set(prompts, methods, model, drafter, tokenizer, s, on_turn, records)
-                compared = s.temperature <= 0
-                results[name] = {m: t.summary(totals[BASELINE] if m != BASELINE else None, compared and m != BASELINE)
-                                 for m, t in totals.items()}
+                totals = evaluate_set(prompts, variants, model, drafter, tokenizer, on_turn, records)
+                results[name] = summarize(totals, compared=s.temperature <= 0)
         bar.close()
 
         config = {"drafter": str(drafter_path), "target": ref.name, "target_revision": ref.revision,
@@ -482,13 +501,14 @@ def fmt(x: Any, spec: str) -> str:
 
 def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
     head = (f"{'prompt set':<16} {'method':<14} {'turns':>5} {'tokens':>7} {'tok/s':>8} {'speedup':>8} "
-            f"{'tau':>6} {'identical':>9} {'1st diff':>8}  acceptance per position")
+            f"{'ceiling':>8} {'tau':>6} {'identical':>9} {'1st diff':>8}  acceptance per position")
     lines = [head, "-" * len(head)]
     for name, methods in sets.items():
         for m, r in methods.items():
             acc = " ".join(fmt(a, ".2f") for a in r.get("acceptance_rates", []))
             lines.append(f"{name:<16} {m:<14} {r['turns']:>5} {r['new_tokens']:>7} {r['tokens_per_s']:>8.2f} "
                          f"{fmt(r.get('speedup'), '.2f') + 'x' if 'speedup' in r else '-':>8} "
+                         f"{fmt(r.get('ceiling_speedup'), '.2f') + 'x' if r.get('ceiling_speedup') else '-':>8} "
                          f"{fmt(r.get('tau'), '.2f'):>6} {fmt(r.get('identical_share'), '.0%'):>9} "
                          f"{fmt(r.get('mean_first_divergence'), '.1f'):>8}  {acc}")
     return "\n".join(lines)
