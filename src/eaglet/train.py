@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import logging
 import math
@@ -926,6 +927,10 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
     summary = TrainSummary(out, step, total_steps, best["step"], best["tau"], last_eval, train_tokens,
                            time.time() - t0, num_parameters(draft))
     if d.world > 1:
+        # DDP's reducer holds the gloo/NCCL group and its work objects in reference cycles; free them
+        # while the interpreter is alive: freed at exit, a gloo thread can abort the process (SIGABRT)
+        del model
+        gc.collect()
         dist.destroy_process_group()
     return summary
 
