@@ -25,10 +25,11 @@ from eaglet.target import load_target, load_tokenizer, parse_dtype, resolve_targ
 
 # (label, method, depth, top_k, total_tokens)
 CONFIGS = [
-    ("chain 2", "chain", 2, 1, 2), ("chain 3", "chain", 3, 1, 3), ("chain 4", "chain", 4, 1, 4),
-    ("chain 5", "chain", 5, 1, 5), ("chain 6", "chain", 6, 1, 6),
-    ("tree 4/2/6", "tree", 4, 2, 6), ("tree 5/4/12", "tree", 5, 4, 12), ("tree 5/4/20", "tree", 5, 4, 20),
-    ("tree 6/8/30", "tree", 6, 8, 30), ("tree 7/10/60", "tree", 7, 10, 60),
+    ("chain 1", "chain", 1, 1, 1), ("chain 2", "chain", 2, 1, 2), ("chain 3", "chain", 3, 1, 3),
+    ("chain 4", "chain", 4, 1, 4), ("chain 5", "chain", 5, 1, 5), ("chain 6", "chain", 6, 1, 6),
+    ("tree 2/2/3", "tree", 2, 2, 3), ("tree 3/2/4", "tree", 3, 2, 4), ("tree 4/2/6", "tree", 4, 2, 6),
+    ("tree 5/4/12", "tree", 5, 4, 12), ("tree 5/4/20", "tree", 5, 4, 20), ("tree 6/8/30", "tree", 6, 8, 30),
+    ("tree 7/10/60", "tree", 7, 10, 60),
 ]
 
 

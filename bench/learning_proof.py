@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from eaglet.draft_model import DraftOutput, make_teacher, stats_summary, ttt_loss
+from eaglet.draft_model import STAT_ROWS, DraftOutput, make_teacher, stats_summary, ttt_loss
 from eaglet.train import (bucketed_batches, iter_metrics, load_batch, open_dataset, split_indices, target_pieces)
 
 
@@ -29,14 +29,14 @@ def most_frequent_baseline(data: str, eval_fraction: float, seed: int, steps: in
     d2t, t2d = build_draft_vocab(ds.token_freq, model.config.vocab_size, draft_vocab_size)
     top_target_id = max(ds.token_freq, key=ds.token_freq.get)
     top_draft_id = int(((torch.arange(len(d2t)) + d2t) == top_target_id).nonzero()[0])
-    sums = torch.zeros(3, steps)
+    sums = torch.zeros(STAT_ROWS, steps)
     for b in bucketed_batches(eval_idx, ds.lengths, 1, None):
         batch = load_batch(ds.files, b, None)
         teacher = make_teacher(batch.last_hidden, head.final_norm, head.lm_head, d2t, t2d)
         B, L = batch.input_ids.shape
         logits = torch.full((B, L, len(d2t)), -10.0)
         logits[..., top_draft_id] = 10.0  # always the most frequent token
-        _, stats = ttt_loss(DraftOutput([logits] * steps), teacher, batch.loss_mask)
+        _, stats = ttt_loss(DraftOutput([logits] * steps, torch.nn.Identity()), teacher, batch.loss_mask)
         sums += stats.as_tensor()
     return stats_summary(sums)
 

@@ -74,15 +74,21 @@ def random_batch(cfg: DraftConfig, B: int = 2, L: int = 13, seed: int = 0):
     return ids, aux, last, mask
 
 
-@pytest.mark.parametrize("norm_output,fc_norm,chunk", [(False, False, 1024), (True, True, 4)])
-def test_efficient_ttt_matches_naive_reference(norm_output, fc_norm, chunk):
-    cfg = tiny_config(norm_output=norm_output, fc_norm=fc_norm)
-    torch.manual_seed(0)
+def drafter_and_batch(cfg: DraftConfig, seed: int):
+    """A random drafter with a 30-token draft vocab, a random batch and a random target head."""
+    torch.manual_seed(seed)
     model = Eagle3Draft(cfg)
     d2t, t2d = build_draft_vocab({i: 100 - i for i in range(0, 50, 2)}, 50, 30)
     model.set_draft_vocab(d2t, t2d)
     ids, aux, last, mask = random_batch(cfg)
     head = torch.nn.Linear(cfg.hidden_size, cfg.target_vocab_size, bias=False)
+    return model, (d2t, t2d), (ids, aux, last, mask), head
+
+
+@pytest.mark.parametrize("norm_output,fc_norm,chunk", [(False, False, 1024), (True, True, 4)])
+def test_efficient_ttt_matches_naive_reference(norm_output, fc_norm, chunk):
+    cfg = tiny_config(norm_output=norm_output, fc_norm=fc_norm)
+    model, (d2t, t2d), (ids, aux, last, mask), head = drafter_and_batch(cfg, 0)
     teacher = make_teacher(last, torch.nn.Identity(), head, d2t, t2d)
 
     def run(attention):
@@ -126,21 +132,73 @@ def test_step_k_is_teacher_forced_and_position_shifted():
     assert changed1.tolist() == [t >= 4 for t in range(10)]  # step 1 at t embeds token t+2
 
 
-def test_loss_counts_masked_drafted_positions():
+def test_loss_counts_masked_positions_and_trains_on_drafted_ones():
     B, L, V = 1, 6, 4
     logp = torch.log_softmax(torch.randn(B, L, V), -1)
     from eaglet.draft_model import DraftOutput, Teacher
 
     teacher = Teacher(logp, logp.argmax(-1), torch.tensor([[True, True, False, True, True, True]]))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
-    perfect = DraftOutput([shift_left(logp, 1), shift_left(logp, 2)])
+    perfect = DraftOutput([shift_left(logp, 1), shift_left(logp, 2)], torch.nn.Identity())
     loss, stats = ttt_loss(perfect, teacher, mask)
-    # step 0 counts t when token t+2 is masked and teacher position t+1 is drafted: t in {0, 2, 3}
-    assert stats.count.tolist() == [3.0, 2.0]
-    assert stats.correct.tolist() == stats.count.tolist()
+    # step 0 counts t when token t+2 is masked (t in 0..3); the target's choice at t+1 is drafted for t in {0, 2, 3}
+    assert stats.count.tolist() == [4.0, 3.0] and stats.loss_count.tolist() == [3.0, 2.0]
+    assert stats.correct.tolist() == stats.loss_count.tolist()  # undrafted positions are misses
     s = stats_summary(stats.as_tensor())
-    assert s["acc"] == [1.0, 1.0] and s["tau"] == 2.0
+    assert s["acc"] == pytest.approx([0.75, 2 / 3]) and s["drafted"] == pytest.approx([0.75, 2 / 3])
     assert acceptance_length([0.5, 0.5, 0.0, 1.0]) == pytest.approx(0.75)
+
+
+def reference_ttt_loss(logits: list[torch.Tensor], log_probs: torch.Tensor, in_draft: torch.Tensor,
+                       mask: torch.Tensor, decay: float = 0.8) -> torch.Tensor:
+    """Position by position: step k at t, counted when token t+k+2 is masked and the teacher at
+    t+k+1 is drafted; dense soft cross-entropy; mean per step, weighted decay^k."""
+    total = torch.zeros(())
+    B, L = mask.shape
+    for k, z in enumerate(logits):
+        terms = [-(log_probs[b, t + k + 1].exp() * torch.log_softmax(z[b, t].float(), -1)).sum()
+                 for b in range(B) for t in range(L - k - 2) if mask[b, t + k + 2] and in_draft[b, t + k + 1]]
+        if terms:
+            total = total + decay ** k * torch.stack(terms).mean()
+    return total
+
+
+def test_loss_matches_position_by_position_reference_and_sparse_teachers():
+    """The loss applies the LM head only at counted positions; it equals a dense per-position
+    reference, a sparse teacher with k = vocab equals the dense one, and k = 1 is the hard label."""
+    model, (d2t, t2d), (ids, aux, last, mask), head = drafter_and_batch(tiny_config(), 3)
+    dense = make_teacher(last, torch.nn.Identity(), head, d2t, t2d)
+    out = model(ids, aux, steps=3)
+    loss, stats = ttt_loss(out, dense, mask)
+    ref = reference_ttt_loss(out.logits, dense.log_probs, dense.in_draft, mask)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    full_k = make_teacher(last, torch.nn.Identity(), head, d2t, t2d, top_k=30)
+    torch.testing.assert_close(ttt_loss(out, full_k, mask)[0], loss, rtol=1e-5, atol=1e-6)
+    hard = make_teacher(last, torch.nn.Identity(), head, d2t, t2d, top_k=1)
+    assert torch.equal(hard.argmax, dense.argmax) and torch.equal(hard.log_probs, torch.zeros_like(hard.log_probs))
+    one_hot = torch.full_like(dense.log_probs, -1e4).scatter(-1, dense.argmax[..., None], 0.0)
+    torch.testing.assert_close(ttt_loss(out, hard, mask)[0], reference_ttt_loss(out.logits, one_hot, dense.in_draft, mask),
+                               rtol=1e-5, atol=1e-5)
+    for a, b in zip(ttt_loss(out, hard, mask)[1].as_tensor()[1:], stats.as_tensor()[1:]):  # same hits and counts
+        assert torch.equal(a, b)
+
+
+def test_feature_loss_regresses_the_next_last_layer_state():
+    cfg = tiny_config()
+    torch.manual_seed(4)
+    model = Eagle3Draft(cfg)
+    ids, aux, last, mask = random_batch(cfg)
+    head = torch.nn.Linear(cfg.hidden_size, cfg.target_vocab_size, bias=False)
+    d2t, t2d = build_draft_vocab({}, 50, 30)
+    teacher = make_teacher(last, torch.nn.Identity(), head, d2t, t2d, features=True)
+    assert torch.equal(teacher.features, last)
+    out = model(ids, aux, steps=2)
+    base, _ = ttt_loss(out, teacher, mask)
+    with_features, _ = ttt_loss(out, teacher, mask, feature_weight=1.0)
+    expected = sum(0.8 ** k * torch.nn.functional.smooth_l1_loss(out.hidden[k][:, :-k - 2][mask[:, k + 2:].bool()],
+                                                                   last[:, k + 1:-1][mask[:, k + 2:].bool()])
+                   for k in range(2))
+    torch.testing.assert_close(with_features - base, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_rope_matches_transformers_llama():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -146,3 +147,43 @@ def test_speculative_greedy_equals_plain_greedy_on_smollm2(smollm2_dir):
         assert accepted / cycles > 1.5  # the oracle's drafts were mostly taken: the accept path ran
     finally:
         torch.set_num_threads(threads)
+
+
+def test_gpu_train_script_round_trip_on_cpu(smollm2_dir, tmp_path):
+    """scripts/gpu_train.py at a tiny scale on the CPU: pack the target and chats into call-sized
+    folders, rebuild and train online from them alone, bring the drafter back as a checkpoint
+    whose weights are the run's best (embeddings restored from the target)."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    from eaglet.export import load_drafter
+    from eaglet.train import iter_metrics
+
+    spec = importlib.util.spec_from_file_location("gpu_train", "scripts/gpu_train.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    pack = tmp_path / "gpu_pack"
+    gpu.pack(pack, num_samples=6, skip=800, max_length=256, extra_prepared=[])
+    calls = sorted(pack.glob("call_*"))
+    assert len(calls) >= 2  # the 98 MB GGUF does not fit one call
+    for call in calls:
+        assert sum(f.stat().st_size for f in call.iterdir()) < gpu.CALL_LIMIT - gpu.tracked_tree_bytes()
+    partial = tmp_path / "partial"
+    shutil.copytree(calls[0], partial / calls[0].name)
+    with pytest.raises(SystemExit, match="call_2"):  # a missing part names the call that carries it
+        gpu.run(partial, tmp_path / "x", 5.0, "cpu", {}, tmp_path / "w0")
+    out = tmp_path / "device_out"
+    options = dict(gpu.GPU_DEFAULTS, batch_size=2, eval_fraction=0.34, max_length=256, ttt_steps=2)
+    gpu.run(pack, out, 8.0, "cpu", options, tmp_path / "work")
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert len(files) <= 8 and all(f.stat().st_size < 16 << 20 for f in files)
+    assert not any("embed_tokens.weight" in load_file(str(f)) for f in (out / "drafter").glob("*.safetensors"))
+    assert any(r["split"] == "eval" for r in iter_metrics(out))
+    gpu.finish(out, tmp_path / "drafter", None)
+    drafter = load_drafter(tmp_path / "drafter")
+    best = load_drafter(tmp_path / "work" / "run")
+    target = load_target(resolve_target(None), torch.float32, torch.device("cpu"))
+    assert torch.equal(drafter.embed_tokens.weight, target.get_input_embeddings().weight)
+    for name, t in best.state_dict().items():  # bf16 on the way back
+        torch.testing.assert_close(drafter.state_dict()[name].float(), t.float(), rtol=1e-2, atol=1e-2, msg=name)

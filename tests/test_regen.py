@@ -269,6 +269,26 @@ def test_local_prompt_too_long(lively_target, tmp_path):
     assert any(len(answers(r)) < len(regen.assistant_indices(CHATS[int(r["id"][1:])])) for r in recs.values())
 
 
+def test_local_time_budget_stops_after_the_batch_at_hand(lively_target, tmp_path):
+    """Out of time after the first batch: the chats of that batch are written with the turns
+    finished so far (cut short), no other chat is; regenerate() with no time left starts none."""
+    from eaglet.data import ReadStats
+    from eaglet.target import load_target, load_tokenizer, resolve_target
+
+    data = chats_file(tmp_path / "chats.jsonl", 12)
+    ref = resolve_target(str(lively_target))
+    gen = regen.LocalGenerator(load_target(ref, torch.float32, torch.device("cpu")), load_tokenizer(ref), 0.0, 1.0, 4)
+    batches, written = [], []
+    regen.run_local(regen.iter_conversations(str(data), ReadStats(), None, 0, None), gen, 2, None, written.append,
+                    lambda conv, reason: pytest.fail(reason), lambda tokens: None, lambda: batches.append(1),
+                    out_of_time=lambda: len(batches) >= 1)
+    assert len(batches) == 1 and 1 <= len(written) <= 2  # only the chats of the one batch that ran
+    assert all(conv.done == 1 for conv in written)
+    s = regen.regenerate(str(data), tmp_path / "out.jsonl", str(lively_target), dtype="fp32", device="cpu",
+                         max_new_tokens=4, time_budget=1e-9, progress_bar=False)
+    assert s.out_of_time and s.written == 0 and "stopped at --time-budget" in "\n".join(s.lines())
+
+
 # ---------------------------------------------------------------------------------------------
 # Endpoint backend
 # ---------------------------------------------------------------------------------------------

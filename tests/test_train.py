@@ -204,3 +204,92 @@ def test_target_shape_mismatch_is_refused(field, value):
     with pytest.raises(ValueError, match=f"{field}={value}"):
         check_target_matches(data_cfg, target_cfg, "abc", "other")
     check_target_matches(data_cfg, SimpleNamespace(hidden_size=64, vocab_size=400), "abc", "tiny")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training efficiency options
+# ---------------------------------------------------------------------------------------------
+
+def test_sparse_teacher_is_cached_once_per_sample_and_exact(dataset, tiny_target):
+    """The cached top-k teacher equals a fresh one computed from the stored state, whatever the
+    batch it is first seen in, and the target's head runs once per sample."""
+    from transformers import AutoModelForCausalLM
+
+    from eaglet.draft_model import build_draft_vocab, make_teacher
+    from eaglet.train import TeacherSource, load_batch, make_teacher_head
+
+    ds = open_dataset(dataset)
+    head = make_teacher_head(AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32), "pre_norm")
+    d2t, t2d = build_draft_vocab(ds.token_freq, 400, 100)
+    calls = []
+    head.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    source = TeacherSource(head, d2t, t2d, top_k=4, features=False, bf16=False)
+    pair, single = load_batch(ds.files, [3, 5], None), load_batch(ds.files, [5], None)
+    first = source(pair)
+    assert len(calls) == 2 and set(source.cache) == {3, 5}
+    again = source(single)
+    assert len(calls) == 2  # from the cache
+    n = ds.lengths[5]
+    fresh = make_teacher(single.last_hidden.float(), head.final_norm, head.lm_head, d2t, t2d, top_k=4)
+    row = pair.indices.index(5)
+    for t in (first, again):
+        r = row if t is first else 0
+        assert torch.equal(t.ids[r, :n], fresh.ids[0]) and torch.equal(t.log_probs[r, :n], fresh.log_probs[0])
+        assert torch.equal(t.in_draft[r, :n], fresh.in_draft[0]) and not t.in_draft[r, n:].any()
+
+
+def test_time_budget_sizes_the_schedule(dataset, tmp_path):
+    run = tmp_path / "run"
+    summary = train(dataset, run, time_budget=3.0, show_progress=False, **{**FAST, "eval_every": None,
+                                                                            "save_every": None})
+    cfg = json.loads((run / "checkpoints" / "latest.json").read_text())
+    state = torch.load(run / "checkpoints" / cfg["path"] / "training_state.pt", weights_only=True)
+    assert state["plan"]["calibrated"] and state["plan"]["total_steps"] == summary.total_steps == summary.step
+    assert 0.5 < summary.seconds < 12  # about the budget (the estimate is made from the first steps)
+    evals = [r for r in iter_metrics(run) if r["split"] == "eval"]
+    assert evals and evals[-1]["step"] == summary.step and evals[-1]["train_seconds"] > 0
+    with pytest.raises(ValueError, match="time-budget"):
+        train(dataset, tmp_path / "r2", time_budget=3.0, total_steps=5, show_progress=False)
+
+
+def test_ttt_ramp_lm_head_init_and_loss_on_all(dataset, tiny_target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from eaglet.train import TrainConfig
+
+    cfg = TrainConfig(ttt_steps=3, ttt_ramp=0.5)
+    assert [cfg.ttt_steps_at(s, 12) for s in range(0, 12, 2)] == [1, 2, 3, 3, 3, 3]
+    run = tmp_path / "run"
+    train(dataset, run, total_steps=6, show_progress=False, lm_head_init="target", freeze_lm_head=True,
+          loss_on="all", teacher_top_k=8, **{**FAST, "eval_every": 6, "save_every": 6})
+    w = weights(run, 6)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    ids = torch.arange(w["d2t"].shape[0]) + w["d2t"]
+    assert torch.equal(w["lm_head.weight"], target.lm_head.weight[ids].detach())  # frozen: still the target's rows
+    assert torch.equal(w["norm.weight"], target.model.norm.weight.detach())
+    train_rec = [r for r in iter_metrics(run) if r["split"] == "train"]
+    eval_rec = [r for r in iter_metrics(run) if r["split"] == "eval"]
+    assert train_rec[0]["positions"][0] > eval_rec[0]["positions"][0]  # all tokens vs the assistant's only
+    with pytest.raises(ValueError, match="lm-head-init target"):
+        TrainConfig(freeze_lm_head=True)
+
+
+def test_evaluate_heldout_measures_any_drafter_on_a_datasets_split(dataset, tmp_path):
+    from eaglet.train import evaluate_heldout
+
+    run = tmp_path / "run"
+    train(dataset, run, total_steps=4, show_progress=False, **FAST)
+    last = [r for r in iter_metrics(run) if r["split"] == "eval"][-1]
+    best = formats.read_json(run / "checkpoints" / "best.json")
+    assert best["step"] == 4 or last["tau"] <= best["tau"]
+    r = evaluate_heldout(run / "checkpoints" / "step_00000004", dataset, eval_fraction=0.1, ttt_steps=3)
+    assert r["acc"] == pytest.approx(last["acc"]) and r["positions"] == last["positions"]
+
+
+def test_auto_dtype_is_bf16_only_where_fast():
+    from eaglet.cli import parse_duration
+    from eaglet.target import fast_bf16, parse_dtype
+
+    expected = torch.bfloat16 if fast_bf16("cpu") else torch.float32
+    assert parse_dtype("auto", "cpu") == expected and parse_dtype("fp32", "cpu") == torch.float32
+    assert (parse_duration("90"), parse_duration("1.5m"), parse_duration("2h")) == (90.0, 90.0, 7200.0)

@@ -71,7 +71,8 @@ def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Pa
 
 
 def records(run: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "elapsed"} for r in iter_metrics(run)]
+    """Metrics without the timings."""
+    return [{k: v for k, v in r.items() if k not in ("elapsed", "train_seconds")} for r in iter_metrics(run)]
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:

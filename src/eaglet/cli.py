@@ -26,7 +26,9 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-ids", type=parse_layer_ids, default=None,
                    help="hidden_states ids to store, aux ids then the last layer N (default: 2,N//2,N-3,N); "
                         "id 0 = embeddings, id k = output of decoder layer k-1")
-    p.add_argument("--dtype", default="bf16", help="compute dtype of the target: bf16 (default), fp16, fp32")
+    p.add_argument("--dtype", default="auto",
+                   help="compute dtype of the target: auto (default: bf16 where the device computes it fast, on CUDA "
+                        "and CPUs with AMX/AVX512-BF16, else fp32), bf16, fp16, fp32")
     p.add_argument("--store-dtype", default="bf16", help="dtype of stored hidden states (default bf16)")
     p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward pass (default 8192)")
@@ -91,8 +93,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     options = {k: getattr(args, k) for k in ("epochs", "total_steps", "stop_after", "lr", "min_lr_ratio", "warmup_steps",
                                              "weight_decay", "max_grad_norm", "batch_size", "grad_accum", "max_length",
-                                             "ttt_steps", "draft_vocab_size", "fc_norm", "norm_output", "bf16",
-                                             "eval_fraction", "eval_every", "save_every", "log_every",
+                                             "ttt_steps", "ttt_ramp", "draft_vocab_size", "teacher_top_k", "loss_on",
+                                             "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm",
+                                             "norm_output", "bf16", "time_budget", "eval_fraction", "eval_every",
+                                             "evals", "save_every", "log_every",
                                              "keep_checkpoints", "seed", "device", "online", "target_dtype",
                                              "aux_layer_ids", "last_hidden_state")}
     summary = train(args.data, args.out, args.target, args.resume, command=args.command, **options)
@@ -108,8 +112,21 @@ def cmd_regen(args: argparse.Namespace) -> None:
                          concurrency=args.concurrency, max_retries=args.max_retries, timeout=args.timeout,
                          resume=args.resume, num_samples=args.num_samples, skip=args.skip, dtype=args.dtype,
                          device=args.device, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
-                         max_turns=args.max_turns)
+                         max_turns=args.max_turns, time_budget=args.time_budget)
     print("\n".join(summary.lines()))
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '600', '600s', '45m' or '1.5h'."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration such as 600, 45m or 1.5h") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
 
 
 def parse_list(text: str) -> list[str]:
@@ -238,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--online", action="store_true",
                    help="compute the hidden states with the target inside the loop (no disk); DATA is a prepare folder")
-    p.add_argument("--target-dtype", default="bf16", help="--online: compute dtype of the target (default bf16)")
+    p.add_argument("--target-dtype", default="auto",
+                   help="--online: compute dtype of the target (default auto: bf16 where fast, else fp32)")
     p.add_argument("--aux-layer-ids", type=parse_layer_ids, default=None,
                    help="the 3 aux hidden_states ids: --online, the layers to capture (default 2,N//2,N-3); a "
                         "foreign dataset without data_config.json, the layers its stored aux states come from")
@@ -257,13 +275,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step per process (default 1)")
     p.add_argument("--max-length", type=int, default=None, help="truncate samples to this many tokens")
     p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll length (default 7)")
+    p.add_argument("--ttt-ramp", type=float, default=0.0,
+                   help="grow the unroll from 1 step to --ttt-steps over this fraction of the schedule (default 0)")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary (default min(32000, target vocab))")
+    p.add_argument("--teacher-top-k", type=int, default=None,
+                   help="keep the target's top-k draft tokens per position, computed once per sample and cached "
+                        "(default: the dense teacher, recomputed every epoch)")
+    p.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
+                   help="positions the loss trains on: assistant tokens (default) or every token; held-out accuracy "
+                        "is always on assistant tokens")
+    p.add_argument("--feature-loss-weight", type=float, default=0.0,
+                   help="weight of a smooth-L1 regression of the target's next last-layer state (EAGLE-1; default 0)")
+    p.add_argument("--lm-head-init", choices=("random", "target"), default="random",
+                   help="initial LM head and final norm: random (default) or the target's rows")
+    p.add_argument("--freeze-lm-head", action="store_true", help="keep the LM head and final norm as initialised")
+    p.add_argument("--time-budget", type=parse_duration, default=None,
+                   help="train for about this long (e.g. 600, 45m, 1.5h): the schedule is sized from the measured "
+                        "tokens/s after the first steps; held-out evaluations are not counted")
     p.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1: RMSNorm before fc")
     p.add_argument("--norm-output", action="store_true", help="EAGLE-3.1: feed the post-norm output to the next step")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast (master weights stay fp32)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast, master weights stay fp32 (default: where the device computes bf16 fast, "
+                        "i.e. CUDA and CPUs with AMX/AVX512-BF16; elsewhere bf16 products are emulated and slow)")
     p.add_argument("--eval-fraction", type=float, default=0.05, help="held-out fraction of samples (default 0.05)")
-    p.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (default 200)")
-    p.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default 200)")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default: --evals times a run)")
+    p.add_argument("--evals", type=int, default=10, help="held-out evaluations over the run (default 10)")
+    p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps (default: at evaluations)")
     p.add_argument("--log-every", type=int, default=10, help="write train metrics every N steps (default 10)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept besides the best (default 2)")
     p.add_argument("--seed", type=int, default=0)
@@ -297,7 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", type=int, default=0, help="skip the first N records of the input")
     p.add_argument("--max-turns", type=int, default=None,
                    help="answer at most the first N assistant turns of each chat (default: all)")
-    p.add_argument("--dtype", default="bf16", help="local: compute dtype bf16 (default), fp16, fp32")
+    p.add_argument("--time-budget", type=parse_duration, default=None,
+                   help="start no new chat after this long (e.g. 30m); chats under way keep their finished turns")
+    p.add_argument("--dtype", default="auto",
+                   help="local: compute dtype auto (default: bf16 where fast, else fp32), bf16, fp16, fp32")
     p.add_argument("--device", default=None, help="local: cpu or cuda[:i] (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="local sampling seed (default 0)")
     p.set_defaults(func=cmd_regen)

@@ -301,7 +301,18 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.T
 
 @dataclass
 class DraftOutput:
-    logits: list[torch.Tensor]  # per TTT step k: [B, L, draft_vocab]; position t predicts token t + k + 2
+    """Per TTT step k, the final norm's output [B, L, H]: position t predicts token t + k + 2.
+
+    The LM head is applied where it is needed: training's loss applies it only at the
+    positions that count (the head and the softmax over the draft vocabulary are most of a
+    step's work), `logits` everywhere."""
+
+    hidden: list[torch.Tensor]
+    head: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def logits(self) -> list[torch.Tensor]:
+        return [self.head(h) for h in self.hidden]
 
 
 class Eagle3Draft(nn.Module):
@@ -353,16 +364,16 @@ class Eagle3Draft(nn.Module):
         L = input_ids.shape[1]
         core = attention()
         hidden = self.fuse(aux_hidden)
-        logits = []
+        outputs = []
         for k in range(steps):
             embeds = self.embed_tokens(shift_left(input_ids, 1 + k))
             cos, sin = rope_cos_sin(torch.arange(k, k + L, device=input_ids.device), self.config.head_dim,
                                     self.config.rope_theta)
             out = self.midlayer(hidden, embeds.to(hidden.dtype), cos, sin, core)
             normed = self.norm(out)
-            logits.append(self.lm_head(normed))
+            outputs.append(normed)
             hidden = normed if self.config.norm_output else out
-        return DraftOutput(logits)
+        return DraftOutput(outputs, self.lm_head)
 
 
 def load_embeddings_from(draft: Eagle3Draft, target_embeddings: torch.Tensor) -> None:
@@ -376,34 +387,59 @@ def load_embeddings_from(draft: Eagle3Draft, target_embeddings: torch.Tensor) ->
 
 @dataclass
 class Teacher:
-    """The target's distribution at each position, restricted to the draft vocabulary."""
+    """The target's distribution at each position, restricted to the draft vocabulary.
 
-    log_probs: torch.Tensor  # [B, L, Vd] fp32, log-softmax over the draft-vocab logits
-    argmax: torch.Tensor  # [B, L] draft id of the target's argmax (meaningful where in_draft)
+    Dense (`ids` None): log-probabilities over the whole draft vocabulary. Sparse: only the
+    teacher's `top_k` draft ids, their log-probabilities renormalised over those k, which is
+    what a stored or cached teacher keeps (k = 1 is the hard label)."""
+
+    log_probs: torch.Tensor  # [B, L, Vd] dense, or [B, L, k] sparse; fp32 (a cache may hold fp16)
+    argmax: torch.Tensor  # [B, L] draft id of the target's argmax among draft ids
     in_draft: torch.Tensor  # [B, L] bool: the target's full-vocab argmax is in the draft vocab
+    ids: torch.Tensor | None = None  # [B, L, k] draft ids of a sparse teacher
+    features: torch.Tensor | None = None  # [B, L, H] final_norm(h_N): the feature-regression target
+
+    @property
+    def top_k(self) -> int | None:
+        return None if self.ids is None else self.ids.shape[-1]
 
 
 @torch.no_grad()
 def make_teacher(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.Module, d2t: torch.Tensor,
-                 t2d: torch.Tensor) -> Teacher:
-    """`lm_head(final_norm(h_N))` of the frozen target from the stored pre-norm last state."""
+                 t2d: torch.Tensor, top_k: int | None = None, features: bool = False) -> Teacher:
+    """`lm_head(final_norm(h_N))` of the frozen target from the stored pre-norm last state;
+    dense, or sparse with the `top_k` most likely draft ids."""
     dtype = lm_head.weight.dtype
-    full = lm_head(final_norm(last_hidden.to(dtype))).float()
+    normed = final_norm(last_hidden.to(dtype))
+    full = lm_head(normed).float()
     draft_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
-    restricted = full[..., draft_ids]
-    return Teacher(torch.log_softmax(restricted, dim=-1), restricted.argmax(-1), t2d[full.argmax(-1)])
+    in_draft = t2d[full.argmax(-1)]
+    log_probs = torch.log_softmax(full[..., draft_ids], dim=-1)
+    del full
+    feats = normed if features else None
+    if top_k is None or top_k >= d2t.shape[0]:
+        return Teacher(log_probs, log_probs.argmax(-1), in_draft, features=feats)
+    top, ids = log_probs.topk(top_k, dim=-1)
+    return Teacher(top - torch.logsumexp(top, dim=-1, keepdim=True), ids[..., 0], in_draft, ids, feats)
 
 
 @dataclass
 class StepStats:
-    """Sums over counted positions, so micro-batches and processes add up exactly."""
+    """Sums over counted positions, so micro-batches and processes add up exactly. Accuracy
+    counts every position the loss looks at, a miss where the target's choice is not drafted
+    (so it is the acceptance rate, whatever the draft vocabulary's size); the loss averages
+    only where it is drafted."""
 
-    loss_sum: torch.Tensor  # [K] soft cross-entropy summed over counted positions
+    loss_sum: torch.Tensor  # [K] soft cross-entropy summed over drafted positions
     correct: torch.Tensor  # [K] top-1 matches of the target's argmax
     count: torch.Tensor  # [K] counted positions
+    loss_count: torch.Tensor  # [K] of them, those where the target's argmax is drafted
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.stack([self.loss_sum, self.correct, self.count])
+        return torch.stack([self.loss_sum, self.correct, self.count, self.loss_count])
+
+
+STAT_ROWS = 4
 
 
 def step_weights(steps: int, decay: float = STEP_WEIGHT_DECAY) -> list[float]:
@@ -419,41 +455,62 @@ def acceptance_length(acc: list[float]) -> float:
     return total
 
 
-def ttt_loss(out: DraftOutput, teacher: Teacher, loss_mask: torch.Tensor,
-             decay: float = STEP_WEIGHT_DECAY) -> tuple[torch.Tensor, StepStats]:
+def soft_cross_entropy(logits: torch.Tensor, log_probs: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """-sum_i p_i log q_i per row, as logsumexp(z) - <p, z> (sum p = 1): no log-softmax copy of
+    the logits is kept. `ids` picks the logits a sparse teacher's probabilities belong to."""
+    z = logits.float()
+    picked = z if ids is None else z.gather(-1, ids.long())
+    return torch.logsumexp(z, dim=-1) - (log_probs.float().exp() * picked).sum(-1)
+
+
+def ttt_loss(out: DraftOutput, teacher: Teacher, positions: torch.Tensor, decay: float = STEP_WEIGHT_DECAY,
+             feature_weight: float = 0.0) -> tuple[torch.Tensor, StepStats]:
     """Sum over steps of decay^k * mean soft cross-entropy vs the target, and per-step sums.
 
-    Step k at position t predicts token t+k+2 from the target's distribution at position t+k+1;
-    it counts when that token is loss-masked (assistant) and the target's argmax is drafted.
+    Step k at position t predicts token t+k+2 from the target's distribution at position t+k+1.
+    It counts when `positions` [B, L] marks that token (the loss mask: assistant tokens; or every
+    real token); the loss uses it when the target's argmax is drafted. The LM head runs on
+    counted positions only. `feature_weight` adds EAGLE-1's regression of the target's next
+    last-layer state: smooth L1 between the drafter's normed output and final_norm(h_N) at t+k+1.
     """
-    total = loss_mask.new_zeros((), dtype=torch.float32)
-    loss_sum, correct, count = [], [], []
-    probs = teacher.log_probs.exp()  # once for all steps; each step takes a view of it
-    L = loss_mask.shape[1]
-    for k, logits in enumerate(out.logits):
-        n_pos = max(0, L - k - 1)  # positions whose teacher (t+k+1) is inside the sequence
-        lg = logits[:, :n_pos].float()
-        valid = loss_mask[:, k + 2:].bool() & teacher.in_draft[:, k + 1:][:, :max(0, L - k - 2)]
-        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], n_pos - valid.shape[1])], dim=1)
-        # Soft CE as logsumexp(z) - <p, z> (sum p = 1): no log-softmax copy of the logits is kept.
-        ce = torch.logsumexp(lg, dim=-1) - (probs[:, k + 1:] * lg).sum(-1)
-        n = valid.sum()
-        step_sum = (ce * valid).sum()
-        total = total + (decay ** k) * step_sum / n.clamp(min=1)
+    total = positions.new_zeros((), dtype=torch.float32)
+    loss_sum, correct, count, loss_count = [], [], [], []
+    L = positions.shape[1]
+    for k, hidden in enumerate(out.hidden):
+        n_pos = max(0, L - k - 2)  # positions whose predicted token (t+k+2) is inside the sequence
+        sel = positions[:, k + 2:].bool()  # [B, n_pos]
+        h = hidden[:, :n_pos][sel]  # [N, H] the counted positions only
+
+        def teacher_at(x: torch.Tensor) -> torch.Tensor:  # the teacher's rows for them (t+k+1)
+            return x[:, k + 1: k + 1 + n_pos][sel]
+
+        drafted = teacher_at(teacher.in_draft)
+        logits = out.head(h)
+        ce = soft_cross_entropy(logits, teacher_at(teacher.log_probs),
+                                None if teacher.ids is None else teacher_at(teacher.ids))
+        n = drafted.sum()
+        step_sum = (ce * drafted).sum()
+        step_loss = step_sum / n.clamp(min=1)
+        if feature_weight and teacher.features is not None:
+            target = teacher_at(teacher.features).float()
+            step_loss = step_loss + feature_weight * F.smooth_l1_loss(h.float(), target, reduction="none").mean(-1).mean()
+        total = total + (decay ** k) * step_loss
         with torch.no_grad():
-            hit = (lg.argmax(-1) == teacher.argmax[:, k + 1:]) & valid
+            hit = (logits.argmax(-1) == teacher_at(teacher.argmax)) & drafted
         loss_sum.append(step_sum.detach())
         correct.append(hit.sum().float())
-        count.append(n.float())
-    return total, StepStats(torch.stack(loss_sum), torch.stack(correct), torch.stack(count))
+        count.append(torch.tensor(float(h.shape[0]), device=positions.device))
+        loss_count.append(n.float())
+    return total, StepStats(*(torch.stack(x) for x in (loss_sum, correct, count, loss_count)))
 
 
 def stats_summary(sums: torch.Tensor) -> dict[str, Any]:
-    """Per-step loss/acc and tau from a [3, K] tensor of (loss_sum, correct, count)."""
-    loss_sum, correct, count = (sums[i].tolist() for i in range(3))
-    loss = [ls / c if c else float("nan") for ls, c in zip(loss_sum, count)]
+    """Per-step loss/acc and tau from a [4, K] tensor of (loss_sum, correct, count, loss_count)."""
+    loss_sum, correct, count, loss_count = (sums[i].tolist() for i in range(STAT_ROWS))
+    loss = [ls / c if c else float("nan") for ls, c in zip(loss_sum, loss_count)]
     acc = [cr / c if c else 0.0 for cr, c in zip(correct, count)]
-    return {"loss": loss, "acc": acc, "tau": acceptance_length(acc), "positions": count}
+    drafted = [lc / c if c else 0.0 for lc, c in zip(loss_count, count)]
+    return {"loss": loss, "acc": acc, "tau": acceptance_length(acc), "positions": count, "drafted": drafted}
 
 
 def num_parameters(model: nn.Module, trainable_only: bool = True) -> int:
@@ -461,5 +518,6 @@ def num_parameters(model: nn.Module, trainable_only: bool = True) -> int:
 
 
 __all__ = ["DraftConfig", "Eagle3Draft", "DiagonalTTTAttention", "DraftOutput", "Teacher", "StepStats",
-           "build_draft_vocab", "diagonal_ttt_attention", "make_teacher", "ttt_loss", "acceptance_length",
+           "build_draft_vocab", "diagonal_ttt_attention", "make_teacher", "ttt_loss", "soft_cross_entropy",
+           "acceptance_length",
            "stats_summary", "step_weights", "shift_left", "load_embeddings_from"]

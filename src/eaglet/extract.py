@@ -217,7 +217,7 @@ def dataset_disk_usage(out: Path, lengths: dict[int, int]) -> tuple[int, int]:
 
 
 def extract(prepared: str | Path, out: str | Path, target: str | None = None, layer_ids: list[int] | None = None,
-            dtype: str = "bf16", store_dtype: str = "bf16", device: str | None = None, batch_tokens: int = 8192,
+            dtype: str = "auto", store_dtype: str = "bf16", device: str | None = None, batch_tokens: int = 8192,
             max_batch_size: int = 64, num_shards: int = 1, shard_id: int = 0, command: str = "",
             write_threads: int = 2, show_progress: bool = True) -> ExtractSummary:
     """Extract the hidden states of every prepared sample of this shard into `out`."""
@@ -232,7 +232,8 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     samples, pconfig = formats.read_prepared(prepared)
     ref = prepared_target(prepared, pconfig, target)
     template_sha = template_hash(load_tokenizer(ref))
-    compute_dtype, save_dtype, dev = parse_dtype(dtype), parse_dtype(store_dtype), pick_device(device)
+    dev = pick_device(device)
+    compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
     model = load_target(ref, compute_dtype, dev)
     num_layers = model.config.num_hidden_layers
     layer_ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers)

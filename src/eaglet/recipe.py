@@ -70,17 +70,21 @@ def load_recipe(spec: str | Path) -> dict[str, Any]:
     return recipe
 
 
+def parse_value(raw: str) -> Any:
+    """An option value read as TOML (numbers, booleans, lists), else as a string."""
+    try:
+        return tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw.strip()
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """`stage.key=value`, the value read as TOML (numbers, booleans, lists), else as a string."""
+    """`stage.key=value`, the value read by `parse_value`."""
     key, sep, raw = text.partition("=")
     stage, dot, name = key.strip().partition(".")
     if not sep or not dot or not name:
         raise ValueError(f"--set {text!r}: expected STAGE.KEY=VALUE, e.g. train.total_steps=100")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return stage, name.strip(), value
+    return stage, name.strip(), parse_value(raw)
 
 
 def apply_overrides(recipe: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

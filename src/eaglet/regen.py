@@ -223,10 +223,13 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 
 def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: int, max_prompt_tokens: int | None,
               emit: Callable[[Conversation], None], fail: Callable[[Conversation, str], None],
-              progress: Callable[[int], None], tick: Callable[[], None]) -> None:
+              progress: Callable[[int], None], tick: Callable[[], None],
+              out_of_time: Callable[[], bool] = lambda: False) -> None:
     """Regenerate in rounds over a pool of conversations: each round renders every pooled
     conversation's next turn, batches the prompts by length and generates; finished
-    conversations leave the pool (and are written) and new ones come in."""
+    conversations leave the pool (and are written) and new ones come in. Out of time, it stops
+    after the batch at hand: pooled conversations keep the turns regenerated so far (written
+    cut short), those with none are left for a later run."""
     import torch
 
     pool: list[Conversation] = []
@@ -268,6 +271,11 @@ def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: in
                     emit(conv)
                     pool.remove(conv)
             tick()  # tokens/s moves per batch, not only when a conversation completes
+            if out_of_time():
+                for conv in pool:
+                    if conv.done:
+                        emit(conv)
+                return
 
 
 def generate_or_split(gen: LocalGenerator, prompts: list[list[int]], torch) -> list[Turn | str]:
@@ -446,6 +454,7 @@ class RegenSummary:
     already_done: int = 0
     failed: int = 0
     cut_short: int = 0
+    out_of_time: bool = False  # stopped at --time-budget
     turns: int = 0
     tokens: int = 0
     seconds: float = 0.0
@@ -463,8 +472,11 @@ class RegenSummary:
                f"read {self.stats.records} records; {self.already_done} already done (resume)"]
         if self.finish_reasons:
             out.append("  finish reasons: " + ", ".join(f"{k} {v}" for k, v in self.finish_reasons.most_common()))
+        if self.out_of_time:
+            out.append("  stopped at --time-budget: a rerun with --resume (and more time) continues")
         if self.cut_short:
-            out.append(f"  cut short (a later prompt was too long; earlier turns kept): {self.cut_short}")
+            out.append(f"  cut short (a later prompt was too long, or time ran out; earlier turns kept): "
+                       f"{self.cut_short}")
         for reason, n in self.stats.skipped.most_common():
             out.append(f"  skipped: {reason}: {n}")
         if self.failed:
@@ -478,10 +490,12 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
                base_url: str | None = None, model: str | None = None, api_key: str | None = None,
                temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 512, batch_size: int = 16,
                concurrency: int = 8, max_retries: int = 5, timeout: float = 600.0, backoff: float = 1.0,
-               resume: bool = False, num_samples: int | None = None, skip: int = 0, dtype: str = "bf16",
+               resume: bool = False, num_samples: int | None = None, skip: int = 0, dtype: str = "auto",
                device: str | None = None, seed: int = 0, max_prompt_tokens: int | None = None,
-               max_turns: int | None = None, progress_bar: bool = True) -> RegenSummary:
-    """Regenerate every assistant turn of the chats in `data` with the target; write `out` (JSONL)."""
+               max_turns: int | None = None, time_budget: float | None = None,
+               progress_bar: bool = True) -> RegenSummary:
+    """Regenerate every assistant turn of the chats in `data` with the target; write `out` (JSONL).
+    With `time_budget` (seconds) no new chat starts after that long."""
     from tqdm import tqdm
 
     if backend not in BACKENDS:
@@ -498,17 +512,19 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
     if backend == "local":
         import torch
 
-        from eaglet.target import load_target, load_tokenizer, parse_dtype, pick_device, resolve_target
+        from eaglet.target import dtype_name, load_target, load_tokenizer, parse_dtype, pick_device, resolve_target
 
         ref = resolve_target(target)
         tokenizer = load_tokenizer(ref)
         if not tokenizer.chat_template:
             raise ValueError(f"target {ref.name}: tokenizer has no chat template")
         torch.manual_seed(seed)
-        gen = LocalGenerator(load_target(ref, parse_dtype(dtype), pick_device(device)), tokenizer,
+        dev = pick_device(device)
+        gen = LocalGenerator(load_target(ref, parse_dtype(dtype, dev), dev), tokenizer,
                              temperature, top_p, max_new_tokens)
         max_prompt_tokens = max_prompt_tokens or gen.max_prompt_tokens
-        meta = {"target": ref.name, "target_revision": ref.revision, **meta, "dtype": dtype,
+        meta = {"target": ref.name, "target_revision": ref.revision, **meta,
+                "dtype": dtype_name(parse_dtype(dtype, dev)),
                 **({"seed": seed} if temperature > 0 else {})}
     else:
         if not base_url:
@@ -521,10 +537,19 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
     stats = summary.stats
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"--max-turns {max_turns}: must be at least 1")
+    if time_budget is not None and time_budget <= 0:
+        raise ValueError(f"--time-budget {time_budget}: must be > 0 seconds")
     selected = iter_conversations(data, stats, num_samples, skip, max_turns)
+    started = time.time()
+
+    def out_of_time() -> bool:
+        summary.out_of_time = summary.out_of_time or (time_budget is not None and time.time() - started >= time_budget)
+        return summary.out_of_time
 
     def todo() -> Iterator[Conversation]:
         for conv in selected:
+            if out_of_time():
+                return
             if conv.id in done:
                 summary.already_done += 1
                 continue
@@ -564,7 +589,7 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
                 summary.errors[reason.split(":")[0][:80]] += 1
 
             if backend == "local":
-                run_local(todo(), gen, batch_size, max_prompt_tokens, emit, fail, progress, tick)
+                run_local(todo(), gen, batch_size, max_prompt_tokens, emit, fail, progress, tick, out_of_time)
             else:
                 run_remote(todo(), ep, concurrency, max_new_tokens, temperature, top_p, emit, fail, progress, tick)
     finally:

@@ -28,11 +28,33 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
 
-def parse_dtype(name: str) -> torch.dtype:
+AUTO = "auto"
+
+
+def fast_bf16(device: torch.device | str | None = None) -> bool:
+    """Whether bf16 matrix products run at least as fast as fp32 on `device`: on CUDA when it
+    supports bf16; on a CPU only with bf16 matrix instructions (AMX or AVX512-BF16). Without
+    them PyTorch emulates bf16 products, 10-100x slower than fp32 (an AVX2-only CPU: ~1 vs ~50
+    GFLOP/s per core), so compute-bound work (prefill, batched generation, training) must run
+    in fp32 there."""
+    device = torch.device(device) if device is not None else pick_device(None)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        cpu = getattr(torch, "cpu", None)
+        checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+        return any(getattr(cpu, name, lambda: False)() for name in checks)
+    return False
+
+
+def parse_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
+    """A dtype by name; 'auto' is bf16 where the device computes it fast (see `fast_bf16`), else fp32."""
+    if name.lower() == AUTO:
+        return torch.bfloat16 if fast_bf16(device) else torch.float32
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(set(DTYPES))}") from None
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(set(DTYPES)) + [AUTO]}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -59,21 +81,27 @@ def embedded_cache_dir() -> Path:
 
 
 def ensure_embedded_target() -> Path:
-    """Return the cached safetensors folder of the embedded SmolLM2, building it if needed.
+    """Return the cached safetensors folder of the embedded SmolLM2, building it if needed."""
+    final = embedded_cache_dir()
+    if (final / "config.json").exists():
+        return final
+    gguf = embedded.smollm2_gguf()
+    return cache_gguf_model(gguf, final, f"{embedded.SMOLLM2_DIST}=={embedded.smollm2_version()} {gguf.name}")
+
+
+def cache_gguf_model(gguf: Path, final: Path, source: str) -> Path:
+    """Load a GGUF model file with transformers (dequantized, fp32) and save it, tokenizer
+    included, as a safetensors model folder at `final`, which later loads in well under a second.
 
     The folder is built under a temp name and renamed into place, so a folder at the final
     path is always complete; a killed build leaves only a temp folder that is never used.
     """
-    final = embedded_cache_dir()
-    if (final / "config.json").exists():
-        return final
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = embedded.smollm2_gguf()
-    log.info("caching %s from %s (one time, ~20 s)", embedded.SMOLLM2_NAME, gguf)
+    log.info("caching %s as a safetensors folder (one time, ~20 s)", gguf)
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # fp32 keeps the dequantized Q4_1 values exact; callers cast to the dtype they want.
+    # fp32 keeps the dequantized values exact; callers cast to the dtype they want.
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config
     # save_pretrained refuses a GGUF-quantized model: copy the (dequantized) weights into a
@@ -87,7 +115,7 @@ def ensure_embedded_target() -> Path:
     try:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "EAGLET_SOURCE").write_text(f"{embedded.SMOLLM2_DIST}=={embedded.smollm2_version()} {gguf.name}\n")
+        (tmp / "EAGLET_SOURCE").write_text(source + "\n")
         if final.exists() and not (final / "config.json").exists():
             shutil.rmtree(final)  # not ours: our folders only appear complete, by rename
         try:
@@ -97,7 +125,7 @@ def ensure_embedded_target() -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("cached %s in %s (%.1f s)", embedded.SMOLLM2_NAME, final, time.time() - t0)
+    log.info("cached %s in %s (%.1f s)", gguf.name, final, time.time() - t0)
     return final
 
 

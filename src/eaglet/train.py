@@ -32,7 +32,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from eaglet import formats
-from eaglet.draft_model import (DEFAULT_TTT_STEPS, DraftConfig, Eagle3Draft, build_draft_vocab, load_embeddings_from,
-                                make_teacher, num_parameters, stats_summary, ttt_loss)
+from eaglet.draft_model import (DEFAULT_TTT_STEPS, STAT_ROWS, DraftConfig, Eagle3Draft, Teacher, build_draft_vocab,
+                                load_embeddings_from, make_teacher, num_parameters, stats_summary, ttt_loss)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ STATE_FILE = "training_state.pt"
 LATEST_FILE = "latest.json"
 BEST_FILE = "best.json"
 BUCKET_BATCHES = 64  # length-sorting window, in batches: near-uniform padding, still shuffled
+DEFAULT_EVALS = 10  # held-out evaluations over a schedule when --eval-every is not given
+BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
+LOSS_ON = ("assistant", "all")
+LM_HEAD_INITS = ("random", "target")
 REQUIRED_DATA_FIELDS = ("hidden_size", "vocab_size", "layer_ids", "last_hidden_state", "target_revision")
 
 
@@ -70,13 +74,21 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step, per process
     max_length: int | None = None  # truncate samples to this many tokens
     ttt_steps: int = DEFAULT_TTT_STEPS
+    ttt_ramp: float = 0.0  # over this fraction of the schedule the unroll grows from 1 step to ttt_steps
     draft_vocab_size: int | None = None  # default min(32000, target vocab)
+    teacher_top_k: int | None = None  # keep the teacher's top-k draft ids, computed once per sample (None: dense)
+    loss_on: str = "assistant"  # positions the loss uses: assistant tokens, or every real token ("all")
+    feature_loss_weight: float = 0.0  # EAGLE-1 regression of the target's next last-layer state
+    lm_head_init: str = "random"  # or "target": the target's LM head rows and final norm
+    freeze_lm_head: bool = False  # keep the LM head (and final norm) as initialised
     fc_norm: bool = False
     norm_output: bool = False
-    bf16: bool = False  # autocast the drafter's forward to bf16 (master weights stay fp32)
+    bf16: bool | None = None  # autocast the drafter's forward to bf16 (None: where fast, see target.fast_bf16)
+    time_budget: float | None = None  # seconds of training: the schedule is sized to fit, measured on the fly
     eval_fraction: float = 0.05
-    eval_every: int = 200
-    save_every: int = 200
+    eval_every: int | None = None  # default: `evals` evaluations over the schedule
+    evals: int = DEFAULT_EVALS  # held-out evaluations over the schedule when eval_every is not given
+    save_every: int | None = None  # default: with every evaluation
     log_every: int = 10
     keep_checkpoints: int = 2  # newest step checkpoints kept, besides the best one
     seed: int = 0
@@ -84,14 +96,38 @@ class TrainConfig:
     # Where the hidden states come from. Offline (default): a stored dataset in any layout `eaglet
     # check` accepts. Online: the target runs inside the loop on an `eaglet prepare` output.
     online: bool = False
-    target_dtype: str = "bf16"  # online: compute dtype of the target (its states are used in it as is)
+    target_dtype: str = "auto"  # online: compute dtype of the target (its states are used in it as is)
     aux_layer_ids: list[int] | None = None  # online: layers to capture; offline: what a foreign dataset holds
     last_hidden_state: str | None = None  # a foreign dataset's last state, pre_norm or post_norm
 
     # Options that define the trajectory: a resumed run must use the same ones.
     TRAJECTORY = ("epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
-                  "batch_size", "max_length", "ttt_steps", "draft_vocab_size", "fc_norm", "norm_output", "bf16",
-                  "eval_fraction", "seed")
+                  "batch_size", "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size", "teacher_top_k", "loss_on",
+                  "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm", "norm_output", "bf16",
+                  "time_budget", "eval_fraction", "seed")
+
+    def __post_init__(self) -> None:
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"--loss-on {self.loss_on!r}: choose one of {list(LOSS_ON)}")
+        if self.lm_head_init not in LM_HEAD_INITS:
+            raise ValueError(f"--lm-head-init {self.lm_head_init!r}: choose one of {list(LM_HEAD_INITS)}")
+        if self.freeze_lm_head and self.lm_head_init != "target":
+            raise ValueError("--freeze-lm-head keeps the LM head as initialised: it needs --lm-head-init target")
+        if self.teacher_top_k is not None and self.teacher_top_k < 1:
+            raise ValueError(f"--teacher-top-k {self.teacher_top_k}: must be >= 1 (or unset for the dense teacher)")
+        if not 0.0 <= self.ttt_ramp < 1.0:
+            raise ValueError(f"--ttt-ramp {self.ttt_ramp}: a fraction of the schedule in [0, 1)")
+        if self.time_budget is not None and self.time_budget <= 0:
+            raise ValueError(f"--time-budget {self.time_budget}: must be > 0 seconds")
+        if self.time_budget is not None and self.total_steps is not None:
+            raise ValueError("--time-budget sizes the schedule itself: give it or --total-steps, not both")
+
+    def ttt_steps_at(self, step: int, total_steps: int) -> int:
+        """The unroll length at this optimizer step: ttt_steps, or growing 1..ttt_steps over the ramp."""
+        ramp = self.ttt_ramp * total_steps
+        if ramp <= 0 or step >= ramp:
+            return self.ttt_steps
+        return min(self.ttt_steps, 1 + int(self.ttt_steps * step / ramp))
 
     def trajectory(self, world: int) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.TRAJECTORY}
@@ -361,11 +397,22 @@ class Batch:
     aux_hidden: torch.Tensor  # [B, L, 3H]
     last_hidden: torch.Tensor  # [B, L, H] pre-norm
     loss_mask: torch.Tensor  # [B, L], 0 on padding
-    tokens: int  # real tokens
+    lengths: list[int]  # real tokens per row
+    indices: list[int] = field(default_factory=list)  # sample index per row
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def real(self) -> torch.Tensor:
+        """[B, L] bool: True on real tokens, False on padding."""
+        L = self.input_ids.shape[1]
+        return torch.arange(L, device=self.input_ids.device)[None, :] < torch.tensor(self.lengths,
+                                                                                     device=self.input_ids.device)[:, None]
 
     def to(self, device: torch.device) -> Batch:
         return Batch(self.input_ids.to(device), self.aux_hidden.to(device), self.last_hidden.to(device),
-                     self.loss_mask.to(device), self.tokens)
+                     self.loss_mask.to(device), self.lengths, self.indices)
 
 
 class Prefetcher:
@@ -392,7 +439,7 @@ class Prefetcher:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def collate(samples: list[formats.TrainingSample], max_length: int | None) -> Batch:
+def collate(samples: list[formats.TrainingSample], max_length: int | None, indices: list[int] | None = None) -> Batch:
     """Right-padded batch, zeros past each sample's end, on the samples' device. Under causal
     attention a real token never sees padding on its right."""
     lens = [min(len(s.input_ids), max_length or len(s.input_ids)) for s in samples]
@@ -407,13 +454,13 @@ def collate(samples: list[formats.TrainingSample], max_length: int | None) -> Ba
         aux[row, :n] = s.aux_hidden[:n]
         last[row, :n] = s.last_hidden[:n]
         mask[row, :n] = s.loss_mask[:n]
-    return Batch(ids, aux, last, mask, sum(lens))
+    return Batch(ids, aux, last, mask, lens, list(indices or []))
 
 
 def load_batch(files: dict[int, Path], indices: list[int], max_length: int | None,
                layout: str = formats.FORMAT_V1) -> Batch:
     """The micro-batch of these samples, read from files of a dataset in `layout`."""
-    return collate([formats.read_training_sample(files[i], layout) for i in indices], max_length)
+    return collate([formats.read_training_sample(files[i], layout) for i in indices], max_length, indices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,7 +528,8 @@ def online_source(root: Path, samples: list[formats.TokenizedSample], token_freq
         batch = [truncate(samples[i], max_length) for i in indices]
         states = run_batch(model, capture, batch, device, dtype, out_device=device)
         return collate([formats.TrainingSample(torch.tensor(s.input_ids), torch.cat(h[:-1], dim=-1), h[-1],
-                                               torch.tensor(s.loss_mask)) for s, h in zip(batch, states)], None)
+                                               torch.tensor(s.loss_mask)) for s, h in zip(batch, states)], None,
+                       indices)
 
     return Source(root, {i: len(s.input_ids) for i, s in enumerate(samples)}, token_freq, layer_ids[:-1],
                   formats.LAST_STATE_PRE_NORM, dtype_name(dtype), load, background=False)
@@ -527,15 +575,81 @@ def make_teacher_head(model: nn.Module, last_hidden_state: str) -> TeacherHead:
     return TeacherHead(fp32(norm), fp32(head.lm_head))
 
 
+TEACHER_CACHE_MAX_BYTES = 4 << 30  # past this, sparse teachers are recomputed instead of kept
+
+
+class TeacherSource:
+    """The teacher of each micro-batch. Dense (top_k None): recomputed from the last state every
+    time, as EAGLE-3 trains. Sparse: the target's top-k draft ids and their renormalised
+    log-probabilities, computed once per sample (in fp32, one sample at a time, so a value never
+    depends on what it was batched with and a resumed run sees the same numbers) and kept in
+    memory: (4 + 4) * k + 1 bytes per token, where every later epoch would otherwise redo the
+    target's full-vocabulary head (vocab x H multiply-adds per token)."""
+
+    def __init__(self, head: TeacherHead, d2t: torch.Tensor, t2d: torch.Tensor, top_k: int | None,
+                 features: bool, bf16: bool):
+        self.head, self.d2t, self.t2d, self.top_k, self.features, self.bf16 = head, d2t, t2d, top_k, features, bf16
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.cached_bytes = 0
+
+    def __call__(self, batch: Batch) -> Teacher:
+        device = batch.input_ids.device
+        if self.top_k is None:
+            with autocast(device, self.bf16):  # the dense teacher runs in the drafter's compute dtype
+                return make_teacher(batch.last_hidden, self.head.final_norm, self.head.lm_head, self.d2t, self.t2d,
+                                    features=self.features)
+        B, L = batch.input_ids.shape
+        log_probs = torch.zeros(B, L, self.top_k, device=device)
+        ids = torch.zeros(B, L, self.top_k, dtype=torch.long, device=device)
+        in_draft = torch.zeros(B, L, dtype=torch.bool, device=device)
+        for row, n in enumerate(batch.lengths):
+            lp, top_ids, drafted = self.sample(batch, row)
+            log_probs[row, :n], ids[row, :n], in_draft[row, :n] = lp, top_ids, drafted
+        feats = self.head.final_norm(batch.last_hidden.float()) if self.features else None
+        return Teacher(log_probs, ids[..., 0], in_draft, ids, feats)
+
+    def sample(self, batch: Batch, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        index, n = (batch.indices[row] if batch.indices else None), batch.lengths[row]
+        hit = self.cache.get(index) if index is not None else None
+        if hit is not None and hit[0].shape[0] == n:
+            return hit
+        t = make_teacher(batch.last_hidden[row:row + 1, :n].float(), self.head.final_norm, self.head.lm_head,
+                         self.d2t, self.t2d, top_k=self.top_k)
+        hit = (t.log_probs[0], t.ids[0].to(torch.int32), t.in_draft[0])
+        size = sum(x.numel() * x.element_size() for x in hit)
+        if index is not None and self.cached_bytes + size <= TEACHER_CACHE_MAX_BYTES:
+            self.cache[index] = hit
+            self.cached_bytes += size
+        return hit
+
+
+def init_lm_head_from_target(draft: Eagle3Draft, head: TeacherHead, freeze: bool) -> None:
+    """The target's LM head rows of the draft ids and its final norm (optionally frozen), so the
+    drafter starts out speaking the target's output space."""
+    norm_weight = getattr(head.final_norm, "weight", None)
+    if norm_weight is None or tuple(norm_weight.shape) != tuple(draft.norm.weight.shape):
+        raise ValueError(f"--lm-head-init target: the target's final norm ({type(head.final_norm).__name__}) has no "
+                         f"weight of shape {tuple(draft.norm.weight.shape)} to copy")
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(head.lm_head.weight[draft.draft_to_target_ids()].to(draft.lm_head.weight.dtype))
+        draft.norm.weight.copy_(norm_weight.to(draft.norm.weight.dtype))
+    if freeze:
+        draft.lm_head.weight.requires_grad_(False)
+        draft.norm.weight.requires_grad_(False)
+
+
 def build_drafter(target_model: nn.Module, aux_layer_ids: list[int], token_freq: dict[int, int],
                   cfg: TrainConfig) -> Eagle3Draft:
-    """A drafter shaped like the target's layers, with its embeddings (frozen) and a draft vocab from the data."""
+    """A drafter shaped like the target's layers, with its embeddings (frozen), a draft vocab from
+    the data and, with --lm-head-init target, the target's LM head rows and final norm."""
     torch.manual_seed(cfg.seed)
     dcfg = DraftConfig.from_target(target_model.config, aux_layer_ids, cfg.draft_vocab_size,
                                    fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
     draft = Eagle3Draft(dcfg)
     load_embeddings_from(draft, target_model.get_input_embeddings().weight)
     draft.set_draft_vocab(*build_draft_vocab(token_freq, dcfg.target_vocab_size, dcfg.draft_vocab_size))
+    if cfg.lm_head_init == "target":
+        init_lm_head_from_target(draft, target_pieces(target_model)[1], cfg.freeze_lm_head)
     return draft
 
 
@@ -571,6 +685,18 @@ class Dist:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+    def from_main(self, value: int) -> int:
+        """Rank 0's value on every rank (decisions made from timings must agree)."""
+        if self.world == 1:
+            return value
+        t = torch.tensor([value if self.main else 0], dtype=torch.long, device=self.device_for_collectives())
+        dist.broadcast(t, 0)
+        return int(t.item())
+
+    def device_for_collectives(self) -> torch.device:
+        backend = dist.get_backend()
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def init_distributed(device: torch.device) -> Dist:
@@ -636,8 +762,9 @@ def load_checkpoint(folder: str | Path) -> Eagle3Draft:
 
 
 def restore(folder: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched: Any,
-            trajectory: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """Load weights, optimizer, scheduler and RNG from a checkpoint; (step, best) to continue from."""
+            trajectory: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """Load weights, optimizer, scheduler and RNG from a checkpoint; (step, best, the saved
+    training state) to continue from."""
     state = formats.torch_load_safe(folder / STATE_FILE)
     then = state["trajectory"]
     # A key an older checkpoint lacks was not recorded then: nothing to compare it with.
@@ -650,7 +777,7 @@ def restore(folder: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched:
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     log.info("resumed from %s (step %d)", folder, state["step"])
-    return state["step"], state["best"]
+    return state["step"], state["best"], state
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -730,27 +857,64 @@ def autocast(device: torch.device, enabled: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def forward_stats(model: nn.Module, teacher_head: TeacherHead, draft: Eagle3Draft, batch: Batch, cfg: TrainConfig,
-                  device: torch.device):
-    """Loss and per-step sums of one micro-batch (model may be the DDP wrapper of `draft`)."""
+def forward_stats(model: nn.Module, teachers: TeacherSource, batch: Batch, cfg: TrainConfig, device: torch.device,
+                  steps: int, loss_on: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and per-step sums [STAT_ROWS, cfg.ttt_steps] of one micro-batch (model may be the DDP
+    wrapper of the drafter); steps past `steps` (a TTT ramp) count nothing."""
+    teacher = teachers(batch)
+    positions = batch.loss_mask if loss_on == "assistant" else batch.real()
     with autocast(device, cfg.bf16):
-        teacher = make_teacher(batch.last_hidden, teacher_head.final_norm, teacher_head.lm_head, draft.d2t, draft.t2d)
-        out = model(batch.input_ids, batch.aux_hidden.float(), steps=cfg.ttt_steps)
-        return ttt_loss(out, teacher, batch.loss_mask)
+        out = model(batch.input_ids, batch.aux_hidden.float(), steps=steps)
+        loss, stats = ttt_loss(out, teacher, positions, feature_weight=cfg.feature_loss_weight)
+    sums = torch.zeros(STAT_ROWS, cfg.ttt_steps, device=device)
+    sums[:, :steps] = stats.as_tensor()
+    return loss, sums
 
 
 @torch.no_grad()
-def evaluate(draft: Eagle3Draft, teacher_head: TeacherHead, load: Callable[[list[int]], Batch],
+def evaluate(draft: Eagle3Draft, teachers: TeacherSource, load: Callable[[list[int]], Batch],
              batches: list[list[int]], cfg: TrainConfig, device: torch.device, d: Dist) -> dict[str, Any] | None:
+    """Held-out per-step acceptance on assistant tokens, whatever positions the loss trains on."""
     if not batches:
         return None
     draft.eval()
-    sums = torch.zeros(3, cfg.ttt_steps, device=device)
+    sums = torch.zeros(STAT_ROWS, cfg.ttt_steps, device=device)
     for b in batches[d.rank::d.world]:
-        _, stats = forward_stats(draft, teacher_head, draft, load(b).to(device), cfg, device)
-        sums += stats.as_tensor()
+        sums += forward_stats(draft, teachers, load(b).to(device), cfg, device, cfg.ttt_steps, "assistant")[1]
     draft.train()
     return stats_summary(d.all_sum(sums).cpu())
+
+
+@dataclass
+class Plan:
+    """The schedule's length and cadence. Fixed from the options, or under --time-budget sized
+    after the first steps from the measured tokens/s (recorded in checkpoints, so a resumed
+    run keeps it)."""
+
+    total_steps: int
+    warmup: int
+    eval_every: int
+    save_every: int
+    calibrated: bool = True
+
+    @classmethod
+    def make(cls, cfg: TrainConfig, total_steps: int, calibrated: bool) -> Plan:
+        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else (
+            max(1, total_steps // 50) if cfg.time_budget is None else BUDGET_WARMUP_STEPS)
+        eval_every = cfg.eval_every or max(1, total_steps // max(1, cfg.evals))
+        return cls(total_steps, warmup, eval_every, cfg.save_every or eval_every, calibrated)
+
+
+CALIBRATION_STEPS = 20  # under --time-budget, steps timed before the schedule is sized (fewer if the budget is short)
+CALIBRATION_SKIP = 2  # first steps left out of the timing (one-time allocations and kernel setup)
+UNSIZED_STEPS = 1 << 40  # the schedule's length before --time-budget has sized it
+
+
+def budget_steps(budget: float, step: int, seconds_done: float, rate: float, tokens_per_step: float) -> int:
+    """Total optimizer steps that fit `budget` seconds of training, `seconds_done` of them spent
+    reaching `step`, at `rate` tokens/s."""
+    left = max(0.0, budget - seconds_done)
+    return step + max(1, int(left * rate / max(tokens_per_step, 1.0)))
 
 
 def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = None, resume: bool = False,
@@ -783,12 +947,16 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     d = init_distributed(device)
+    if cfg.bf16 is None:  # resolved here, so train_config.json and a resume see what ran
+        from eaglet.target import fast_bf16
+
+        cfg = replace(cfg, bf16=fast_bf16(device))
 
     if cfg.online:  # under torchrun every process runs its own copy of the target on its own device
         from eaglet.extract import prepared_target
 
         ref = prepared_target(dataset_dir, pconfig, target)
-        tmodel = load_target(ref, parse_dtype(cfg.target_dtype), device)
+        tmodel = load_target(ref, parse_dtype(cfg.target_dtype, device), device)
         n = tmodel.config.num_hidden_layers
         aux_ids = cfg.aux_layer_ids or default_layer_ids(n)[:-1]
         check_aux_layer_ids(aux_ids, n)
@@ -804,23 +972,35 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
     dcfg = draft.config
     del tmodel  # offline nothing else of the target is kept; online the source holds it
 
+    teachers = TeacherSource(teacher_head, draft.d2t, draft.t2d, cfg.teacher_top_k, cfg.feature_loss_weight > 0,
+                             cfg.bf16)
     train_idx, eval_idx = split_indices(list(src.lengths), cfg.eval_fraction, cfg.seed)
     stream = BatchStream(train_idx, src.lengths, cfg.batch_size, cfg.seed)
     eval_batches = bucketed_batches(eval_idx, src.lengths, cfg.batch_size, None)
     micro_per_step = cfg.grad_accum * d.world
-    total_steps = cfg.total_steps or max(1, int(cfg.epochs * stream.per_epoch) // micro_per_step)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 50)
-    stop = min(total_steps, cfg.stop_after) if cfg.stop_after is not None else total_steps
+    epoch_steps = max(1, int(cfg.epochs * stream.per_epoch) // micro_per_step)
+    # tokens of an average optimizer step, to turn a measured tokens/s into steps under --time-budget
+    tokens_per_step = micro_per_step * cfg.batch_size * sum(
+        min(src.lengths[i], cfg.max_length or src.lengths[i]) for i in train_idx) / max(1, len(train_idx))
+    if cfg.time_budget is None:
+        plan = Plan.make(cfg, cfg.total_steps or epoch_steps, calibrated=True)
+    else:  # open-ended until the first steps are timed
+        plan = Plan.make(cfg, UNSIZED_STEPS, calibrated=False)
 
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total_steps, cfg.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(plan.warmup, plan.total_steps, cfg.min_lr_ratio)(s))
     step, best = 0, {"step": None, "tau": None}
+    done = {"tokens": 0, "seconds": 0.0}  # training tokens and seconds so far (held-out evals and saves excluded)
     trajectory = {**cfg.trajectory(d.world), **src.identity()}
 
     latest = read_pointer(ckpt_root, LATEST_FILE)
     if resume and latest:
-        step, best = restore(ckpt_root / latest["path"], draft, opt, sched, trajectory)
+        step, best, saved = restore(ckpt_root / latest["path"], draft, opt, sched, trajectory)
+        if "plan" in saved:
+            plan = Plan(**saved["plan"])
+        done = saved.get("done", done)
     elif resume:
         log.info("--resume: no checkpoint in %s; starting from scratch", ckpt_root)
     elif latest and not resume:
@@ -839,20 +1019,22 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         formats.write_json_atomic(out / "train_config.json", {
-            **asdict(cfg), "world_size": d.world, "total_steps": total_steps, "warmup_steps": warmup,
+            **asdict(cfg), "world_size": d.world, "total_steps": plan.total_steps, "warmup_steps": plan.warmup,
             "dataset": str(src.path.resolve()), "target": ref.name, "target_revision": ref.revision,
             "train_samples": len(train_idx), "eval_samples": len(eval_idx), "command": command})
     metrics = MetricsLog(out, d.main)
-    log.info("drafter: %s trainable parameters; %d train / %d held-out samples; %d steps (%d micro-batches of %d "
-             "per step)", f"{num_parameters(draft):,}", len(train_idx), len(eval_idx), total_steps, micro_per_step,
-             cfg.batch_size)
+    log.info("drafter: %s trainable parameters; %d train / %d held-out samples; %s (%d micro-batches of %d "
+             "per step)", f"{num_parameters(draft):,}", len(train_idx), len(eval_idx),
+             f"{plan.total_steps} steps" if plan.calibrated else f"steps sized to a {cfg.time_budget:.0f} s budget",
+             micro_per_step, cfg.batch_size)
 
     def checkpoint(last_eval: dict[str, Any] | None) -> None:
         if not d.main:
             return
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         state = {"step": step, "micro_position": step * micro_per_step, "optimizer": opt.state_dict(),
-                 "scheduler": sched.state_dict(), "rng": rng, "best": best, "trajectory": trajectory}
+                 "scheduler": sched.state_dict(), "rng": rng, "best": best, "trajectory": trajectory,
+                 "plan": asdict(plan), "done": dict(done)}
         extra = {"step": step, "dataset": str(src.path.resolve()), "online": cfg.online, "target": ref.name,
                  "target_revision": ref.revision, "eval": last_eval}
         folder = save_checkpoint(ckpt_root, step, draft, export_config(dcfg, extra), state)
@@ -862,10 +1044,11 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
 
     def eval_and_track() -> dict[str, Any] | None:
         nonlocal best
-        result = evaluate(draft, teacher_head, src.load, eval_batches, cfg, device, d)
+        result = evaluate(draft, teachers, src.load, eval_batches, cfg, device, d)
         if result is None:
             return None
-        metrics.write({"step": step, "split": "eval", **result})
+        metrics.write({"step": step, "split": "eval", "train_tokens": done["tokens"],
+                       "train_seconds": round(done["seconds"], 3), **result})
         improved = best["tau"] is None or result["tau"] > best["tau"]
         if improved:
             best = {"step": step, "tau": result["tau"]}
@@ -873,49 +1056,77 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
                 formats.write_json_atomic(ckpt_root / BEST_FILE, {**best, "path": f"step_{step:08d}"})
         return result
 
-    window = torch.zeros(3, cfg.ttt_steps, device=device)
-    window_tokens, train_tokens, t0, last_eval = 0, 0, time.time(), None
-    bar = tqdm(total=stop, initial=step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
-               disable=not (show_progress and d.main))
+    window = torch.zeros(STAT_ROWS, cfg.ttt_steps, device=device)
+    window_tokens, last_eval = 0, None
+    t0 = time.time()
+    calib_from = {"step": step + CALIBRATION_SKIP, "tokens": 0, "seconds": 0.0}  # --time-budget: timing starts here
+
+    def stop() -> int:
+        return min(plan.total_steps, cfg.stop_after) if cfg.stop_after is not None else plan.total_steps
+
+    bar = tqdm(total=stop() if plan.calibrated else None, initial=step, desc="train", unit="step", file=sys.stderr,
+               dynamic_ncols=True, disable=not (show_progress and d.main))
     prefetch = Prefetcher(lambda m: src.load(stream[m]), background=src.background)
     draft.train()
     try:
-        while step < stop:
-            step_sums = torch.zeros(3, cfg.ttt_steps, device=device)
+        while step < stop():
+            t_step = time.perf_counter()
+            # the full unroll while --time-budget times the first steps: they set the schedule's length
+            steps = cfg.ttt_steps_at(step, plan.total_steps) if plan.calibrated else cfg.ttt_steps
+            step_sums = torch.zeros(STAT_ROWS, cfg.ttt_steps, device=device)
+            step_tokens = 0
             for a in range(cfg.grad_accum):
                 m = step * micro_per_step + a * d.world + d.rank  # every W-th micro-batch of the global order
-                last_micro = step + 1 == stop and a == cfg.grad_accum - 1
+                last_micro = step + 1 == stop() and a == cfg.grad_accum - 1
                 batch = prefetch.get(m, None if last_micro else m + d.world).to(device)
                 sync = a == cfg.grad_accum - 1 or d.world == 1
                 with (contextlib.nullcontext() if sync else model.no_sync()):
-                    loss, stats = forward_stats(model, teacher_head, draft, batch, cfg, device)
+                    loss, sums = forward_stats(model, teachers, batch, cfg, device, steps, cfg.loss_on)
                     (loss / cfg.grad_accum).backward()
-                step_sums += stats.as_tensor()
-                window_tokens += batch.tokens
+                step_sums += sums
+                step_tokens += batch.tokens
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            bar.update(1)
             window += step_sums
-            if step % cfg.log_every == 0 or step == stop:
+            window_tokens += step_tokens
+            done["tokens"] += int(d.all_sum(torch.tensor([step_tokens], device=device)).item())
+            done["seconds"] += time.perf_counter() - t_step
+            if step == calib_from["step"]:
+                calib_from.update(tokens=done["tokens"], seconds=done["seconds"])
+            timed = (step - calib_from["step"], done["tokens"] - calib_from["tokens"],
+                     done["seconds"] - calib_from["seconds"])
+            if not plan.calibrated and timed[0] > 0 and (timed[0] >= CALIBRATION_STEPS
+                                                         or timed[2] >= 0.05 * cfg.time_budget):
+                rate = timed[1] / max(timed[2], 1e-9)
+                total = d.from_main(budget_steps(cfg.time_budget, step, done["seconds"], rate, tokens_per_step))
+                plan = Plan.make(cfg, total, calibrated=True)  # the same schedule on every rank
+                if cfg.warmup_steps is None:  # a short budget: warm up over at most 5% of it, never undoing steps done
+                    plan.warmup = max(step, min(BUDGET_WARMUP_STEPS, total // 20))
+                bar.reset(total=stop())
+                bar.update(step)
+                log.info("--time-budget %.0f s: %.0f tok/s over %d steps -> %d steps in all", cfg.time_budget, rate,
+                         timed[0], plan.total_steps)
+            if step % cfg.log_every == 0 or step == stop():
                 tokens = int(d.all_sum(torch.tensor([window_tokens], device=device)).item())
-                train_tokens += tokens
-                s = stats_summary(d.all_sum(window).cpu())
+                summary = stats_summary(d.all_sum(window).cpu())
                 metrics.write({"step": step, "split": "train", "lr": sched.get_last_lr()[0],
-                               "grad_norm": float(grad_norm), "tokens": tokens, "elapsed": time.time() - t0, **s})
-                bar.set_postfix(loss=f"{s['loss'][0]:.3f}", acc=f"{s['acc'][0]:.3f}", tau=f"{s['tau']:.2f}")
+                               "grad_norm": float(grad_norm), "tokens": tokens, "elapsed": time.time() - t0,
+                               "train_tokens": done["tokens"], "train_seconds": round(done["seconds"], 3),
+                               "ttt_steps": steps, **summary})
+                bar.set_postfix(loss=f"{summary['loss'][0]:.3f}", acc=f"{summary['acc'][0]:.3f}",
+                                tau=f"{summary['tau']:.2f}", tok_s=f"{done['tokens'] / max(done['seconds'], 1e-9):.0f}")
                 window.zero_()
                 window_tokens = 0
-            bar.update(1)
-            evaluated = step % cfg.eval_every == 0 or step == stop
-            if evaluated:
+            new_best = False
+            if plan.calibrated and (step % plan.eval_every == 0 or step == stop()):
                 prev_best = best["step"]
                 last_eval = eval_and_track() or last_eval
                 new_best = best["step"] != prev_best
-            else:
-                new_best = False
-            if step % cfg.save_every == 0 or step == stop or new_best:
+            if plan.calibrated and (step % plan.save_every == 0 or step == stop() or new_best):
                 checkpoint(last_eval)
                 d.barrier()
     finally:
@@ -923,9 +1134,9 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         bar.close()
         metrics.close()
     if last_eval is None and eval_batches:
-        last_eval = evaluate(draft, teacher_head, src.load, eval_batches, cfg, device, d)
-    summary = TrainSummary(out, step, total_steps, best["step"], best["tau"], last_eval, train_tokens,
-                           time.time() - t0, num_parameters(draft))
+        last_eval = evaluate(draft, teachers, src.load, eval_batches, cfg, device, d)
+    summary = TrainSummary(out, step, plan.total_steps, best["step"], best["tau"], last_eval, done["tokens"],
+                           done["seconds"], num_parameters(draft))
     if d.world > 1:
         # DDP's reducer holds the gloo/NCCL group and its work objects in reference cycles; free them
         # while the interpreter is alive: freed at exit, a gloo thread can abort the process (SIGABRT)
@@ -933,6 +1144,32 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         gc.collect()
         dist.destroy_process_group()
     return summary
+
+
+def evaluate_heldout(drafter: str | Path, dataset_dir: str | Path, eval_fraction: float = 0.05, seed: int = 0,
+                     ttt_steps: int | None = None, max_length: int | None = None, target: str | None = None,
+                     bf16: bool | None = None, batch_size: int = 1, device: str | None = None) -> dict[str, Any]:
+    """Per-step held-out acceptance of any drafter (a run folder, checkpoint or exported folder)
+    on the held-out split that `eaglet train` makes of `dataset_dir` with this eval_fraction and
+    seed: so drafters trained on other data are measured on the same samples."""
+    from eaglet.export import load_drafter
+    from eaglet.target import fast_bf16, load_target, pick_device, resolve_target
+
+    dev = pick_device(device)
+    bf16 = fast_bf16(dev) if bf16 is None else bf16
+    ds = open_dataset(dataset_dir)
+    draft = load_drafter(drafter).to(dev)
+    ref = resolve_target(dataset_target(ds, target))
+    head = make_teacher_head(load_target(ref, torch.float32, torch.device("cpu")), ds.last_hidden_state).to(dev)
+    cfg = TrainConfig(ttt_steps=ttt_steps or DEFAULT_TTT_STEPS, bf16=bf16, batch_size=batch_size,
+                      max_length=max_length, eval_fraction=eval_fraction, seed=seed)
+    _, eval_idx = split_indices(list(ds.lengths), eval_fraction, seed)
+    if not eval_idx:
+        raise ValueError(f"{dataset_dir}: --eval-fraction {eval_fraction} holds out no sample")
+    src = offline_source(ds, max_length)
+    teachers = TeacherSource(head, draft.d2t, draft.t2d, None, False, bf16)
+    batches = bucketed_batches(eval_idx, src.lengths, batch_size, None)
+    return evaluate(draft, teachers, src.load, batches, cfg, dev, Dist())
 
 
 def iter_metrics(out_dir: str | Path) -> Iterator[dict[str, Any]]:
