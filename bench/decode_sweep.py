@@ -2,12 +2,15 @@
 
     python bench/decode_sweep.py DRAFTER [--target T] [--prompts mtbench] [--num-prompts 8]
         [--skip-prompts N] [--max-new-tokens 96] [--threads 1] [--dtype bf16] [--only LABELS]
+        [--min-draft-probs 0,0.3,0.5]
 
 Runs `eaglet eval`'s own loop (`evaluate.evaluate_set`) with one variant per shape: for every
 prompt, plain greedy and every configuration decode the same prompt in a rotating order (machine
 drift spreads evenly); prints tau, acceptance per draft position, tokens/s, speedup over plain
 greedy and its ceiling, all measured in this one run. The defaults of `eaglet eval`
-(`evaluate.CPU_TREE`, `evaluate.CPU_CHAIN_DEPTH`) were chosen with it.
+(`evaluate.CPU_TREE`, `evaluate.CPU_CHAIN_DEPTH`, `evaluate.CPU_MIN_DRAFT_PROB`) were chosen
+with it. `--min-draft-probs` crosses every shape with each draft-probability floor
+(`eaglet eval --min-draft-prob`): drafts the drafter itself finds unlikely are not verified.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
+    ap.add_argument("--min-draft-probs", default="0", help="comma-separated draft-probability floors (default 0)")
     args = ap.parse_args()
 
     dtype = parse_dtype(args.dtype)
@@ -54,9 +58,13 @@ def main() -> None:
     drafter = drafter.to(dtype=dtype).eval()
     base = DecodeSettings(max_new_tokens=args.max_new_tokens, eos_ids=tuple(sorted(stop_token_ids(model, tokenizer))))
     variants = {BASELINE: (BASELINE, base)}
+    floors = [float(x) for x in args.min_draft_probs.split(",")]
     for label, method, d, k, n in CONFIGS:
         if args.only is None or label in args.only.split(","):
-            variants[label] = (method, replace(base, depth=d, chain_depth=d, top_k=k, total_tokens=n))
+            for floor in floors:
+                name = label if floor == 0 else f"{label} p>={floor:g}"
+                variants[name] = (method, replace(base, depth=d, chain_depth=d, top_k=k, total_tokens=n,
+                                                  min_draft_prob=floor))
     prompts = load_prompt_set(args.prompts, args.skip_prompts + args.num_prompts)[args.skip_prompts:]
 
     def progress(totals) -> None:

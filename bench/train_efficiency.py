@@ -4,8 +4,9 @@ budget, compared on the same held-out samples.
     python bench/train_efficiency.py DATA --out runs/bench-train --budget 10m \\
         --variant "today: ttt_steps=5 draft_vocab_size=16384 lr=5e-4" \\
         --variant "top-k teacher: ttt_steps=5 draft_vocab_size=16384 lr=5e-4 teacher_top_k=16"
-    python bench/train_efficiency.py DATA --out runs/bench-train --preset ablations
-    python bench/train_efficiency.py DATA --out runs/bench-train --throughput --baseline-rev 2db66ca
+    python bench/train_efficiency.py DATA --out runs/bench-train --budget 5m --preset learning
+    python bench/train_efficiency.py DATA --out runs/bench-train --throughput --preset throughput
+    python bench/train_efficiency.py DATA --out runs/bench-scaling --budget 2.5m,5m,10m,20m --preset scaling
 
 Each variant is one `eaglet train --time-budget` run in a fresh process, in OUT/<name>/; a
 finished one is reused, so the bench can be stopped and rerun. All share --eval-fraction and
@@ -39,11 +40,13 @@ from eaglet.cli import parse_duration
 REPO = Path(__file__).resolve().parent.parent
 COMMON = dict(batch_size=1, log_every=10, seed=0, evals=5)  # every variant, unless it says otherwise (bf16: where fast)
 TODAY = dict(ttt_steps=5, draft_vocab_size=16384, lr=5e-4)  # the recipe's settings before this bench
-SPARSE = dict(TODAY, teacher_top_k=16)
+# today's code had only the dense teacher and the assistant-token loss (TODAY alone: what it understands)
+DENSE = dict(TODAY, teacher_top_k=0, loss_on="assistant")
+SPARSE = dict(TODAY, teacher_top_k=16, loss_on="assistant")
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # cost per token: the teacher, the unroll length, the draft vocabulary (coverage vs LM-head work)
     "structure": {
-        "today (TTT 5, 16k, dense)": TODAY,
+        "today (TTT 5, 16k, dense)": DENSE,
         "top-16 teacher": SPARSE,
         "top-16, TTT 3, 32k": {**SPARSE, "ttt_steps": 3, "draft_vocab_size": 32000},
         "top-16, TTT 3, 16k": {**SPARSE, "ttt_steps": 3},
@@ -51,20 +54,38 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "top-16, TTT 3, 4k": {**SPARSE, "ttt_steps": 3, "draft_vocab_size": 4096},
         "top-16, TTT 2, 8k": {**SPARSE, "ttt_steps": 2, "draft_vocab_size": 8192},
     },
-    # what each optimizer step learns, on the cheapest step that keeps acceptance (see "structure")
-    "lr": {f"TTT 2, 8k, lr {lr:g}": {**SPARSE, "ttt_steps": 2, "draft_vocab_size": 8192, "lr": lr} for lr in (1e-3, 2e-3, 4e-3)},
 }
-CHEAP = dict(SPARSE, ttt_steps=2, draft_vocab_size=8192, lr=2e-3)  # the winners of "structure" and "lr"
+CHEAP = dict(SPARSE, ttt_steps=2, draft_vocab_size=8192)  # the cheapest step that keeps acceptance ("structure")
+BEST = dict(CHEAP, lr=2e-3)
+# what each optimizer step learns, on that step: the learning rate, then one change each
 PRESETS["learning"] = {
-    "base: TTT 2, 8k, lr 2e-3": CHEAP,
-    "2 samples a step, lr 2.8e-3": {**CHEAP, "batch_size": 2, "lr": 2.8e-3},
-    "loss on all tokens": {**CHEAP, "loss_on": "all"},
-    "feature loss 0.1": {**CHEAP, "feature_loss_weight": 0.1},
-    "feature loss 1": {**CHEAP, "feature_loss_weight": 1.0},
-    "LM head from target": {**CHEAP, "lm_head_init": "target"},
-    "LM head from target, frozen": {**CHEAP, "lm_head_init": "target", "freeze_lm_head": True},
-    "TTT ramp over half": {**CHEAP, "ttt_ramp": 0.5},
-    "hard labels (top-1)": {**CHEAP, "teacher_top_k": 1},
+    "TTT 2, 8k, lr 5e-4": CHEAP,
+    "lr 2e-3": BEST,
+    "lr 4e-3": {**CHEAP, "lr": 4e-3},
+    "lr 2e-3, loss on all tokens": {**BEST, "loss_on": "all"},
+    "lr 2e-3, feature loss 0.1": {**BEST, "feature_loss_weight": 0.1},
+    "lr 2e-3, LM head from target": {**BEST, "lm_head_init": "target"},
+    "lr 2e-3, all tokens, feature loss 0.1": {**BEST, "loss_on": "all", "feature_loss_weight": 0.1},
+}
+DEFAULTS = dict(BEST, loss_on="all")  # what `eaglet train` and the recipes now use
+# tokens/s of this checkout at the old recipe's settings and at the new defaults (with --throughput)
+PRESETS["throughput"] = {
+    "today settings (TTT 5, 16k, dense)": DENSE,
+    "today settings, top-16 teacher": SPARSE,
+    "new defaults (TTT 2, 8k, top-16)": DEFAULTS,
+}
+# the defaults at several budgets (--budget 2.5m,5m,10m,20m): final acc@1 against training tokens
+PRESETS["scaling"] = {"defaults": DEFAULTS}
+# more levers on the same step: tokens per optimizer step (lr scaled by sqrt 2), the feature
+# regression at full weight, an unroll that grows from 1 step over the first half
+PRESETS["learning-extra"] = {
+    "2 samples a step, lr 2.8e-3": {**BEST, "batch_size": 2, "lr": 2.8e-3},
+    "feature loss 1": {**BEST, "feature_loss_weight": 1.0},
+    "TTT ramp over half": {**BEST, "ttt_ramp": 0.5},
+}
+PRESETS["learning-more"] = {  # not measured yet
+    "LM head from target, frozen": {**BEST, "lm_head_init": "target", "freeze_lm_head": True},
+    "hard labels (top-1)": {**BEST, "teacher_top_k": 1},
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -116,14 +137,17 @@ def worker(spec: dict[str, Any]) -> None:
 
 
 def run_variant(name: str, options: dict[str, Any], data: Path, out: Path, budget: float | None,
-                extra: dict[str, Any]) -> dict[str, Any] | None:
+                extra: dict[str, Any], report_only: bool = False) -> dict[str, Any] | None:
     folder = out / folder_name(name)
     opts = {**COMMON, **extra, **options}
     if budget is not None and "total_steps" not in opts:
         opts["time_budget"] = budget
     spec = {"name": name, "options": opts, "data": str(data), "out": str(folder)}
     done = folder / "bench_result.json"
-    if done.exists() and json.loads((folder / "bench_spec.json").read_text()) == spec:
+    if report_only:
+        if not done.exists():
+            return None
+    elif done.exists() and json.loads((folder / "bench_spec.json").read_text()) == spec:
         print(f"[{name}] reused {folder}", flush=True)
     else:
         if folder.exists():
@@ -139,7 +163,8 @@ def run_variant(name: str, options: dict[str, Any], data: Path, out: Path, budge
         if rc != 0:
             print(f"[{name}] FAILED (exit {rc}); see {folder / 'log.txt'}", flush=True)
             return None
-    return {"name": name, "options": opts, **json.loads(done.read_text()), "curve": eval_curve(folder)}
+    ran = json.loads((folder / "bench_spec.json").read_text())["options"]
+    return {"name": name, "options": ran, **json.loads(done.read_text()), "curve": eval_curve(folder)}
 
 
 def eval_curve(folder: Path) -> list[dict[str, Any]]:
@@ -165,6 +190,50 @@ def acc_at_fraction(curve: list[dict[str, Any]], total_seconds: float, fraction:
     return seen[-1]["acc"][0] if seen else None
 
 
+GOAL_ACC1 = 0.45  # the held-out acc@1 a drafter needs to beat prompt lookup on the embedded default
+
+
+def log_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least squares of y = a + b ln(x): (a, b), or None under 2 distinct x."""
+    import math
+
+    xs, ys = [math.log(x) for x, _ in points], [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if len(points) < 2 or var == 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return my - b * mx, b
+
+
+def scaling_report(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each variant run at several budgets (each a full schedule of its own): final held-out
+    acc@1 against training tokens, the log-linear fit through those finals, and the tokens and
+    hours (at the measured tokens/s) at which the fit reaches GOAL_ACC1: an extrapolation."""
+    import math
+
+    rows = []
+    for base in dict.fromkeys(r["variant"] for r in results if "eval_on" not in r):
+        runs = sorted((r for r in results if r["variant"] == base and "eval_on" not in r), key=lambda r: r["train_tokens"])
+        if len(runs) < 2:
+            continue
+        fit = log_fit([(r["train_tokens"], r["eval"]["acc"][0]) for r in runs])
+        rate = sum(r["train_tokens"] for r in runs) / sum(r["train_seconds"] for r in runs)
+        reach = math.exp((GOAL_ACC1 - fit[0]) / fit[1]) if fit and fit[1] > 0 else None
+        rows.append({"variant": base, "points": [(r["train_tokens"], r["eval"]["acc"][0]) for r in runs],
+                     "fit": fit, "tokens_per_s": rate, "tokens_to_goal": reach})
+    for row in rows:
+        pts = ", ".join(f"{t / 1e3:,.0f}k: {a:.3f}" for t, a in row["points"])
+        a, b = row["fit"]
+        print(f"\nscaling of {row['variant']!r}: final held-out acc@1 by training tokens ({pts})")
+        print(f"  fit acc@1 = {a:.3f} + {b:.4f} ln(tokens): +{b * math.log(2):.3f} per doubling of tokens")
+        if row["tokens_to_goal"]:
+            t = row["tokens_to_goal"]
+            print(f"  reaches {GOAL_ACC1} at ~{t / 1e6:,.1f}M tokens = ~{t / row['tokens_per_s'] / 3600:,.1f} h at "
+                  f"{row['tokens_per_s']:.0f} tok/s (an extrapolation of the fit, not a measurement)")
+    return rows
+
+
 def report(results: list[dict[str, Any]], out: Path) -> None:
     fractions = (0.25, 0.5, 1.0)
     k_max = max(len(r["eval"]["acc"]) for r in results)
@@ -182,9 +251,25 @@ def report(results: list[dict[str, Any]], out: Path) -> None:
     print("acc@k: held-out acceptance of TTT step k (the drafter's top-1 equals the target's choice, over all "
           "assistant tokens); chain2: 1 + acc@1 + acc@1*acc@2, tokens per target pass of a 2-token chain if "
           "acceptance were independent of context; @x%: held-out acc@1 after x% of the training seconds")
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    scaling = scaling_report(results)
+    (out / "results.md").write_text(markdown_table(results, k_max))
+    (out / "results.json").write_text(json.dumps({"runs": results, "scaling": scaling}, indent=1))
     plot(results, out / "learning_curves.png")
     print(f"results: {out / 'results.json'}\nplot: {out / 'learning_curves.png'}")
+
+
+def markdown_table(results: list[dict[str, Any]], k_max: int) -> str:
+    """The same figures as the printed table, as Markdown (for a README)."""
+    lines = ["| variant | tok/s | tokens | " + " | ".join(f"acc@{k + 1}" for k in range(k_max))
+             + " | chain-2 tau (sim.) | acc@1 at 50% of the time |",
+             "| --- " * (k_max + 5) + "|"]
+    for r in results:
+        acc, secs = r["eval"]["acc"], r["train_seconds"]
+        cells = [f"{a:.3f}" for a in acc] + [""] * (k_max - len(acc))
+        half = acc_at_fraction(r["curve"], secs, 0.5) if "eval_on" not in r else None
+        lines.append(f"| {r['name']} | {r['train_tokens'] / max(secs, 1e-9):.0f} | {r['train_tokens']:,} | "
+                     + " | ".join(cells) + f" | {chain_tau(acc):.2f} | {'' if half is None else f'{half:.3f}'} |")
+    return "\n".join(lines) + "\n"
 
 
 def fmt_opt(x: float | None) -> str:
@@ -265,7 +350,8 @@ def train_command(data: Path, out: Path, options: dict[str, Any]) -> list[str]:
 
 def throughput(data: Path, out: Path, rev: str, steps: int, variants: list[tuple[str, dict[str, Any]]],
                extra: dict[str, Any]) -> None:
-    fixed = {**COMMON, **extra, "total_steps": steps, "eval_every": steps, "save_every": steps,
+    common = {k: v for k, v in COMMON.items() if k != "evals"}  # options the old code knows too
+    fixed = {**common, **extra, "total_steps": steps, "eval_every": steps, "save_every": steps,
              "log_every": max(1, steps // 6)}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -305,7 +391,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", nargs="?", help="an extracted dataset (eaglet extract)")
     ap.add_argument("--out", default="runs/bench-train", help="one folder per variant, results, plot")
-    ap.add_argument("--budget", type=parse_duration, default=600.0, help="training time per variant (default 10m)")
+    ap.add_argument("--budget", default="10m",
+                    help="training time per variant (default 10m); a list (2m,5m,16m) runs each variant at each "
+                         "budget, a full schedule each, and fits final acc@1 against tokens (scaling)")
     ap.add_argument("--variant", action="append", default=[], help="'name: key=value ...' (TrainConfig fields)")
     ap.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[], help="a built-in set of variants")
     ap.add_argument("--eval-fraction", type=float, default=0.02, help="held-out fraction, the same for all (0.02)")
@@ -330,13 +418,14 @@ def main() -> None:
     if args.throughput:
         throughput(data, out, args.baseline_rev, args.throughput_steps, variants, extra)
         return
+    budgets = [(b, parse_duration(b)) for b in args.budget.split(",")]
     results = []
-    for name, options in variants:
-        if args.report_only and not (out / folder_name(name) / "bench_result.json").exists():
-            continue
-        r = run_variant(name, options, data, out, args.budget, extra)
-        if r is not None:
-            results.append(r)
+    for variant, options in variants:
+        for label, seconds in budgets:
+            name = variant if len(budgets) == 1 else f"{variant} @ {label}"
+            r = run_variant(name, options, data, out, seconds, extra, args.report_only)
+            if r is not None:
+                results.append({**r, "variant": variant, "budget": seconds})
     if results:
         report(results, out)
 

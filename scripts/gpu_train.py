@@ -1,23 +1,24 @@
 """Train the embedded default's drafter on one GPU machine in a few minutes, on far more ShareGPT
 tokens than 2 CPU cores can, and bring it back for the CPU's `eaglet eval`.
 
-The GPU machine has its own torch and transformers, nothing can be fetched there, and each call
-carries at most 64 MiB. So the work is split in three steps:
+The GPU machine has its own torch and transformers, nothing can be fetched there, and each job
+sent to it takes an upload of at most 64 MiB (the working tree included). So the work is split
+in three steps:
 
     # 1. here (CPU): pack the target (its GGUF file, in parts), the tokenized chats and the GGUF
-    #    reader into gpu_pack/call_1 .. call_N, each small enough for one call
+    #    reader into gpu_pack/upload_1 .. upload_N, each small enough for one upload
     python scripts/gpu_train.py pack --out gpu_pack --num-samples 13000
-    # 2. on the GPU machine: one call per folder, carrying it (files stay while the machine is
-    #    warm); the last call also runs the training and writes the drafter to $OUT
-    true                                                          # carry gpu_pack/call_1
+    # 2. on the GPU machine: one job per folder, each uploading its folder (files stay while the
+    #    machine is up); the last job also runs the training and writes the drafter to $OUT
+    true                                                          # upload gpu_pack/upload_1
     PYTHONPATH=src python3 scripts/gpu_train.py run --pack gpu_pack --out $OUT --time-budget 6m
-                                                                  # carry gpu_pack/call_2
+                                                                  # upload gpu_pack/upload_2
     # 3. here: turn the returned folder into an eaglet checkpoint (embeddings from the target)
     python scripts/gpu_train.py finish DEVICE_OUT --out runs/gpu-drafter
     eaglet eval runs/gpu-drafter --prompts mtbench --num-prompts 40 --max-new-tokens 128 --threads 1
 
-`pack` prints the exact calls. `run` checks every part's sha256 (a missing part names the call
-that carries it), rebuilds the target folder from the GGUF, checks that its tokenizer is the
+`pack` prints the exact jobs. `run` checks every part's sha256 (a missing part names the upload
+folder that holds it), rebuilds the target folder from the GGUF, checks that its tokenizer is the
 one the chats were tokenized with, trains online (the target in the loop, bf16 on the GPU) for
 --time-budget, and writes the best drafter in the `eagle` layout without its embeddings (the
 target's, restored by `finish`), in bf16 shards under 16 MiB, plus metrics.jsonl and a log.
@@ -40,7 +41,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
-CALL_LIMIT = 64 * MIB  # what one call may carry, the working tree included
+UPLOAD_LIMIT = 64 * MIB  # what one job may upload, the working tree included
 RETURN_FILE_LIMIT = 15 * MIB  # each returned file stays under the 16 MiB a file
 MANIFEST = "manifest.json"
 TARGET_GGUF = "target.gguf"
@@ -61,7 +62,7 @@ def sha256(path: Path) -> str:
 
 
 def tracked_tree_bytes() -> int:
-    """Bytes of the working tree that travels with every call (tracked and untracked, not ignored)."""
+    """Bytes of the working tree that travels with every upload (tracked and untracked, not ignored)."""
     out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"], capture_output=True,
                          check=True).stdout
     return sum((REPO / name).stat().st_size for name in out.decode().split("\0") if name and (REPO / name).is_file())
@@ -70,7 +71,7 @@ def tracked_tree_bytes() -> int:
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """The vocabulary, merges-level behaviour on a probe and the chat template: equal
     fingerprints tokenize chats identically."""
-    from eaglet.extract import template_hash
+    from eaglet.data import template_hash
 
     probe = "Hello, world! ¿Qué tal? 12345 def f(x):\n    return x ** 2\n"
     h = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
@@ -128,52 +129,52 @@ def pack(out: Path, num_samples: int, skip: int, max_length: int, extra_prepared
     files[SITE + ".zip"] = work / (SITE + ".zip")
 
     tree = tracked_tree_bytes()
-    capacity = CALL_LIMIT - tree - 2 * MIB  # margin for what git status may add
+    capacity = UPLOAD_LIMIT - tree - 2 * MIB  # margin for what git status may add
     gguf_path = embedded.smollm2_gguf()
     pieces: list[tuple[str, Path, int, int]] = []  # (file name, source, offset, length)
     size = gguf_path.stat().st_size
-    for offset in range(0, size, capacity // 2):  # GGUF in halves of a call, so small files fit beside them
+    for offset in range(0, size, capacity // 2):  # GGUF in halves of an upload, so small files fit beside them
         pieces.append((TARGET_GGUF, gguf_path, offset, min(capacity // 2, size - offset)))
     pieces += [(name, path, 0, path.stat().st_size) for name, path in files.items()]
 
-    calls: list[list[tuple[str, Path, int, int]]] = [[]]
+    uploads: list[list[tuple[str, Path, int, int]]] = [[]]
     for piece in sorted(pieces, key=lambda p: -p[3]):  # first fit, biggest first
-        for call in calls:
-            if sum(p[3] for p in call) + piece[3] <= capacity:
-                call.append(piece)
+        for upload in uploads:
+            if sum(p[3] for p in upload) + piece[3] <= capacity:
+                upload.append(piece)
                 break
         else:
-            calls.append([piece])
-    manifest: dict[str, Any] = {"files": {}, "calls": len(calls), "tokenizer": tokenizer_fingerprint(
+            uploads.append([piece])
+    manifest: dict[str, Any] = {"files": {}, "uploads": len(uploads), "tokenizer": tokenizer_fingerprint(
         load_tokenizer(resolve_target(None))), "target": embedded.SMOLLM2_NAME,
         "prepared": {k: config[k] for k in ("num_samples", "num_tokens", "num_masked_tokens")}}
-    for n, call in enumerate(calls, start=1):
-        folder = out / f"call_{n}"
+    for n, upload in enumerate(uploads, start=1):
+        folder = out / f"upload_{n}"
         folder.mkdir(parents=True)
-        for name, src, offset, length in call:
+        for name, src, offset, length in upload:
             part = folder / f"{name}.part{offset // (capacity // 2) if name == TARGET_GGUF else 0}"
             with open(src, "rb") as f, open(part, "wb") as g:
                 f.seek(offset)
                 g.write(f.read(length))
             entry = manifest["files"].setdefault(name, {"parts": []})
-            entry["parts"].append({"call": n, "path": str(part.relative_to(out)), "offset": offset, "length": length,
+            entry["parts"].append({"upload": n, "path": str(part.relative_to(out)), "offset": offset, "length": length,
                                    "sha256": sha256(part)})
     for name, entry in manifest["files"].items():
         entry["parts"].sort(key=lambda p: p["offset"])
         entry["size"] = sum(p["length"] for p in entry["parts"])
     manifest["files"][TARGET_GGUF]["sha256"] = sha256(gguf_path)
     shutil.rmtree(work)
-    for n in range(1, len(calls) + 1):  # the manifest travels with every call
-        (out / f"call_{n}" / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    for n in range(1, len(uploads) + 1):  # the manifest travels with every upload
+        (out / f"upload_{n}" / MANIFEST).write_text(json.dumps(manifest, indent=1))
     p = manifest["prepared"]
     print(f"packed {p['num_samples']:,} chats, {p['num_tokens']:,} tokens ({p['num_masked_tokens']:,} assistant) and "
-          f"the target into {len(calls)} calls (working tree {tree / MIB:.1f} MiB + at most "
+          f"the target into {len(uploads)} uploads (working tree {tree / MIB:.1f} MiB + at most "
           f"{capacity / MIB:.0f} MiB each):")
-    for n in range(1, len(calls) + 1):
-        last = n == len(calls)
+    for n in range(1, len(uploads) + 1):
+        last = n == len(uploads)
         cmd = ("PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/gpu_train.py run --pack gpu_pack --out $OUT "
                "--time-budget 6m" if last else "true")
-        print(f"  call {n}: carry [\"{out.name}/call_{n}\"], command: {cmd}")
+        print(f"  job {n}: upload {out.name}/upload_{n}, command: {cmd}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,14 +185,14 @@ def assemble(pack_dir: Path, name: str, manifest: dict[str, Any], dest: Path) ->
     entry = manifest["files"][name]
     missing = [p for p in entry["parts"] if not (pack_dir / p["path"]).exists()]
     if missing:
-        calls = sorted({p["call"] for p in missing})
-        raise SystemExit(f"{name}: parts missing from {pack_dir} ({[p['path'] for p in missing]}); run the call(s) "
-                         f"carrying {[f'{pack_dir.name}/call_{c}' for c in calls]} first, on the same warm machine")
+        uploads = sorted({p["upload"] for p in missing})
+        raise SystemExit(f"{name}: parts missing from {pack_dir} ({[p['path'] for p in missing]}); run the job(s) "
+                         f"uploading {[f'{pack_dir.name}/upload_{c}' for c in uploads]} first, on the same machine")
     with open(dest, "wb") as g:
         for p in entry["parts"]:
             part = pack_dir / p["path"]
             if sha256(part) != p["sha256"]:
-                raise SystemExit(f"{part}: sha256 differs from {MANIFEST}; carry call_{p['call']} again")
+                raise SystemExit(f"{part}: sha256 differs from {MANIFEST}; upload upload_{p['upload']} again")
             with open(part, "rb") as f:
                 shutil.copyfileobj(f, g)
     if "sha256" in entry and sha256(dest) != entry["sha256"]:
@@ -200,9 +201,9 @@ def assemble(pack_dir: Path, name: str, manifest: dict[str, Any], dest: Path) ->
 
 
 def find_manifest(pack_dir: Path) -> dict[str, Any]:
-    found = sorted(pack_dir.glob(f"call_*/{MANIFEST}"))
+    found = sorted(pack_dir.glob(f"upload_*/{MANIFEST}"))
     if not found:
-        raise SystemExit(f"{pack_dir}: no call_*/{MANIFEST}; carry the folders `pack` made")
+        raise SystemExit(f"{pack_dir}: no upload_*/{MANIFEST}; upload the folders `pack` made")
     return json.loads(found[0].read_text())
 
 
@@ -310,7 +311,7 @@ def finish(device_out: Path, out: Path, heldout: Path | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("pack", help="(CPU) target, tokenized chats and GGUF reader into call-sized folders")
+    p = sub.add_parser("pack", help="(CPU) target, tokenized chats and GGUF reader into upload-sized folders")
     p.add_argument("--out", type=Path, default=Path("gpu_pack"))
     p.add_argument("--num-samples", type=int, default=13000, help="ShareGPT chats (default 13000)")
     p.add_argument("--skip", type=int, default=800,

@@ -114,6 +114,22 @@ def test_json_output_parses(clean, capsys):
     assert data["warning_counts"] == {C.NOT_CHECKED: 1}  # skipped checks are said, not silently passed
 
 
+def test_target_asked_for_but_unloadable_is_not_a_pass(clean, tmp_path, capsys):
+    broken = tmp_path / "broken-target"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert run_cli(str(clean), "--target", str(broken)) != 0
+    out = capsys.readouterr().out
+    assert "could not run" in out and "result: CLEAN" not in out
+
+
+def test_damaged_json_side_file_is_named(tmp_path):
+    cut = tmp_path / "data_config.json"
+    cut.write_text('{"layer_ids": [1, 2, 3, 4], "target": "x')
+    with pytest.raises(ValueError, match=r"data_config.json: not valid JSON \(Unterminated string"):
+        formats.read_json(cut)
+
+
 def test_corrupt_dataset_exits_nonzero(copy, capsys):
     ds = copy()
     rel = edit(ds, 4, lambda o: o["loss_mask"].zero_())
@@ -324,6 +340,17 @@ def test_layer_ids_off_by_one(copy, LAYER_IDS):
     formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
     report = C.check_dataset(ds)
     assert_found(report, C.LAYER_IDENTITY, None, "slot 0 matches layer 2, not 1", "slot 2 matches layer 4, not 3")
+
+
+def test_data_config_with_two_aux_layers_is_refused(copy, LAYER_IDS):
+    """`eaglet extract --layer-ids A,B,LAST` is refused at extraction; a config that records such
+    ids anyway must not pass check (the drafter's fc fuses exactly three aux states)."""
+    ds = copy()
+    cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
+    cfg["layer_ids"] = [LAYER_IDS[0], LAYER_IDS[2], LAYER_IDS[3]]
+    formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
+    report = C.check_dataset(ds)
+    assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "EAGLE-3 needs 4 states")
 
 
 def test_post_norm_last_state_where_pre_norm_recorded(copy, tiny_target, LAYER_IDS):

@@ -188,6 +188,17 @@ def test_truncated_json_array_keeps_complete_records(tmp_path, caplog):
     assert "cut off mid-record" in caplog.text and "3 complete records" in caplog.text
 
 
+def test_syntax_error_inside_a_closed_json_array_is_an_error_not_a_cut(tmp_path):
+    """`[r, r, {bad}, r x100]` is not a cut-off file: treating it as one would drop 101 records."""
+    good = [{"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+            for i in range(103)]
+    text = json.dumps(good[:2])[:-1] + ', {"id": "bad", "conversations": [oops]}, ' + json.dumps(good[2:])[1:]
+    path = tmp_path / "broken.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"broken.json: invalid JSON after record 2 .*not a cut-off file"):
+        list(iter_records(str(path), ReadStats()))
+
+
 def test_embedded_sharegpt_streams_all_complete_records():
     stats = ReadStats()
     assert sum(1 for _ in iter_records("sharegpt", stats)) == 17671
@@ -200,6 +211,17 @@ def test_jsonl_bad_line_is_counted_not_fatal(tmp_path):
     stats = ReadStats()
     assert len(list(iter_records(str(path), stats))) == 1
     assert stats.skipped["invalid JSON line"] == 1
+
+
+def test_jsonl_line_not_utf8_is_counted_and_named(tmp_path, caplog):
+    chat = b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(chat + b'{"messages": "caf\xe9"}\n' + chat)
+    stats = ReadStats()
+    with caplog.at_level(logging.WARNING):
+        assert len(list(iter_records(str(path), stats))) == 2
+    assert stats.skipped["line not UTF-8"] == 1
+    assert "x.jsonl:2: line not UTF-8 skipped" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------
@@ -218,6 +240,25 @@ def test_prepare_writes_dataset_with_counts(tiny_target, chats_jsonl, tmp_path):
             if m:
                 expected[t] = expected.get(t, 0) + 1
     assert freq == expected and sum(freq.values()) == config["num_masked_tokens"]
+
+
+@pytest.mark.parametrize("options, message", [({"max_length": -5}, "--max-length -5: must be >= 1"),
+                                              ({"num_samples": 0}, "--num-samples 0: must be >= 1"),
+                                              ({"skip": -1}, "--skip -1: must be >= 0")])
+def test_prepare_refuses_out_of_range_numbers(tiny_target, chats_jsonl, tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prep", **options)
+    assert not (tmp_path / "prep").exists()
+
+
+def test_prepare_never_replaces_a_prepared_dataset_unasked(tiny_target, chats_jsonl, tmp_path):
+    out = tmp_path / "prep"
+    prepare(str(tiny_target), str(chats_jsonl), out, max_length=512)
+    before = (out / formats.PREPARED_FILE).read_bytes()
+    with pytest.raises(FileExistsError, match="already holds a prepared dataset.*--overwrite"):
+        prepare(str(tiny_target), str(chats_jsonl), out, max_length=512, num_samples=1)
+    assert (out / formats.PREPARED_FILE).read_bytes() == before
+    assert prepare(str(tiny_target), str(chats_jsonl), out, max_length=512, num_samples=1, overwrite=True).samples == 1
 
 
 def test_prepare_drops_samples_with_no_assistant_token_after_truncation(tiny_target, tmp_path):

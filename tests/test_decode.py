@@ -260,6 +260,43 @@ def test_eagle3_buffer_growth_mid_tree(target):
     torch.testing.assert_close(keys[0], keys[1])
 
 
+def test_min_prob_keeps_only_likely_drafts(target):
+    """The floor prunes by path probability (product along the path), keeps the tree
+    ancestor-closed, and leaves nothing to verify when even the best first draft is below it."""
+    drafter = make_drafter(target)
+    seq, aux = [5, 6, 7, 8], torch.randn(3, 192)
+    full = Eagle3Proposer(drafter)
+    with torch.no_grad():
+        full.observe(seq, aux)
+        tree = full.propose(max_depth=4, top_k=3, total_tokens=20)
+        root_lp = full.log_probs(full.root_out[None])[0]
+    best = float(root_lp.max().exp())
+    for floor, expect_empty in ((best * 1.01, True), (best * 0.99, False)):
+        gated = Eagle3Proposer(drafter, min_prob=floor)
+        with torch.no_grad():
+            gated.observe(seq, aux)
+            kept = gated.propose(max_depth=4, top_k=3, total_tokens=20)
+        assert (len(kept) == 0) == expect_empty
+        if len(kept):
+            kept.validate(4, 20)
+            assert set(kept.tokens) <= set(tree.tokens) and len(kept) < len(tree)
+    with pytest.raises(ValueError, match="min_prob"):
+        Eagle3Proposer(drafter, min_prob=1.5)
+
+
+@pytest.mark.parametrize("floor", [0.02, 1.0])
+def test_min_prob_drafter_is_exact(target, floor):
+    """Fewer drafts never change greedy output; at floor 1 nothing is drafted: one target pass per token."""
+    drafter = make_drafter(target)
+    for prompt in PROMPTS:
+        ref = plain_greedy(target, prompt, 20)
+        out, stats = speculative_generate(target, drafter, prompt, 20, mode="tree", depth=3, top_k=3,
+                                          total_tokens=8, min_prob=floor)
+        assert out == ref
+        if floor == 1.0:
+            assert stats.target_forwards == 20 and stats.acceptance_rates == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Greedy exactness against plain decoding
 # ---------------------------------------------------------------------------------------------
@@ -409,3 +446,20 @@ def test_sampling_matches_target_distribution(target):
     plain = Counter(tuple(plain_generate(target, prompt, 2, temperature=T, top_p=top_p, generator=gen)[0])
                     for _ in range(200))
     assert chi_square_ok(plain, expected, 200)[2]
+
+
+def test_verify_cost_bench_break_even(target):
+    """bench/verify_cost.py: the break-even acceptance solves 1 + p + ... + p^d = cost ratio, and
+    its timing loop runs passes of 1..MAX_Q tokens through the decoder's TargetRunner."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import verify_cost
+
+    assert verify_cost.break_even_acceptance(1.15, 1) == pytest.approx(0.15, abs=1e-9)
+    p = verify_cost.break_even_acceptance(1.59, 2)
+    assert 1 + p + p * p == pytest.approx(1.59, abs=1e-9)
+    assert verify_cost.break_even_acceptance(2.5, 1) is None  # one draft yields at most 2 tokens
+    costs = verify_cost.pass_costs(target, context=12, repeats=1)
+    assert len(costs) == verify_cost.MAX_Q and all(c > 0 for c in costs)

@@ -36,26 +36,34 @@ def test_stray_temp_folder_is_never_used(smollm2_dir):
 
 
 def test_stored_aux_states_equal_output_hidden_states(smollm2_dir, tmp_path):
+    """Every stored state is the target's own, at the dtype extraction computed in, rounded once to
+    the stored dtype; the last slot is the final norm's input (pre-norm)."""
     prepare(None, "sharegpt", tmp_path / "prep", max_length=256, num_samples=4)
     extract(tmp_path / "prep", tmp_path / "data", None, max_batch_size=1, show_progress=False)
     cfg = formats.read_json(tmp_path / "data" / "data_config.json")
     assert cfg["layer_ids"] == [2, 15, 27, 30] and cfg["last_hidden_state"] == "pre_norm"
-    model = load_target(resolve_target(None), parse_dtype("bf16"), torch.device("cpu"))
+    stored = parse_dtype(cfg["hidden_states_dtype"])
+    model = load_target(resolve_target(None), parse_dtype(cfg["compute_dtype"]), torch.device("cpu"))
+    norm_inputs = []
+    model.model.norm.register_forward_hook(lambda module, args, out: norm_inputs.append(args[0]))
     for i, path in sorted(formats.list_v1_files(tmp_path / "data").items()):
         s = formats.read_v1_sample(path)
+        norm_inputs.clear()
         with torch.no_grad():
             hs = model(s.input_ids[None], output_hidden_states=True).hidden_states
         for slot, layer_id in enumerate(cfg["layer_ids"][:-1]):
-            assert torch.equal(s.hidden_states[slot], hs[layer_id][0]), f"sample {i} slot {slot}"
+            assert torch.equal(s.hidden_states[slot], hs[layer_id][0].to(stored)), f"sample {i} slot {slot}"
+        (pre_norm,) = norm_inputs
+        assert torch.equal(s.hidden_states[-1], pre_norm[0].to(stored)), f"sample {i} last slot"
         with torch.no_grad():
-            assert torch.equal(model.model.norm(s.hidden_states[-1][None])[0], hs[30][0])
+            assert torch.equal(model.model.norm(pre_norm), hs[30])  # hidden_states[-1] is post-norm
 
 
 def test_demo_command(smollm2_dir, tmp_path, capsys):
     """The README's main job at a tiny scale: every stage runs on SmolLM2 and real data, the
     summary table comes out, and a second run reuses every stage."""
-    tiny = ["--scale", "0.025", "--set", "regen.max_new_tokens=24", "--set", "train.total_steps=4",
-            "--set", "train.eval_every=2", "--set", "train.eval_fraction=0.34", "--set", "eval.num_prompts=1",
+    tiny = ["--scale", "0.025", "--set", "regen.max_new_tokens=24", "--set", "train.time_budget=10",
+            "--set", "train.eval_fraction=0.34", "--set", "eval.num_prompts=1",
             "--set", "eval.max_new_tokens=12"]
     threads = torch.get_num_threads()
     try:
@@ -150,7 +158,7 @@ def test_speculative_greedy_equals_plain_greedy_on_smollm2(smollm2_dir):
 
 
 def test_gpu_train_script_round_trip_on_cpu(smollm2_dir, tmp_path):
-    """scripts/gpu_train.py at a tiny scale on the CPU: pack the target and chats into call-sized
+    """scripts/gpu_train.py at a tiny scale on the CPU: pack the target and chats into upload-sized
     folders, rebuild and train online from them alone, bring the drafter back as a checkpoint
     whose weights are the run's best (embeddings restored from the target)."""
     import importlib.util
@@ -165,13 +173,13 @@ def test_gpu_train_script_round_trip_on_cpu(smollm2_dir, tmp_path):
     spec.loader.exec_module(gpu)
     pack = tmp_path / "gpu_pack"
     gpu.pack(pack, num_samples=6, skip=800, max_length=256, extra_prepared=[])
-    calls = sorted(pack.glob("call_*"))
-    assert len(calls) >= 2  # the 98 MB GGUF does not fit one call
-    for call in calls:
-        assert sum(f.stat().st_size for f in call.iterdir()) < gpu.CALL_LIMIT - gpu.tracked_tree_bytes()
+    uploads = sorted(pack.glob("upload_*"))
+    assert len(uploads) >= 2  # the 98 MB GGUF does not fit one upload
+    for upload in uploads:
+        assert sum(f.stat().st_size for f in upload.iterdir()) < gpu.UPLOAD_LIMIT - gpu.tracked_tree_bytes()
     partial = tmp_path / "partial"
-    shutil.copytree(calls[0], partial / calls[0].name)
-    with pytest.raises(SystemExit, match="call_2"):  # a missing part names the call that carries it
+    shutil.copytree(uploads[0], partial / uploads[0].name)
+    with pytest.raises(SystemExit, match="upload_2"):  # a missing part names the upload folder that holds it
         gpu.run(partial, tmp_path / "x", 5.0, "cpu", {}, tmp_path / "w0")
     out = tmp_path / "device_out"
     options = dict(gpu.GPU_DEFAULTS, batch_size=2, eval_fraction=0.34, max_length=256, ttt_steps=2)

@@ -55,6 +55,11 @@ def test_jsonl_prompts_and_errors(tmp_path):
     assert c.context == [{"role": "system", "content": "be brief"}] and c.turns == ["q"]
     assert len(load_prompt_set(str(path), 2)) == 2
 
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8"):
+        load_prompt_set(str(latin1), None)
+
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"messages": [{"role": "user", "content": "q"},
                                                                                 {"role": "assistant", "content": "a"}]}])
     with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'messages': the last message must be the user's"):
@@ -129,3 +134,20 @@ def test_eval_refuses_a_drafter_for_another_target(tiny_target, tmp_path, one_th
     with pytest.raises(ValueError, match="hidden size 32 vs the target's 64"):
         evaluate(ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], dtype="fp32", device="cpu",
                  progress=False)
+
+
+def test_prompts_longer_than_the_target_are_skipped_and_counted(drafter_ckpt, tiny_target, tmp_path, one_thread):
+    """A prompt the target cannot hold (1,024 positions here) is skipped with its later turns,
+    counted and listed; the rest of the set is measured. A set with nothing that fits is an error."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "short", "prompt": "hi"}, {"id": "long", "prompt": "word " * 1500},
+        {"id": "late", "turns": ["hi", "x " * 1100]}])
+    result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain"],
+                      settings=DecodeSettings(max_new_tokens=4), dtype="fp32", device="cpu", progress=False)
+    assert result.sets["p"]["plain"]["turns"] == 2
+    assert result.config["skipped_turns"] == 2
+    assert [(r["id"], r["turn"]) for r in result.prompts if "skipped" in r] == [("long", 0), ("late", 1)]
+    only_long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 1500}])
+    with pytest.raises(ValueError, match="every prompt is too long for the target's 1024 positions"):
+        evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(only_long)], methods=["chain"],
+                 settings=DecodeSettings(max_new_tokens=4), dtype="fp32", device="cpu", progress=False)

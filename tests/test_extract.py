@@ -134,8 +134,9 @@ def test_rerun_with_other_settings_is_refused(tiny_target, prepared, tmp_path):
         extract(prepared, out, str(tiny_target), layer_ids=[1, 3, 5, 8], show_progress=False)
 
 
-@pytest.mark.parametrize("ids,msg", [([2, 3, 4], "last id must be 8"), ([3, 2, 8], "strictly increasing"),
-                                     ([0, 3, 8], "last id must be 8"), ([8], "need the aux ids")])
+@pytest.mark.parametrize("ids,msg", [([2, 3, 4, 5], "last id must be 8"), ([3, 2, 5, 8], "strictly increasing"),
+                                     ([0, 3, 5, 8], "last id must be 8"), ([8], "exactly 3 aux layers"),
+                                     ([2, 5, 8], "exactly 3 aux layers"), ([1, 2, 3, 5, 8], "exactly 3 aux layers")])
 def test_bad_layer_ids(tiny_target, prepared, tmp_path, ids, msg):
     with pytest.raises(ValueError, match=msg):
         extract(prepared, tmp_path / "d", str(tiny_target), layer_ids=ids, show_progress=False)
@@ -161,6 +162,47 @@ def test_shards_fill_one_folder_like_a_single_run(tiny_target, prepared, tmp_pat
     assert sorted(a) == sorted(b)
     for i in a:
         assert all(torch.equal(x, y) for x, y in zip(a[i].hidden_states, b[i].hidden_states))
+
+
+def test_shard_options_name_the_option_at_fault(tiny_target, prepared, tmp_path):
+    with pytest.raises(ValueError, match=r"^--num-shards 0: must be >= 1$"):
+        extract(prepared, tmp_path / "d", str(tiny_target), num_shards=0, show_progress=False)
+    with pytest.raises(ValueError, match=r"--shard-id 3 must be in \[0, --num-shards 3\)"):
+        extract(prepared, tmp_path / "d", str(tiny_target), num_shards=3, shard_id=3, show_progress=False)
+    assert not (tmp_path / "d").exists()  # refused before anything is written
+
+
+def test_python_dash_m_eaglet_is_the_command():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "eaglet", "eval", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert '{"prompt"}' in res.stdout and "{{" not in res.stdout
+
+
+def test_rerun_redoes_files_that_are_not_complete_safe_samples(tiny_target, prepared, tmp_path, caplog):
+    """A 0-byte file, an unsafe pickle and a wrong-length sample in the output are not 'already
+    done': a rerun writes them again, and they equal a clean run's files."""
+    import logging
+
+    out = tmp_path / "data"
+    extract(prepared, out, str(tiny_target), max_batch_size=1, show_progress=False)
+    files = formats.list_v1_files(out)
+    reference = {i: formats.read_v1_sample(files[i]) for i in (0, 1, 2)}
+    files[0].write_bytes(b"")
+    torch.save({"payload": Path("x")}, files[1])  # a global weights_only refuses to load
+    short = formats.read_v1_sample(files[2])
+    formats.write_v1_sample(out, 2, formats.V1Sample(short.input_ids[:-1].clone(),
+                                                     [h[:-1].clone() for h in short.hidden_states],
+                                                     short.loss_mask[:-1].clone()))
+    with caplog.at_level(logging.WARNING):
+        s = extract(prepared, out, str(tiny_target), max_batch_size=1, show_progress=False)
+    assert s.written == 3 and "3 existing file(s) are not complete safe samples" in caplog.text
+    for i, ref in reference.items():
+        again = formats.read_v1_sample(files[i])
+        assert torch.equal(again.input_ids, ref.input_ids)
+        assert all(torch.equal(a, b) for a, b in zip(again.hidden_states, ref.hidden_states))
 
 
 def test_kill_9_mid_run_then_resume(tiny_target, tmp_path):

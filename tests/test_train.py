@@ -293,3 +293,26 @@ def test_auto_dtype_is_bf16_only_where_fast():
     expected = torch.bfloat16 if fast_bf16("cpu") else torch.float32
     assert parse_dtype("auto", "cpu") == expected and parse_dtype("fp32", "cpu") == torch.float32
     assert (parse_duration("90"), parse_duration("1.5m"), parse_duration("2h")) == (90.0, 90.0, 7200.0)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"total_steps": 0}, "--total-steps 0: must be >= 1"),
+    ({"draft_vocab_size": 0}, "--draft-vocab-size 0: must be >= 1"),
+    ({"batch_size": 0}, "--batch-size 0: must be >= 1"),
+    ({"ttt_steps": 0}, "--ttt-steps 0: must be >= 1"),
+    ({"max_length": -5}, "--max-length -5: must be >= 1"),
+    ({"eval_fraction": 1.5}, r"--eval-fraction 1.5: must be a fraction in \[0, 1\)"),
+    ({"eval_fraction": -0.5}, r"--eval-fraction -0.5: must be a fraction in \[0, 1\)"),
+    ({"lr": 0.0}, "--lr 0.0: must be > 0"),
+    ({"lr": float("nan")}, "--lr nan: must be > 0"),
+    ({"warmup_steps": -1}, "--warmup-steps -1: must be >= 0"),
+])
+def test_train_options_are_validated_in_one_place(options, message):
+    """TrainConfig refuses out-of-range numbers itself, so the CLI, recipes and the Python entry
+    function all get the same one-line error (instead of a full epoch or a torch traceback)."""
+    from eaglet.train import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**options)
+    with pytest.raises(ValueError, match=message):
+        train("no-such-dataset", "no-such-run", show_progress=False, **options)

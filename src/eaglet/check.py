@@ -530,6 +530,10 @@ def read_config(root: Path, fmt: str | None) -> tuple[dict | None, list[Problem]
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"layer_ids {ids!r}: expected a list of ints"))
     else:
+        if len(ids) != formats.EAGLE3_NUM_STATES:
+            probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE,
+                                 f"layer_ids {ids}: EAGLE-3 needs {formats.EAGLE3_NUM_STATES} states "
+                                 f"({formats.EAGLE3_NUM_STATES - 1} aux layers and the last)"))
         if any(b <= a for a, b in zip(ids, ids[1:])):
             probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"layer_ids {ids} are not strictly increasing"))
         n = cfg.get("num_hidden_layers")
@@ -913,8 +917,13 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
             ref, tokenizer, model, device = load_target_for_check(spec, cfg)
             report.target = ref.name
         except Exception as e:
-            report.problems.append(Problem(NOT_CHECKED, str(spec), f"layer identity and mask vs template skipped: "
-                                                                   f"target not loadable ({type(e).__name__}: {e})", WARNING))
+            # --target asks for these checks: one that cannot run is not a pass. A target merely
+            # recorded in data_config.json may live on another machine: then a warning.
+            asked = target is not None
+            report.problems.append(Problem(NOT_CHECKED, str(spec), f"layer identity and mask vs template "
+                                                                   f"{'could not run' if asked else 'skipped'}: "
+                                                                   f"target not loadable ({type(e).__name__}: {e})",
+                                           ERROR if asked else WARNING))
     elif not use_target:
         report.problems.append(Problem(NOT_CHECKED, "", "layer identity and mask vs template skipped (--no-target)",
                                        WARNING))

@@ -43,7 +43,8 @@ def add_prepare_args(p: argparse.ArgumentParser) -> None:
 def cmd_prepare(args: argparse.Namespace) -> None:
     from eaglet.data import prepare
 
-    summary = prepare(args.target, args.data, args.out, args.max_length, args.num_samples, args.skip, args.command)
+    summary = prepare(args.target, args.data, args.out, args.max_length, args.num_samples, args.skip, args.command,
+                      overwrite=args.overwrite)
     print("\n".join(summary.lines()))
 
 
@@ -138,6 +139,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     settings = DecodeSettings(max_new_tokens=args.max_new_tokens, depth=args.depth, top_k=args.top_k,
                               total_tokens=args.total_tokens, chain_depth=args.chain_depth,
+                              min_draft_prob=args.min_draft_prob,
                               temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     result = evaluate(args.drafter, args.target, args.prompts, args.num_prompts, args.methods, settings, args.dtype,
                       args.device, args.threads, args.out, plot=not args.no_plot)
@@ -199,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ShareGPT .json/.jsonl, OpenAI-style messages .jsonl, or 'sharegpt' for the embedded ShareGPT")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--num-samples", type=int, default=None, help="stop after this many usable chats")
+    p.add_argument("--overwrite", action="store_true", help="replace a prepared dataset already in --out")
     add_prepare_args(p)
     p.set_defaults(func=cmd_prepare)
 
@@ -266,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, default=1.0, help="schedule length in epochs (default 1)")
     p.add_argument("--total-steps", type=int, default=None, help="schedule length in optimizer steps (overrides --epochs)")
     p.add_argument("--stop-after", type=int, default=None, help="stop this run at this step; --resume continues")
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor as a fraction of --lr (default 0)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default 2%% of the schedule)")
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -274,16 +277,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="samples per micro-batch per process (default 1)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step per process (default 1)")
     p.add_argument("--max-length", type=int, default=None, help="truncate samples to this many tokens")
-    p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll length (default 7)")
+    p.add_argument("--ttt-steps", type=int, default=2,
+                   help="training-time-test unroll length (default 2, the CPU's chain of 2; EAGLE-3 on GPUs: 7)")
     p.add_argument("--ttt-ramp", type=float, default=0.0,
                    help="grow the unroll from 1 step to --ttt-steps over this fraction of the schedule (default 0)")
-    p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary (default min(32000, target vocab))")
-    p.add_argument("--teacher-top-k", type=int, default=None,
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary (default min(8192, target vocab))")
+    p.add_argument("--teacher-top-k", type=int, default=16,
                    help="keep the target's top-k draft tokens per position, computed once per sample and cached "
-                        "(default: the dense teacher, recomputed every epoch)")
-    p.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
-                   help="positions the loss trains on: assistant tokens (default) or every token; held-out accuracy "
-                        "is always on assistant tokens")
+                        "(default 16; 0: the dense teacher over the whole draft vocabulary, recomputed every epoch)")
+    p.add_argument("--loss-on", choices=("assistant", "all"), default="all",
+                   help="positions the loss trains on: every token (default) or assistant tokens only; held-out "
+                        "accuracy is always on assistant tokens")
     p.add_argument("--feature-loss-weight", type=float, default=0.0,
                    help="weight of a smooth-L1 regression of the target's next last-layer state (EAGLE-1; default 0)")
     p.add_argument("--lm-head-init", choices=("random", "target"), default="random",
@@ -342,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="local sampling seed (default 0)")
     p.set_defaults(func=cmd_regen)
 
-    from eaglet.evaluate import CPU_CHAIN_DEPTH, CPU_TREE, DEFAULT_METHODS, METHODS, PROMPT_SETS
+    from eaglet.evaluate import CPU_CHAIN_DEPTH, CPU_MIN_DRAFT_PROB, CPU_TREE, DEFAULT_METHODS, METHODS, PROMPT_SETS
     p = sub.add_parser("eval", help="acceptance length and speedup of a drafter on prompt sets",
                        description="Decode prompt sets with plain greedy and with each method (speculative chain / "
                                    "tree with the drafter, Hugging Face prompt lookup), interleaved per prompt; report "
@@ -353,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_args(p, default="the target recorded in the drafter's checkpoint")
     p.add_argument("--prompts", type=parse_list, default=["mtbench"],
                    help=f"comma-separated prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file of "
-                        "{{\"prompt\"}} / {{\"turns\"}} / {{\"messages\"}} lines (default mtbench: first turns)")
+                        "{\"prompt\"} / {\"turns\"} / {\"messages\"} lines (default mtbench: first turns)")
     p.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each set (default: all)")
     p.add_argument("--methods", type=parse_list, default=list(DEFAULT_METHODS),
                    help=f"besides plain greedy, comma-separated from {', '.join(METHODS)} "
@@ -367,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "EAGLE-2's GPU setting is 60 with depth 7, top-k 10)")
     p.add_argument("--chain-depth", type=int, default=CPU_CHAIN_DEPTH,
                    help=f"draft tokens per pass in chain mode (default {CPU_CHAIN_DEPTH})")
+    p.add_argument("--min-draft-prob", type=float, default=CPU_MIN_DRAFT_PROB,
+                   help="propose only draft tokens whose path probability under the drafter is at least this; a "
+                        f"cycle with none left is a plain one-token pass (default {CPU_MIN_DRAFT_PROB})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     p.add_argument("--dtype", default="bf16", help="target and drafter dtype: bf16 (default), fp16, fp32")
@@ -390,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"eaglet {args.stage}: error: {e}", file=sys.stderr)
         return 2
     return 0

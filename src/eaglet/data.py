@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet import embedded
-from eaglet.formats import PreparedWriter, TokenizedSample
+from eaglet.formats import PREPARED_FILE, PreparedWriter, TokenizedSample
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +65,44 @@ def iter_json_array(path: Path, stats: ReadStats) -> Iterator[Any]:
     with open(path, "rb") as f:
         try:
             yield from ijson.items(f, "item", use_float=True)
-        except ijson.IncompleteJSONError:
-            stats.truncated_input = True
-            log.warning("%s is cut off mid-record: kept the %d complete records before the cut",
-                        path, stats.records)
+        except ijson.IncompleteJSONError as e:
+            if not array_is_closed(path):  # the file really ends early: a cut-off download or copy
+                stats.truncated_input = True
+                log.warning("%s is cut off mid-record: kept the %d complete records before the cut",
+                            path, stats.records)
+                return
+            # A syntax error inside a closed array: going on as if cut off would drop every
+            # record after it without a word.
+            detail = " ".join(str(e).split())  # the parser's message spans lines
+            raise ValueError(f"{path}: invalid JSON after record {stats.records} (near byte {f.tell()}: {detail}); "
+                             f"the array is closed, so this is not a cut-off file: fix or remove that record") from e
         except ijson.JSONError as e:
             raise ValueError(f"{path}: not a JSON array of chat records ({e})") from e
 
 
+def array_is_closed(path: Path) -> bool:
+    """Whether the file's last non-blank byte closes the top-level array."""
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - 256))
+        return f.read().rstrip().endswith(b"]")
+
+
 def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[Any]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    """Records of a JSONL file; a line that is not UTF-8 or not JSON is skipped and counted, the
+    first of each kind named with its line number."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 yield json.loads(line)
-            except json.JSONDecodeError:
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                reason = "line not UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON line"
                 stats.records += 1
-                stats.skipped["invalid JSON line"] += 1
-                if stats.skipped["invalid JSON line"] == 1:
-                    log.warning("%s:%d: invalid JSON line skipped (later ones are only counted)", path, line_no)
+                stats.skipped[reason] += 1
+                if stats.skipped[reason] == 1:
+                    log.warning("%s:%d: %s skipped (%s; later ones are only counted)", path, line_no, reason, e)
 
 
 def iter_records(source: str, stats: ReadStats) -> Iterator[tuple[str, Any]]:
@@ -269,13 +287,22 @@ def template_hash(tokenizer) -> str:
 
 
 def prepare(target: str | None, data: str, out: str | Path, max_length: int = 2048,
-            num_samples: int | None = None, skip: int = 0, command: str = "") -> PrepareSummary:
-    """Tokenize chats with the target's template and write the prepared dataset to `out`."""
+            num_samples: int | None = None, skip: int = 0, command: str = "",
+            overwrite: bool = False) -> PrepareSummary:
+    """Tokenize chats with the target's template and write the prepared dataset to `out`; a
+    prepared dataset already there is replaced only with `overwrite`."""
     from tqdm import tqdm
 
     from eaglet import __version__
     from eaglet.target import load_tokenizer, resolve_target
 
+    for name, value, least in (("max_length", max_length, 1), ("num_samples", num_samples, 1), ("skip", skip, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be >= {least}")
+    existing = Path(out) / PREPARED_FILE
+    if existing.exists() and not overwrite:
+        raise FileExistsError(f"--out {out} already holds a prepared dataset ({existing.name}); choose another "
+                              f"folder, or pass --overwrite to replace it")
     ref = resolve_target(target)
     tokenizer = load_tokenizer(ref)
     if not tokenizer.chat_template:

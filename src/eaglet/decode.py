@@ -32,6 +32,7 @@ distribution, whatever the drafter proposes.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, Sequence
@@ -255,8 +256,15 @@ class Eagle3Proposer:
     only: the inference twin of the training-time-test unroll.
     """
 
-    def __init__(self, drafter: nn.Module):
+    def __init__(self, drafter: nn.Module, min_prob: float = 0.0):
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob {min_prob}: a probability in [0, 1]")
         self.drafter = drafter
+        # A draft token whose path probability under the drafter (product along the path) is
+        # below min_prob is not proposed: where every extra verified token costs target time (a
+        # CPU), an unlikely draft costs more than it is expected to save. A cycle with no draft
+        # left is a plain one-token target pass.
+        self.min_log_prob = math.log(min_prob) if min_prob > 0 else -math.inf
         cfg = drafter.config
         self.cfg = cfg
         self.aux_layer_ids = list(cfg.aux_layer_ids)
@@ -361,6 +369,8 @@ class Eagle3Proposer:
         # candidates, in depth order: draft id, cumulative score, parent candidate (-1 = root)
         lp = self.log_probs(self.root_out[None])[0]
         scores, ids = lp.topk(k)
+        if scores[0] < self.min_log_prob:
+            return DraftTree.empty()
         cand_ids, cand_scores, cand_parent = [ids], [scores], [torch.full((k,), -1, device=device)]
         n_cand = k
         frontier = torch.arange(k, device=device)  # candidate indices of the frontier
@@ -370,6 +380,8 @@ class Eagle3Proposer:
         frontier_anc = torch.zeros(k, 0, dtype=torch.bool, device=device)  # ancestors among expanded
 
         for depth in range(1, max_depth):
+            if frontier_scores.max() < self.min_log_prob:  # scores only fall with depth: nothing left to keep
+                break
             n_exp = anc.shape[0]
             # the frontier sees its ancestors and itself among expanded nodes
             new_anc = torch.cat([frontier_anc, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
@@ -400,6 +412,9 @@ class Eagle3Proposer:
     def select(self, ids: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, total_tokens: int) -> DraftTree:
         # stable sort on descending score keeps depth order among ties: parents precede children
         order = torch.sort(scores, descending=True, stable=True).indices[:total_tokens]
+        order = order[scores[order] >= self.min_log_prob]  # ancestor-closed: a child never outscores its parent
+        if len(order) == 0:
+            return DraftTree.empty()
         kept = order.sort().values  # candidate order is depth order: topological
         keep = kept.tolist()
         local = {c: i for i, c in enumerate(keep)}
@@ -576,11 +591,17 @@ def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input
                          max_new_tokens: int, eos_ids: Sequence[int] = (), mode: str = "tree",
                          depth: int = DEFAULT_DEPTH, top_k: int = DEFAULT_TOP_K,
                          total_tokens: int = DEFAULT_TOTAL_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
-                         generator: torch.Generator | None = None) -> tuple[list[int], DecodeStats]:
+                         generator: torch.Generator | None = None, min_prob: float = 0.0) -> tuple[list[int], DecodeStats]:
     """Generate like `plain_generate` (token for token at T=0, in distribution at T>0) with
-    drafts verified by the target. `drafter` is an `Eagle3Draft` or any `Proposer`."""
+    drafts verified by the target. `drafter` is an `Eagle3Draft` or any `Proposer`; an
+    `Eagle3Draft` proposes only tokens whose path probability is >= `min_prob`."""
     depth, top_k, total_tokens = tree_limits(mode, depth, top_k, total_tokens)
-    proposer: Proposer = drafter if hasattr(drafter, "propose") else Eagle3Proposer(drafter)
+    if hasattr(drafter, "propose"):
+        if min_prob > 0:
+            raise ValueError("min_prob applies to an Eagle3Draft; give a Proposer its own threshold")
+        proposer: Proposer = drafter
+    else:
+        proposer = Eagle3Proposer(drafter, min_prob)
     if isinstance(proposer, Eagle3Proposer):
         proposer.reset()
     sampling = temperature > 0

@@ -48,6 +48,7 @@ DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
 # drafts win until the drafter is strong. On a GPU use EAGLE-2's 60/7/10.
 CPU_TREE = {"depth": 4, "top_k": 2, "total_tokens": 6}
 CPU_CHAIN_DEPTH = 2
+CPU_MIN_DRAFT_PROB = 0.0  # drafts below this path probability are not proposed (decode.Eagle3Proposer)
 PROMPT_LOOKUP_TOKENS = 10  # HF's own example value, and what the baseline figure was measured with
 # The embedded ShareGPT's first records feed `eaglet prepare` / `eaglet regen` by default; the
 # held-out prompts come from far behind them.
@@ -103,11 +104,15 @@ def sharegpt_prompts(start: int = SHAREGPT_HELDOUT_START) -> Iterator[Prompt]:
 def jsonl_prompts(path: Path) -> Iterator[Prompt]:
     """Any JSONL: one prompt per line, `{"prompt": str}`, `{"turns": [str, ...]}` or
     `{"messages": [...]}` ending with a user message; optional `"id"`."""
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 ({e})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -174,6 +179,7 @@ class DecodeSettings:
     top_k: int = CPU_TREE["top_k"]
     total_tokens: int = CPU_TREE["total_tokens"]
     chain_depth: int = CPU_CHAIN_DEPTH
+    min_draft_prob: float = CPU_MIN_DRAFT_PROB
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
@@ -203,7 +209,8 @@ def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids:
         depth = s.chain_depth if method == "chain" else s.depth
         toks, stats = speculative_generate(target, drafter, ids, s.max_new_tokens, s.eos_ids, mode=method,
                                            depth=depth, top_k=s.top_k, total_tokens=s.total_tokens,
-                                           temperature=s.temperature, top_p=s.top_p, generator=gen)
+                                           temperature=s.temperature, top_p=s.top_p, generator=gen,
+                                           min_prob=s.min_draft_prob)
         return Run(toks, stats.wall_s, stats.target_forwards, stats)
     if method in HF_METHODS:
         from eaglet.target import generation_config
@@ -354,12 +361,20 @@ def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, d
     labels = list(variants)
     totals = {label: MethodTotals() for label in labels}
     greedy = variants[BASELINE][1].temperature <= 0
+    max_positions = max_prompt_positions(target)
     k = 0
     for p in prompts:
         history = list(p.context)
         for turn_no, user_text in enumerate(p.turns):
             history.append({"role": "user", "content": user_text})
             ids = chat_prompt_ids(tokenizer, history)
+            if len(ids) >= max_positions:  # no room to answer; later turns only grow
+                for t in range(turn_no, len(p.turns)):
+                    records.append({"set": p.set_name, "id": p.id, "turn": t, "prompt_tokens": len(ids),
+                                    "skipped": f"prompt of {len(ids)} tokens leaves no room in the target's "
+                                               f"{max_positions} positions"})
+                    on_turn(totals)
+                break
             runs = {}
             for label in rotated(labels, k):
                 method, settings = variants[label]
@@ -388,9 +403,14 @@ def summarize(totals: dict[str, MethodTotals], compared: bool) -> dict[str, dict
             for label, t in totals.items()}
 
 
+def max_prompt_positions(target: nn.Module) -> int:
+    return int(getattr(target.config, "max_position_embeddings", None) or 1 << 30)
+
+
 def warm_up(variants: Variants, target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt) -> None:
     """One short untimed run per variant: first calls pay for allocations and kernel selection."""
     ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
+    ids = ids[-(max_prompt_positions(target) // 2):]  # untimed: any prompt that fits will do
     for method, s in variants.values():
         run_method(method, target, drafter, ids, replace(s, max_new_tokens=min(8, s.max_new_tokens)))
 
@@ -456,15 +476,23 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
             for spec, prompts in sets.items():
                 name = prompts[0].set_name
                 totals = evaluate_set(prompts, variants, model, drafter, tokenizer, on_turn, records)
+                if totals[BASELINE].turns == 0:
+                    raise ValueError(f"prompt set {spec!r}: every prompt is too long for the target's "
+                                     f"{max_prompt_positions(model)} positions")
                 results[name] = summarize(totals, compared=s.temperature <= 0)
         bar.close()
+        skipped = [r for r in records if "skipped" in r]
+        if skipped:
+            log.warning("%d prompt turn(s) skipped: longer than the target's %d positions (listed in eval.json)",
+                        len(skipped), max_prompt_positions(model))
 
         config = {"drafter": str(drafter_path), "target": ref.name, "target_revision": ref.revision,
                   "dtype": dtype, "device": str(dev), "threads": torch.get_num_threads(),
                   "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
                   "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                   "tree": {"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens},
-                  "chain_depth": s.chain_depth, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed}
+                  "chain_depth": s.chain_depth, "min_draft_prob": s.min_draft_prob, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed,
+                  "skipped_turns": len(skipped)}
         result = EvalResult(config, results, records)
         if out is not None:
             result.save(Path(out), plot, title=f"drafter {drafter_path} | target {Path(ref.name).name} | {dtype}, "

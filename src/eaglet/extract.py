@@ -64,9 +64,24 @@ class LayerCapture:
             h.remove()
 
 
+def incomplete_v1_file(path: Path, num_tokens: int, num_states: int) -> str | None:
+    """Why a file an earlier run left is not a complete, safe sample of `num_tokens` tokens (None:
+    it is). Cheap: the pickle is read with weights_only and the tensors are only mapped."""
+    if path.is_symlink() or not path.is_file():
+        return "not a regular file"
+    try:
+        s = formats.read_v1_sample(path, mmap=True)
+    except Exception as e:  # unsafe pickle, truncated zip, wrong schema: all mean "write it again"
+        return f"{type(e).__name__}: {e}"
+    shapes_ok = (tuple(s.input_ids.shape) == (num_tokens,) and tuple(s.loss_mask.shape) == (num_tokens,)
+                 and len(s.hidden_states) == num_states and all(h.shape[0] == num_tokens for h in s.hidden_states))
+    return None if shapes_ok else "shapes differ from the prepared sample"
+
+
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> None:
-    if len(layer_ids) < 2:
-        raise ValueError(f"--layer-ids {layer_ids}: need the aux ids and the last layer id {num_layers}")
+    if len(layer_ids) != formats.EAGLE3_NUM_STATES:
+        raise ValueError(f"--layer-ids {layer_ids}: EAGLE-3 fuses exactly {formats.EAGLE3_NUM_STATES - 1} aux "
+                         f"layers; give {formats.EAGLE3_NUM_STATES - 1} aux ids and the last layer id {num_layers}")
     if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
         raise ValueError(f"--layer-ids {layer_ids}: must be strictly increasing")
     if layer_ids[0] < 1 or layer_ids[-1] != num_layers:
@@ -226,6 +241,8 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     from eaglet.data import template_hash
     from eaglet.target import decoder_layers, default_layer_ids, load_target, load_tokenizer, parse_dtype, pick_device
 
+    if num_shards < 1:
+        raise ValueError(f"--num-shards {num_shards}: must be >= 1")
     if not 0 <= shard_id < num_shards:
         raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
     out = Path(out)
@@ -253,6 +270,13 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     if stale:
         log.info("removed %d partial files left by an earlier run", stale)
     todo = [i for i in mine if not formats.v1_sample_exists(out, i)]
+    missing = set(todo)
+    redo = [(i, why) for i in mine if i not in missing
+            for why in [incomplete_v1_file(out / formats.v1_relative_path(i), lengths[i], len(layer_ids))] if why]
+    if redo:
+        log.warning("%d existing file(s) are not complete safe samples and will be redone (first: %s: %s)",
+                    len(redo), formats.v1_relative_path(redo[0][0]), redo[0][1])
+        todo = sorted(todo + [i for i, _ in redo])
     batches = length_batches(todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
     total_tokens = sum(lengths[i] for i in todo)
 

@@ -68,8 +68,12 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def read_json(path: str | os.PathLike) -> Any:
+    """The parsed file; a malformed one is a ValueError that names it (and line/column)."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e}); the file is damaged or cut off") from e
 
 
 def torch_save_atomic(obj: Any, path: str | os.PathLike, fsync: bool = True) -> None:

@@ -65,7 +65,7 @@ class TrainConfig:
     epochs: float = 1.0  # length of the schedule when `total_steps` is not given
     total_steps: int | None = None  # optimizer steps of the schedule (overrides epochs)
     stop_after: int | None = None  # end this run at this step (the schedule is unchanged; resume later)
-    lr: float = 1e-4
+    lr: float = 2e-3  # batch 1; bench/train_efficiency.py "learning"
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     warmup_steps: int | None = None  # default: 2% of the schedule, at least 1
     weight_decay: float = 0.0
@@ -75,9 +75,9 @@ class TrainConfig:
     max_length: int | None = None  # truncate samples to this many tokens
     ttt_steps: int = DEFAULT_TTT_STEPS
     ttt_ramp: float = 0.0  # over this fraction of the schedule the unroll grows from 1 step to ttt_steps
-    draft_vocab_size: int | None = None  # default min(32000, target vocab)
-    teacher_top_k: int | None = None  # keep the teacher's top-k draft ids, computed once per sample (None: dense)
-    loss_on: str = "assistant"  # positions the loss uses: assistant tokens, or every real token ("all")
+    draft_vocab_size: int | None = None  # default min(8192, target vocab)
+    teacher_top_k: int | None = 16  # keep the teacher's top-k draft ids, computed once per sample (0/None: dense)
+    loss_on: str = "all"  # positions the loss uses: every real token, or assistant tokens only
     feature_loss_weight: float = 0.0  # EAGLE-1 regression of the target's next last-layer state
     lm_head_init: str = "random"  # or "target": the target's LM head rows and final norm
     freeze_lm_head: bool = False  # keep the LM head (and final norm) as initialised
@@ -106,15 +106,39 @@ class TrainConfig:
                   "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm", "norm_output", "bf16",
                   "time_budget", "eval_fraction", "seed")
 
+    # Numeric options and what they may be (None: the option's default applies).
+    AT_LEAST_ONE = ("total_steps", "stop_after", "batch_size", "grad_accum", "max_length", "ttt_steps",
+                    "draft_vocab_size", "eval_every", "evals", "save_every", "log_every")
+    AT_LEAST_ZERO = ("warmup_steps", "keep_checkpoints", "weight_decay", "feature_loss_weight")
+    ABOVE_ZERO = ("epochs", "lr", "max_grad_norm")
+
     def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be {rule}")
+
+        for name in self.AT_LEAST_ONE:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise bad(name, ">= 1")
+        for name in self.AT_LEAST_ZERO:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise bad(name, ">= 0")
+        for name in self.ABOVE_ZERO:
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise bad(name, "> 0")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise bad("eval_fraction", "a fraction in [0, 1): the share of samples held out")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise bad("min_lr_ratio", "in [0, 1]")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"--loss-on {self.loss_on!r}: choose one of {list(LOSS_ON)}")
         if self.lm_head_init not in LM_HEAD_INITS:
             raise ValueError(f"--lm-head-init {self.lm_head_init!r}: choose one of {list(LM_HEAD_INITS)}")
         if self.freeze_lm_head and self.lm_head_init != "target":
             raise ValueError("--freeze-lm-head keeps the LM head as initialised: it needs --lm-head-init target")
-        if self.teacher_top_k is not None and self.teacher_top_k < 1:
-            raise ValueError(f"--teacher-top-k {self.teacher_top_k}: must be >= 1 (or unset for the dense teacher)")
+        if self.teacher_top_k is not None and self.teacher_top_k < 0:
+            raise ValueError(f"--teacher-top-k {self.teacher_top_k}: must be >= 1, or 0 for the dense teacher")
+        if self.teacher_top_k == 0:
+            self.teacher_top_k = None  # one spelling of "dense" in train_config.json
         if not 0.0 <= self.ttt_ramp < 1.0:
             raise ValueError(f"--ttt-ramp {self.ttt_ramp}: a fraction of the schedule in [0, 1)")
         if self.time_budget is not None and self.time_budget <= 0:
