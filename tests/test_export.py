@@ -321,6 +321,15 @@ def test_export_refuses_broken_weights(tmp_path, ckpt, edit, message):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"\xff" * 64])
+def test_export_names_a_truncated_or_garbage_weights_file(tmp_path, ckpt, damage):
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file, truncated or damaged"):
+        export_drafter(ckpt, tmp_path / "out", "speculators")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("ids,message", [([], "field aux_layer_ids is missing or empty"),
                                          ([5, 4, 2], "expected 3 increasing integer ids >= 1")])
 def test_export_refuses_bad_layer_ids(tmp_path, ckpt, ids, message):

@@ -373,11 +373,20 @@ def write_hs_safetensors_sample(folder: str | os.PathLike, row: int, token_ids: 
     return path
 
 
-def read_hs_safetensors_sample(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """safetensors holds only raw tensors, so reading one can never run code."""
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (raw tensors only: reading one never runs code); a
+    truncated or damaged file is a ValueError that names it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    return load_file(str(path), device="cpu")
+    try:
+        return load_file(str(path), device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file, truncated or damaged ({e})") from e
+
+
+def read_hs_safetensors_sample(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    return read_safetensors(path)
 
 
 @dataclass
@@ -906,11 +915,9 @@ def weight_files(folder: Path) -> list[Path]:
 
 def read_weight_files(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a model folder; `.bin` files load with weights_only=True (no pickled code runs)."""
-    from safetensors.torch import load_file
-
     out: dict[str, torch.Tensor] = {}
     for path in weight_files(Path(folder)):
-        part = load_file(str(path), device="cpu") if path.suffix == ".safetensors" else torch_load_safe(path)
+        part = read_safetensors(path) if path.suffix == ".safetensors" else torch_load_safe(path)
         if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
             raise ValueError(f"{path}: expected a flat dict of tensors")
         for name in part.keys() & out.keys():

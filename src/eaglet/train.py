@@ -769,9 +769,7 @@ def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:
 
 
 def load_draft_weights(model: Eagle3Draft, folder: Path) -> None:
-    from safetensors.torch import load_file
-
-    model.load_state_dict(load_file(str(folder / MODEL_FILE)))
+    model.load_state_dict(formats.read_safetensors(folder / MODEL_FILE))
 
 
 def load_checkpoint(folder: str | Path) -> Eagle3Draft:
