@@ -19,14 +19,16 @@ import time
 import torch
 
 from eaglet.decode import TargetRunner
+from eaglet.draft_model import acceptance_length
 from eaglet.target import load_target, parse_dtype, resolve_target
 
 MAX_Q = 8
 
 
 def expected_tokens(p: float, drafted: int) -> float:
-    """Tokens a cycle yields when each of `drafted` chained drafts is accepted with probability p."""
-    return sum(p ** i for i in range(drafted + 1))
+    """Tokens a cycle yields when each of `drafted` chained drafts is accepted with probability p
+    (the target's own token included)."""
+    return 1.0 + acceptance_length([p] * drafted)
 
 
 def break_even_acceptance(cost_ratio: float, drafted: int) -> float | None:

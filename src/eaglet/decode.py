@@ -428,6 +428,11 @@ class Eagle3Proposer:
 # The target side
 # ---------------------------------------------------------------------------------------------
 
+def max_positions(model: nn.Module) -> int:
+    """How many positions (prompt + output) the target holds; unbounded when its config does not say."""
+    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+
+
 class TargetRunner:
     """The HF target with its DynamicCache and (optionally) hooks on the aux layers."""
 
@@ -444,7 +449,7 @@ class TargetRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.max_positions = max_positions(model)
         self.cache = DynamicCache(config=model.config)
         self.capture = LayerCapture(decoder_layers(model), aux_layer_ids) if aux_layer_ids else None
         self.forwards = 0

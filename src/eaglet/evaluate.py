@@ -30,7 +30,7 @@ from torch import nn
 
 from eaglet import embedded, formats
 from eaglet.data import EMBEDDED_SHAREGPT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
-from eaglet.decode import DecodeStats, plain_generate, speculative_generate, truncate_at_eos
+from eaglet.decode import DecodeStats, max_positions, plain_generate, speculative_generate, truncate_at_eos
 from eaglet.draft_model import Eagle3Draft
 
 log = logging.getLogger(__name__)
@@ -361,18 +361,18 @@ def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, d
     labels = list(variants)
     totals = {label: MethodTotals() for label in labels}
     greedy = variants[BASELINE][1].temperature <= 0
-    max_positions = max_prompt_positions(target)
+    positions = max_positions(target)
     k = 0
     for p in prompts:
         history = list(p.context)
         for turn_no, user_text in enumerate(p.turns):
             history.append({"role": "user", "content": user_text})
             ids = chat_prompt_ids(tokenizer, history)
-            if len(ids) >= max_positions:  # no room to answer; later turns only grow
+            if len(ids) >= positions:  # no room to answer; later turns only grow
                 for t in range(turn_no, len(p.turns)):
                     records.append({"set": p.set_name, "id": p.id, "turn": t, "prompt_tokens": len(ids),
                                     "skipped": f"prompt of {len(ids)} tokens leaves no room in the target's "
-                                               f"{max_positions} positions"})
+                                               f"{positions} positions"})
                     on_turn(totals)
                 break
             runs = {}
@@ -403,14 +403,10 @@ def summarize(totals: dict[str, MethodTotals], compared: bool) -> dict[str, dict
             for label, t in totals.items()}
 
 
-def max_prompt_positions(target: nn.Module) -> int:
-    return int(getattr(target.config, "max_position_embeddings", None) or 1 << 30)
-
-
 def warm_up(variants: Variants, target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt) -> None:
     """One short untimed run per variant: first calls pay for allocations and kernel selection."""
     ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
-    ids = ids[-(max_prompt_positions(target) // 2):]  # untimed: any prompt that fits will do
+    ids = ids[-(max_positions(target) // 2):]  # untimed: any prompt that fits will do
     for method, s in variants.values():
         run_method(method, target, drafter, ids, replace(s, max_new_tokens=min(8, s.max_new_tokens)))
 
@@ -478,13 +474,13 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
                 totals = evaluate_set(prompts, variants, model, drafter, tokenizer, on_turn, records)
                 if totals[BASELINE].turns == 0:
                     raise ValueError(f"prompt set {spec!r}: every prompt is too long for the target's "
-                                     f"{max_prompt_positions(model)} positions")
+                                     f"{max_positions(model)} positions")
                 results[name] = summarize(totals, compared=s.temperature <= 0)
         bar.close()
         skipped = [r for r in records if "skipped" in r]
         if skipped:
             log.warning("%d prompt turn(s) skipped: longer than the target's %d positions (listed in eval.json)",
-                        len(skipped), max_prompt_positions(model))
+                        len(skipped), max_positions(model))
 
         config = {"drafter": str(drafter_path), "target": ref.name, "target_revision": ref.revision,
                   "dtype": dtype, "device": str(dev), "threads": torch.get_num_threads(),
