@@ -1,4 +1,5 @@
-"""Which draft shapes pay off on this machine: chain depths and tree sizes, side by side.
+"""Which draft shapes pay off on this machine: chain depths, tree sizes, prompt lookup and
+hybrids of the drafter's chain with prompt lookup, side by side.
 
     python bench/decode_sweep.py DRAFTER [--target T] [--prompts mtbench] [--num-prompts 8]
         [--skip-prompts N] [--max-new-tokens 96] [--threads 1] [--dtype bf16] [--only LABELS]
@@ -8,8 +9,8 @@ Runs `eaglet eval`'s own loop (`evaluate.evaluate_set`) with one variant per sha
 prompt, plain greedy and every configuration decode the same prompt in a rotating order (machine
 drift spreads evenly); prints tau, acceptance per draft position, tokens/s, speedup over plain
 greedy and its ceiling, all measured in this one run. The defaults of `eaglet eval`
-(`evaluate.CPU_TREE`, `evaluate.CPU_CHAIN_DEPTH`, `evaluate.CPU_MIN_DRAFT_PROB`) were chosen
-with it. `--min-draft-probs` crosses every shape with each draft-probability floor
+(`evaluate.CPU_TREE`, `evaluate.CPU_CHAIN_DEPTH`, `evaluate.CPU_MIN_DRAFT_PROB`,
+`evaluate.HYBRID_LOOKUP_TOKENS`) were chosen with it. `--min-draft-probs` crosses every shape with each draft-probability floor
 (`eaglet eval --min-draft-prob`): drafts the drafter itself finds unlikely are not verified.
 """
 
@@ -20,19 +21,22 @@ from dataclasses import replace
 
 import torch
 
-from eaglet.evaluate import (BASELINE, DecodeSettings, evaluate_set, format_table, load_prompt_set, summarize,
-                             torch_threads, warm_up)
+from eaglet.evaluate import (BASELINE, SPEC_METHODS, DecodeSettings, evaluate_set, format_table, load_prompt_set,
+                             summarize, torch_threads, warm_up)
 from eaglet.export import load_drafter_for_target
 from eaglet.regen import stop_token_ids
 from eaglet.target import load_target, load_tokenizer, parse_dtype, resolve_target
 
-# (label, method, depth, top_k, total_tokens)
+# (label, method, settings that differ from eaglet eval's defaults)
 CONFIGS = [
-    ("chain 1", "chain", 1, 1, 1), ("chain 2", "chain", 2, 1, 2), ("chain 3", "chain", 3, 1, 3),
-    ("chain 4", "chain", 4, 1, 4), ("chain 5", "chain", 5, 1, 5), ("chain 6", "chain", 6, 1, 6),
-    ("tree 2/2/3", "tree", 2, 2, 3), ("tree 3/2/4", "tree", 3, 2, 4), ("tree 4/2/6", "tree", 4, 2, 6),
-    ("tree 5/4/12", "tree", 5, 4, 12), ("tree 5/4/20", "tree", 5, 4, 20), ("tree 6/8/30", "tree", 6, 8, 30),
-    ("tree 7/10/60", "tree", 7, 10, 60),
+    *((f"chain {d}", "chain", dict(chain_depth=d)) for d in range(1, 7)),
+    *((f"tree {d}/{k}/{n}", "tree", dict(depth=d, top_k=k, total_tokens=n))
+      for d, k, n in ((2, 2, 3), (3, 2, 4), (4, 2, 6), (5, 4, 12), (5, 4, 20), (6, 8, 30), (7, 10, 60))),
+    ("prompt-lookup", "prompt-lookup", {}),  # Hugging Face's, 10 tokens
+    *((f"ngram {n}", "ngram", dict(lookup_tokens=n)) for n in (2, 4, 6, 10)),
+    *((f"hybrid chain {d} + {n}", "hybrid", dict(chain_depth=d, lookup_tokens=n))
+      for d, n in ((1, 2), (1, 4), (2, 2), (2, 4), (2, 6), (3, 4))),
+    ("hybrid tree 4/2/6 + 4", "hybrid", dict(hybrid_draft="tree", depth=4, top_k=2, total_tokens=6, lookup_tokens=4)),
 ]
 
 
@@ -59,12 +63,11 @@ def main() -> None:
     base = DecodeSettings(max_new_tokens=args.max_new_tokens, eos_ids=tuple(sorted(stop_token_ids(model, tokenizer))))
     variants = {BASELINE: (BASELINE, base)}
     floors = [float(x) for x in args.min_draft_probs.split(",")]
-    for label, method, d, k, n in CONFIGS:
+    for label, method, changes in CONFIGS:
         if args.only is None or label in args.only.split(","):
-            for floor in floors:
+            for floor in floors if method in SPEC_METHODS else [0.0]:
                 name = label if floor == 0 else f"{label} p>={floor:g}"
-                variants[name] = (method, replace(base, depth=d, chain_depth=d, top_k=k, total_tokens=n,
-                                                  min_draft_prob=floor))
+                variants[name] = (method, replace(base, **changes, min_draft_prob=floor))
     prompts = load_prompt_set(args.prompts, args.skip_prompts + args.num_prompts)[args.skip_prompts:]
 
     def progress(totals) -> None:

@@ -290,6 +290,25 @@ def test_duplicate_index_and_folder_naming(copy):
     assert_found(report, C.FOLDER_NAMING, str(other / "data_3.pt"), "outside its folder")
 
 
+def test_symlinks_that_loop_or_lead_nowhere(copy):
+    """A self-loop, a dangling link and a folder link inside a rows folder are named, not skipped silently."""
+    ds = copy()
+    rows = sample_path(ds, 5).parent
+    sample_path(ds, 5).unlink()
+    (rows / "data_5.pt").symlink_to("data_5.pt")  # loops onto itself
+    (rows / "data_40.pt").symlink_to("nowhere.pt")
+    (rows / "loop").symlink_to(".")
+    (rows / "data_6.pt").rename(ds / "elsewhere.pt")
+    (rows / "data_6.pt").symlink_to(ds / "elsewhere.pt")  # a link to a real file is a sample like any other
+    report = C.check_dataset(ds, use_target=False)
+    assert not report.clean
+    assert_found(report, C.BROKEN_LINK, str(rows / "data_5.pt"), "loops")
+    assert_found(report, C.BROKEN_LINK, str(rows / "data_40.pt"), "does not exist")
+    assert [p for p in report.problems if p.severity == C.WARNING and "not followed" in p.message]
+    assert_found(report, C.MISSING_INDEX, None, "5")
+    assert not [p for p in report.problems if p.path.endswith("data_6.pt")]
+
+
 def test_misnamed_folder(copy):
     ds = copy()
     hs = ds / formats.HIDDEN_STATES_DIR

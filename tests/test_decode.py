@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from eaglet.decode import (DraftTree, Eagle3Proposer, accept_greedy, accept_sampling, ancestor_matrix,
+from eaglet.decode import (BOTH, DRAFTER, NGRAM, DraftTree, Eagle3Proposer, HybridProposer, NgramProposer,
+                           accept_greedy, accept_sampling, ancestor_matrix, merge_chain,
                            plain_generate, plain_greedy, process_probs, speculative_generate, tree_attention_mask)
 from eaglet.draft_model import DraftConfig, Eagle3Draft
 
@@ -418,7 +419,10 @@ class TargetTreeProposer:
         return DraftTree(tokens, parents)
 
 
-def test_sampling_matches_target_distribution(target):
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_sampling_matches_target_distribution(target, hybrid):
+    """With `hybrid`, prompt lookup adds the target's top token (7 follows 7 here) beside the
+    drafted siblings: rejection sampling over the merged tree's siblings must stay exact."""
     T, top_p, n = 0.05, 0.9, 500
     prompt = PROMPTS[0]
     with torch.no_grad():
@@ -429,18 +433,26 @@ def test_sampling_matches_target_distribution(target):
                 for i, a in enumerate(support) for b in p2[i].nonzero().flatten().tolist()}
     gen = torch.Generator().manual_seed(0)
     proposer = TargetTreeProposer(target)
+    depth, top_k, total = 2, 3, 9
+    if hybrid:
+        proposer = HybridProposer(proposer, NgramProposer(3), (depth, top_k, total), lookup_tokens=2)
+        depth, top_k, total = proposer.limits
     counts: Counter = Counter()
     accepted: Counter = Counter()
+    sources: Counter = Counter()
     for _ in range(n):
         # 4 tokens: 1 from the prefill, then a depth-2 tree (its max with 3 tokens left)
         out, stats = speculative_generate(target, proposer, prompt, 4, temperature=T, top_p=top_p, generator=gen,
-                                          depth=2, top_k=3, total_tokens=9)
+                                          depth=depth, top_k=top_k, total_tokens=total)
         counts[(out[0], out[1])] += 1
         accepted.update({m: c for m, c in enumerate(stats.accept_counts)})
+        sources.update(stats.accepted_from)
     stat, dof, ok = chi_square_ok(counts, expected, n)
     assert ok, (stat, dof)
     # rejections, depth-1 and depth-2 acceptances were all exercised
     assert min(accepted[0], accepted[1], accepted[2]) > 30, accepted
+    if hybrid:  # and both proposers' siblings were accepted
+        assert min(sources[NGRAM], sources[DRAFTER]) > 30, sources
     # and plain sampling draws from the same law (a check of the reference itself)
     gen = torch.Generator().manual_seed(1)
     plain = Counter(tuple(plain_generate(target, prompt, 2, temperature=T, top_p=top_p, generator=gen)[0])
@@ -463,3 +475,60 @@ def test_verify_cost_bench_break_even(target):
     assert verify_cost.break_even_acceptance(2.5, 1) is None  # one draft yields at most 2 tokens
     costs = verify_cost.pass_costs(target, context=12, repeats=1)
     assert len(costs) == verify_cost.MAX_Q and all(c > 0 for c in costs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt lookup and the hybrid proposer
+# ---------------------------------------------------------------------------------------------
+
+def test_ngram_lookup_takes_the_longest_latest_match():
+    p = NgramProposer(max_ngram=3)
+    seq = [1, 2, 9, 1, 2, 7, 5, 1, 2]
+    p.observe(seq, None)
+    assert p.propose(3, 1, 3).tokens == [7, 5, 1]  # [1, 2] last seen before 7 (not the first, before 9)
+    seq += [7, 5]
+    p.observe(seq, None)  # the index grows with the sequence: [2, 7, 5] now matches at length 3
+    assert p.propose(4, 1, 4).tokens == [1, 2, 7, 5]
+    assert p.propose(2, 1, 4).tokens == [1, 2]  # within max_depth
+    p.observe([4, 4, 3], None)  # a shorter sequence is another sequence
+    assert p.propose(3, 1, 3).tokens == []  # 3 never occurred before
+    assert NgramProposer(2, 2).propose(3, 1, 3).tokens == []
+
+
+def test_merge_chain_shares_prefixes_and_names_sources():
+    tree = DraftTree([5, 6, 9], [-1, 0, -1])
+    merged, sources = merge_chain(tree, [5, 7, 8])
+    assert merged.tokens == [5, 6, 9, 7, 8] and merged.parents == [-1, 0, -1, 0, 3]
+    assert sources == [BOTH, DRAFTER, DRAFTER, NGRAM, NGRAM]
+    merged.validate(max_depth=3, max_nodes=5)
+    same, sources = merge_chain(DraftTree.chain([5, 6]), [5, 6])
+    assert same == DraftTree.chain([5, 6]) and sources == [BOTH, BOTH]
+    assert merge_chain(DraftTree.empty(), [3, 4]) == (DraftTree.chain([3, 4]), [NGRAM, NGRAM])
+
+
+COPY_PROMPT = [300, 12, 13, 14, 88, 91, 150, 2, 77, 31] * 3 + [300, 12]  # copy-heavy: lookup finds the rest
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_hybrid_is_exact_and_both_proposers_contribute(target, mode):
+    limits = (2, 1, 2) if mode == "chain" else (3, 2, 5)
+    drafter = make_drafter(target)
+    used: Counter = Counter()
+    for prompt in [*PROMPTS, COPY_PROMPT]:
+        ref = plain_greedy(target, prompt, 24)
+        hybrid = HybridProposer(Eagle3Proposer(drafter), NgramProposer(3), limits, lookup_tokens=4)
+        depth, top_k, total = hybrid.limits
+        out, stats = speculative_generate(target, hybrid, prompt, 24, depth=depth, top_k=top_k, total_tokens=total)
+        assert out == ref
+        assert sum(stats.accepted_from.values()) == sum(m * c for m, c in enumerate(stats.accept_counts))
+        used.update(stats.accepted_from)
+    assert used[NGRAM] > 0, used  # the random drafter alone would accept next to nothing here
+
+
+def test_hybrid_with_an_oracle_drafter_accepts_everything(target):
+    depth, new = 3, 33
+    for prompt in [PROMPTS[0], COPY_PROMPT]:
+        ref = plain_greedy(target, prompt, new)
+        hybrid = HybridProposer(OracleProposer(prompt + ref, 400), NgramProposer(3), (depth, 1, depth), 2)
+        out, stats = speculative_generate(target, hybrid, prompt, new, depth=depth, top_k=1, total_tokens=depth + 2)
+        assert out == ref and stats.acceptance_rates == [1.0] * depth

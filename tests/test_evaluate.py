@@ -105,15 +105,18 @@ def test_eval_end_to_end_fp32_is_exact(tiny_target, drafter_ckpt, tmp_path, one_
     out = tmp_path / "eval"
     settings = DecodeSettings(max_new_tokens=12, depth=3, top_k=3, total_tokens=8, chain_depth=3)
     result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                      methods=["chain", "tree", "prompt-lookup", "hf-greedy"], settings=settings, dtype="fp32",
+                      methods=["chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"], settings=settings,
+                      dtype="fp32",
                       device="cpu", out=out, progress=False)
     r = result.sets["prompts"]
     assert r["plain"]["turns"] == 3 and r["plain"]["tau"] == 1.0
-    for m in ("chain", "tree", "prompt-lookup", "hf-greedy"):
+    for m in ("chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"):
         assert r[m]["identical_share"] == 1.0, (m, r[m])
         assert r[m]["new_tokens"] == r["plain"]["new_tokens"]
         assert r[m]["speedup"] > 0
     assert len(r["tree"]["acceptance_rates"]) >= 1
+    assert set(r["hybrid"]["accepted_from"]) <= {"drafter", "ngram", "both"}
+    assert set(r["ngram"]["accepted_from"]) <= {"ngram"} and set(r["chain"]["accepted_from"]) <= {"drafter"}
     saved = formats.read_json(out / "eval.json")
     assert saved["sets"] == json.loads(json.dumps(result.sets))
     assert [(p["id"], p["turn"]) for p in saved["prompts"]] == [("x", 0), ("y", 0), ("y", 1)]

@@ -91,15 +91,23 @@ def test_train_writes_metrics_and_checkpoints(dataset, tmp_path):
         train(dataset, run, total_steps=8, show_progress=False, **FAST)
 
 
-def test_resume_continues_exactly(dataset, tmp_path):
+def test_resume_continues_exactly(dataset, tmp_path, capsys):
+    """`train --out R --resume` alone takes the run's settings; a kill's half-written checkpoint is removed."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(dataset, straight, total_steps=8, show_progress=False, **FAST)
     first = train(dataset, resumed, total_steps=8, stop_after=4, show_progress=False, **FAST)
     assert first.step == 4
-    train(dataset, resumed, total_steps=8, resume=True, show_progress=False, **FAST)
+    half_written = resumed / "checkpoints" / f".step_00000006{formats.TMP_MARK}k1ll3d"
+    half_written.mkdir()
+    (half_written / "model.safetensors").write_bytes(b"cut")
+    assert cli_main(["train", str(dataset), "--out", str(resumed), "--resume", "--log-every", "2"]) == 0
     a, b = weights(straight, 8), weights(resumed, 8)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["step"] for r in iter_metrics(resumed)] == [r["step"] for r in iter_metrics(straight)]
+    assert not half_written.exists()
+    capsys.readouterr()
+    assert cli_main(["train", str(dataset), "--out", str(resumed), "--resume", "--lr", "1e-3"]) == 2
+    assert "'lr': (0.003, 0.001)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="lr"):
         train(dataset, resumed, total_steps=8, resume=True, show_progress=False, **{**FAST, "lr": 1e-3})
 
@@ -301,8 +309,8 @@ def test_auto_dtype_is_bf16_only_where_fast():
     ({"batch_size": 0}, "--batch-size 0: must be >= 1"),
     ({"ttt_steps": 0}, "--ttt-steps 0: must be >= 1"),
     ({"max_length": -5}, "--max-length -5: must be >= 1"),
-    ({"eval_fraction": 1.5}, r"--eval-fraction 1.5: must be a fraction in \[0, 1\)"),
-    ({"eval_fraction": -0.5}, r"--eval-fraction -0.5: must be a fraction in \[0, 1\)"),
+    ({"eval_fraction": 1.5}, r"--eval-fraction 1.5: must be in \[0, 1\): the share of samples held out"),
+    ({"eval_fraction": -0.5}, r"--eval-fraction -0.5: must be in \[0, 1\)"),
     ({"lr": 0.0}, "--lr 0.0: must be > 0"),
     ({"lr": float("nan")}, "--lr nan: must be > 0"),
     ({"warmup_steps": -1}, "--warmup-steps -1: must be >= 0"),

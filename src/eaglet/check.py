@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from eaglet import formats
+from eaglet import formats, ranges
 
 # Problem kinds: stable names (tests and `--json` users match on them), grouped in the report.
 UNSAFE_PICKLE = "unsafe pickle"
@@ -51,6 +51,7 @@ DUPLICATE_INDEX = "duplicate index"
 MISSING_INDEX = "missing index"
 FOLDER_NAMING = "folder naming"
 STRAY_FILE = "stray file"
+BROKEN_LINK = "broken link"
 NO_FILES = "no hidden-state files"
 LAYER_IDENTITY = "layer identity"
 MASK_TEMPLATE = "mask vs chat template"
@@ -579,6 +580,10 @@ def index_problems(listing: formats.DatasetFiles, expected_count: int | None) ->
     for p in listing.stray:
         out.append(Problem(STRAY_FILE, str(p), "not a hidden-state file of this layout (a killed writer's temp "
                                                "file?)", WARNING))
+    for p, why in listing.broken_links:
+        out.append(Problem(BROKEN_LINK, str(p), f"{why}; replace it with the file or remove it"))
+    for p, why in listing.unfollowed_links:
+        out.append(Problem(BROKEN_LINK, str(p), why, WARNING))
     return out
 
 
@@ -889,6 +894,8 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
                   identity_samples: int = 3, workers: int | None = None) -> CheckReport:
     """Check every file of the hidden-state dataset at `path`; with a target (`target`, else
     data_config's `target_path`), also layer identity and mask-vs-template on sampled files."""
+    ranges.at_least(0, identity_samples=identity_samples)
+    ranges.at_least(1, workers=workers)
     root = Path(path)
     report = CheckReport(str(root))
     if not root.is_dir():

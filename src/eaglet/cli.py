@@ -6,6 +6,7 @@ import argparse
 import logging
 import shlex
 import sys
+from pathlib import Path
 
 DEMO_OUT = "runs/demo"
 
@@ -89,17 +90,21 @@ def cmd_check(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+TRAIN_OPTIONS = ("epochs", "total_steps", "stop_after", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
+                 "max_grad_norm", "batch_size", "grad_accum", "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size",
+                 "teacher_top_k", "loss_on", "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm",
+                 "norm_output", "bf16", "time_budget", "eval_fraction", "eval_every", "evals", "save_every",
+                 "log_every", "keep_checkpoints", "seed", "device", "online", "target_dtype", "aux_layer_ids",
+                 "last_hidden_state")
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from eaglet.train import train
 
-    options = {k: getattr(args, k) for k in ("epochs", "total_steps", "stop_after", "lr", "min_lr_ratio", "warmup_steps",
-                                             "weight_decay", "max_grad_norm", "batch_size", "grad_accum", "max_length",
-                                             "ttt_steps", "ttt_ramp", "draft_vocab_size", "teacher_top_k", "loss_on",
-                                             "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm",
-                                             "norm_output", "bf16", "time_budget", "eval_fraction", "eval_every",
-                                             "evals", "save_every", "log_every",
-                                             "keep_checkpoints", "seed", "device", "online", "target_dtype",
-                                             "aux_layer_ids", "last_hidden_state")}
+    names = TRAIN_OPTIONS
+    if args.resume:  # the run's own settings apply; pass on only what was given now, to be compared with them
+        names = tuple(given_options(args, TRAIN_OPTIONS))
+    options = {k: getattr(args, k) for k in names}
     summary = train(args.data, args.out, args.target, args.resume, command=args.command, **options)
     print("\n".join(summary.lines()))
 
@@ -139,7 +144,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     settings = DecodeSettings(max_new_tokens=args.max_new_tokens, depth=args.depth, top_k=args.top_k,
                               total_tokens=args.total_tokens, chain_depth=args.chain_depth,
-                              min_draft_prob=args.min_draft_prob,
+                              min_draft_prob=args.min_draft_prob, lookup_tokens=args.lookup_tokens,
+                              max_ngram=args.max_ngram, hybrid_draft=args.hybrid_draft,
                               temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     result = evaluate(args.drafter, args.target, args.prompts, args.num_prompts, args.methods, settings, args.dtype,
                       args.device, args.threads, args.out, plot=not args.no_plot)
@@ -193,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models and prove they speed up decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    parser.stage_parsers = sub.choices  # name -> subparser (read by given_options)
 
     p = sub.add_parser("prepare", help="chat data -> tokens + assistant-only loss mask",
                        description="Tokenize chats with the target's chat template; loss_mask = 1 on assistant tokens.")
@@ -346,10 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="local sampling seed (default 0)")
     p.set_defaults(func=cmd_regen)
 
-    from eaglet.evaluate import CPU_CHAIN_DEPTH, CPU_MIN_DRAFT_PROB, CPU_TREE, DEFAULT_METHODS, METHODS, PROMPT_SETS
+    from eaglet.evaluate import (CPU_CHAIN_DEPTH, CPU_MIN_DRAFT_PROB, CPU_TREE, DEFAULT_METHODS, HYBRID_DRAFTS,
+                                 HYBRID_LOOKUP_TOKENS, HYBRID_MAX_NGRAM, METHODS, PROMPT_SETS)
     p = sub.add_parser("eval", help="acceptance length and speedup of a drafter on prompt sets",
                        description="Decode prompt sets with plain greedy and with each method (speculative chain / "
-                                   "tree with the drafter, Hugging Face prompt lookup), interleaved per prompt; report "
+                                   "tree with the drafter; hybrid: the drafter's chain and prompt lookup's continuation "
+                                   "verified in one pass; ngram: prompt lookup in eaglet's engine; Hugging Face prompt "
+                                   "lookup), interleaved per prompt; report "
                                    "tau, acceptance per draft position, tokens/s, speedup over plain greedy and "
                                    "whether outputs equal plain greedy's. Table, OUT/eval.json and OUT/eval.png.")
     p.add_argument("drafter", help="eaglet checkpoint or run folder (its best checkpoint), or an EAGLE-3 / "
@@ -374,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-draft-prob", type=float, default=CPU_MIN_DRAFT_PROB,
                    help="propose only draft tokens whose path probability under the drafter is at least this; a "
                         f"cycle with none left is a plain one-token pass (default {CPU_MIN_DRAFT_PROB})")
+    p.add_argument("--hybrid-draft", choices=HYBRID_DRAFTS, default="chain",
+                   help="hybrid: the drafter's part of each cycle, its chain or its tree (default chain)")
+    p.add_argument("--lookup-tokens", type=int, default=HYBRID_LOOKUP_TOKENS,
+                   help=f"hybrid and ngram: tokens prompt lookup adds to a cycle at most (default {HYBRID_LOOKUP_TOKENS})")
+    p.add_argument("--max-ngram", type=int, default=HYBRID_MAX_NGRAM,
+                   help=f"hybrid and ngram: the longest n-gram looked up (default {HYBRID_MAX_NGRAM})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     p.add_argument("--dtype", default="bf16", help="target and drafter dtype: bf16 (default), fp16, fp32")
@@ -387,20 +403,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def given_options(args: argparse.Namespace, names: tuple[str, ...]) -> set[str]:
+    """Which of `names` were written on the command line: parse it again with a marker as their default."""
+    stage = args.parser.stage_parsers[args.stage]
+    unset = object()
+    saved = {n: stage.get_default(n) for n in names}
+    stage.set_defaults(**{n: unset for n in names})
+    try:
+        probe = args.parser.parse_args(args.argv)
+    finally:
+        stage.set_defaults(**saved)
+    return {n for n in names if getattr(probe, n) is not unset}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.command = shlex.join(["eaglet", *argv])
+    args.parser, args.argv = parser, argv
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
-        print(f"eaglet {args.stage}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        clear_progress_bars()
+        print(f"eaglet {args.stage}: interrupted; finished files are kept, the same command resumes",
+              file=sys.stderr)
+        return 130
+    except Exception as e:  # one line for the user; the traceback only with -v
+        if args.verbose:
+            raise
+        clear_progress_bars()
+        print(f"eaglet {args.stage}: error: {error_line(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def clear_progress_bars() -> None:
+    """Erase progress bars an error left open, so the error gets a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.leave = False
+        bar.close()
+
+
+def error_line(e: Exception) -> str:
+    """The message of an error in one line; an unexpected kind also names its type and -v."""
+    from eaglet.formats import WriteFailed, os_error_reason
+
+    if isinstance(e, OSError) and not isinstance(e, WriteFailed) and e.filename is not None:
+        path = Path(e.filename)  # a folder eaglet could not create or a file it could not open
+        return f"{path}: {os_error_reason(e, path.parent if path.parent.exists() else Path.cwd())}"
+    text = " ".join(str(e).split("\n")).strip() or type(e).__name__
+    if isinstance(e, (ValueError, OSError, RuntimeError)):
+        return text
+    return f"{type(e).__name__}: {text} (run with -v for the traceback)"
 
 
 if __name__ == "__main__":

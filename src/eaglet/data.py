@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eaglet import embedded
+from eaglet import embedded, ranges
 from eaglet.formats import PREPARED_FILE, PreparedWriter, TokenizedSample
 
 log = logging.getLogger(__name__)
@@ -296,9 +296,8 @@ def prepare(target: str | None, data: str, out: str | Path, max_length: int = 20
     from eaglet import __version__
     from eaglet.target import load_tokenizer, resolve_target
 
-    for name, value, least in (("max_length", max_length, 1), ("num_samples", num_samples, 1), ("skip", skip, 0)):
-        if value is not None and value < least:
-            raise ValueError(f"--{name.replace('_', '-')} {value}: must be >= {least}")
+    ranges.at_least(1, max_length=max_length, num_samples=num_samples)
+    ranges.at_least(0, skip=skip)
     existing = Path(out) / PREPARED_FILE
     if existing.exists() and not overwrite:
         raise FileExistsError(f"--out {out} already holds a prepared dataset ({existing.name}); choose another "

@@ -425,6 +425,117 @@ class Eagle3Proposer:
 
 
 # ---------------------------------------------------------------------------------------------
+# Prompt lookup (n-gram) and the hybrid of both proposers
+# ---------------------------------------------------------------------------------------------
+
+class NgramProposer:
+    """Prompt lookup: proposes, as a chain, the tokens that followed the latest earlier occurrence
+    of the sequence's last n tokens, for the longest n in [min_ngram, max_ngram] that occurred
+    (in the prompt or the text generated so far). An index of every n-gram grows with the
+    sequence, so a lookup costs the same however long the context is."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram sizes: need 1 <= min_ngram {min_ngram} <= max_ngram {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.aux_layer_ids: list[int] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.seq: list[int] = []
+        self.indexed = 0  # seq[:indexed] is in the index
+        self.follower: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
+
+    def observe(self, seq: list[int], aux: torch.Tensor | None) -> None:
+        if len(seq) < self.indexed:
+            self.reset()  # another sequence (the engine resets proposers before each one, too)
+        # the n-grams that end at i - 1 and are followed by seq[i]: the last n-gram has no follower yet
+        for i in range(max(self.indexed, 1), len(seq)):
+            for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
+                self.follower[tuple(seq[i - n: i])] = i
+        self.seq, self.indexed = seq, len(seq)
+
+    def propose(self, max_depth: int, top_k: int, total_tokens: int) -> DraftTree:
+        limit = min(max_depth, total_tokens)
+        for n in range(min(self.max_ngram, len(self.seq)), self.min_ngram - 1, -1):
+            at = self.follower.get(tuple(self.seq[-n:]))
+            if at is not None and limit > 0:
+                return DraftTree.chain(self.seq[at: at + limit])
+        return DraftTree.empty()
+
+
+DRAFTER, NGRAM, BOTH = "drafter", "ngram", "both"
+
+
+def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[str]]:
+    """`tree` with `chain` (a path below the same root) added: where a node with the chain's next
+    token already hangs under the current node, the chain goes on through it; elsewhere new
+    nodes are appended. Returns the merged tree and each node's source (DRAFTER, NGRAM, BOTH)."""
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    sources = [DRAFTER] * len(tokens)
+    child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+    at = -1
+    for token in chain:
+        node = child_of.get((at, token))
+        if node is None:
+            node = len(tokens)
+            tokens.append(token)
+            parents.append(at)
+            sources.append(NGRAM)
+            child_of[(at, token)] = node
+        elif sources[node] == DRAFTER:
+            sources[node] = BOTH
+        at = node
+    return DraftTree(tokens, parents), sources
+
+
+class HybridProposer:
+    """The drafter's chain or tree and prompt lookup's continuation in one tree, verified in one
+    target pass: whichever proposer guessed right, its tokens are accepted. The drafter keeps its
+    own limits (depth, top_k, total_tokens); the lookup adds up to `lookup_tokens` tokens, most of
+    them free where it agrees with the drafter (shared nodes). `sources` names the proposer(s) of
+    each node of the last tree."""
+
+    def __init__(self, drafter: Proposer, lookup: NgramProposer, drafter_limits: tuple[int, int, int],
+                 lookup_tokens: int):
+        if lookup_tokens < 1:
+            raise ValueError(f"lookup_tokens {lookup_tokens}: must be >= 1")
+        self.drafter, self.lookup = drafter, lookup
+        self.drafter_limits, self.lookup_tokens = drafter_limits, lookup_tokens
+        self.aux_layer_ids = list(drafter.aux_layer_ids)
+        self.sources: list[str] = []
+
+    @property
+    def limits(self) -> tuple[int, int, int]:
+        """(depth, top_k, total_tokens) for the engine: room for both proposals."""
+        depth, top_k, total = self.drafter_limits
+        return max(depth, self.lookup_tokens), top_k, total + self.lookup_tokens
+
+    @property
+    def draft_forwards(self) -> int:
+        return getattr(self.drafter, "draft_forwards", 0)
+
+    def reset(self) -> None:
+        for p in (self.drafter, self.lookup):
+            if hasattr(p, "reset"):
+                p.reset()
+
+    def observe(self, seq: list[int], aux: torch.Tensor | None) -> None:
+        self.drafter.observe(seq, aux)
+        self.lookup.observe(seq, aux)
+
+    def propose(self, max_depth: int, top_k: int, total_tokens: int) -> DraftTree:
+        depth, d_top_k, d_total = self.drafter_limits
+        tree = self.drafter.propose(min(depth, max_depth), d_top_k, d_total)
+        lookup_depth = min(self.lookup_tokens, max_depth)
+        chain = self.lookup.propose(lookup_depth, 1, lookup_depth).tokens
+        merged, self.sources = merge_chain(tree, chain)
+        return merged
+
+
+# ---------------------------------------------------------------------------------------------
 # The target side
 # ---------------------------------------------------------------------------------------------
 
@@ -547,6 +658,7 @@ class DecodeStats:
     draft_s: float = 0.0
     wall_s: float = 0.0
     stopped: str = ""  # "eos" | "max_new_tokens" | "context"
+    accepted_from: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by proposer
 
     @property
     def tau(self) -> float:
@@ -607,7 +719,7 @@ def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input
         proposer: Proposer = drafter
     else:
         proposer = Eagle3Proposer(drafter, min_prob)
-    if isinstance(proposer, Eagle3Proposer):
+    if hasattr(proposer, "reset"):
         proposer.reset()
     sampling = temperature > 0
     prompt = as_id_list(input_ids)
@@ -656,6 +768,9 @@ def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input
             else:
                 path, bonus = accept_greedy(tree.tokens, tree.parents, logits.argmax(-1).tolist())
             stats.record(len(path), max(depths, default=0))
+            for i in path:  # which proposer each accepted token came from
+                source = proposer.sources[i] if hasattr(proposer, "sources") else getattr(proposer, "name", DRAFTER)
+                stats.accepted_from[source] = stats.accepted_from.get(source, 0) + 1
 
             kept = [0] + [i + 1 for i in path]  # root + accepted nodes, in [root, nodes] order
             runner.keep(prefix, kept)
@@ -675,6 +790,6 @@ def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input
     return out, stats
 
 
-__all__ = ["DraftTree", "Proposer", "Eagle3Proposer", "TargetRunner", "DecodeStats", "plain_generate",
+__all__ = ["DraftTree", "Proposer", "Eagle3Proposer", "NgramProposer", "HybridProposer", "merge_chain", "TargetRunner", "DecodeStats", "plain_generate",
            "plain_greedy", "speculative_generate", "process_probs", "accept_greedy", "accept_sampling",
            "tree_attention_mask", "token_budget"]

@@ -28,17 +28,19 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from eaglet import embedded, formats
+from eaglet import embedded, formats, ranges
 from eaglet.data import EMBEDDED_SHAREGPT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
-from eaglet.decode import DecodeStats, max_positions, plain_generate, speculative_generate, truncate_at_eos
+from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramProposer, Proposer, max_positions,
+                           plain_generate, speculative_generate, truncate_at_eos)
 from eaglet.draft_model import Eagle3Draft
 
 log = logging.getLogger(__name__)
 
 PROMPT_SETS = ("mtbench", "mtbench-2turn", "humaneval", "sharegpt")
-SPEC_METHODS = ("chain", "tree")
+SPEC_METHODS = ("chain", "tree", "hybrid")  # eaglet's engine with the drafter
+ENGINE_METHODS = SPEC_METHODS + ("ngram",)  # eaglet's engine (ngram: prompt lookup alone, no drafter)
 HF_METHODS = ("prompt-lookup", "hf-greedy")
-METHODS = SPEC_METHODS + HF_METHODS
+METHODS = ENGINE_METHODS + HF_METHODS
 BASELINE = "plain"
 DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
 # Chosen with bench/decode_sweep.py on 2 CPU cores, SmolLM2-135M and a drafter from `eaglet train`
@@ -50,6 +52,10 @@ CPU_TREE = {"depth": 4, "top_k": 2, "total_tokens": 6}
 CPU_CHAIN_DEPTH = 2
 CPU_MIN_DRAFT_PROB = 0.0  # drafts below this path probability are not proposed (decode.Eagle3Proposer)
 PROMPT_LOOKUP_TOKENS = 10  # HF's own example value, and what the baseline figure was measured with
+# hybrid / ngram: the n-gram sizes looked up and the tokens the lookup adds to a cycle's tree
+HYBRID_MAX_NGRAM = 3
+HYBRID_LOOKUP_TOKENS = 4
+HYBRID_DRAFTS = ("chain", "tree")
 # The embedded ShareGPT's first records feed `eaglet prepare` / `eaglet regen` by default; the
 # held-out prompts come from far behind them.
 SHAREGPT_HELDOUT_START = 15_000  # of the 17,671 complete records the embedded file holds
@@ -183,6 +189,19 @@ class DecodeSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    lookup_tokens: int = HYBRID_LOOKUP_TOKENS
+    max_ngram: int = HYBRID_MAX_NGRAM
+    hybrid_draft: str = "chain"  # the drafter's part of a hybrid cycle: its chain or its tree
+
+    def __post_init__(self) -> None:
+        ranges.at_least(1, max_new_tokens=self.max_new_tokens, depth=self.depth, top_k=self.top_k,
+                        total_tokens=self.total_tokens, chain_depth=self.chain_depth,
+                        lookup_tokens=self.lookup_tokens, max_ngram=self.max_ngram)
+        if self.hybrid_draft not in HYBRID_DRAFTS:
+            raise ValueError(f"--hybrid-draft {self.hybrid_draft!r}: choose one of {', '.join(HYBRID_DRAFTS)}")
+        ranges.within(0, 1, min_draft_prob=self.min_draft_prob)
+        ranges.at_least(0, temperature=self.temperature)
+        ranges.within(0, 1, low_open=True, top_p=self.top_p)
 
 
 class ForwardCounter:
@@ -205,12 +224,11 @@ def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids:
     if method == BASELINE:
         toks, info = plain_generate(target, ids, s.max_new_tokens, s.eos_ids, s.temperature, s.top_p, gen)
         return Run(toks, info["wall_s"], info["target_forwards"])
-    if method in SPEC_METHODS:
-        depth = s.chain_depth if method == "chain" else s.depth
-        toks, stats = speculative_generate(target, drafter, ids, s.max_new_tokens, s.eos_ids, mode=method,
-                                           depth=depth, top_k=s.top_k, total_tokens=s.total_tokens,
-                                           temperature=s.temperature, top_p=s.top_p, generator=gen,
-                                           min_prob=s.min_draft_prob)
+    if method in ENGINE_METHODS:
+        proposer, (depth, top_k, total_tokens) = engine_proposer(method, drafter, s)
+        toks, stats = speculative_generate(target, proposer, ids, s.max_new_tokens, s.eos_ids, mode="tree",
+                                           depth=depth, top_k=top_k, total_tokens=total_tokens,
+                                           temperature=s.temperature, top_p=s.top_p, generator=gen)
         return Run(toks, stats.wall_s, stats.target_forwards, stats)
     if method in HF_METHODS:
         from eaglet.target import generation_config
@@ -232,6 +250,22 @@ def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids:
         toks, _ = truncate_at_eos(out[0, len(ids):].tolist(), set(s.eos_ids))
         return Run(toks, wall, counter.count)
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def drafter_limits(mode: str, s: DecodeSettings) -> tuple[int, int, int]:
+    """(depth, top_k, total_tokens) of the drafter's chain or tree."""
+    return (s.chain_depth, 1, s.chain_depth) if mode == "chain" else (s.depth, s.top_k, s.total_tokens)
+
+
+def engine_proposer(method: str, drafter: Eagle3Draft | None, s: DecodeSettings) -> tuple[Proposer, tuple[int, int, int]]:
+    """The proposer of an engine method and the tree limits the engine verifies it under."""
+    if method == "ngram":
+        return NgramProposer(s.max_ngram), (s.lookup_tokens, 1, s.lookup_tokens)
+    eagle = Eagle3Proposer(drafter, s.min_draft_prob)
+    if method in ("chain", "tree"):
+        return eagle, drafter_limits(method, s)
+    hybrid = HybridProposer(eagle, NgramProposer(s.max_ngram), drafter_limits(s.hybrid_draft, s), s.lookup_tokens)
+    return hybrid, hybrid.limits
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -269,6 +303,7 @@ class MethodTotals:
     position_accepted: list[int] = field(default_factory=list)
     identical: int = 0
     divergences: list[int] = field(default_factory=list)
+    accepted_from: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by proposer
 
     def add(self, run: Run, reference: list[int] | None) -> None:
         self.turns += 1
@@ -281,6 +316,8 @@ class MethodTotals:
             self.draft_s += run.stats.draft_s
             add_into(self.position_reached, run.stats.position_reached)
             add_into(self.position_accepted, run.stats.position_accepted)
+            for source, n in run.stats.accepted_from.items():
+                self.accepted_from[source] = self.accepted_from.get(source, 0) + n
         if reference is not None:
             d = first_divergence(run.tokens, reference)
             if d is None:
@@ -304,6 +341,7 @@ class MethodTotals:
             out["tau_verify"] = round((self.new_tokens - self.turns) / self.verify_forwards, 4)
             out["acceptance_rates"] = [round(a / r, 4) if r else None
                                        for a, r in zip(self.position_accepted, self.position_reached)]
+            out["accepted_from"] = dict(sorted(self.accepted_from.items()))
             # the speedup if everything but the target and drafter passes cost nothing
             if plain is not None and plain.new_tokens and self.target_forwards:
                 t_token = plain.wall_s / plain.new_tokens
@@ -435,6 +473,7 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
     from eaglet.regen import stop_token_ids
     from eaglet.target import load_target, load_tokenizer, parse_dtype, pick_device, resolve_target
 
+    ranges.at_least(1, num_prompts=num_prompts, threads=threads)
     methods = list(dict.fromkeys(methods))
     for m in methods:
         if m not in METHODS:
@@ -487,7 +526,9 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
                   "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
                   "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                   "tree": {"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens},
-                  "chain_depth": s.chain_depth, "min_draft_prob": s.min_draft_prob, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed,
+                  "chain_depth": s.chain_depth, "min_draft_prob": s.min_draft_prob,
+                  "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed,
+                  "hybrid": {"draft": s.hybrid_draft, "lookup_tokens": s.lookup_tokens, "max_ngram": s.max_ngram},
                   "skipped_turns": len(skipped)}
         result = EvalResult(config, results, records)
         if out is not None:
@@ -530,6 +571,10 @@ def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
     for name, methods in sets.items():
         for m, r in methods.items():
             acc = " ".join(fmt(a, ".2f") for a in r.get("acceptance_rates", []))
+            sources = r.get("accepted_from", {})
+            if len(sources) > 1:  # a hybrid: who proposed the accepted tokens
+                total = sum(sources.values())
+                acc += "  (accepted: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sources.items()) + ")"
             lines.append(f"{name:<16} {m:<14} {r['turns']:>5} {r['new_tokens']:>7} {r['tokens_per_s']:>8.2f} "
                          f"{fmt(r.get('speedup'), '.2f') + 'x' if 'speedup' in r else '-':>8} "
                          f"{fmt(r.get('ceiling_speedup'), '.2f') + 'x' if r.get('ceiling_speedup') else '-':>8} "

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from eaglet import formats
+from eaglet import formats, ranges
 from eaglet.formats import TokenizedSample, V1Sample
 
 if TYPE_CHECKING:
@@ -241,8 +241,8 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     from eaglet.data import template_hash
     from eaglet.target import decoder_layers, default_layer_ids, load_target, load_tokenizer, parse_dtype, pick_device
 
-    if num_shards < 1:
-        raise ValueError(f"--num-shards {num_shards}: must be >= 1")
+    ranges.at_least(1, num_shards=num_shards, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
+                    write_threads=write_threads)
     if not 0 <= shard_id < num_shards:
         raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
     out = Path(out)

@@ -18,6 +18,7 @@ complete file or none, whatever moment a writer is killed at.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,22 +41,84 @@ log = logging.getLogger(__name__)
 TMP_MARK = ".tmp-"  # every temp file eaglet writes has this in its name
 
 
+class WriteFailed(OSError):
+    """A write that failed, said in one line that names the file, why, and what to do."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+# Below this much free space a failed write is taken to be a full disk: torch.save reports one as
+# "[enforce fail at inline_container.cc] unexpected pos", with neither errno nor file name.
+LOW_SPACE_BYTES = 64 << 20
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
+                errno.ENOTDIR, errno.EEXIST}
+
+
+def free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def disk_nearly_full(folder: Path) -> bool:
+    free = free_bytes(folder)
+    return free is not None and free < LOW_SPACE_BYTES
+
+
+def os_error_reason(error: BaseException, folder: Path) -> str:
+    """Why a file operation failed, with the recovery step for the kinds a user can fix."""
+    code = getattr(error, "errno", None)
+    if code == errno.ENOSPC or disk_nearly_full(folder):
+        return (f"no space left on the device ({(free_bytes(folder) or 0) >> 20} MiB free); free some space and "
+                "run the same command again: finished files are kept and the stage resumes where it stopped")
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{os.strerror(code).lower()}; use another folder (--out) or fix its permissions"
+    return getattr(error, "strerror", None) or str(error)
+
+
+def write_failure(path: Path, error: BaseException) -> WriteFailed:
+    """A failed write of `path` as one line: the file, why, what to do (every eaglet stage resumes)."""
+    folder = path.parent if path.parent.exists() else Path.cwd()
+    return WriteFailed(getattr(error, "errno", None) or errno.EIO,
+                       f"could not write {path}: {os_error_reason(error, folder)}")
+
+
+@contextlib.contextmanager
+def failures_named(path: Path) -> Iterator[None]:
+    """Turn a failed write inside the block into a WriteFailed naming `path` (other errors pass)."""
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except (OSError, RuntimeError) as e:
+        # Only what a write can fail with: the block may also read (prepare streams its input
+        # inside one), and a missing input file is not a failed write.
+        if getattr(e, "errno", None) in WRITE_ERRNOS or disk_nearly_full(path.parent):
+            raise write_failure(path, e) from e
+        raise
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
-    """Yield a temp path beside `path`; on success rename it onto `path`, else delete it."""
+    """Yield a temp path beside `path`; on success rename it onto `path`, else delete it.
+
+    A failed write (full disk, read-only folder) is a WriteFailed naming `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        if fsync:
-            with open(tmp_path, "rb+") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    with failures_named(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+        os.close(fd)
+        tmp_path = Path(tmp)
+        try:
+            yield tmp_path
+            if fsync:
+                with open(tmp_path, "rb+") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp_path, path)
+        finally:
+            tmp_path.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -87,15 +150,18 @@ def torch_load_safe(path: str | os.PathLike) -> Any:
 
 
 def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = None) -> int:
-    """Delete temp files a killed writer left behind; `owned` limits it to these final names."""
+    """Delete temp files and folders (atomic_dir's) a killed writer left behind; `owned` limits it to
+    these final names."""
+    def stale(name: str) -> bool:
+        return name.startswith(".") and TMP_MARK in name and (owned is None or name[1:].split(TMP_MARK, 1)[0] in owned)
+
     removed = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            if TMP_MARK not in name or not name.startswith("."):
-                continue
-            final_name = name[1:].split(TMP_MARK, 1)[0]
-            if owned is not None and final_name not in owned:
-                continue
+    for root, dirs, files in os.walk(folder):
+        for name in [d for d in dirs if stale(d)]:
+            shutil.rmtree(Path(root, name), ignore_errors=True)
+            dirs.remove(name)
+            removed += 1
+        for name in filter(stale, files):
             Path(root, name).unlink(missing_ok=True)
             removed += 1
     return removed
@@ -167,12 +233,17 @@ class PreparedWriter:
     def __enter__(self) -> PreparedWriter:
         # An older config would vouch for the new, unfinished data: drop it until `finish`.
         (self.folder / PREPARE_CONFIG_FILE).unlink(missing_ok=True)
+        if self.folder.is_dir():  # temp files of a killed earlier run
+            remove_stale_temp_files(self.folder, {PREPARED_FILE, TOKEN_FREQ_FILE, PREPARE_CONFIG_FILE})
         self._atomic = atomic_path(self.folder / PREPARED_FILE)
         self._file = open(self._atomic.__enter__(), "w", encoding="utf-8")
         return self
 
     def __exit__(self, *exc: Any) -> bool | None:
-        self._file.close()
+        try:
+            self._file.close()  # flushes: a full disk may show only here
+        except OSError as e:
+            exc = exc if exc[0] is not None else (type(e), e, e.__traceback__)
         return self._atomic.__exit__(*exc)  # renames on success, deletes the temp file on error
 
     def add(self, sample: TokenizedSample) -> None:
@@ -394,9 +465,41 @@ class DatasetFiles:
     """The hidden-state files of a dataset folder, listed without trusting their names."""
 
     format: str | None  # one of FORMAT_*, None when no known layout was found
-    files: list[tuple[int, Path]]  # (sample index, path); an index may repeat (a duplicate)
-    misplaced: list[tuple[int, Path, str]]  # (index, path, why): a name or folder that breaks the layout
-    stray: list[Path]  # files that belong to no layout (temp files of a killed writer, ...)
+    files: list[tuple[int, Path]] = field(default_factory=list)  # (index, path); an index may repeat
+    misplaced: list[tuple[int, Path, str]] = field(default_factory=list)  # (index, path, why): breaks the layout
+    stray: list[Path] = field(default_factory=list)  # files of no layout (temp files of a killed writer, ...)
+    broken_links: list[tuple[Path, str]] = field(default_factory=list)  # (path, why): links that lead nowhere
+    unfollowed_links: list[tuple[Path, str]] = field(default_factory=list)  # (path, why): links to folders
+
+
+def broken_link_problem(path: Path) -> str | None:
+    """Why `path` is a symbolic link that leads nowhere (missing target, or a loop), else None."""
+    if not path.is_symlink():
+        return None
+    try:
+        path.resolve(strict=True)
+    except FileNotFoundError:
+        return f"symbolic link to {os.readlink(path)!r}, which does not exist"
+    except (RuntimeError, OSError):  # RuntimeError up to Python 3.12, OSError(ELOOP) after
+        return f"symbolic link that loops ({os.readlink(path)!r})"
+    return None
+
+
+def _files_in(folder: Path, out: DatasetFiles, recursive: bool) -> list[Path]:
+    """Regular files (and links to files) in `folder`, recording the links it cannot take in `out`.
+
+    rglob does not descend into linked folders, so below the top such a link is reported, not silently skipped."""
+    found = []
+    for p in sorted(folder.rglob("*") if recursive else folder.iterdir()):
+        why = broken_link_problem(p)
+        if why:
+            out.broken_links.append((p, why))
+        elif p.is_file():
+            found.append(p)
+        elif recursive and p.is_symlink():
+            out.unfollowed_links.append((p, f"symbolic link to the folder {os.readlink(p)!r}, not followed "
+                                            "(it could loop or count files twice)"))
+    return found
 
 
 def _rows_folder_problem(index: int, folder: str, rows_per_folder: int) -> str | None:
@@ -414,10 +517,8 @@ def _rows_folder_problem(index: int, folder: str, rows_per_folder: int) -> str |
 def _scan_rows_layout(root: Path, name_re: re.Pattern, rows_per_folder: int, out: DatasetFiles) -> None:
     """Files `rows_*/NAME` under `root` (and NAME directly in `root`, for flat layouts)."""
     for entry in sorted(root.iterdir()):
-        if entry.is_dir():
-            for f in sorted(entry.rglob("*")):
-                if not f.is_file():
-                    continue
+        if entry.is_dir():  # a rows folder may be a link to one elsewhere (broken links are not dirs)
+            for f in _files_in(entry, out, recursive=True):
                 m = name_re.match(f.name)
                 if not m:
                     out.stray.append(f)
@@ -430,14 +531,18 @@ def _scan_rows_layout(root: Path, name_re: re.Pattern, rows_per_folder: int, out
                 out.files.append((index, f))
 
 
+def _indexed(files: list[Path], name_re: re.Pattern) -> list[tuple[int, Path]]:
+    return [(int(m.group(1)), p) for p in files if (m := name_re.match(p.name))]
+
+
 def list_dataset_files(folder: str | os.PathLike, rows_per_folder: int = ROWS_PER_FOLDER) -> DatasetFiles:
     """Detect which layout `folder` holds and list its files (the first layout found wins)."""
     root = Path(folder)
     hs = root / HIDDEN_STATES_DIR
     if hs.is_dir():
-        out = DatasetFiles(FORMAT_V1, [], [], [])
+        out = DatasetFiles(FORMAT_V1)
         _scan_rows_layout(hs, V1_FILE_RE, rows_per_folder, out)
-        for f in sorted(p for p in hs.iterdir() if p.is_file()):
+        for f in _files_in(hs, out, recursive=False):
             m = V1_FILE_RE.match(f.name)
             if m:
                 out.files.append((int(m.group(1)), f))
@@ -445,27 +550,27 @@ def list_dataset_files(folder: str | os.PathLike, rows_per_folder: int = ROWS_PE
             else:
                 out.stray.append(f)
         return out
-    top = [p for p in sorted(root.iterdir()) if p.is_file()] if root.is_dir() else []
-    if any(V1_FILE_RE.match(p.name) for p in top):
-        return DatasetFiles(FORMAT_V1_FLAT, [(int(V1_FILE_RE.match(p.name).group(1)), p)
-                                             for p in top if V1_FILE_RE.match(p.name)], [], [])
-    if any(HS_SAFETENSORS_FILE_RE.match(p.name) for p in top):
-        return DatasetFiles(FORMAT_HS_SAFETENSORS, [(int(HS_SAFETENSORS_FILE_RE.match(p.name).group(1)), p)
-                                                    for p in top if HS_SAFETENSORS_FILE_RE.match(p.name)], [], [])
-    specforge = [p for p in root.rglob("*.ckpt*") if SPECFORGE_FILE_RE.match(p.name)] if root.is_dir() else []
-    if specforge:
-        out = DatasetFiles(FORMAT_SPECFORGE, [], [], [])
-        for p in sorted(specforge):
-            index = int(SPECFORGE_FILE_RE.match(p.name).group(1))
-            out.files.append((index, p))
-            if p.parent != root:  # flat SpecForge folders exist too; rows folders must be right
-                rel = p.parent.relative_to(root)
-                why = (_rows_folder_problem(index, p.parent.name, rows_per_folder) if len(rel.parts) == 1
-                       else f"nested below {rel.parts[0]}")
-                if why:
-                    out.misplaced.append((index, p, why))
-        return out
-    return DatasetFiles(None, [], [], [])
+    if not root.is_dir():
+        return DatasetFiles(None)
+    top_links = DatasetFiles(None)
+    top = _files_in(root, top_links, recursive=False)
+    for layout, name_re in ((FORMAT_V1_FLAT, V1_FILE_RE), (FORMAT_HS_SAFETENSORS, HS_SAFETENSORS_FILE_RE)):
+        if any(name_re.match(p.name) for p, _ in top_links.broken_links) or any(name_re.match(p.name) for p in top):
+            return DatasetFiles(layout, _indexed(top, name_re), broken_links=top_links.broken_links)
+    out = DatasetFiles(FORMAT_SPECFORGE)
+    for p in _files_in(root, out, recursive=True):
+        m = SPECFORGE_FILE_RE.match(p.name)
+        if not m:
+            continue
+        index = int(m.group(1))
+        out.files.append((index, p))
+        if p.parent != root:  # flat SpecForge folders exist too; rows folders must be right
+            rel = p.parent.relative_to(root)
+            why = (_rows_folder_problem(index, p.parent.name, rows_per_folder) if len(rel.parts) == 1
+                   else f"nested below {rel.parts[0]}")
+            if why:
+                out.misplaced.append((index, p, why))
+    return out if out.files else DatasetFiles(None)
 
 
 def torch_load_safe_mmap(path: str | os.PathLike) -> Any:
@@ -630,14 +735,17 @@ class RegenWriter:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")
+        with failures_named(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab")
 
     def write(self, record: dict[str, Any]) -> None:
-        # One write call per line: a kill leaves at worst one partial line, without newline.
-        self._file.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        # One write call per line: a kill leaves at worst one partial line, without newline,
+        # which the resume drops (see scan_output).
+        with failures_named(self.path):
+            self._file.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._file.close()
@@ -933,18 +1041,19 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     final = Path(final)
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
         raise ValueError(f"{final} exists and is not empty; remove it or choose another folder")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP_MARK}", dir=final.parent))
-    try:
-        yield tmp
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():
-            final.rmdir()
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with failures_named(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP_MARK}", dir=final.parent))
+        try:
+            yield tmp
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            if final.exists():
+                final.rmdir()
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_drafter_files(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

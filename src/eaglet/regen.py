@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eaglet import ranges
 from eaglet.data import ASSISTANT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
 from eaglet.formats import RegenWriter, errors_path, open_output
 
@@ -500,9 +501,12 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
 
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or batch_size < 1 or concurrency < 1:
-        raise ValueError("need --temperature >= 0, 0 < --top-p <= 1, and --max-new-tokens, --batch-size, "
-                         "--concurrency >= 1")
+    ranges.at_least(0, temperature=temperature, skip=skip, max_retries=max_retries)
+    ranges.within(0, 1, low_open=True, top_p=top_p)
+    ranges.at_least(1, max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency,
+                    num_samples=num_samples, max_prompt_tokens=max_prompt_tokens,
+                    max_turns=max_turns)
+    ranges.above(0, timeout=timeout, time_budget=time_budget)
     out = Path(out)
     done = open_output(out, resume)
     summary = RegenSummary(out, errors_path(out))

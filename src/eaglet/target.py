@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eaglet import embedded
+from eaglet import embedded, formats
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,9 @@ def resolve_target(spec: str | None) -> TargetRef:
         folder = Path(spec).resolve()
         if not (folder / "config.json").exists():
             raise FileNotFoundError(f"--target {spec}: folder has no config.json; not a Hugging Face model folder")
+        config = formats.read_json(folder / "config.json")  # a damaged one is named here, not deep in transformers
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise ValueError(f"{folder / 'config.json'}: no \"model_type\"; not a Hugging Face model config")
         return TargetRef(str(folder), str(folder), folder_fingerprint(folder))
     from transformers import AutoConfig
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eaglet import formats
+from eaglet import formats, ranges
 from eaglet.draft_model import (DEFAULT_TTT_STEPS, STAT_ROWS, DraftConfig, Eagle3Draft, Teacher, build_draft_vocab,
                                 load_embeddings_from, make_teacher, num_parameters, stats_summary, ttt_loss)
 
@@ -113,22 +113,12 @@ class TrainConfig:
     ABOVE_ZERO = ("epochs", "lr", "max_grad_norm")
 
     def __post_init__(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be {rule}")
-
-        for name in self.AT_LEAST_ONE:
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise bad(name, ">= 1")
-        for name in self.AT_LEAST_ZERO:
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise bad(name, ">= 0")
-        for name in self.ABOVE_ZERO:
-            if not getattr(self, name) > 0:  # also refuses NaN
-                raise bad(name, "> 0")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise bad("eval_fraction", "a fraction in [0, 1): the share of samples held out")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise bad("min_lr_ratio", "in [0, 1]")
+        ranges.at_least(1, **{k: getattr(self, k) for k in self.AT_LEAST_ONE})
+        ranges.at_least(0, **{k: getattr(self, k) for k in self.AT_LEAST_ZERO})
+        ranges.above(0, **{k: getattr(self, k) for k in self.ABOVE_ZERO}, time_budget=self.time_budget)
+        ranges.within(0, 1, "the share of samples held out", high_open=True, eval_fraction=self.eval_fraction)
+        ranges.within(0, 1, min_lr_ratio=self.min_lr_ratio)
+        ranges.within(0, 1, "a fraction of the schedule", high_open=True, ttt_ramp=self.ttt_ramp)
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"--loss-on {self.loss_on!r}: choose one of {list(LOSS_ON)}")
         if self.lm_head_init not in LM_HEAD_INITS:
@@ -139,10 +129,6 @@ class TrainConfig:
             raise ValueError(f"--teacher-top-k {self.teacher_top_k}: must be >= 1, or 0 for the dense teacher")
         if self.teacher_top_k == 0:
             self.teacher_top_k = None  # one spelling of "dense" in train_config.json
-        if not 0.0 <= self.ttt_ramp < 1.0:
-            raise ValueError(f"--ttt-ramp {self.ttt_ramp}: a fraction of the schedule in [0, 1)")
-        if self.time_budget is not None and self.time_budget <= 0:
-            raise ValueError(f"--time-budget {self.time_budget}: must be > 0 seconds")
         if self.time_budget is not None and self.total_steps is not None:
             raise ValueError("--time-budget sizes the schedule itself: give it or --total-steps, not both")
 
@@ -792,7 +778,8 @@ def restore(folder: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched:
     # A key an older checkpoint lacks was not recorded then: nothing to compare it with.
     diff = {k: (then[k], v) for k, v in trajectory.items() if k in then and then[k] != v}
     if diff:
-        raise ValueError(f"--resume: {folder} was trained with other settings {{option: (then, now)}}: {diff}")
+        raise ValueError(f"--resume: {folder} was trained with other settings {{option: (then, now)}}: {diff}; "
+                         "leave these options out (a resume takes the run's own) or train into another --out")
     load_draft_weights(draft, folder)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
@@ -800,6 +787,25 @@ def restore(folder: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched:
     random.setstate(state["rng"]["python"])
     log.info("resumed from %s (step %d)", folder, state["step"])
     return state["step"], state["best"], state
+
+
+# Options that belong to one invocation, not to the run: a resume does not take them from it.
+PER_INVOCATION = ("stop_after", "device")
+
+
+def resumed_options(out: Path) -> dict[str, Any]:
+    """The TrainConfig options the run in `out` was started with ({} when it has no checkpoint yet).
+
+    train_config.json holds every option (its total_steps and warmup_steps as the schedule sized them);
+    the checkpoint's trajectory holds the trajectory options exactly as given."""
+    ckpt_root = out / CHECKPOINTS_DIR
+    latest = read_pointer(ckpt_root, LATEST_FILE)
+    if latest is None or not (out / "train_config.json").exists():
+        return {}
+    names = {f.name for f in fields(TrainConfig)} - set(PER_INVOCATION)
+    saved = formats.read_json(out / "train_config.json")
+    trajectory = formats.torch_load_safe(ckpt_root / latest["path"] / STATE_FILE)["trajectory"]
+    return {k: v for k, v in {**saved, **trajectory}.items() if k in names}
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -950,9 +956,13 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
     unknown = set(options) - {f.name for f in fields(TrainConfig)}
     if unknown:
         raise TypeError(f"unknown training option(s): {sorted(unknown)}")
-    cfg = TrainConfig(**options)
     out = Path(out_dir)
     ckpt_root = out / CHECKPOINTS_DIR
+    if resume:  # the run's own settings, then the options given now (a differing trajectory one is refused below)
+        options = {**resumed_options(out), **options}
+    cfg = TrainConfig(**options)
+    if int(os.environ.get("RANK", "0")) == 0:
+        formats.remove_stale_temp_files(ckpt_root)  # checkpoint folders a kill left half-written
     if cfg.online:
         if cfg.last_hidden_state not in (None, formats.LAST_STATE_PRE_NORM):
             raise ValueError("--last-hidden-state: online, the last state is captured before the final norm (pre_norm)")

@@ -1,0 +1,147 @@
+"""Faults at the command line: a full disk, a read-only folder, a damaged target config, an
+unexpected error. Each ends in one line on stderr that names the file and what to do, exit 2,
+no traceback (unless -v), and nothing half-written; the same command then resumes."""
+
+from __future__ import annotations
+
+import errno
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglet import formats
+from eaglet.cli import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def assert_one_line(err: str, *words: str) -> None:
+    lines = re.findall(r"eaglet \w+: error: .*", err)  # a progress bar may share its line
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def temp_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if formats.TMP_MARK in p.name]
+
+
+@pytest.fixture
+def prepared(tiny_target, chats_jsonl, tmp_path) -> Path:
+    assert main(["prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep"), "--target", str(tiny_target)]) == 0
+    return tmp_path / "prep"
+
+
+def test_disk_full_during_extract_names_the_file_and_the_rerun_resumes(tiny_target, prepared, tmp_path, capsys,
+                                                                       monkeypatch):
+    """torch.save on a full disk says only "[enforce fail at inline_container.cc] unexpected pos"."""
+    out = tmp_path / "data"
+    real_save, saves = torch.save, []
+
+    def save_until_full(obj, f, *a, **k):
+        saves.append(f)
+        if len(saves) > 3:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 320 vs 0")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save_until_full)
+    monkeypatch.setattr(formats, "disk_nearly_full", lambda folder: len(saves) > 3)
+    rc, err = run(capsys, "extract", "--prepared", str(prepared), "--out", str(out), "--target", str(tiny_target))
+    assert rc == 2
+    assert_one_line(err, "could not write", "rows_0-2000/data_", "no space left", "run the same command again")
+    assert not temp_files(out) and 0 < len(formats.list_v1_files(out)) < 12  # the finished ones are kept
+    monkeypatch.undo()
+    rc, _ = run(capsys, "extract", "--prepared", str(prepared), "--out", str(out), "--target", str(tiny_target))
+    assert rc == 0 and len(formats.list_v1_files(out)) == 12 and not temp_files(out)
+
+
+def test_disk_full_during_prepare_keeps_nothing_half_written(tiny_target, chats_jsonl, tmp_path, capsys, monkeypatch):
+    def full(self, sample):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(formats.PreparedWriter, "add", full)
+    out = tmp_path / "prep"
+    out.mkdir()
+    (out / f".{formats.PREPARED_FILE}{formats.TMP_MARK}killed").write_text("an earlier run's half")
+    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(out), "--target", str(tiny_target))
+    assert rc == 2
+    assert_one_line(err, f"could not write {out / formats.PREPARED_FILE}", "no space left")
+    assert not temp_files(out) and not (out / formats.PREPARE_CONFIG_FILE).exists()
+
+
+def test_read_only_output_folder(tiny_target, chats_jsonl, tmp_path, capsys, monkeypatch):
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(formats.tempfile, "mkstemp", read_only)
+    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep"), "--target", str(tiny_target))
+    assert rc == 2
+    assert_one_line(err, str(tmp_path / "prep"), "read-only file system", "another folder")
+
+
+def test_a_folder_that_cannot_be_created_is_named(tiny_target, prepared, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a folder should go")
+    rc, err = run(capsys, "extract", "--prepared", str(prepared), "--out", str(blocker / "data"), "--target", str(tiny_target))
+    assert rc == 2
+    assert_one_line(err, str(blocker))
+
+
+@pytest.mark.parametrize("config_text, words", [('{"model_type": "llama", "hidden_si', ("not valid JSON",)),
+                                                ('{"hidden_size": 64}', ("model_type",))])
+def test_damaged_target_config(tiny_target, chats_jsonl, tmp_path, capsys, config_text, words):
+    target = Path(shutil.copytree(tiny_target, tmp_path / "target"))
+    (target / "config.json").write_text(config_text)
+    for argv in (["prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep")],
+                 ["regen", "--data", str(chats_jsonl), "--out", str(tmp_path / "regen.jsonl")]):
+        rc, err = run(capsys, *argv, "--target", str(target))
+        assert rc == 2
+        assert_one_line(err, str(target / "config.json"), *words)
+
+
+def test_unexpected_error_is_one_line_unless_verbose(chats_jsonl, tmp_path, capsys, monkeypatch):
+    import eaglet.data
+
+    def bug(*a, **k):
+        raise KeyError("messages")
+
+    monkeypatch.setattr(eaglet.data, "prepare", bug)
+    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "p"))
+    assert rc == 2
+    assert_one_line(err, "KeyError", "'messages'", "-v")
+    with pytest.raises(KeyError):
+        main(["-v", "prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "p")])
+
+
+def bad_option_calls():
+    from eaglet.check import check_dataset
+    from eaglet.evaluate import DecodeSettings, evaluate
+    from eaglet.extract import extract
+    from eaglet.regen import regenerate
+
+    return [
+        (lambda: extract("p", "o", batch_tokens=0), "--batch-tokens 0: must be >= 1"),
+        (lambda: extract("p", "o", max_batch_size=-1), "--max-batch-size -1: must be >= 1"),
+        (lambda: regenerate("d", "o.jsonl", top_p=0.0), r"--top-p 0.0: must be in \(0, 1\]"),
+        (lambda: regenerate("d", "o.jsonl", max_new_tokens=0), "--max-new-tokens 0: must be >= 1"),
+        (lambda: regenerate("d", "o.jsonl", temperature=-1), "--temperature -1: must be >= 0"),
+        (lambda: evaluate("d", num_prompts=0), "--num-prompts 0: must be >= 1"),
+        (lambda: DecodeSettings(chain_depth=0), "--chain-depth 0: must be >= 1"),
+        (lambda: DecodeSettings(min_draft_prob=1.5), r"--min-draft-prob 1.5: must be in \[0, 1\]"),
+        (lambda: check_dataset("d", identity_samples=-1), "--identity-samples -1: must be >= 0"),
+        (lambda: check_dataset("d", workers=0), "--workers 0: must be >= 1"),
+    ]
+
+
+def test_numeric_options_are_checked_by_each_stage_entry_function():
+    """Before any file is read: the same error from the command line, a recipe or Python."""
+    for call, message in bad_option_calls():
+        with pytest.raises(ValueError, match=f"^{message}"):
+            call()
