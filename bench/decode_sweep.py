@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from eaglet.evaluate import (BASELINE, SPEC_METHODS, DecodeSettings, evaluate_set, format_table, load_prompt_set,
+from eaglet.evaluate import (BASELINE, ENGINE_METHODS, DecodeSettings, evaluate_set, format_table, load_prompt_set,
                              summarize, torch_threads, warm_up)
 from eaglet.export import load_drafter_for_target
 from eaglet.regen import stop_token_ids
@@ -34,8 +34,10 @@ CONFIGS = [
       for d, k, n in ((2, 2, 3), (3, 2, 4), (4, 2, 6), (5, 4, 12), (5, 4, 20), (6, 8, 30), (7, 10, 60))),
     ("prompt-lookup", "prompt-lookup", {}),  # Hugging Face's, 10 tokens
     *((f"ngram {n}", "ngram", dict(lookup_tokens=n)) for n in (2, 4, 6, 10)),
-    *((f"hybrid chain {d} + {n}", "hybrid", dict(chain_depth=d, lookup_tokens=n))
+    *((f"hybrid chain {d} + {n}", "hybrid", dict(hybrid_chain_depth=d, lookup_tokens=n))
       for d, n in ((1, 2), (1, 4), (2, 2), (2, 4), (2, 6), (3, 4))),
+    ("hybrid chain 1 + 4 p>=0.6", "hybrid", dict(hybrid_chain_depth=1, lookup_tokens=4, min_draft_prob=0.6)),
+    ("hybrid chain 1 + 4 keep rivals", "hybrid", dict(hybrid_chain_depth=1, lookup_tokens=4, keep_rivals=True)),
     ("hybrid tree 4/2/6 + 4", "hybrid", dict(hybrid_draft="tree", depth=4, top_k=2, total_tokens=6, lookup_tokens=4)),
 ]
 
@@ -65,9 +67,9 @@ def main() -> None:
     floors = [float(x) for x in args.min_draft_probs.split(",")]
     for label, method, changes in CONFIGS:
         if args.only is None or label in args.only.split(","):
-            for floor in floors if method in SPEC_METHODS else [0.0]:
+            for floor in floors if method in ENGINE_METHODS and "min_draft_prob" not in changes else [0.0]:
                 name = label if floor == 0 else f"{label} p>={floor:g}"
-                variants[name] = (method, replace(base, **changes, min_draft_prob=floor))
+                variants[name] = (method, replace(base, **{"min_draft_prob": floor, **changes}))
     prompts = load_prompt_set(args.prompts, args.skip_prompts + args.num_prompts)[args.skip_prompts:]
 
     def progress(totals) -> None:

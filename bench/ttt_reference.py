@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 
 
-def ttt_mask(L: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+def ttt_mask(L: int, step: int, device: torch.device | None = None, window: int | None = None) -> torch.Tensor:
     """Bool [L, L*(step+1)]: True where query t (at `step`) may attend key s of step j."""
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    if window is not None:  # step-0 keys within the last `window` positions only
+        causal &= ~torch.ones(L, L, dtype=torch.bool, device=device).tril(-window)
     diagonal = torch.eye(L, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
@@ -23,6 +25,7 @@ class NaiveTTTAttention:
     """Drop-in for `DiagonalTTTAttention`: same call, full concatenated keys and mask."""
 
     def __init__(self) -> None:
+        self.window: int | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -30,6 +33,6 @@ class NaiveTTTAttention:
         self.keys.append(k)
         self.values.append(v)
         step = len(self.keys) - 1
-        mask = ttt_mask(q.shape[2], step, q.device)
+        mask = ttt_mask(q.shape[2], step, q.device, self.window)
         return F.scaled_dot_product_attention(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2),
                                               attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from eaglet.decode import (BOTH, DRAFTER, NGRAM, DraftTree, Eagle3Proposer, HybridProposer, NgramProposer,
-                           accept_greedy, accept_sampling, ancestor_matrix, merge_chain,
+                           accept_greedy, accept_sampling, ancestor_matrix, drop_rivals, merge_chain,
                            plain_generate, plain_greedy, process_probs, speculative_generate, tree_attention_mask)
-from eaglet.draft_model import DraftConfig, Eagle3Draft
+from eaglet.draft_model import DraftConfig, Eagle3Draft, allowed_keys
 
 AUX_IDS = [2, 4, 5]
 PROMPTS = [[5, 17, 99, 3, 42, 7], [1, 200, 201, 202], [300, 12, 12, 12, 12, 88, 91, 150, 2, 77, 31]]
@@ -177,9 +177,10 @@ def test_accept_sampling_is_exact_on_a_synthetic_tree():
 # The drafter's inference pass == its training unroll
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("norm_output,fc_norm", [(False, False), (True, True)])
-def test_drafter_inference_matches_training_unroll(target, norm_output, fc_norm):
-    drafter = make_drafter(target, norm_output=norm_output, fc_norm=fc_norm)
+@pytest.mark.parametrize("variant", [{}, {"norm_output": True, "fc_norm": True}, {"norm_before_residual": True},
+                                     {"sliding_window": 3}])
+def test_drafter_inference_matches_training_unroll(target, variant):
+    drafter = make_drafter(target, **variant)
     L, K, t = 14, 4, 7  # position t, unrolled K steps
     torch.manual_seed(1)
     ids = torch.randint(0, 400, (1, L))
@@ -195,7 +196,8 @@ def test_drafter_inference_matches_training_unroll(target, norm_output, fc_norm)
         hidden = prop.fed_back(prop.root_out)[None]
         for k in range(1, K):
             slot = prop.context_len + k - 1  # the chain's nodes follow the context in the buffer
-            allowed = torch.ones(1, slot + 1, dtype=torch.bool)
+            context = allowed_keys(torch.tensor([t]), torch.arange(prop.context_len), drafter.config.sliding_window)
+            allowed = torch.cat([context, torch.ones(1, k, dtype=torch.bool)], dim=1)
             out = prop.layer(hidden, ids[0, t + 1 + k: t + 2 + k], torch.tensor([t + k]), slot, allowed)
             torch.testing.assert_close(prop.log_probs(out)[0], torch.log_softmax(train[k][0, t], -1),
                                        rtol=1e-4, atol=1e-4)
@@ -506,17 +508,26 @@ def test_merge_chain_shares_prefixes_and_names_sources():
     assert merge_chain(DraftTree.empty(), [3, 4]) == (DraftTree.chain([3, 4]), [NGRAM, NGRAM])
 
 
+def test_drop_rivals_removes_siblings_of_a_confident_chain_with_their_subtrees():
+    tree = DraftTree([5, 6, 9, 8, 4], [-1, 0, -1, 2, 0])  # 5 -> (6, 4); 9 -> 8
+    assert drop_rivals(tree, [5, 7], {0}) == DraftTree([5, 6, 4], [-1, 0, 0])  # 9 and its child go
+    assert drop_rivals(tree, [5, 7], {1}) == DraftTree([5, 9, 8], [-1, -1, 1])  # 6 and 4 rival 7 under 5
+    assert drop_rivals(tree, [3, 7], {1}) == tree  # the chain left the tree at depth 0
+    assert drop_rivals(tree, [5, 7], set()) == tree
+
+
 COPY_PROMPT = [300, 12, 13, 14, 88, 91, 150, 2, 77, 31] * 3 + [300, 12]  # copy-heavy: lookup finds the rest
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_hybrid_is_exact_and_both_proposers_contribute(target, mode):
+@pytest.mark.parametrize("mode,floor", [("chain", 0.0), ("tree", 0.0), ("tree", 0.3)])
+def test_hybrid_is_exact_and_both_proposers_contribute(target, mode, floor):
     limits = (2, 1, 2) if mode == "chain" else (3, 2, 5)
     drafter = make_drafter(target)
     used: Counter = Counter()
     for prompt in [*PROMPTS, COPY_PROMPT]:
         ref = plain_greedy(target, prompt, 24)
-        hybrid = HybridProposer(Eagle3Proposer(drafter), NgramProposer(3), limits, lookup_tokens=4)
+        hybrid = HybridProposer(Eagle3Proposer(drafter, floor / 10), NgramProposer(3, min_prob=floor), limits,
+                                lookup_tokens=4)
         depth, top_k, total = hybrid.limits
         out, stats = speculative_generate(target, hybrid, prompt, 24, depth=depth, top_k=top_k, total_tokens=total)
         assert out == ref
@@ -532,3 +543,23 @@ def test_hybrid_with_an_oracle_drafter_accepts_everything(target):
         hybrid = HybridProposer(OracleProposer(prompt + ref, 400), NgramProposer(3), (depth, 1, depth), 2)
         out, stats = speculative_generate(target, hybrid, prompt, new, depth=depth, top_k=1, total_tokens=depth + 2)
         assert out == ref and stats.acceptance_rates == [1.0] * depth
+
+
+def test_ngram_floor_learns_how_deep_to_trust_the_lookup():
+    """With a floor, depth d is proposed only while the learned path probability stays above it;
+    depths left out keep learning from the committed tokens, so trust can grow and shrink."""
+    p = NgramProposer(max_ngram=1, min_prob=0.35)
+    seq = [1, 2, 3, 4, 5, 1]
+    p.observe(seq, None)
+    assert p.propose(4, 1, 4).tokens == [2]  # no evidence yet: 1/2 at depth 0, 1/4 for two tokens
+    for _ in range(3):  # the text repeats: every looked-up depth was right
+        seq += [2, 3, 4, 5, 1]
+        p.observe(seq, None)
+        p.propose(4, 1, 4)
+    assert p.accept_rate(1, 3) == (3 + 1) / (3 + 2)
+    assert p.propose(4, 1, 4).tokens == [2, 3, 4, 5]
+    for k in range(10):  # now 1 is followed by something new each time: depth 0 is wrong every time
+        seq += [100 + k, 1]
+        p.observe(seq, None)
+        tokens = p.propose(4, 1, 4).tokens
+    assert p.accept_rate(1, 0) == (3 + 1) / (13 + 2) and tokens == []

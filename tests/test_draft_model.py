@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet.draft_model import (DraftConfig, Eagle3Draft, acceptance_length, build_draft_vocab, make_teacher,
-                                shift_left, stats_summary, ttt_loss)
+from eaglet.draft_model import (DiagonalTTTAttention, DraftConfig, Eagle3Draft, acceptance_length, build_draft_vocab,
+                                make_teacher, rope_cos_sin, shift_left, stats_summary, ttt_loss)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from ttt_reference import NaiveTTTAttention, ttt_mask  # noqa: E402
@@ -85,9 +85,10 @@ def drafter_and_batch(cfg: DraftConfig, seed: int):
     return model, (d2t, t2d), (ids, aux, last, mask), head
 
 
-@pytest.mark.parametrize("norm_output,fc_norm,chunk", [(False, False, 1024), (True, True, 4)])
-def test_efficient_ttt_matches_naive_reference(norm_output, fc_norm, chunk):
-    cfg = tiny_config(norm_output=norm_output, fc_norm=fc_norm)
+@pytest.mark.parametrize("variant,chunk", [({}, 1024), ({"norm_output": True, "fc_norm": True}, 4),
+                                           ({"sliding_window": 4, "norm_before_residual": True}, 4)])
+def test_efficient_ttt_matches_naive_reference(variant, chunk):
+    cfg = tiny_config(**variant)
     model, (d2t, t2d), (ids, aux, last, mask), head = drafter_and_batch(cfg, 0)
     teacher = make_teacher(last, torch.nn.Identity(), head, d2t, t2d)
 
@@ -99,8 +100,6 @@ def test_efficient_ttt_matches_naive_reference(norm_output, fc_norm, chunk):
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         return out, loss, stats, grads, a.grad
-
-    from eaglet.draft_model import DiagonalTTTAttention
 
     out_e, loss_e, stats_e, grads_e, ga_e = run(lambda: DiagonalTTTAttention(chunk_size=chunk))
     out_n, loss_n, stats_n, grads_n, ga_n = run(NaiveTTTAttention)
@@ -217,13 +216,38 @@ def test_rope_matches_transformers_llama():
     torch.testing.assert_close(apply_rope(k, mine_cos, mine_sin), ref_k, rtol=1e-5, atol=1e-5)
 
 
-def test_causal_logsumexp_gradients():
-    """The SDPA-based backward of the causal log-sum-exp against finite differences (fp64, GQA, chunks)."""
+@pytest.mark.parametrize("window", [None, 3])
+def test_causal_logsumexp_gradients(window):
+    """The SDPA-based backward of the causal log-sum-exp against finite differences (fp64, GQA,
+    chunks), causal and within a sliding window."""
     from eaglet.draft_model import CausalLogSumExp
 
     q = torch.randn(1, 4, 7, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: CausalLogSumExp.apply(a, b, 3), (q, k))
+    assert torch.autograd.gradcheck(lambda a, b: CausalLogSumExp.apply(a, b, 3, window), (q, k))
     scores = torch.einsum("bhld,bhsd->bhls", q, k.repeat_interleave(2, dim=1)) / 8 ** 0.5
-    ref = torch.logsumexp(scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf")), -1)
-    torch.testing.assert_close(CausalLogSumExp.apply(q, k, 3), ref)
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril()
+    if window:
+        allowed &= ~torch.ones(7, 7, dtype=torch.bool).tril(-window)
+    ref = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), -1)
+    torch.testing.assert_close(CausalLogSumExp.apply(q, k, 3, window), ref)
+
+
+def test_norm_before_residual_takes_the_normalised_state_as_residual():
+    """speculators' default layout: h = hidden_norm(g) + attention(...), checked against the
+    plain layer run on a pre-normalised g with a unit-weight hidden_norm (RMSNorm is idempotent)."""
+    plain = Eagle3Draft(tiny_config())
+    variant = Eagle3Draft(tiny_config(norm_before_residual=True))
+    variant.load_state_dict(plain.state_dict())
+    g = torch.randn(2, 5, 32) * 3
+    embeds = torch.randn(2, 5, 32)
+    cos, sin = rope_cos_sin(torch.arange(5), 8, 10000.0)
+    with torch.no_grad():
+        ml_plain, ml_variant = plain.midlayer, variant.midlayer
+        ml_plain.hidden_norm.weight.fill_(1.0)
+        ml_variant.hidden_norm.weight.fill_(1.0)
+        normed = ml_plain.hidden_norm(g)
+        expected = ml_plain(normed, embeds, cos, sin, DiagonalTTTAttention())  # a fresh core: step 0
+        torch.testing.assert_close(ml_variant(g, embeds, cos, sin, DiagonalTTTAttention()), expected,
+                                   rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(ml_plain(g, embeds, cos, sin, DiagonalTTTAttention()), expected, atol=1e-2)

@@ -78,6 +78,9 @@ def ckpt(tmp_path) -> Path:
 
 @pytest.mark.parametrize("fmt,variant", [("speculators", {}), ("eagle", {}),
                                          ("speculators", {"fc_norm": True, "norm_output": True}),
+                                         ("speculators", {"norm_before_residual": True}),
+                                         ("eagle", {"norm_before_residual": True}),
+                                         ("speculators", {"sliding_window": 5}),
                                          ("eagle", {"norm_output": True, "target_hidden_size": 40})])
 def test_round_trip_is_bit_exact(tmp_path, fmt, variant):
     draft = random_drafter(tiny_config(**variant))
@@ -366,7 +369,7 @@ def test_import_refuses_configs_eaglet_cannot_run(tmp_path, ckpt):
     export_drafter(ckpt, out, "speculators", dtype="fp32")
     c = config(out)
     for edit, message in ((lambda c: c.pop("norm_before_residual"), "field norm_before_residual missing"),
-                          (lambda c: c.update(norm_before_residual=True), "field norm_before_residual = True"),
+                          (lambda c: c.update(fc_norm=True), "field fc_norm = True"),
                           (lambda c: c.pop("draft_vocab_size"), "field draft_vocab_size missing")):
         broken = json.loads(json.dumps(c))
         edit(broken)
@@ -420,3 +423,16 @@ def test_embedded_target_exports_as_its_hub_id(tmp_path):
         export_drafter(ck, tmp_path / f"out{i}", "speculators")
         assert (config(tmp_path / f"out{i}")["speculators_config"]["verifier"]["name_or_path"]
                 == "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+@pytest.mark.parametrize("block, window", [({"sliding_window": 7, "layer_types": ["sliding_attention"]}, 7),
+                                           ({"sliding_window": 7, "layer_types": ["full_attention"]}, None),
+                                           ({"sliding_window": 7}, None)])  # no layer_types: full, as speculators
+def test_import_reads_the_sliding_window_as_speculators_does(tmp_path, ckpt, block, window):
+    out = tmp_path / "out"
+    export_drafter(ckpt, out, "speculators", dtype="fp32")
+    c = config(out)
+    c["transformer_layer_config"].update(block)
+    (out / "config.json").write_text(json.dumps(c))
+    import_drafter(out, tmp_path / "back")
+    assert load_checkpoint(tmp_path / "back").config.sliding_window == window

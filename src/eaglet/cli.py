@@ -93,9 +93,9 @@ def cmd_check(args: argparse.Namespace) -> None:
 TRAIN_OPTIONS = ("epochs", "total_steps", "stop_after", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
                  "max_grad_norm", "batch_size", "grad_accum", "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size",
                  "teacher_top_k", "loss_on", "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm",
-                 "norm_output", "bf16", "time_budget", "eval_fraction", "eval_every", "evals", "save_every",
-                 "log_every", "keep_checkpoints", "seed", "device", "online", "target_dtype", "aux_layer_ids",
-                 "last_hidden_state")
+                 "norm_output", "norm_before_residual", "sliding_window", "bf16", "time_budget", "eval_fraction",
+                 "eval_every", "evals", "save_every", "log_every", "keep_checkpoints", "seed", "device", "online",
+                 "target_dtype", "aux_layer_ids", "last_hidden_state")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -146,6 +146,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                               total_tokens=args.total_tokens, chain_depth=args.chain_depth,
                               min_draft_prob=args.min_draft_prob, lookup_tokens=args.lookup_tokens,
                               max_ngram=args.max_ngram, hybrid_draft=args.hybrid_draft,
+                              hybrid_chain_depth=args.hybrid_chain_depth, keep_rivals=args.keep_rivals,
                               temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     result = evaluate(args.drafter, args.target, args.prompts, args.num_prompts, args.methods, settings, args.dtype,
                       args.device, args.threads, args.out, plot=not args.no_plot)
@@ -305,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens/s after the first steps; held-out evaluations are not counted")
     p.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1: RMSNorm before fc")
     p.add_argument("--norm-output", action="store_true", help="EAGLE-3.1: feed the post-norm output to the next step")
+    p.add_argument("--norm-before-residual", action="store_true",
+                   help="the layer's residual is the normalised fused state (speculators' default drafter)")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="the drafter attends to the last W positions only (default: all; speculators trains 2048)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast, master weights stay fp32 (default: where the device computes bf16 fast, "
                         "i.e. CUDA and CPUs with AMX/AVX512-BF16; elsewhere bf16 products are emulated and slow)")
@@ -353,8 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="local sampling seed (default 0)")
     p.set_defaults(func=cmd_regen)
 
-    from eaglet.evaluate import (CPU_CHAIN_DEPTH, CPU_MIN_DRAFT_PROB, CPU_TREE, DEFAULT_METHODS, HYBRID_DRAFTS,
-                                 HYBRID_LOOKUP_TOKENS, HYBRID_MAX_NGRAM, METHODS, PROMPT_SETS)
+    from eaglet.evaluate import (CPU_CHAIN_DEPTH, CPU_MIN_DRAFT_PROB, CPU_TREE, DEFAULT_METHODS, HYBRID_CHAIN_DEPTH,
+                                 HYBRID_DRAFTS, HYBRID_LOOKUP_TOKENS, HYBRID_MAX_NGRAM, METHODS, PROMPT_SETS)
     p = sub.add_parser("eval", help="acceptance length and speedup of a drafter on prompt sets",
                        description="Decode prompt sets with plain greedy and with each method (speculative chain / "
                                    "tree with the drafter; hybrid: the drafter's chain and prompt lookup's continuation "
@@ -385,7 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="propose only draft tokens whose path probability under the drafter is at least this; a "
                         f"cycle with none left is a plain one-token pass (default {CPU_MIN_DRAFT_PROB})")
     p.add_argument("--hybrid-draft", choices=HYBRID_DRAFTS, default="chain",
-                   help="hybrid: the drafter's part of each cycle, its chain or its tree (default chain)")
+                   help="hybrid: the drafter's part of each cycle, a chain or its tree (default chain)")
+    p.add_argument("--hybrid-chain-depth", type=int, default=HYBRID_CHAIN_DEPTH,
+                   help=f"hybrid: the depth of the drafter's chain (default {HYBRID_CHAIN_DEPTH})")
+    p.add_argument("--keep-rivals", action="store_true",
+                   help="hybrid with --min-draft-prob: also verify drafted tokens that rival a lookup token trusted "
+                        "beyond 1 - P (by default they are left out: at most one sibling is right)")
     p.add_argument("--lookup-tokens", type=int, default=HYBRID_LOOKUP_TOKENS,
                    help=f"hybrid and ngram: tokens prompt lookup adds to a cycle at most (default {HYBRID_LOOKUP_TOKENS})")
     p.add_argument("--max-ngram", type=int, default=HYBRID_MAX_NGRAM,

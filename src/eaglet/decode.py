@@ -28,18 +28,26 @@ rejection rule per sibling is "accept x with probability p(x); on reject zero p(
 renormalise; try the next sibling; if all fail, sample from what is left" (SpecInfer / SpecTr
 with one-hot drafts). The output distribution equals plain sampling from the processed target
 distribution, whatever the drafter proposes.
+
+Proposers: `Eagle3Proposer` (the trained drafter), `NgramProposer` (prompt lookup: the tokens that
+followed the context's last n-gram earlier on) and `HybridProposer`, which merges both proposals
+into one tree (shared prefixes shared) so one target pass verifies both: on copy-heavy text the
+lookup's tokens are accepted, elsewhere the drafter's, without choosing a method per server.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eaglet.draft_model import allowed_keys
 
 DEFAULT_DEPTH = 7
 DEFAULT_TOP_K = 10
@@ -233,6 +241,8 @@ class Proposer(Protocol):
     the target chose last, not yet fed to it); `aux` [m, sum H] are the target's aux states at
     the m positions the target just processed and kept, i.e. seq[-1-m:-1] (None when no ids).
     `propose(max_depth, top_k, total_tokens)`: a `DraftTree` below the root.
+    Optional: `reset()`, called before each sequence; `sources`, the proposer of each node of the
+    last tree (a hybrid), else `name`, counted per accepted token in `DecodeStats.accepted_from`.
     """
 
     aux_layer_ids: list[int]
@@ -310,7 +320,8 @@ class Eagle3Proposer:
         self.reserve(slot + q_len, live=slot)
         hidden = hidden.to(d.fc.weight.dtype)
         embeds = d.embed_tokens(token_ids).to(hidden.dtype)
-        x = torch.cat([ml.input_layernorm(embeds), ml.hidden_norm(hidden)], dim=-1)[None]
+        normed = ml.hidden_norm(hidden)
+        x = torch.cat([ml.input_layernorm(embeds), normed], dim=-1)[None]
         q = attn.q_proj(x).view(1, q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -321,7 +332,7 @@ class Eagle3Proposer:
         o = F.scaled_dot_product_attention(q, self.k_buf[:, :, : slot + q_len], self.v_buf[:, :, : slot + q_len],
                                            attn_mask=allowed[None, None],
                                            enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-        h = hidden + attn.o_proj(o.transpose(1, 2).reshape(1, q_len, -1))[0]
+        h = ml.residual(hidden, normed) + attn.o_proj(o.transpose(1, 2).reshape(1, q_len, -1))[0]
         h = h + ml.mlp(ml.post_attention_layernorm(h))
         self.draft_forwards += 1
         return h
@@ -349,8 +360,7 @@ class Eagle3Proposer:
         g = self.drafter.fuse(aux.to(device)[None])[0]
         next_tokens = torch.tensor(seq[start + 1: start + m + 1], device=device)
         positions = torch.arange(start, start + m, device=device)
-        allowed = torch.cat([torch.ones(m, start, dtype=torch.bool, device=device),
-                             torch.ones(m, m, dtype=torch.bool, device=device).tril()], dim=1)
+        allowed = allowed_keys(positions, torch.arange(start + m, device=device), self.cfg.sliding_window)
         out = self.layer(g, next_tokens, positions, start, allowed)
         self.context_len = start + m
         self.root_out = out[-1]
@@ -387,8 +397,12 @@ class Eagle3Proposer:
             new_anc = torch.cat([frontier_anc, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
             anc = torch.cat([torch.cat([anc, torch.zeros(n_exp, k, dtype=torch.bool, device=device)], 1),
                              new_anc], dim=0)
-            allowed = torch.cat([torch.ones(k, self.context_len, dtype=torch.bool, device=device), new_anc], dim=1)
             positions = torch.full((k,), root_pos + depth, device=device)
+            # the window is anchored where the node's chain left the context (training's step-k
+            # query at position t sees step-0 keys (t - window, t]), not at its RoPE position
+            context = allowed_keys(torch.full((k,), root_pos, device=device),
+                                   torch.arange(self.context_len, device=device), self.cfg.sliding_window)
+            allowed = torch.cat([context, new_anc], dim=1)
             # expanded nodes sit in buffer slots context_len + (their expansion index)
             out = self.layer(frontier_hidden, self.draft_to_target[frontier_ids], positions,
                              self.context_len + n_exp, allowed)
@@ -432,14 +446,21 @@ class NgramProposer:
     """Prompt lookup: proposes, as a chain, the tokens that followed the latest earlier occurrence
     of the sequence's last n tokens, for the longest n in [min_ngram, max_ngram] that occurred
     (in the prompt or the text generated so far). An index of every n-gram grows with the
-    sequence, so a lookup costs the same however long the context is."""
+    sequence, so a lookup costs the same however long the context is.
+
+    With `min_prob` > 0 it proposes only as deep as it expects to be right with at least that
+    probability, like `Eagle3Proposer`'s floor: it learns, from the tokens committed after each
+    lookup in this sequence, how often a token at depth d after an n-token match was the right one
+    (Laplace-smoothed: 1/2 before any evidence), and multiplies along the chain."""
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, min_prob: float = 0.0):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram sizes: need 1 <= min_ngram {min_ngram} <= max_ngram {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob {min_prob}: a probability in [0, 1]")
+        self.max_ngram, self.min_ngram, self.min_prob = max_ngram, min_ngram, min_prob
         self.aux_layer_ids: list[int] = []
         self.reset()
 
@@ -447,26 +468,91 @@ class NgramProposer:
         self.seq: list[int] = []
         self.indexed = 0  # seq[:indexed] is in the index
         self.follower: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
+        self.tried: Counter = Counter()  # (n, depth) -> proposals that reached this depth
+        self.hit: Counter = Counter()  # (n, depth) -> ... and were accepted there
+        self.pending: tuple[int, int, list[int]] | None = None  # (len(seq), n, chain) of the last proposal
+        self.confidence: list[float] = []  # of the last proposal: P(its token at depth d is right | the path to d is)
 
     def observe(self, seq: list[int], aux: torch.Tensor | None) -> None:
         if len(seq) < self.indexed:
             self.reset()  # another sequence (the engine resets proposers before each one, too)
+        self.learn(seq)
         # the n-grams that end at i - 1 and are followed by seq[i]: the last n-gram has no follower yet
         for i in range(max(self.indexed, 1), len(seq)):
             for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
                 self.follower[tuple(seq[i - n: i])] = i
         self.seq, self.indexed = seq, len(seq)
 
+    def learn(self, seq: list[int]) -> None:
+        """Score the last proposal against the tokens committed after it (accepted ones, then the bonus)."""
+        if self.pending is None:
+            return
+        start, n, chain = self.pending
+        self.pending = None
+        for d, (proposed, committed) in enumerate(zip(chain, seq[start:])):
+            self.tried[n, d] += 1
+            if proposed != committed:
+                break
+            self.hit[n, d] += 1
+
+    def accept_rate(self, n: int, depth: int) -> float:
+        return (self.hit[n, depth] + 1) / (self.tried[n, depth] + 2)
+
     def propose(self, max_depth: int, top_k: int, total_tokens: int) -> DraftTree:
         limit = min(max_depth, total_tokens)
+        self.confidence = []
         for n in range(min(self.max_ngram, len(self.seq)), self.min_ngram - 1, -1):
             at = self.follower.get(tuple(self.seq[-n:]))
             if at is not None and limit > 0:
-                return DraftTree.chain(self.seq[at: at + limit])
+                chain = self.seq[at: at + limit]
+                # scored in full, also beyond what is proposed: what the target commits does not depend
+                # on the proposal (greedy: the tokens; sampled: their law), so a depth left out still
+                # learns, and can come back
+                self.pending = (len(self.seq), n, chain)
+                proposed = chain[: self.trusted_depth(n, len(chain))] if self.min_prob > 0 else chain
+                self.confidence = [self.accept_rate(n, d) for d in range(len(proposed))]
+                return DraftTree.chain(proposed)
         return DraftTree.empty()
+
+    def trusted_depth(self, n: int, length: int) -> int:
+        """How many tokens of a chain after an n-token match keep the path probability >= min_prob."""
+        p = 1.0
+        for d in range(length):
+            p *= self.accept_rate(n, d)
+            if p < self.min_prob:
+                return d
+        return length
 
 
 DRAFTER, NGRAM, BOTH = "drafter", "ngram", "both"
+
+
+def drop_rivals(tree: DraftTree, chain: list[int], depths: set[int]) -> DraftTree:
+    """`tree` without the nodes (and their subtrees) that hang where `chain` goes at one of
+    `depths` but hold another token: two siblings cannot both be right, so where the chain's token
+    is right with probability p, a rival is right with at most 1 - p."""
+    child_of = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens))}
+    dropped: set[int] = set()
+    at: int | None = -1
+    for d, token in enumerate(chain):
+        if d in depths:
+            dropped |= {i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p == at and t != token}
+        at = child_of.get((at, token))
+        if at is None:  # the chain left the tree: no siblings of it below
+            break
+    if not dropped:
+        return tree
+    for i, p in enumerate(tree.parents):  # parents come first: a subtree follows its root
+        if p in dropped:
+            dropped.add(i)
+    index = {}
+    tokens, parents = [], []
+    for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)):
+        if i not in dropped:
+            index[i] = len(tokens)
+            tokens.append(t)
+            parents.append(-1 if p < 0 else index[p])
+    return DraftTree(tokens, parents)
 
 
 def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[str]]:
@@ -495,14 +581,16 @@ class HybridProposer:
     """The drafter's chain or tree and prompt lookup's continuation in one tree, verified in one
     target pass: whichever proposer guessed right, its tokens are accepted. The drafter keeps its
     own limits (depth, top_k, total_tokens); the lookup adds up to `lookup_tokens` tokens, most of
-    them free where it agrees with the drafter (shared nodes). `sources` names the proposer(s) of
+    them free where it agrees with the drafter (shared nodes). With a floor (the lookup's
+    `min_prob`), where the lookup is right with probability >= 1 - floor a drafted rival could at
+    best just reach the floor and is left out (`drop_rivals`). `sources` names the proposer(s) of
     each node of the last tree."""
 
     def __init__(self, drafter: Proposer, lookup: NgramProposer, drafter_limits: tuple[int, int, int],
-                 lookup_tokens: int):
+                 lookup_tokens: int, keep_rivals: bool = False):
         if lookup_tokens < 1:
             raise ValueError(f"lookup_tokens {lookup_tokens}: must be >= 1")
-        self.drafter, self.lookup = drafter, lookup
+        self.drafter, self.lookup, self.keep_rivals = drafter, lookup, keep_rivals
         self.drafter_limits, self.lookup_tokens = drafter_limits, lookup_tokens
         self.aux_layer_ids = list(drafter.aux_layer_ids)
         self.sources: list[str] = []
@@ -531,6 +619,9 @@ class HybridProposer:
         tree = self.drafter.propose(min(depth, max_depth), d_top_k, d_total)
         lookup_depth = min(self.lookup_tokens, max_depth)
         chain = self.lookup.propose(lookup_depth, 1, lookup_depth).tokens
+        floor = self.lookup.min_prob
+        if floor > 0 and not self.keep_rivals:
+            tree = drop_rivals(tree, chain, {d for d, p in enumerate(self.lookup.confidence) if p >= 1 - floor})
         merged, self.sources = merge_chain(tree, chain)
         return merged
 
@@ -790,6 +881,6 @@ def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input
     return out, stats
 
 
-__all__ = ["DraftTree", "Proposer", "Eagle3Proposer", "NgramProposer", "HybridProposer", "merge_chain", "TargetRunner", "DecodeStats", "plain_generate",
+__all__ = ["DraftTree", "Proposer", "Eagle3Proposer", "NgramProposer", "HybridProposer", "merge_chain", "drop_rivals", "TargetRunner", "DecodeStats", "plain_generate",
            "plain_greedy", "speculative_generate", "process_probs", "accept_greedy", "accept_sampling",
            "tree_attention_mask", "token_budget"]

@@ -4,7 +4,8 @@ Architecture (module names are the EAGLE / SGLang checkpoint keys, so export is 
 
     g      = fc(concat(aux_low, aux_mid, aux_high))          # 3H -> H, fused target features
     x      = concat(input_layernorm(embed(token)), hidden_norm(g))   # 2H, input of q/k/v
-    h      = g + o_proj(attention(q, k, v))                  # residual is g, not x
+    h      = g + o_proj(attention(q, k, v))                  # residual is g, not x (norm_before_residual:
+                                                             # hidden_norm(g), speculators' default)
     h      = h + mlp(post_attention_layernorm(h))            # SwiGLU
     logits = lm_head(norm(h))                                # H -> draft vocab
 
@@ -51,6 +52,8 @@ class DraftConfig:
     aux_layer_ids: list[int] = field(default_factory=list)
     fc_norm: bool = False  # EAGLE-3.1: RMSNorm over the 3H concat before fc
     norm_output: bool = False  # EAGLE-3.1: feed the post-norm output to the next TTT step
+    norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g (speculators' default)
+    sliding_window: int | None = None  # step-0 keys a query sees: the last W positions (None: all)
     target_hidden_size: int | None = None  # width of the aux states (defaults to hidden_size)
 
     def __post_init__(self) -> None:
@@ -60,6 +63,8 @@ class DraftConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not 0 < self.draft_vocab_size <= self.target_vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, {self.target_vocab_size}]")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window {self.sliding_window} must be >= 1 (or None for full attention)")
 
     @classmethod
     def from_target(cls, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int | None = None,
@@ -146,7 +151,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class TTTAttentionCore(Protocol):
     """Holds the keys/values of earlier TTT steps of one unroll; returns attention outputs.
 
-    Called once per step with roped q [B, heads, L, d] and k, v [B, kv_heads, L, d]."""
+    Called once per step with roped q [B, heads, L, d] and k, v [B, kv_heads, L, d]. `window`
+    (set by the drafter from its config) limits the step-0 keys to the last `window` positions."""
+
+    window: int | None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
@@ -154,8 +162,17 @@ class TTTAttentionCore(Protocol):
 DEFAULT_QUERY_CHUNK = 1024
 
 
+def allowed_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool [q, k]: query position t sees step-0 key position s when s <= t (and s > t - window)."""
+    allowed = keys[None, :] <= queries[:, None]
+    if window is not None:
+        allowed &= keys[None, :] > queries[:, None] - window
+    return allowed
+
+
 @torch.no_grad()
-def causal_lse(q: torch.Tensor, k: torch.Tensor, chunk_size: int = DEFAULT_QUERY_CHUNK) -> torch.Tensor:
+def causal_lse(q: torch.Tensor, k: torch.Tensor, chunk_size: int = DEFAULT_QUERY_CHUNK,
+               window: int | None = None) -> torch.Tensor:
     """log sum_{s<=t} exp(scale q_t.k_s) per query, [B, heads, L], at least fp32; (chunk x L) scores at a time."""
     B, nh, L, d = q.shape
     nkv = k.shape[1]
@@ -165,7 +182,7 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, chunk_size: int = DEFAULT_QUERY
     for s in range(0, L, chunk_size):
         e = min(L, s + chunk_size)
         scores = torch.einsum("bhgcd,bhsd->bhgcs", qg[:, :, :, s:e], kf[:, :, :e]) * d ** -0.5
-        allowed = torch.arange(e, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
+        allowed = allowed_keys(torch.arange(s, e, device=q.device), torch.arange(e, device=q.device), window)
         out.append(torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1))
     return torch.cat(out, dim=-1).reshape(B, nh, L)
 
@@ -176,24 +193,35 @@ class CausalLogSumExp(torch.autograd.Function):
     d lse_t / d k_s = scale * p_ts q_t, i.e. the value-gradient of SDPA(q, k, .) for grad g*q."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, chunk_size: int, window: int | None) -> torch.Tensor:
         ctx.save_for_backward(q, k)
-        return causal_lse(q, k, chunk_size)
+        ctx.window = window
+        return causal_lse(q, k, chunk_size, window)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         q, k = ctx.saved_tensors
         scale = q.shape[-1] ** -0.5
-        gqa = q.shape[1] != k.shape[1]
         with torch.enable_grad():
             values = k.detach().requires_grad_(True)
-            pk = F.scaled_dot_product_attention(q.detach(), k.detach(), values, is_causal=True, enable_gqa=gqa)
+            pk = causal_attention(q.detach(), k.detach(), values, ctx.window)
             (dk,) = torch.autograd.grad(pk, values, grad_outputs=grad.unsqueeze(-1).to(q.dtype) * q)
-        return scale * grad.unsqueeze(-1) * pk.detach(), scale * dk, None
+        return scale * grad.unsqueeze(-1) * pk.detach(), scale * dk, None, None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """SDPA over step-0 keys: causal, or causal within a sliding window (a boolean band mask)."""
+    gqa = q.shape[1] != k.shape[1]
+    if window is None or window >= k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    positions = torch.arange(k.shape[2], device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(positions, positions, window),
+                                          enable_gqa=gqa)
 
 
 def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
-                           diag_v: list[torch.Tensor], chunk_size: int = DEFAULT_QUERY_CHUNK) -> torch.Tensor:
+                           diag_v: list[torch.Tensor], chunk_size: int = DEFAULT_QUERY_CHUNK,
+                           window: int | None = None) -> torch.Tensor:
     """Causal attention over step-0 keys plus one same-position key per later step, jointly softmaxed.
 
     The causal block is fused SDPA (its output o_c) plus its log-sum-exp lse_c (`CausalLogSumExp`,
@@ -201,16 +229,15 @@ def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, 
     element-wise dot products s_j. One softmax over all of them:
         out = exp(lse_c - lse) o_c + sum_j exp(s_j - lse) v_j,  lse = logsumexp(lse_c, s_1..s_k).
     Nothing of size (L x L) is kept for backward, let alone (L x L*K). GQA: query heads are
-    grouped over their kv head.
+    grouped over their kv head. `window`: the causal block sees only the last `window` positions.
     """
-    gqa = q.shape[1] != k0.shape[1]
-    o_c = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=gqa)
+    o_c = causal_attention(q, k0, v0, window)
     if not diag_k:  # step 0 (or TTT 1): plain causal attention
         return o_c
     B, nh, L, d = q.shape
     nkv = k0.shape[1]
     with torch.autocast(q.device.type, enabled=False):  # the merge stays fp32 under bf16 autocast
-        lse_c = CausalLogSumExp.apply(q.float(), k0.float(), chunk_size).view(B, nkv, nh // nkv, L, 1)
+        lse_c = CausalLogSumExp.apply(q.float(), k0.float(), chunk_size, window).view(B, nkv, nh // nkv, L, 1)
         qg = q.float().view(B, nkv, nh // nkv, L, d)
         dk, dv = torch.stack(diag_k).float(), torch.stack(diag_v).float()  # [k, B, kv, L, d]
         diag = torch.einsum("bhgld,kbhld->bhglk", qg, dk) * d ** -0.5  # one dot product per position and step
@@ -223,8 +250,8 @@ def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, 
 class DiagonalTTTAttention:
     """The efficient TTT attention core: keeps step-0 keys and the per-step diagonal keys."""
 
-    def __init__(self, chunk_size: int = DEFAULT_QUERY_CHUNK) -> None:
-        self.chunk_size = chunk_size
+    def __init__(self, chunk_size: int = DEFAULT_QUERY_CHUNK, window: int | None = None) -> None:
+        self.chunk_size, self.window = chunk_size, window
         self.k0: torch.Tensor | None = None
         self.v0: torch.Tensor | None = None
         self.diag_k: list[torch.Tensor] = []
@@ -236,7 +263,7 @@ class DiagonalTTTAttention:
         else:
             self.diag_k.append(k)
             self.diag_v.append(v)
-        return diagonal_ttt_attention(q, self.k0, self.v0, self.diag_k, self.diag_v, self.chunk_size)
+        return diagonal_ttt_attention(q, self.k0, self.v0, self.diag_k, self.diag_v, self.chunk_size, self.window)
 
 
 class Attention(nn.Module):
@@ -274,6 +301,7 @@ class MidLayer(nn.Module):
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -282,9 +310,13 @@ class MidLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 core: TTTAttentionCore) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, core)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = self.residual(hidden, normed) + self.self_attn(x, cos, sin, core)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def residual(self, hidden: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        return normed if self.norm_before_residual else hidden
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +395,7 @@ class Eagle3Draft(nn.Module):
         """
         L = input_ids.shape[1]
         core = attention()
+        core.window = self.config.sliding_window
         hidden = self.fuse(aux_hidden)
         outputs = []
         for k in range(steps):

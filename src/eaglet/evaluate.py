@@ -56,6 +56,7 @@ PROMPT_LOOKUP_TOKENS = 10  # HF's own example value, and what the baseline figur
 HYBRID_MAX_NGRAM = 3
 HYBRID_LOOKUP_TOKENS = 4
 HYBRID_DRAFTS = ("chain", "tree")
+HYBRID_CHAIN_DEPTH = 1
 # The embedded ShareGPT's first records feed `eaglet prepare` / `eaglet regen` by default; the
 # held-out prompts come from far behind them.
 SHAREGPT_HELDOUT_START = 15_000  # of the 17,671 complete records the embedded file holds
@@ -191,12 +192,15 @@ class DecodeSettings:
     seed: int = 0
     lookup_tokens: int = HYBRID_LOOKUP_TOKENS
     max_ngram: int = HYBRID_MAX_NGRAM
-    hybrid_draft: str = "chain"  # the drafter's part of a hybrid cycle: its chain or its tree
+    hybrid_draft: str = "chain"  # the drafter's part of a hybrid cycle: a chain or a tree
+    hybrid_chain_depth: int = HYBRID_CHAIN_DEPTH  # ... that chain's depth
+    keep_rivals: bool = False  # hybrid: keep drafted siblings of a lookup token trusted beyond 1 - floor
 
     def __post_init__(self) -> None:
         ranges.at_least(1, max_new_tokens=self.max_new_tokens, depth=self.depth, top_k=self.top_k,
                         total_tokens=self.total_tokens, chain_depth=self.chain_depth,
-                        lookup_tokens=self.lookup_tokens, max_ngram=self.max_ngram)
+                        lookup_tokens=self.lookup_tokens, max_ngram=self.max_ngram,
+                        hybrid_chain_depth=self.hybrid_chain_depth)
         if self.hybrid_draft not in HYBRID_DRAFTS:
             raise ValueError(f"--hybrid-draft {self.hybrid_draft!r}: choose one of {', '.join(HYBRID_DRAFTS)}")
         ranges.within(0, 1, min_draft_prob=self.min_draft_prob)
@@ -252,19 +256,22 @@ def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids:
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def drafter_limits(mode: str, s: DecodeSettings) -> tuple[int, int, int]:
+def drafter_limits(mode: str, s: DecodeSettings, chain_depth: int | None = None) -> tuple[int, int, int]:
     """(depth, top_k, total_tokens) of the drafter's chain or tree."""
-    return (s.chain_depth, 1, s.chain_depth) if mode == "chain" else (s.depth, s.top_k, s.total_tokens)
+    depth = chain_depth or s.chain_depth
+    return (depth, 1, depth) if mode == "chain" else (s.depth, s.top_k, s.total_tokens)
 
 
 def engine_proposer(method: str, drafter: Eagle3Draft | None, s: DecodeSettings) -> tuple[Proposer, tuple[int, int, int]]:
     """The proposer of an engine method and the tree limits the engine verifies it under."""
+    lookup = NgramProposer(s.max_ngram, min_prob=s.min_draft_prob)
     if method == "ngram":
-        return NgramProposer(s.max_ngram), (s.lookup_tokens, 1, s.lookup_tokens)
+        return lookup, (s.lookup_tokens, 1, s.lookup_tokens)
     eagle = Eagle3Proposer(drafter, s.min_draft_prob)
     if method in ("chain", "tree"):
         return eagle, drafter_limits(method, s)
-    hybrid = HybridProposer(eagle, NgramProposer(s.max_ngram), drafter_limits(s.hybrid_draft, s), s.lookup_tokens)
+    hybrid = HybridProposer(eagle, lookup, drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth), s.lookup_tokens,
+                            s.keep_rivals)
     return hybrid, hybrid.limits
 
 
@@ -528,7 +535,8 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
                   "tree": {"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens},
                   "chain_depth": s.chain_depth, "min_draft_prob": s.min_draft_prob,
                   "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed,
-                  "hybrid": {"draft": s.hybrid_draft, "lookup_tokens": s.lookup_tokens, "max_ngram": s.max_ngram},
+                  "hybrid": {"draft": s.hybrid_draft, "chain_depth": s.hybrid_chain_depth, "keep_rivals": s.keep_rivals,
+                             "lookup_tokens": s.lookup_tokens, "max_ngram": s.max_ngram},
                   "skipped_turns": len(skipped)}
         result = EvalResult(config, results, records)
         if out is not None:

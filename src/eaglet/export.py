@@ -261,6 +261,12 @@ def format_warnings(cfg: DraftConfig, fmt: str) -> list[str]:
     notes = []
     if fmt == formats.FORMAT_EAGLE and cfg.norm_output:
         notes.append("norm_output: engines without EAGLE-3.1 support ignore it and feed back the pre-norm state")
+    if cfg.sliding_window is not None:
+        notes.append(f"sliding window {cfg.sliding_window} (layer_types sliding_attention): an engine that ignores it "
+                     "runs the drafter with full attention, which differs once a context is longer than the window")
+    if fmt == formats.FORMAT_EAGLE and cfg.norm_before_residual:
+        notes.append("norm_before_residual: engines that do not read it keep the un-normalised residual; vLLM and "
+                     "speculators read it (--format speculators is the safe choice)")
     if fmt == formats.FORMAT_EAGLE and cfg.aux_layer_ids[0] != 2:
         notes.append(f"aux layer ids {cfg.aux_layer_ids} do not start at 2: SGLang releases with sgl-project/sglang"
                      f"#25454 read eagle_config ids whose first is not 1 without the +1, one layer off")
@@ -353,7 +359,8 @@ class ImportSummary:
         c = self.config
         return [f"imported {self.source_format} drafter -> {self.out} (eaglet checkpoint: model.safetensors + config.json)",
                 f"  hidden {c.hidden_size}, aux layer ids {c.aux_layer_ids}, draft vocab {c.draft_vocab_size} of "
-                f"{c.target_vocab_size}, fc_norm {c.fc_norm}, norm_output {c.norm_output}"
+                f"{c.target_vocab_size}, fc_norm {c.fc_norm}, norm_output {c.norm_output}, "
+                f"norm_before_residual {c.norm_before_residual}"
                 + (", embeddings copied from the target" if self.embeddings_from_target else "")]
 
 

@@ -873,7 +873,21 @@ def _llama_block(cfg: Any) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.target_vocab_size,
         "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": False,  # SGLang would make lm_head the embedding matrix otherwise
+        **({"sliding_window": cfg.sliding_window, "layer_types": ["sliding_attention"]}
+           if cfg.sliding_window is not None else {}),
     }
+
+
+def _sliding_window(block: dict[str, Any], where: str) -> int | None:
+    """The one layer's window, read as speculators does: sliding only when `layer_types` says so
+    (a `sliding_window` without `layer_types` is full attention there)."""
+    layer_types = block.get("layer_types") or []
+    if not layer_types or layer_types[0] != "sliding_attention":
+        return None
+    window = block.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{where}: layer_types says sliding_attention but sliding_window is {window!r}")
+    return window
 
 
 def _refuse(where: str, field: str, value: Any, why: str) -> ValueError:
@@ -902,15 +916,12 @@ def _llama_fields(block: dict[str, Any], where: str) -> dict[str, Any]:
                 rms_norm_eps=float(block.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(block.get("rope_theta", rope.get("rope_theta", 10000.0))),
                 max_position_embeddings=int(block.get("max_position_embeddings", 2048)),
-                target_vocab_size=block["vocab_size"])
+                target_vocab_size=block["vocab_size"], sliding_window=_sliding_window(block, where))
 
 
 def _draft_fields(c: dict[str, Any], fields: dict[str, Any], where: str, norm_before_residual: Any,
                   norm_before_fc: Any, per_layer_fc_norm: Any, norm_output: Any) -> dict[str, Any]:
     """The EAGLE-3 fields both formats share, on top of the Llama block's."""
-    if norm_before_residual:
-        raise _refuse(where, "norm_before_residual", norm_before_residual,
-                      "eaglet's drafter keeps the un-normalised hidden state as the residual")
     if per_layer_fc_norm:
         raise _refuse(where, "fc_norm", per_layer_fc_norm, "per-layer norms before fc are not eaglet's "
                       "fc_norm (one RMSNorm over the concat, `norm_before_fc`)")
@@ -919,7 +930,8 @@ def _draft_fields(c: dict[str, Any], fields: dict[str, Any], where: str, norm_be
         raise ValueError(f"{where}: field draft_vocab_size missing or not an integer (engines disagree on the default)")
     return {**fields, "draft_vocab_size": draft_vocab,
             "target_hidden_size": int(c.get("target_hidden_size") or fields["hidden_size"]),
-            "fc_norm": bool(norm_before_fc), "norm_output": bool(norm_output)}
+            "fc_norm": bool(norm_before_fc), "norm_output": bool(norm_output),
+            "norm_before_residual": bool(norm_before_residual)}
 
 
 def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any] | None) -> dict[str, Any]:
@@ -933,7 +945,7 @@ def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any] | 
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": hf_to_sglang_layer_ids(cfg.aux_layer_ids),
                          "use_aux_hidden_state": True},
-        "norm_before_residual": False, "norm_output": cfg.norm_output,
+        "norm_before_residual": cfg.norm_before_residual, "norm_output": cfg.norm_output,
     }
     return {**config, "eaglet_export": provenance} if provenance is not None else config
 
@@ -978,7 +990,7 @@ def build_speculators_config(cfg: Any, torch_dtype: str, verifier_name: str, ver
         "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         # Written even when false: vLLM's update_eagle3 defaults a missing norm_before_residual to true.
-        "norm_before_residual": False, "norm_before_fc": cfg.fc_norm, "fc_norm": False,
+        "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.fc_norm, "fc_norm": False,
         "norm_output": cfg.norm_output, "torch_dtype": torch_dtype,
         "eaglet_export": provenance,
     }

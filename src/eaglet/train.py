@@ -83,6 +83,8 @@ class TrainConfig:
     freeze_lm_head: bool = False  # keep the LM head (and final norm) as initialised
     fc_norm: bool = False
     norm_output: bool = False
+    norm_before_residual: bool = False  # speculators' default drafter layout (residual = hidden_norm(g))
+    sliding_window: int | None = None  # the drafter attends to the last W positions (speculators' default 2048)
     bf16: bool | None = None  # autocast the drafter's forward to bf16 (None: where fast, see target.fast_bf16)
     time_budget: float | None = None  # seconds of training: the schedule is sized to fit, measured on the fly
     eval_fraction: float = 0.05
@@ -103,12 +105,13 @@ class TrainConfig:
     # Options that define the trajectory: a resumed run must use the same ones.
     TRAJECTORY = ("epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
                   "batch_size", "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size", "teacher_top_k", "loss_on",
-                  "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm", "norm_output", "bf16",
+                  "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm", "norm_output",
+                  "norm_before_residual", "sliding_window", "bf16",
                   "time_budget", "eval_fraction", "seed")
 
     # Numeric options and what they may be (None: the option's default applies).
     AT_LEAST_ONE = ("total_steps", "stop_after", "batch_size", "grad_accum", "max_length", "ttt_steps",
-                    "draft_vocab_size", "eval_every", "evals", "save_every", "log_every")
+                    "draft_vocab_size", "sliding_window", "eval_every", "evals", "save_every", "log_every")
     AT_LEAST_ZERO = ("warmup_steps", "keep_checkpoints", "weight_decay", "feature_loss_weight")
     ABOVE_ZERO = ("epochs", "lr", "max_grad_norm")
 
@@ -654,7 +657,8 @@ def build_drafter(target_model: nn.Module, aux_layer_ids: list[int], token_freq:
     the data and, with --lm-head-init target, the target's LM head rows and final norm."""
     torch.manual_seed(cfg.seed)
     dcfg = DraftConfig.from_target(target_model.config, aux_layer_ids, cfg.draft_vocab_size,
-                                   fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+                                   fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
+                                   norm_before_residual=cfg.norm_before_residual, sliding_window=cfg.sliding_window)
     draft = Eagle3Draft(dcfg)
     load_embeddings_from(draft, target_model.get_input_embeddings().weight)
     draft.set_draft_vocab(*build_draft_vocab(token_freq, dcfg.target_vocab_size, dcfg.draft_vocab_size))
