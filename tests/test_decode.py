@@ -527,7 +527,7 @@ def test_hybrid_is_exact_and_both_proposers_contribute(target, mode, floor):
     for prompt in [*PROMPTS, COPY_PROMPT]:
         ref = plain_greedy(target, prompt, 24)
         hybrid = HybridProposer(Eagle3Proposer(drafter, floor / 10), NgramProposer(3, min_prob=floor), limits,
-                                lookup_tokens=4)
+                                lookup_tokens=4, drop_rivals=floor > 0)
         depth, top_k, total = hybrid.limits
         out, stats = speculative_generate(target, hybrid, prompt, 24, depth=depth, top_k=top_k, total_tokens=total)
         assert out == ref

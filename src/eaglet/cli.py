@@ -146,7 +146,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                               total_tokens=args.total_tokens, chain_depth=args.chain_depth,
                               min_draft_prob=args.min_draft_prob, lookup_tokens=args.lookup_tokens,
                               max_ngram=args.max_ngram, hybrid_draft=args.hybrid_draft,
-                              hybrid_chain_depth=args.hybrid_chain_depth, keep_rivals=args.keep_rivals,
+                              hybrid_chain_depth=args.hybrid_chain_depth, drop_rivals=args.drop_rivals,
                               temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     result = evaluate(args.drafter, args.target, args.prompts, args.num_prompts, args.methods, settings, args.dtype,
                       args.device, args.threads, args.out, plot=not args.no_plot)
@@ -393,9 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid: the drafter's part of each cycle, a chain or its tree (default chain)")
     p.add_argument("--hybrid-chain-depth", type=int, default=HYBRID_CHAIN_DEPTH,
                    help=f"hybrid: the depth of the drafter's chain (default {HYBRID_CHAIN_DEPTH})")
-    p.add_argument("--keep-rivals", action="store_true",
-                   help="hybrid with --min-draft-prob: also verify drafted tokens that rival a lookup token trusted "
-                        "beyond 1 - P (by default they are left out: at most one sibling is right)")
+    p.add_argument("--drop-rivals", action="store_true",
+                   help="hybrid with --min-draft-prob: leave out drafted tokens that rival a lookup token trusted "
+                        "beyond 1 - P (at most one sibling is right, so such a rival is right with at most P)")
     p.add_argument("--lookup-tokens", type=int, default=HYBRID_LOOKUP_TOKENS,
                    help=f"hybrid and ngram: tokens prompt lookup adds to a cycle at most (default {HYBRID_LOOKUP_TOKENS})")
     p.add_argument("--max-ngram", type=int, default=HYBRID_MAX_NGRAM,

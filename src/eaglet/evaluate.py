@@ -194,7 +194,7 @@ class DecodeSettings:
     max_ngram: int = HYBRID_MAX_NGRAM
     hybrid_draft: str = "chain"  # the drafter's part of a hybrid cycle: a chain or a tree
     hybrid_chain_depth: int = HYBRID_CHAIN_DEPTH  # ... that chain's depth
-    keep_rivals: bool = False  # hybrid: keep drafted siblings of a lookup token trusted beyond 1 - floor
+    drop_rivals: bool = False  # hybrid: leave out drafted siblings of a lookup token trusted beyond 1 - floor
 
     def __post_init__(self) -> None:
         ranges.at_least(1, max_new_tokens=self.max_new_tokens, depth=self.depth, top_k=self.top_k,
@@ -271,7 +271,7 @@ def engine_proposer(method: str, drafter: Eagle3Draft | None, s: DecodeSettings)
     if method in ("chain", "tree"):
         return eagle, drafter_limits(method, s)
     hybrid = HybridProposer(eagle, lookup, drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth), s.lookup_tokens,
-                            s.keep_rivals)
+                            s.drop_rivals)
     return hybrid, hybrid.limits
 
 
@@ -535,7 +535,7 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
                   "tree": {"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens},
                   "chain_depth": s.chain_depth, "min_draft_prob": s.min_draft_prob,
                   "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed,
-                  "hybrid": {"draft": s.hybrid_draft, "chain_depth": s.hybrid_chain_depth, "keep_rivals": s.keep_rivals,
+                  "hybrid": {"draft": s.hybrid_draft, "chain_depth": s.hybrid_chain_depth, "drop_rivals": s.drop_rivals,
                              "lookup_tokens": s.lookup_tokens, "max_ngram": s.max_ngram},
                   "skipped_turns": len(skipped)}
         result = EvalResult(config, results, records)
