@@ -466,7 +466,7 @@ def error_line(e: Exception) -> str:
 
     if isinstance(e, OSError) and not isinstance(e, WriteFailed) and e.filename is not None:
         path = Path(e.filename)  # a folder eaglet could not create or a file it could not open
-        return f"{path}: {os_error_reason(e, path.parent if path.parent.exists() else Path.cwd())}"
+        return f"{path}: {os_error_reason(e, path)}"
     text = " ".join(str(e).split("\n")).strip() or type(e).__name__
     if isinstance(e, (ValueError, OSError, RuntimeError)):
         return text

@@ -882,6 +882,7 @@ def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input
     return out, stats
 
 
-__all__ = ["DraftTree", "Proposer", "Eagle3Proposer", "NgramProposer", "HybridProposer", "merge_chain", "drop_rivals", "TargetRunner", "DecodeStats", "plain_generate",
+__all__ = ["DraftTree", "Proposer", "Eagle3Proposer", "NgramProposer", "HybridProposer", "merge_chain", "drop_rivals",
+           "TargetRunner", "DecodeStats", "plain_generate",
            "plain_greedy", "speculative_generate", "process_probs", "accept_greedy", "accept_sampling",
            "tree_attention_mask", "token_budget"]

@@ -21,6 +21,7 @@ import gzip
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -262,16 +263,16 @@ def drafter_limits(mode: str, s: DecodeSettings, chain_depth: int | None = None)
     return (depth, 1, depth) if mode == "chain" else (s.depth, s.top_k, s.total_tokens)
 
 
-def engine_proposer(method: str, drafter: Eagle3Draft | None, s: DecodeSettings) -> tuple[Proposer, tuple[int, int, int]]:
+def engine_proposer(method: str, drafter: Eagle3Draft | None,
+                    s: DecodeSettings) -> tuple[Proposer, tuple[int, int, int]]:
     """The proposer of an engine method and the tree limits the engine verifies it under."""
+    if method in ("chain", "tree"):
+        return Eagle3Proposer(drafter, s.min_draft_prob), drafter_limits(method, s)
     lookup = NgramProposer(s.max_ngram, min_prob=s.min_draft_prob)
     if method == "ngram":
         return lookup, (s.lookup_tokens, 1, s.lookup_tokens)
-    eagle = Eagle3Proposer(drafter, s.min_draft_prob)
-    if method in ("chain", "tree"):
-        return eagle, drafter_limits(method, s)
-    hybrid = HybridProposer(eagle, lookup, drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth), s.lookup_tokens,
-                            s.drop_rivals)
+    hybrid = HybridProposer(Eagle3Proposer(drafter, s.min_draft_prob), lookup,
+                            drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth), s.lookup_tokens, s.drop_rivals)
     return hybrid, hybrid.limits
 
 
@@ -310,7 +311,7 @@ class MethodTotals:
     position_accepted: list[int] = field(default_factory=list)
     identical: int = 0
     divergences: list[int] = field(default_factory=list)
-    accepted_from: dict[str, int] = field(default_factory=dict)  # accepted draft tokens by proposer
+    accepted_from: Counter = field(default_factory=Counter)  # accepted draft tokens by proposer
 
     def add(self, run: Run, reference: list[int] | None) -> None:
         self.turns += 1
@@ -323,8 +324,7 @@ class MethodTotals:
             self.draft_s += run.stats.draft_s
             add_into(self.position_reached, run.stats.position_reached)
             add_into(self.position_accepted, run.stats.position_accepted)
-            for source, n in run.stats.accepted_from.items():
-                self.accepted_from[source] = self.accepted_from.get(source, 0) + n
+            self.accepted_from.update(run.stats.accepted_from)
         if reference is not None:
             d = first_divergence(run.tokens, reference)
             if d is None:

@@ -67,8 +67,9 @@ def disk_nearly_full(folder: Path) -> bool:
     return free is not None and free < LOW_SPACE_BYTES
 
 
-def os_error_reason(error: BaseException, folder: Path) -> str:
-    """Why a file operation failed, with the recovery step for the kinds a user can fix."""
+def os_error_reason(error: BaseException, path: Path) -> str:
+    """Why a file operation on `path` failed, with the recovery step for the kinds a user can fix."""
+    folder = path.parent if path.parent.exists() else Path.cwd()  # where free space is measured
     code = getattr(error, "errno", None)
     if code == errno.ENOSPC or disk_nearly_full(folder):
         return (f"no space left on the device ({(free_bytes(folder) or 0) >> 20} MiB free); free some space and "
@@ -80,9 +81,8 @@ def os_error_reason(error: BaseException, folder: Path) -> str:
 
 def write_failure(path: Path, error: BaseException) -> WriteFailed:
     """A failed write of `path` as one line: the file, why, what to do (every eaglet stage resumes)."""
-    folder = path.parent if path.parent.exists() else Path.cwd()
-    return WriteFailed(getattr(error, "errno", None) or errno.EIO,
-                       f"could not write {path}: {os_error_reason(error, folder)}")
+    code = getattr(error, "errno", None) or errno.EIO
+    return WriteFailed(code, f"could not write {path}: {os_error_reason(error, path)}")
 
 
 @contextlib.contextmanager
