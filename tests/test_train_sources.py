@@ -55,9 +55,11 @@ def final_norm(target: Path) -> torch.nn.Module:
 
 
 def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Path:
-    """The same samples in another layout, without any side file."""
-    for i, path in formats.list_v1_files(v1).items():
+    """The same samples in another layout, without any side file (speculators' keeps its table)."""
+    rows = []
+    for i, path in sorted(formats.list_v1_files(v1).items()):
         s = formats.read_v1_sample(path)
+        rows.append((s.input_ids, s.loss_mask))
         if layout == formats.FORMAT_V1_FLAT:
             formats.write_flat_v1_sample(out, i, s)
         elif layout == formats.FORMAT_SPECFORGE:
@@ -65,8 +67,12 @@ def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Pa
                 last = norm(s.hidden_states[-1])
             formats.write_specforge_sample(out, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:-1], -1),
                                            compressed=i % 2 == 1)  # .ckpt and .ckpt.gz side by side
+        elif layout == formats.FORMAT_SPECULATORS_ARROW:
+            formats.write_speculators_sample(out, i, s.input_ids, s.hidden_states)
         else:
             formats.write_hs_safetensors_sample(out, i, s.input_ids, torch.stack(s.hidden_states, 1), s.loss_mask)
+    if layout == formats.FORMAT_SPECULATORS_ARROW:
+        formats.write_speculators_rows(out, rows)
     return out
 
 
@@ -79,7 +85,8 @@ def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("layout", [formats.FORMAT_V1_FLAT, formats.FORMAT_SPECFORGE, formats.FORMAT_HS_SAFETENSORS])
+@pytest.mark.parametrize("layout", [formats.FORMAT_V1_FLAT, formats.FORMAT_SPECFORGE, formats.FORMAT_HS_SAFETENSORS,
+                                    formats.FORMAT_SPECULATORS_ARROW])
 def test_foreign_layout_trains_exactly_like_v1(layout, work, v1_run, tiny_target, tmp_path):
     foreign = write_foreign(work / "data", tmp_path / "foreign", layout, final_norm(tiny_target))
     assert formats.list_dataset_files(foreign).format == layout

@@ -52,6 +52,7 @@ MISSING_INDEX = "missing index"
 FOLDER_NAMING = "folder naming"
 STRAY_FILE = "stray file"
 BROKEN_LINK = "broken link"
+TABLE_ROW = "file vs table row"  # speculators' layout: a hs_{i} file against row i of its Arrow table
 NO_FILES = "no hidden-state files"
 LAYER_IDENTITY = "layer identity"
 MASK_TEMPLATE = "mask vs chat template"
@@ -217,7 +218,21 @@ def unsafe_global_name(e: BaseException) -> str:
     return "a non-tensor object"
 
 
+@dataclass
+class TableSample:
+    """A speculators-layout file with its row of the Arrow table (None when the table has no such row)."""
+
+    tensors: dict[str, torch.Tensor]
+    row: int
+    table_rows: int
+    fields: tuple[torch.Tensor, torch.Tensor, int] | None  # (input_ids, loss_mask, seq_len)
+
+
 def load_raw(path: Path, fmt: str) -> Any:
+    if fmt == formats.FORMAT_SPECULATORS_ARROW:
+        folder, row = formats.speculators_row_of(path)
+        tensors, rows = formats.read_safetensors(path), len(formats.read_speculators_rows(folder))
+        return TableSample(tensors, row, rows, formats.speculators_row(folder, row) if row < rows else None)
     if fmt == formats.FORMAT_SPECFORGE:
         return formats.read_specforge_sample(path)
     if fmt == formats.FORMAT_HS_SAFETENSORS:
@@ -282,6 +297,8 @@ def to_sample(obj: Any, fmt: str, rel: str) -> tuple[Sample | None, list[Problem
                                                                          f"{shapes[1]}: expected [T, H] and [T, 3H]")]
         # aux_hidden_state is the three aux states concatenated low, mid, high; the last comes after.
         return Sample(ids, mask, [*aux.chunk(3, dim=-1), last]), [p] if p else []
+    if fmt == formats.FORMAT_SPECULATORS_ARROW:
+        return table_sample(obj, rel)
     if fmt == formats.FORMAT_HS_SAFETENSORS:
         p = keys_problem(obj, formats.HS_SAFETENSORS_KEYS, ("loss_mask",), rel)
         if p and (not isinstance(obj, dict) or any(k not in obj for k in formats.HS_SAFETENSORS_KEYS)):
@@ -291,6 +308,31 @@ def to_sample(obj: Any, fmt: str, rel: str) -> tuple[Sample | None, list[Problem
             return None, ([p] if p else []) + [Problem(WRONG_SHAPE, rel, f"hidden_states {tuple(hs.shape)}: expected [T, S, H]")]
         return Sample(obj["token_ids"], obj.get("loss_mask"), list(hs.unbind(1))), [p] if p else []
     raise ValueError(f"unknown format {fmt}")
+
+
+def table_sample(t: TableSample, rel: str) -> tuple[Sample | None, list[Problem]]:
+    """The file's states with its table row's tokens and mask; the row must describe the file,
+    or speculators skips the sample (token ids) or trains on a wrong mask (length)."""
+    obj = t.tensors
+    p = keys_problem(obj, formats.HS_SAFETENSORS_KEYS, ("loss_mask",), rel)
+    if p and any(k not in obj for k in formats.HS_SAFETENSORS_KEYS):
+        return None, [p]
+    probs = [p] if p else []
+    if t.fields is None:
+        return None, probs + [Problem(TABLE_ROW, rel, f"no row {t.row} in the Arrow table ({t.table_rows} rows): "
+                                                      "a file of another dataset, or a table written short")]
+    ids, mask, seq_len = t.fields
+    hs, token_ids = obj["hidden_states"], obj["token_ids"]
+    if hs.dim() != 3:
+        return None, probs + [Problem(WRONG_SHAPE, rel, f"hidden_states {tuple(hs.shape)}: expected [T, S, H]")]
+    if token_ids.shape != ids.shape or not torch.equal(token_ids.long(), ids):
+        where = (f"{token_ids.shape[0]} token ids, the row has {ids.shape[0]}" if token_ids.shape != ids.shape else
+                 f"first difference at position {int((token_ids.long() != ids).nonzero()[0])}")
+        probs.append(Problem(TABLE_ROW, rel, f"token_ids differ from row {t.row}'s input_ids ({where}): speculators "
+                                             "skips this sample"))
+    if seq_len != ids.shape[0]:
+        probs.append(Problem(TABLE_ROW, rel, f"row {t.row}: seq_len {seq_len}, its input_ids hold {ids.shape[0]}"))
+    return Sample(ids, mask, list(hs.unbind(1))), probs
 
 
 def is_int_tensor(t: Any) -> bool:
@@ -910,11 +952,20 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
     listing = formats.list_dataset_files(root, cfg_rows)
     report.format = listing.format
     if listing.format is None:
-        report.problems.append(Problem(NO_FILES, str(root), "no v1 (hidden_states/rows_*/data_*.pt), flat data_*.pt, "
-                                                            "SpecForge *.ckpt[.gz] or hs_*.safetensors files found"))
+        report.problems.append(Problem(NO_FILES, str(root), "no v1 (hidden_states/rows_*/data_*.pt), speculators "
+                                                            "(Arrow table + hidden_states/hs_*.safetensors), flat "
+                                                            "data_*.pt, SpecForge *.ckpt[.gz] or hs_*.safetensors "
+                                                            "files found"))
         return report
     cfg, cfg_problems = read_config(root, listing.format)
     report.problems += cfg_problems
+    table_rows = None
+    if listing.format == formats.FORMAT_SPECULATORS_ARROW:
+        try:
+            table_rows = len(formats.read_speculators_rows(root))
+        except ValueError as e:
+            report.problems.append(Problem(UNREADABLE, formats.ARROW_STATE_FILE, str(e)))
+            return report
 
     # The target (and its tokenizer) first: the tokenizer lets every file's mask be checked.
     model = device = tokenizer = None
@@ -982,7 +1033,11 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
 
     # Dataset level.
     unique = {r.index: r for r in results}
-    report.problems += index_problems(listing, (cfg or {}).get("num_samples") if isinstance((cfg or {}).get("num_samples"), int) else None)
+    recorded = (cfg or {}).get("num_samples") if isinstance((cfg or {}).get("num_samples"), int) else None
+    if recorded is not None and table_rows is not None and recorded != table_rows:
+        report.problems.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"num_samples is {recorded}, the Arrow "
+                                                                              f"table has {table_rows} rows"))
+    report.problems += index_problems(listing, table_rows if table_rows is not None else recorded)
     report.problems += sample_lengths_problems(root, list(unique.values()), required)
     report.problems += freq_problems
     if recorded_freq is not None:
@@ -1028,7 +1083,8 @@ FORMAT_DESCRIPTIONS = {
     formats.FORMAT_V1: "speculators v1 (hidden_states/rows_{a}-{b}/data_{i}.pt)",
     formats.FORMAT_V1_FLAT: "speculators v1, flat (data_{i}.pt)",
     formats.FORMAT_SPECFORGE: "SpecForge offline (rows_{a}-{b}/data_{i}.ckpt[.gz])",
-    formats.FORMAT_HS_SAFETENSORS: "speculators >= 0.5 (hs_{row}.safetensors)",
+    formats.FORMAT_HS_SAFETENSORS: "speculators hs_{row}.safetensors, flat (loss_mask in each file, no table)",
+    formats.FORMAT_SPECULATORS_ARROW: "speculators >= 0.6 (Arrow table + hidden_states/hs_{row}.safetensors)",
 }
 
 

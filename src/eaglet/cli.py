@@ -36,6 +36,24 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=64, help="samples per forward pass at most (default 64)")
 
 
+def add_layout_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--layout", choices=("v1", "speculators"), required=required, default=None if required else "v1",
+                   help="v1: hidden_states/rows_{a}-{b}/data_{i}.pt (speculators v1, vLLM tooling" + ("" if required else "; default") + "); "
+                        "speculators: the Arrow table (input_ids, loss_mask, seq_len) + hidden_states/hs_{i}"
+                        ".safetensors that speculators >= 0.6 trains from")
+
+
+def add_foreign_dataset_args(p: argparse.ArgumentParser, online: bool = False) -> None:
+    """What a foreign dataset without data_config.json does not record."""
+    p.add_argument("--aux-layer-ids", type=parse_layer_ids, default=None,
+                   help=("the 3 aux hidden_states ids: --online, the layers to capture (default 2,N//2,N-3); a "
+                         if online else "the 3 aux hidden_states ids: for a ") +
+                        "foreign dataset without data_config.json, the layers its stored aux states come from")
+    p.add_argument("--last-hidden-state", choices=("pre_norm", "post_norm"), default=None,
+                   help="a foreign dataset's last state, before or after the target's final norm "
+                        "(default: data_config.json, else post_norm for SpecForge and pre_norm otherwise)")
+
+
 def add_prepare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=2048, help="truncate chats to this many tokens (default 2048)")
     p.add_argument("--skip", type=int, default=0, help="skip the first N records of the input")
@@ -53,7 +71,16 @@ def cmd_extract(args: argparse.Namespace) -> None:
     from eaglet.extract import extract
 
     summary = extract(args.prepared, args.out, args.target, args.layer_ids, args.dtype, args.store_dtype, args.device,
-                      args.batch_tokens, args.max_batch_size, args.num_shards, args.shard_id, args.command)
+                      args.batch_tokens, args.max_batch_size, args.num_shards, args.shard_id, args.command,
+                      layout=args.layout)
+    print("\n".join(summary.lines()))
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from eaglet.convert import convert
+
+    summary = convert(args.src, args.out, args.layout, args.target, args.aux_layer_ids, args.last_hidden_state,
+                      args.command)
     print("\n".join(summary.lines()))
 
 
@@ -214,15 +241,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("extract", help="target hidden states -> speculators v1 files",
-                       description="Run the target on prepared chats and write rows_{a}-{b}/data_{i}.pt files; "
-                                   "resumable, shardable.")
+                       description="Run the target on prepared chats and write rows_{a}-{b}/data_{i}.pt files (or, "
+                                   "with --layout speculators, the Arrow table + hs_{i}.safetensors that speculators "
+                                   ">= 0.6 trains from); resumable, shardable.")
     p.add_argument("--prepared", required=True, help="output folder of `eaglet prepare`")
     p.add_argument("--out", required=True, help="dataset folder (hidden_states/ and side files go here)")
     add_target_args(p)
     add_extract_args(p)
     p.add_argument("--num-shards", type=int, default=1, help="split the samples into K shards (default 1)")
     p.add_argument("--shard-id", type=int, default=0, help="which shard this process extracts (default 0)")
+    add_layout_arg(p)
     p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser("convert", help="a hidden-state dataset in another layout (v1 <-> speculators)",
+                       description="Copy a hidden-state dataset (any layout `eaglet check` reads) into eaglet's v1 "
+                                   "or speculators' layout, states bit for bit, with the side files the output "
+                                   "needs; resumable.")
+    p.add_argument("src", help="dataset folder to read")
+    p.add_argument("--out", required=True, help="folder to write (not the source)")
+    add_layout_arg(p, required=True)
+    add_target_args(p, "data_config.json's target; needed when the source has none")
+    add_foreign_dataset_args(p)
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("demo", help="the main job on the embedded default: regen -> ... -> eval (~20 min)",
                        description="Run the built-in demo recipe on the embedded default (SmolLM2-135M-Instruct + "
@@ -268,12 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute the hidden states with the target inside the loop (no disk); DATA is a prepare folder")
     p.add_argument("--target-dtype", default="auto",
                    help="--online: compute dtype of the target (default auto: bf16 where fast, else fp32)")
-    p.add_argument("--aux-layer-ids", type=parse_layer_ids, default=None,
-                   help="the 3 aux hidden_states ids: --online, the layers to capture (default 2,N//2,N-3); a "
-                        "foreign dataset without data_config.json, the layers its stored aux states come from")
-    p.add_argument("--last-hidden-state", choices=("pre_norm", "post_norm"), default=None,
-                   help="a foreign dataset's last state, before or after the target's final norm "
-                        "(default: data_config.json, else post_norm for SpecForge and pre_norm otherwise)")
+    add_foreign_dataset_args(p, online=True)
     p.add_argument("--epochs", type=float, default=1.0, help="schedule length in epochs (default 1)")
     p.add_argument("--total-steps", type=int, default=None, help="schedule length in optimizer steps (overrides --epochs)")
     p.add_argument("--stop-after", type=int, default=None, help="stop this run at this step; --resume continues")

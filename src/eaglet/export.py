@@ -267,6 +267,9 @@ def format_warnings(cfg: DraftConfig, fmt: str) -> list[str]:
     if fmt == formats.FORMAT_EAGLE and cfg.norm_before_residual:
         notes.append("norm_before_residual: engines that do not read it keep the un-normalised residual; vLLM and "
                      "speculators read it (--format speculators is the safe choice)")
+    if fmt == formats.FORMAT_SPECULATORS and cfg.target_hidden_size != cfg.hidden_size:
+        notes.append(f"target_hidden_size {cfg.target_hidden_size} != hidden_size {cfg.hidden_size}: vLLM reads it, "
+                     "but the speculators library (0.9) sizes fc by hidden_size and cannot load this folder itself")
     if fmt == formats.FORMAT_EAGLE and cfg.aux_layer_ids[0] != 2:
         notes.append(f"aux layer ids {cfg.aux_layer_ids} do not start at 2: SGLang releases with sgl-project/sglang"
                      f"#25454 read eagle_config ids whose first is not 1 without the +1, one layer off")

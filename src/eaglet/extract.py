@@ -1,8 +1,10 @@
-"""Target hidden states -> speculators v1 files (`eaglet extract`).
+"""Target hidden states -> a hidden-state dataset (`eaglet extract`).
 
 Runs the target over the prepared samples, capturing only the decoder-layer outputs that
 EAGLE-3 needs (forward hooks on those layers; no `output_hidden_states` copy of all N), and
-writes one `data_{i}.pt` per sample. Samples are batched by similar length with right padding:
+writes one file per sample: speculators v1 `data_{i}.pt` (default), or with `--layout
+speculators` the layout speculators >= 0.6 trains from (its Arrow table of tokens and masks,
+then `hs_{i}.safetensors`). Samples are batched by similar length with right padding:
 under a causal mask a real token never attends to padding on its right, and each sample's
 states are cut to its own length, so padding never reaches the stored tensors.
 
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from eaglet import formats, ranges
-from eaglet.formats import TokenizedSample, V1Sample
+from eaglet.formats import TokenizedSample
 
 if TYPE_CHECKING:
     from eaglet.target import TargetRef
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Fields of data_config.json that must agree before two runs may write into one folder.
-IDENTITY_FIELDS = ("target_revision", "layer_ids", "hidden_size", "hidden_states_dtype", "last_hidden_state",
+IDENTITY_FIELDS = ("format", "target_revision", "layer_ids", "hidden_size", "hidden_states_dtype", "last_hidden_state",
                    "chat_template_sha256", "max_length", "num_samples", "num_tokens", "prepared_sha256")
 
 
@@ -62,20 +64,6 @@ class LayerCapture:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def incomplete_v1_file(path: Path, num_tokens: int, num_states: int) -> str | None:
-    """Why a file an earlier run left is not a complete, safe sample of `num_tokens` tokens (None:
-    it is). Cheap: the pickle is read with weights_only and the tensors are only mapped."""
-    if path.is_symlink() or not path.is_file():
-        return "not a regular file"
-    try:
-        s = formats.read_v1_sample(path, mmap=True)
-    except Exception as e:  # unsafe pickle, truncated zip, wrong schema: all mean "write it again"
-        return f"{type(e).__name__}: {e}"
-    shapes_ok = (tuple(s.input_ids.shape) == (num_tokens,) and tuple(s.loss_mask.shape) == (num_tokens,)
-                 and len(s.hidden_states) == num_states and all(h.shape[0] == num_tokens for h in s.hidden_states))
-    return None if shapes_ok else "shapes differ from the prepared sample"
 
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> None:
@@ -141,13 +129,14 @@ def prepared_sha256(samples: list[TokenizedSample]) -> str:
 
 
 def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfig: dict, samples: list[TokenizedSample],
-                      layer_ids: list[int], compute_dtype: torch.dtype, store_dtype: torch.dtype, command: str) -> dict:
+                      layer_ids: list[int], compute_dtype: torch.dtype, store_dtype: torch.dtype, command: str,
+                      layout: str = formats.FORMAT_V1) -> dict:
     from eaglet import __version__
     from eaglet.target import dtype_name
 
     cfg = model.config
     return {
-        "format": "speculators-v1",
+        "format": layout,
         "eaglet_version": __version__,
         "command": command,
         "target": ref.name,
@@ -193,9 +182,9 @@ def ensure_data_config(out: Path, config: dict) -> None:
     if path.exists():
         old = formats.read_json(path)
         for key in IDENTITY_FIELDS:
-            if old.get(key) != config[key]:
+            if old.get(key) != config.get(key):
                 raise ValueError(f"{path}: this folder holds a dataset made with {key}={old.get(key)!r}, this run "
-                                 f"has {config[key]!r}; use another --out, or delete the folder to start over")
+                                 f"has {config.get(key)!r}; use another --out, or delete the folder to start over")
         return
     formats.write_json_atomic(path, config)
 
@@ -226,16 +215,17 @@ class ExtractSummary:
 
 
 def dataset_disk_usage(out: Path, lengths: dict[int, int]) -> tuple[int, int]:
-    """Bytes of all v1 files under `out` and the tokens they hold."""
-    files = formats.list_v1_files(out)
+    """Bytes of all sample files under `out` and the tokens they hold."""
+    files = dict(formats.list_dataset_files(out).files)
     return sum(p.stat().st_size for p in files.values()), sum(lengths.get(i, 0) for i in files)
 
 
 def extract(prepared: str | Path, out: str | Path, target: str | None = None, layer_ids: list[int] | None = None,
             dtype: str = "auto", store_dtype: str = "bf16", device: str | None = None, batch_tokens: int = 8192,
             max_batch_size: int = 64, num_shards: int = 1, shard_id: int = 0, command: str = "",
-            write_threads: int = 2, show_progress: bool = True) -> ExtractSummary:
-    """Extract the hidden states of every prepared sample of this shard into `out`."""
+            write_threads: int = 2, show_progress: bool = True, layout: str = "v1") -> ExtractSummary:
+    """Extract the hidden states of every prepared sample of this shard into `out`, in `layout`
+    (a `formats.WRITTEN_LAYOUTS` name)."""
     from tqdm import tqdm
 
     from eaglet.data import template_hash
@@ -245,6 +235,7 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
                     write_threads=write_threads)
     if not 0 <= shard_id < num_shards:
         raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
+    fmt = formats.written_layout(layout)
     out = Path(out)
     samples, pconfig = formats.read_prepared(prepared)
     ref = prepared_target(prepared, pconfig, target)
@@ -255,9 +246,11 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     num_layers = model.config.num_hidden_layers
     layer_ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers)
     validate_layer_ids(layer_ids, num_layers)
-    config = build_data_config(ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype, save_dtype, command)
+    config = build_data_config(ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype, save_dtype, command,
+                               fmt)
     out.mkdir(parents=True, exist_ok=True)
     ensure_data_config(out, config)
+    formats.start_dataset(out, fmt, [(s.input_ids, s.loss_mask) for s in samples])
     lengths = {i: len(s.input_ids) for i, s in enumerate(samples)}
     if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
         formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, lengths)
@@ -265,17 +258,19 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
         formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, formats.read_token_freq(Path(prepared) / formats.TOKEN_FREQ_FILE))
 
     mine = [i for i in range(len(samples)) if i % num_shards == shard_id]
-    owned_names = {Path(formats.v1_relative_path(i)).name for i in mine}
+    paths = {i: formats.sample_path(out, fmt, i) for i in mine}
+    owned_names = {p.name for p in paths.values()}
     stale = formats.remove_stale_temp_files(out / formats.HIDDEN_STATES_DIR, owned_names) if (out / formats.HIDDEN_STATES_DIR).exists() else 0
     if stale:
         log.info("removed %d partial files left by an earlier run", stale)
-    todo = [i for i in mine if not formats.v1_sample_exists(out, i)]
+    # Existence means complete (files only appear by rename), unless something else wrote them.
+    todo = [i for i in mine if not paths[i].exists()]
     missing = set(todo)
     redo = [(i, why) for i in mine if i not in missing
-            for why in [incomplete_v1_file(out / formats.v1_relative_path(i), lengths[i], len(layer_ids))] if why]
+            for why in [formats.sample_file_problem(paths[i], fmt, lengths[i], len(layer_ids))] if why]
     if redo:
         log.warning("%d existing file(s) are not complete safe samples and will be redone (first: %s: %s)",
-                    len(redo), formats.v1_relative_path(redo[0][0]), redo[0][1])
+                    len(redo), paths[redo[0][0]].relative_to(out), redo[0][1])
         todo = sorted(todo + [i for i, _ in redo])
     batches = length_batches(todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
     total_tokens = sum(lengths[i] for i in todo)
@@ -294,9 +289,9 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
                 while len(pending) > 4 * write_threads:
                     pending.pop(0).result()
                 for i, s, states in zip(batch, batch_samples, per_sample):
-                    v1 = V1Sample(torch.tensor(s.input_ids, dtype=torch.long), states,
-                                  torch.tensor(s.loss_mask, dtype=torch.long))
-                    pending.append(pool.submit(formats.write_v1_sample, out, i, v1))
+                    pending.append(pool.submit(formats.write_sample, out, fmt, i,
+                                               torch.tensor(s.input_ids, dtype=torch.long), states,
+                                               torch.tensor(s.loss_mask, dtype=torch.long)))
                 bar.update(sum(lengths[i] for i in batch))
             for f in pending:
                 f.result()

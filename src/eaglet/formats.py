@@ -8,6 +8,9 @@ nowhere else:
 - the speculators "v1" hidden-state dataset (`eaglet extract`):
   `hidden_states/rows_{a}-{b}/data_{i}.pt`, plus `data_config.json`, `sample_lengths.json`
   and `token_freq.pt` beside the `hidden_states/` folder;
+- speculators' current dataset layout (`eaglet extract --layout speculators`, `eaglet convert`):
+  an Arrow table of tokens and loss masks plus `hidden_states/hs_{row}.safetensors`;
+- the foreign layouts `eaglet check` and `eaglet train` read (flat v1, SpecForge);
 - drafter folders for the serving engines (`eaglet export` / `eaglet import`): the speculators
   (vLLM) and EAGLE-3 / SGLang `config.json` layouts and their weight names.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -460,6 +464,176 @@ def read_hs_safetensors_sample(path: str | os.PathLike) -> dict[str, torch.Tenso
     return read_safetensors(path)
 
 
+# ---------------------------------------------------------------------------------------------
+# speculators' dataset layout (speculators >= 0.6: `prepare_data`, then offline generation), which
+# `speculators train` reads (speculators/train/data.py ArrowDataset):
+# - an Arrow table saved by `datasets.Dataset.save_to_disk` (data-*.arrow, dataset_info.json,
+#   state.json) in the folder, one row per sample: `input_ids` and `loss_mask` (int64 lists) and
+#   `seq_len`, in the torch format;
+# - `hidden_states/hs_{row}.safetensors`: `token_ids` [T] and `hidden_states` [T, S, H] (S = the
+#   three aux states and the last, in id order). The loss mask lives only in the table: row i
+#   pairs with file i, and speculators skips a row whose file's token_ids differ from its input_ids;
+# - `token_freq.pt` ({token id: count}), which `speculators train` builds d2t/t2d from.
+# ---------------------------------------------------------------------------------------------
+
+FORMAT_SPECULATORS_ARROW = "speculators-arrow"
+ARROW_STATE_FILE = "state.json"  # written last by save_to_disk: the table is complete once it exists
+SPECULATORS_ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
+
+
+def _datasets_module() -> Any:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("speculators' dataset layout is an Arrow table read and written with the `datasets` "
+                          "library: pip install 'eaglet[speculators]'") from e
+    return datasets
+
+
+def speculators_hs_path(folder: str | os.PathLike, row: int) -> Path:
+    return Path(folder) / HIDDEN_STATES_DIR / f"hs_{row}.safetensors"
+
+
+def write_speculators_sample(folder: str | os.PathLike, row: int, token_ids: torch.Tensor,
+                             states: list[torch.Tensor]) -> Path:
+    """`hidden_states/hs_{row}.safetensors`: the states stacked [T, S, H] in id order, no loss mask."""
+    return write_hs_safetensors_sample(Path(folder) / HIDDEN_STATES_DIR, row, token_ids, torch.stack(states, dim=1))
+
+
+def write_speculators_rows(folder: str | os.PathLike, rows: list[tuple[Any, Any]]) -> None:
+    """The Arrow table of (input_ids, loss_mask) rows, saved as speculators' prepare_data saves it.
+    save_to_disk writes into a temp folder beside; its files are renamed in with state.json last."""
+    ds = _datasets_module()
+    features = ds.Features({"input_ids": ds.List(ds.Value("int64")), "loss_mask": ds.List(ds.Value("int64")),
+                            "seq_len": ds.Value("int64")})
+    import numpy as np
+
+    table = ds.Dataset.from_dict({"input_ids": [np.asarray(ids, dtype=np.int64) for ids, _ in rows],
+                                  "loss_mask": [np.asarray(mask, dtype=np.int64) for _, mask in rows],
+                                  "seq_len": [len(ids) for ids, _ in rows]}, features=features)
+    table.set_format("torch")
+    folder = Path(folder)
+    with failures_named(folder / ARROW_STATE_FILE):
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".table{TMP_MARK}", dir=folder))
+        bars_were_on = not ds.are_progress_bars_disabled()
+        try:
+            ds.disable_progress_bars()  # a table of token lists saves in a blink; eaglet shows its own progress
+            table.save_to_disk(str(tmp))
+            names = sorted((p.name for p in tmp.iterdir()), key=lambda n: n == ARROW_STATE_FILE)
+            for old in folder.glob("data-*.arrow"):  # shards of an earlier table this one does not have
+                if old.name not in names:
+                    old.unlink()
+            for name in names:
+                os.replace(tmp / name, folder / name)
+        finally:
+            if bars_were_on:
+                ds.enable_progress_bars()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_rows(folder: str, stamp: int) -> Any:
+    del stamp  # part of the cache key only: a rewritten table is read again
+    try:
+        table = _datasets_module().load_from_disk(folder)
+    except ImportError:
+        raise
+    except Exception as e:
+        raise ValueError(f"{folder}: its Arrow table (state.json, data-*.arrow) is not readable: "
+                         f"{type(e).__name__}: {e}") from e
+    if not hasattr(table, "column_names"):
+        raise ValueError(f"{folder}: holds a DatasetDict; speculators trains from a single Dataset")
+    missing = [c for c in SPECULATORS_ROW_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{folder}: its Arrow table has columns {table.column_names}, missing {missing}")
+    return table.with_format(None)
+
+
+def read_speculators_rows(folder: str | os.PathLike) -> Any:
+    """The folder's Arrow table (a `datasets.Dataset`, memory-mapped, plain Python rows), cached
+    while its state.json is unchanged; a ValueError naming the folder when it is unreadable."""
+    state = Path(folder) / ARROW_STATE_FILE
+    return _load_rows(str(Path(folder).resolve()), state.stat().st_mtime_ns)
+
+
+def speculators_row(folder: str | os.PathLike, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(input_ids, loss_mask, seq_len) of one row of the table."""
+    table = read_speculators_rows(folder)
+    if not 0 <= row < len(table):
+        raise ValueError(f"{speculators_hs_path(folder, row)}: no row {row} in the Arrow table of {folder} "
+                         f"({len(table)} rows)")
+    r = table[row]
+    return (torch.tensor(r["input_ids"], dtype=torch.long), torch.tensor(r["loss_mask"], dtype=torch.long),
+            int(r["seq_len"]))
+
+
+def speculators_row_of(path: str | os.PathLike) -> tuple[Path, int]:
+    """(dataset folder, row) of a `hidden_states/hs_{row}.safetensors` file."""
+    path = Path(path)
+    m = HS_SAFETENSORS_FILE_RE.match(path.name)
+    if not m:
+        raise ValueError(f"{path}: not named hs_{{row}}.safetensors")
+    return path.parent.parent, int(m.group(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The hidden-state layouts eaglet writes (`eaglet extract --layout`, `eaglet convert --layout`):
+# one sample file per index; speculators' layout also needs its table of rows first.
+# ---------------------------------------------------------------------------------------------
+
+WRITTEN_LAYOUTS = {"v1": FORMAT_V1, "speculators": FORMAT_SPECULATORS_ARROW}
+
+
+def written_layout(name: str) -> str:
+    """The FORMAT_* of a `--layout` name."""
+    if name not in WRITTEN_LAYOUTS:
+        raise ValueError(f"--layout {name!r}: eaglet writes {list(WRITTEN_LAYOUTS)}")
+    return WRITTEN_LAYOUTS[name]
+
+
+def sample_path(out: str | os.PathLike, layout: str, index: int) -> Path:
+    return Path(out) / v1_relative_path(index) if layout == FORMAT_V1 else speculators_hs_path(out, index)
+
+
+def write_sample(out: str | os.PathLike, layout: str, index: int, input_ids: torch.Tensor,
+                 states: list[torch.Tensor], loss_mask: torch.Tensor) -> Path:
+    """One sample's file in `layout` (speculators' keeps the loss mask in its table, not here)."""
+    if layout == FORMAT_V1:
+        return write_v1_sample(out, index, V1Sample(input_ids, states, loss_mask))
+    return write_speculators_sample(out, index, input_ids, states)
+
+
+def start_dataset(out: str | os.PathLike, layout: str, rows: list[tuple[Any, Any]]) -> None:
+    """What a layout needs before its sample files: speculators' table of (input_ids, loss_mask)."""
+    if layout == FORMAT_SPECULATORS_ARROW and not (Path(out) / ARROW_STATE_FILE).exists():
+        remove_stale_temp_files(out, {"table"})  # a save killed before its state.json landed
+        write_speculators_rows(out, rows)
+
+
+def sample_file_problem(path: str | os.PathLike, layout: str, num_tokens: int, num_states: int) -> str | None:
+    """Why a file an earlier run left is not a complete, safe sample of `num_tokens` tokens (None:
+    it is). Cheap: v1's pickle is read weights-only with the tensors mapped, safetensors' header only."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_file():
+        return "not a regular file"
+    try:
+        if layout == FORMAT_V1:
+            s = read_v1_sample(path, mmap=True)
+            lengths = [s.input_ids.shape, s.loss_mask.shape, *(h.shape[:1] for h in s.hidden_states)]
+            states = len(s.hidden_states)
+        else:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as h:
+                ids, hs = h.get_slice("token_ids").get_shape(), h.get_slice("hidden_states").get_shape()
+            lengths, states = [tuple(ids), tuple(hs[:1])], hs[1] if len(hs) == 3 else -1
+    except Exception as e:  # unsafe pickle, truncated file, wrong schema: all mean "write it again"
+        return f"{type(e).__name__}: {e}"
+    ok = all(tuple(n) == (num_tokens,) for n in lengths) and states == num_states
+    return None if ok else "shapes differ from the prepared sample"
+
+
 @dataclass
 class DatasetFiles:
     """The hidden-state files of a dataset folder, listed without trusting their names."""
@@ -539,6 +713,13 @@ def list_dataset_files(folder: str | os.PathLike, rows_per_folder: int = ROWS_PE
     """Detect which layout `folder` holds and list its files (the first layout found wins)."""
     root = Path(folder)
     hs = root / HIDDEN_STATES_DIR
+    if (root / ARROW_STATE_FILE).is_file():  # speculators' layout: its table, hs_{row} files below
+        out = DatasetFiles(FORMAT_SPECULATORS_ARROW)
+        if hs.is_dir():
+            for f in _files_in(hs, out, recursive=False):
+                m = HS_SAFETENSORS_FILE_RE.match(f.name)
+                (out.files.append((int(m.group(1)), f)) if m else out.stray.append(f))
+        return out
     if hs.is_dir():
         out = DatasetFiles(FORMAT_V1)
         _scan_rows_layout(hs, V1_FILE_RE, rows_per_folder, out)
@@ -661,11 +842,27 @@ def _hs_safetensors_training_sample(path: str | os.PathLike) -> TrainingSample:
     return TrainingSample(obj["token_ids"].long(), aux, last, obj["loss_mask"].long())
 
 
+def _speculators_training_sample(path: str | os.PathLike) -> TrainingSample:
+    folder, row = speculators_row_of(path)
+    input_ids, loss_mask, _ = speculators_row(folder, row)
+    obj = read_safetensors(path)
+    token_ids, hs = obj.get("token_ids"), obj.get("hidden_states")
+    if token_ids is None or hs is None or hs.dim() != 3:
+        raise ValueError(f"{path}: expected token_ids [T] and hidden_states [T, S, H], got "
+                         f"{ {k: tuple(v.shape) for k, v in obj.items()} }")
+    if not torch.equal(token_ids.long(), input_ids):
+        raise ValueError(f"{path}: token_ids differ from row {row}'s input_ids in the Arrow table of {folder} "
+                         "(speculators skips such a row; rerun the extraction of this sample)")
+    aux, last = _eagle3_states(path, list(hs.unbind(1)))
+    return TrainingSample(input_ids, aux, last, loss_mask)
+
+
 TRAINING_READERS = {
     FORMAT_V1: _v1_training_sample,
     FORMAT_V1_FLAT: _v1_training_sample,
     FORMAT_SPECFORGE: _specforge_training_sample,
     FORMAT_HS_SAFETENSORS: _hs_safetensors_training_sample,
+    FORMAT_SPECULATORS_ARROW: _speculators_training_sample,
 }
 
 
@@ -687,6 +884,9 @@ def read_sample_tokens(path: str | os.PathLike, layout: str) -> tuple[torch.Tens
         obj = read_specforge_sample(path) if str(path).endswith(".gz") else torch_load_safe_mmap(path)
         f = _specforge_fields(obj, path)
         return f["input_ids"].long(), f["loss_mask"].long()
+    if layout == FORMAT_SPECULATORS_ARROW:
+        input_ids, loss_mask, _ = speculators_row(*speculators_row_of(path))
+        return input_ids, loss_mask
     if layout == FORMAT_HS_SAFETENSORS:
         from safetensors import safe_open
 

@@ -305,6 +305,13 @@ def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_
         if len(files) != len(listing.files):
             raise ValueError(f"{root}: {len(listing.files) - len(files)} duplicate sample indices; "
                              f"`eaglet check {root}` lists them")
+    if layout == formats.FORMAT_SPECULATORS_ARROW:  # a file per row of its table, and no other
+        rows = len(formats.read_speculators_rows(root))
+        unpaired = [f"no file for row(s) {gaps[:10]}" for gaps in [sorted(set(range(rows)) - set(files))] if gaps]
+        unpaired += [f"file(s) {extra[:10]} beyond them" for extra in [sorted(set(files) - set(range(rows)))] if extra]
+        if unpaired:
+            raise ValueError(f"{root}: its Arrow table has {rows} rows; {', '.join(unpaired)}: finish `eaglet "
+                             f"extract`, or `eaglet check {root}` for the full report")
     expected = cfg.get("num_samples")
     if expected is not None and len(files) != expected:
         raise ValueError(f"{root}: {len(files)} sample files, {formats.DATA_CONFIG_FILE} says {expected}; "

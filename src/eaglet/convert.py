@@ -1,0 +1,161 @@
+"""A hidden-state dataset in one layout -> another (`eaglet convert`).
+
+Reads any dataset `eaglet check` and `eaglet train` read (eaglet's v1, speculators' Arrow table +
+`hs_{i}.safetensors`, flat v1, `hs_*.safetensors` with masks, SpecForge) and writes eaglet's v1
+or speculators' layout. The states are copied bit for bit (same dtype, same values); the side
+files the output needs (data_config.json, sample_lengths.json, token_freq.pt) are written beside
+them. Like extraction, every file lands by rename and a rerun skips the complete ones, so a
+conversion killed at any moment resumes.
+
+Entry point: `convert(src, out, layout) -> ConvertSummary`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglet import formats
+
+
+@dataclass
+class ConvertSummary:
+    out: Path
+    layout: str
+    source_layout: str
+    written: int
+    already_done: int
+    tokens: int
+    seconds: float
+    bytes_in: int
+    bytes_out: int
+
+    def lines(self) -> list[str]:
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return [f"converted {self.written} samples ({self.tokens} tokens, {rate:,.0f} tok/s) from {self.source_layout} "
+                f"to {self.layout} in {self.out}; {self.already_done} were already done",
+                f"hidden-state files: {self.bytes_in / 2**20:,.1f} MiB in, {self.bytes_out / 2**20:,.1f} MiB out"]
+
+
+def target_fields(target: str, hidden_size: int, aux_layer_ids: list[int]) -> dict[str, Any]:
+    """What data_config.json records about the target, for a source that records none."""
+    from transformers import AutoConfig
+
+    from eaglet.target import resolve_target
+
+    ref = resolve_target(target)
+    tc = AutoConfig.from_pretrained(ref.path)
+    tc = getattr(tc, "text_config", None) or tc  # multimodal configs keep the language model's fields inside
+    if tc.hidden_size != hidden_size:
+        raise ValueError(f"--target {target}: hidden size {tc.hidden_size}, the dataset's states have {hidden_size}")
+    n = tc.num_hidden_layers
+    return {"target": ref.name, "target_path": ref.path, "target_revision": ref.revision, "model_type": tc.model_type,
+            "num_hidden_layers": n, "vocab_size": tc.vocab_size, "layer_ids": [*aux_layer_ids, n],
+            "aux_layer_ids": list(aux_layer_ids), "layer_id_convention": formats.LAYER_ID_CONVENTION}
+
+
+def converted_config(ds: Any, layout: str, target: str | None, command: str) -> dict[str, Any]:
+    """The output's data_config.json: the source's (or, for a source without one, --target's
+    fields), with the output layout and the totals of the samples."""
+    cfg = {k: v for k, v in ds.config.items() if k not in ("format", "command", "converted_from")}
+    if "target_revision" not in cfg or "layer_ids" not in cfg:
+        if target is None:
+            raise ValueError(f"{ds.root}: no {formats.DATA_CONFIG_FILE} records which target these states come "
+                             "from; pass --target (the model that produced them) so the converted dataset records "
+                             "it, as every v1 dataset must")
+        cfg.update(target_fields(target, ds.config["hidden_size"], ds.aux_layer_ids))
+    lengths = [ds.lengths[i] for i in sorted(ds.files)]
+    cfg.update({
+        "format": layout,
+        "command": command,
+        "converted_from": {"path": str(ds.root), "format": ds.layout},
+        "last_hidden_state": ds.last_hidden_state,
+        "hidden_states_dtype": ds.hidden_dtype,
+        "rows_per_folder": formats.ROWS_PER_FOLDER,
+        "num_samples": len(lengths),
+        "num_tokens": sum(lengths),
+        "num_masked_tokens": sum(ds.token_freq.values()),
+        "seq_length": max(lengths),
+    })
+    return cfg
+
+
+def read_rows(ds: Any, show_progress: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, loss_mask) of every sample in index order: speculators' table needs them all first."""
+    from tqdm import tqdm
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(tqdm(pool.map(lambda i: formats.read_sample_tokens(ds.files[i], ds.layout), sorted(ds.files)),
+                         total=len(ds.files), desc="read token ids", unit="file", file=sys.stderr,
+                         dynamic_ncols=True, disable=not show_progress))
+
+
+def copy_sample(ds: Any, out: Path, layout: str, index: int) -> int:
+    """Read one sample from the source and write it in `layout`; returns its token count."""
+    s = formats.read_training_sample(ds.files[index], ds.layout)
+    # Each state its own storage: torch.save writes whole storages, a chunk view would drag the
+    # other two aux states into every v1 file.
+    states = [h.contiguous().clone() for h in s.aux_hidden.chunk(3, dim=-1)] + [s.last_hidden.contiguous()]
+    formats.write_sample(out, layout, index, s.input_ids, states, s.loss_mask)
+    return int(s.input_ids.shape[0])
+
+
+def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | None = None,
+            aux_layer_ids: list[int] | None = None, last_hidden_state: str | None = None, command: str = "",
+            workers: int = 2, show_progress: bool = True) -> ConvertSummary:
+    """Write the hidden-state dataset at `src` into `out` in `layout` (a `formats.WRITTEN_LAYOUTS`
+    name). `aux_layer_ids` / `last_hidden_state` / `target` describe a source whose
+    data_config.json does not (as for `eaglet train`)."""
+    from tqdm import tqdm
+
+    from eaglet import ranges
+    from eaglet.extract import ensure_data_config
+    from eaglet.train import open_dataset
+
+    ranges.at_least(1, workers=workers)
+    fmt = formats.written_layout(layout)
+    src, out = Path(src), Path(out)
+    if out.resolve() == src.resolve():
+        raise ValueError(f"--out {out} is the source folder; convert into another folder")
+    ds = open_dataset(src, aux_layer_ids, last_hidden_state, show_progress)
+    indices = sorted(ds.files)
+    if indices != list(range(len(indices))):
+        gaps = sorted(set(range(indices[-1] + 1)) - set(indices))
+        raise ValueError(f"{src}: sample indices are not 0..{len(indices) - 1} (no file for {gaps[:10]}); every "
+                         f"layout pairs sample i with file i, so fill the gaps first (`eaglet check {src}`)")
+    if fmt == formats.FORMAT_SPECULATORS_ARROW and ds.last_hidden_state != formats.LAST_STATE_PRE_NORM:
+        raise ValueError(f"{src}: its last state is {ds.last_hidden_state} (after the target's final norm); "
+                         "speculators applies that norm itself, and it cannot be undone: extract the states again "
+                         "(`eaglet extract --layout speculators`), or convert to v1, which records the convention")
+    config = converted_config(ds, fmt, target, command)
+    out.mkdir(parents=True, exist_ok=True)
+    ensure_data_config(out, config)
+    if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
+        formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, ds.lengths)
+    if not (out / formats.TOKEN_FREQ_FILE).exists():
+        formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, ds.token_freq)
+    if fmt == formats.FORMAT_SPECULATORS_ARROW and not (out / formats.ARROW_STATE_FILE).exists():
+        formats.start_dataset(out, fmt, [(ids.numpy(), mask.numpy()) for ids, mask in read_rows(ds, show_progress)])
+    if (out / formats.HIDDEN_STATES_DIR).exists():
+        formats.remove_stale_temp_files(out / formats.HIDDEN_STATES_DIR)
+    num_states = formats.EAGLE3_NUM_STATES
+    todo = [i for i in indices
+            if formats.sample_file_problem(formats.sample_path(out, fmt, i), fmt, ds.lengths[i], num_states)]
+    t0 = time.time()
+    tokens = 0
+    with ThreadPoolExecutor(max_workers=workers) as pool, \
+            tqdm(total=sum(ds.lengths[i] for i in todo), unit="tok", unit_scale=True, desc=f"convert to {layout}",
+                 file=sys.stderr, dynamic_ncols=True, disable=not show_progress) as bar:
+        for n in pool.map(lambda i: copy_sample(ds, out, fmt, i), todo):
+            tokens += n
+            bar.update(n)
+    bytes_in = sum(p.stat().st_size for p in ds.files.values())
+    bytes_out = sum(formats.sample_path(out, fmt, i).stat().st_size for i in indices)
+    return ConvertSummary(out, layout, ds.layout, len(todo), len(indices) - len(todo), tokens, time.time() - t0,
+                          bytes_in, bytes_out)
