@@ -121,7 +121,7 @@ def test_convert_refusals(extracted, tmp_path, tiny_target):
     with pytest.raises(ValueError, match="is the source folder"):
         convert(extracted / "v1", extracted / "v1", "speculators", show_progress=False)
     with pytest.raises(ValueError, match="eaglet writes"):
-        convert(extracted / "v1", tmp_path / "x", "compact", show_progress=False)
+        convert(extracted / "v1", tmp_path / "x", "v2", show_progress=False)
     # A SpecForge dataset: post-norm last state, no data_config.json.
     sf = tmp_path / "sf"
     for i, s in samples(extracted / "v1").items():

@@ -53,6 +53,7 @@ FOLDER_NAMING = "folder naming"
 STRAY_FILE = "stray file"
 BROKEN_LINK = "broken link"
 TABLE_ROW = "file vs table row"  # speculators' layout: a hs_{i} file against row i of its Arrow table
+STORED_TEACHER = "stored teacher"  # the compact layout's top-K of the target
 NO_FILES = "no hidden-state files"
 LAYER_IDENTITY = "layer identity"
 MASK_TEMPLATE = "mask vs chat template"
@@ -75,6 +76,9 @@ IDENTITY_COS, IDENTITY_REL_ERR = 0.99, 0.1
 # ...and it "is another layer" when another candidate is at least this much closer.
 IDENTITY_MARGIN = 0.5
 TEACHER_AGREEMENT = 0.9  # next-token argmax of the stored last state vs the recomputed one
+# A compact file's stored log-probabilities against the recomputed target's, mean over positions:
+# fp16 storage and the bf16 last state they were computed from account for a few hundredths.
+TEACHER_LOG_PROB_ERR = 0.1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,6 +103,7 @@ class Expect:
     dtype: str | None = None  # e.g. "bfloat16"
     vocab_size: int | None = None
     source: str = "data_config.json"  # where these expectations come from (said in messages)
+    teacher_top_k: int | None = None  # the compact layout's K (data_config.json)
     gen_prompt_ids: list[int] | None = None  # the chat template's generation prompt, tokenized
     eot_ids: frozenset[int] = frozenset()  # special tokens that can end an assistant turn
 
@@ -109,7 +114,8 @@ class Sample:
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor | None  # None: the format stores none (speculators >= 0.5 may not)
-    states: list[torch.Tensor]
+    states: list[torch.Tensor]  # the compact layout's: the three aux states, dequantized
+    teacher: formats.StoredTeacher | None = None  # the compact layout's top-K in place of the last state
 
 
 @dataclass
@@ -235,8 +241,8 @@ def load_raw(path: Path, fmt: str) -> Any:
         return TableSample(tensors, row, rows, formats.speculators_row(folder, row) if row < rows else None)
     if fmt == formats.FORMAT_SPECFORGE:
         return formats.read_specforge_sample(path)
-    if fmt == formats.FORMAT_HS_SAFETENSORS:
-        return formats.read_hs_safetensors_sample(path)
+    if fmt in (formats.FORMAT_HS_SAFETENSORS, formats.FORMAT_COMPACT):
+        return formats.read_safetensors(path)
     return formats.torch_load_safe_mmap(path)
 
 
@@ -299,6 +305,8 @@ def to_sample(obj: Any, fmt: str, rel: str) -> tuple[Sample | None, list[Problem
         return Sample(ids, mask, [*aux.chunk(3, dim=-1), last]), [p] if p else []
     if fmt == formats.FORMAT_SPECULATORS_ARROW:
         return table_sample(obj, rel)
+    if fmt == formats.FORMAT_COMPACT:
+        return compact_sample(obj, rel)
     if fmt == formats.FORMAT_HS_SAFETENSORS:
         p = keys_problem(obj, formats.HS_SAFETENSORS_KEYS, ("loss_mask",), rel)
         if p and (not isinstance(obj, dict) or any(k not in obj for k in formats.HS_SAFETENSORS_KEYS)):
@@ -333,6 +341,53 @@ def table_sample(t: TableSample, rel: str) -> tuple[Sample | None, list[Problem]
     if seq_len != ids.shape[0]:
         probs.append(Problem(TABLE_ROW, rel, f"row {t.row}: seq_len {seq_len}, its input_ids hold {ids.shape[0]}"))
     return Sample(ids, mask, list(hs.unbind(1))), probs
+
+
+COMPACT_DTYPES = {"aux_codes": (torch.uint8,), "aux_scales": (torch.float16,), "teacher_ids": (torch.int32,),
+                  "teacher_log_probs": (torch.float16,), "loss_mask": (torch.uint8,),
+                  "input_ids": (torch.int32, torch.int64)}
+
+
+def compact_sample(obj: dict[str, torch.Tensor], rel: str) -> tuple[Sample | None, list[Problem]]:
+    """The dequantized aux states and the stored teacher, after the layout's keys, dtypes and shapes."""
+    p = keys_problem(obj, formats.COMPACT_KEYS, (), rel)
+    if p and any(k not in obj for k in formats.COMPACT_KEYS):
+        return None, [p]
+    probs = [p] if p else []
+    bad = [f"{k} is {obj[k].dtype}" for k, ok in COMPACT_DTYPES.items() if obj[k].dtype not in ok]
+    if bad:
+        return None, probs + [Problem(WRONG_DTYPE, rel, f"{', '.join(bad)}: expected " + ", ".join(
+            f"{k} {'/'.join(str(d).removeprefix('torch.') for d in ok)}" for k, ok in COMPACT_DTYPES.items()))]
+    try:
+        formats.compact_fields(obj, rel)
+    except ValueError as e:
+        return None, probs + [Problem(WRONG_SHAPE, rel, str(e).removeprefix(f"{rel}: "))]
+    aux = formats.dequantize_fp6(obj["aux_codes"], obj["aux_scales"])
+    teacher = formats.StoredTeacher(obj["teacher_ids"], obj["teacher_log_probs"])
+    return Sample(obj["input_ids"], obj["loss_mask"], list(aux.unbind(1)), teacher), probs
+
+
+def stored_teacher_problems(t: formats.StoredTeacher, vocab_size: int | None, rel: str) -> list[Problem]:
+    """Ids inside the vocabulary and distinct per position; log-probabilities finite, <= 0, most
+    likely first, summing to at most 1."""
+    out = []
+    ids, lp = t.ids.long(), t.log_probs.float()
+    if vocab_size is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        out.append(Problem(STORED_TEACHER, rel, f"teacher_ids {int(ids.min())}..{int(ids.max())} outside "
+                                                f"[0, {vocab_size})"))
+    if ids.shape[1] > 1 and (ids.sort(-1).values.diff(dim=-1) == 0).any():
+        row = int((ids.sort(-1).values.diff(dim=-1) == 0).any(-1).nonzero()[0])
+        out.append(Problem(STORED_TEACHER, rel, f"teacher_ids repeat a token at position {row}"))
+    if not torch.isfinite(lp).all():
+        out.append(Problem(STORED_TEACHER, rel, "teacher_log_probs hold NaN/Inf at positions "
+                                                + fmt_rows((~torch.isfinite(lp)).any(-1).nonzero().flatten().tolist())))
+        return out
+    if (lp > 1e-3).any() or (lp.diff(dim=-1) > 1e-3).any() or (lp.exp().sum(-1) > 1.01).any():
+        rows = ((lp > 1e-3).any(-1) | (lp.diff(dim=-1) > 1e-3).any(-1) | (lp.exp().sum(-1) > 1.01)).nonzero()
+        out.append(Problem(STORED_TEACHER, rel, "teacher_log_probs are not log-probabilities of the most likely tokens "
+                                                "in order (> 0, increasing, or summing past 1) at positions "
+                                                + fmt_rows(rows.flatten().tolist())))
+    return out
 
 
 def is_int_tensor(t: Any) -> bool:
@@ -528,6 +583,12 @@ def check_file(index: int, path: Path, root: Path, exp: Expect) -> FileResult:
                 if issues:
                     more = f" (+{len(issues) - 1} more)" if len(issues) > 1 else ""
                     res.problems.append(Problem(MASK_TEMPLATE, rel, issues[0] + more))
+    if sample.teacher is not None:
+        res.problems += stored_teacher_problems(sample.teacher, exp.vocab_size, rel)
+        k = sample.teacher.ids.shape[1]
+        if exp.teacher_top_k is not None and k != exp.teacher_top_k:
+            res.problems.append(Problem(WRONG_SHAPE, rel, f"teacher_ids hold {k} tokens per position, expected "
+                                                          f"{exp.teacher_top_k} ({exp.source})"))
     for j, (h, ok) in enumerate(zip(sample.states, usable)):
         if not ok:
             res.slot_sumsq.append(0.0), res.slot_elems.append(0)
@@ -559,7 +620,7 @@ def read_config(root: Path, fmt: str | None) -> tuple[dict | None, list[Problem]
     path = root / formats.DATA_CONFIG_FILE
     if not path.exists():
         # This project's layout always has one; foreign layouts may not (then files set the bar).
-        sev = ERROR if fmt == formats.FORMAT_V1 else WARNING
+        sev = ERROR if fmt in (formats.FORMAT_V1, formats.FORMAT_COMPACT) else WARNING
         return None, [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, "missing: expectations are inferred from the "
                                                                       "first file", sev)]
     try:
@@ -583,6 +644,10 @@ def read_config(root: Path, fmt: str | None) -> tuple[dict | None, list[Problem]
         if isinstance(n, int) and ids and ids[-1] != n:
             probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE,
                                  f"layer_ids {ids} end at {ids[-1]}, the target has num_hidden_layers={n}"))
+    version = (cfg.get("compact") or {}).get("version")
+    if fmt == formats.FORMAT_COMPACT and version != formats.COMPACT_VERSION:
+        probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"compact version {version!r}: this eaglet reads "
+                                                                    f"version {formats.COMPACT_VERSION}"))
     for key in ("hidden_size", "vocab_size"):
         if key in cfg and not isinstance(cfg[key], int):
             probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} {cfg[key]!r}: expected an int"))
@@ -591,9 +656,12 @@ def read_config(root: Path, fmt: str | None) -> tuple[dict | None, list[Problem]
 
 def expect_from_config(cfg: dict, fmt: str) -> Expect:
     ids = cfg.get("layer_ids")
+    compact = fmt == formats.FORMAT_COMPACT  # its files hold the aux states (dequantized) and a teacher
     return Expect(fmt, cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None,
-                  len(ids) if isinstance(ids, list) else None, cfg.get("hidden_states_dtype"),
-                  cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None)
+                  len(ids) - compact if isinstance(ids, list) else None,
+                  None if compact else cfg.get("hidden_states_dtype"),
+                  cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None,
+                  teacher_top_k=(cfg.get("compact") or {}).get("teacher_top_k") if compact else None)
 
 
 def expect_from_file(first: FileResult, fmt: str, vocab_size: int | None) -> Expect:
@@ -763,6 +831,7 @@ class Recomputed:
     states: dict[str, torch.Tensor]  # "layer k" (pre-norm outputs, k = 0..N) and "layer N post-norm", fp32 [T, H]
     logits_fn: Any  # h_post_norm [T, H] -> logits
     norm: Any  # the final norm module, or None
+    head: Any = None  # the LM head module (for fp32 log-probabilities)
 
 
 @torch.inference_mode()
@@ -799,7 +868,7 @@ def recompute(model, input_ids: torch.Tensor, device: torch.device) -> Recompute
     def logits_fn(h: torch.Tensor) -> torch.Tensor:
         return head(h.to(device, dtype)).float().cpu()
 
-    return Recomputed(states, logits_fn, norm if isinstance(norm, torch.nn.Module) else None)
+    return Recomputed(states, logits_fn, norm if isinstance(norm, torch.nn.Module) else None, head)
 
 
 def compare(stored: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
@@ -840,23 +909,53 @@ def slot_identity_problem(j: int, num_slots: int, expected: str, best: str, stat
                                         f"{e_rel:.3g}, cos {e_cos:.4f}; closest is {best} (rel err {b_rel:.3g})")
 
 
-def teacher_accuracy(rec: Recomputed, stored_last: torch.Tensor, last_convention: str, ids: torch.Tensor,
-                     mask: torch.Tensor | None, n: int) -> tuple[int, int, int, int] | None:
-    """(positions, stored correct, recomputed correct, agreeing) for next-token argmax on masked positions."""
+def teacher_accuracy(rec: Recomputed, stored_last: torch.Tensor | formats.StoredTeacher, last_convention: str,
+                     ids: torch.Tensor, mask: torch.Tensor | None, n: int) -> tuple[int, int, int, int] | None:
+    """(positions, stored correct, recomputed correct, agreeing) for next-token argmax on masked
+    positions; the stored argmax is lm_head(norm(stored last)), or a compact file's first teacher id."""
     if rec.norm is None:
         return None
     with torch.inference_mode():
-        param = next(rec.norm.parameters(), None)
-        dev = param.device if param is not None else torch.device("cpu")
-        dt = param.dtype if param is not None else torch.float32
-        h = stored_last.to(dev, dt)
-        h = rec.norm(h) if last_convention == formats.LAST_STATE_PRE_NORM else h
-        pred_stored = rec.logits_fn(h).argmax(-1)
         pred_ref = rec.logits_fn(rec.states[f"layer {n} post-norm"]).argmax(-1)
+        if isinstance(stored_last, formats.StoredTeacher):
+            pred_stored = stored_last.ids[:, 0].long()
+        else:
+            param = next(rec.norm.parameters(), None)
+            dev = param.device if param is not None else torch.device("cpu")
+            dt = param.dtype if param is not None else torch.float32
+            h = stored_last.to(dev, dt)
+            h = rec.norm(h) if last_convention == formats.LAST_STATE_PRE_NORM else h
+            pred_stored = rec.logits_fn(h).argmax(-1)
     pos = (mask[1:] == 1) if mask is not None else torch.ones(len(ids) - 1, dtype=torch.bool)
     nxt = ids[1:]
     ps, pr = pred_stored[:-1][pos], pred_ref[:-1][pos]
     return int(pos.sum()), int((ps == nxt[pos]).sum()), int((pr == nxt[pos]).sum()), int((ps == pr).sum())
+
+
+@torch.inference_mode()
+def log_probs_at(h: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """fp32 log_softmax(head(h)) at `ids` [T, K], whatever the head's dtype, a slice of the
+    vocabulary at a time (neither a [T, vocab] tensor nor an fp32 copy of the head)."""
+    w, bias = head.weight, getattr(head, "bias", None)
+    h = h.to(w.device, torch.float32)
+    lse = torch.full((h.shape[0],), float("-inf"), device=w.device)
+    for v in range(0, w.shape[0], chunk):
+        logits = h @ w[v:v + chunk].float().T + (0 if bias is None else bias[v:v + chunk].float())
+        lse = torch.logaddexp(lse, logits.logsumexp(-1))
+    idx = ids.to(w.device).long()
+    picked = (h[:, None, :] * w[idx].float()).sum(-1) + (0 if bias is None else bias[idx].float())
+    return (picked - lse[:, None]).cpu()
+
+
+def stored_log_prob_problem(rec: Recomputed, t: formats.StoredTeacher, n: int, rel: str) -> Problem | None:
+    """A compact file's stored log-probabilities against the recomputed target's at the same ids."""
+    ref = log_probs_at(rec.states[f"layer {n} post-norm"], rec.head, t.ids)
+    err = (ref - t.log_probs.float()).abs().mean().item()
+    if err <= TEACHER_LOG_PROB_ERR:
+        return None
+    return Problem(STORED_TEACHER, rel, f"teacher_log_probs differ from the recomputed target's by {err:.3f} nats on "
+                                        f"average (at most {TEACHER_LOG_PROB_ERR} expected): another model, or a "
+                                        "post-norm state normed twice")
 
 
 def pick_identity_files(results: list[FileResult], k: int) -> list[FileResult]:
@@ -882,7 +981,8 @@ def identity_check(report: CheckReport, root: Path, exp: Expect, model, files: l
             stats = {name: compare(h, ref) for name, ref in rec.states.items()}
             best = min(stats, key=lambda name: stats[name][1])
             expected = labels[j]
-            p = slot_identity_problem(j, len(sample.states), expected, best, stats, last_convention, r.path)
+            slots = len(sample.states) + (sample.teacher is not None)  # compact: the last slot is the teacher
+            p = slot_identity_problem(j, slots, expected, best, stats, last_convention, r.path)
             if p:
                 report.problems.append(p)
             e_cos, e_rel, e_abs = stats[expected]
@@ -890,7 +990,11 @@ def identity_check(report: CheckReport, root: Path, exp: Expect, model, files: l
             if cur is None or e_rel > cur.rel_err:
                 worst[j] = SlotIdentity(j, expected, best, e_cos, e_rel, e_abs, stats[best][0], stats[best][1])
         mask = sample.loss_mask if isinstance(sample.loss_mask, torch.Tensor) else None
-        t = teacher_accuracy(rec, sample.states[-1], last_convention, sample.input_ids, mask, n)
+        if sample.teacher is not None:
+            p = stored_log_prob_problem(rec, sample.teacher, n, r.path)
+            if p:
+                report.problems.append(p)
+        t = teacher_accuracy(rec, sample.teacher or sample.states[-1], last_convention, sample.input_ids, mask, n)
         if t:
             acc = [a + b for a, b in zip(acc, t)]
     report.identity = [worst[j] for j in sorted(worst)]
@@ -900,7 +1004,7 @@ def identity_check(report: CheckReport, root: Path, exp: Expect, model, files: l
                                       "recomputed": acc[2] / acc[0], "agreement": acc[3] / acc[0]}
         if acc[3] / acc[0] < TEACHER_AGREEMENT:
             report.problems.append(Problem(LAYER_IDENTITY, files[-1].path if files else "",
-                                           f"lm_head(norm(stored last)) agrees with the recomputed target on only "
+                                           f"the stored next-token argmax agrees with the recomputed target on only "
                                            f"{acc[3] / acc[0]:.1%} of masked positions ({len(files)} sampled files)"))
 
 
@@ -952,8 +1056,8 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
     listing = formats.list_dataset_files(root, cfg_rows)
     report.format = listing.format
     if listing.format is None:
-        report.problems.append(Problem(NO_FILES, str(root), "no v1 (hidden_states/rows_*/data_*.pt), speculators "
-                                                            "(Arrow table + hidden_states/hs_*.safetensors), flat "
+        report.problems.append(Problem(NO_FILES, str(root), "no v1 (hidden_states/rows_*/data_*.pt), compact, "
+                                                            "speculators (Arrow table + hidden_states/hs_*.safetensors), flat "
                                                             "data_*.pt, SpecForge *.ckpt[.gz] or hs_*.safetensors "
                                                             "files found"))
         return report
@@ -1021,7 +1125,7 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
     report.workers = workers
     # Threads, not processes: torch.load reads and every tensor op here release the GIL, and
     # threads avoid pickling tensors back from workers (measured faster on 2 cores).
-    required = listing.format == formats.FORMAT_V1  # side files this project always writes
+    required = listing.format in (formats.FORMAT_V1, formats.FORMAT_COMPACT)  # side files eaglet always writes
     with ThreadPoolExecutor(max_workers=workers) as pool, single_threaded_ops():
         freq_future = pool.submit(load_token_freq, root, required)
         results = list(pool.map(lambda ip: check_file(ip[0], ip[1], root, exp), files))
@@ -1085,6 +1189,7 @@ FORMAT_DESCRIPTIONS = {
     formats.FORMAT_SPECFORGE: "SpecForge offline (rows_{a}-{b}/data_{i}.ckpt[.gz])",
     formats.FORMAT_HS_SAFETENSORS: "speculators hs_{row}.safetensors, flat (loss_mask in each file, no table)",
     formats.FORMAT_SPECULATORS_ARROW: "speculators >= 0.6 (Arrow table + hidden_states/hs_{row}.safetensors)",
+    formats.FORMAT_COMPACT: "eaglet compact (compact/rows_{a}-{b}/data_{i}.safetensors: 6-bit aux, stored teacher)",
 }
 
 
@@ -1110,7 +1215,8 @@ def report_lines(r: CheckReport, max_per_kind: int = 10) -> list[str]:
                        f"max abs err {s.max_abs_err:.3g}; {mark}")
     if r.next_token_accuracy:
         a = r.next_token_accuracy
-        out.append(f"  next-token accuracy of lm_head(norm(last)) on {a['positions']} masked positions: stored "
+        what = "the stored teacher's argmax" if r.format == formats.FORMAT_COMPACT else "lm_head(norm(last))"
+        out.append(f"  next-token accuracy of {what} on {a['positions']} masked positions: stored "
                    f"{a['stored_last']:.1%}, recomputed {a['recomputed']:.1%}, agreement {a['agreement']:.1%}")
     if r.generation_prompt:
         out.append(f"  loss mask vs chat template (generation prompt {r.generation_prompt!r}): "

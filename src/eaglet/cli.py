@@ -37,10 +37,16 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_layout_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
-    p.add_argument("--layout", choices=("v1", "speculators"), required=required, default=None if required else "v1",
-                   help="v1: hidden_states/rows_{a}-{b}/data_{i}.pt (speculators v1, vLLM tooling" + ("" if required else "; default") + "); "
-                        "speculators: the Arrow table (input_ids, loss_mask, seq_len) + hidden_states/hs_{i}"
-                        ".safetensors that speculators >= 0.6 trains from")
+    p.add_argument("--layout", choices=("v1", "speculators", "compact"), required=required,
+                   default=None if required else "v1",
+                   help="v1: hidden_states/rows_{a}-{b}/data_{i}.pt (speculators v1, vLLM tooling"
+                        + ("" if required else "; default") + "); speculators: the Arrow table (input_ids, "
+                        "loss_mask, seq_len) + hidden_states/hs_{i}.safetensors that speculators >= 0.6 trains from; "
+                        "compact: eaglet's own, a third of v1's bytes (6-bit aux states, the target's top-K in place "
+                        "of the last state), read by eaglet check and train only")
+    p.add_argument("--stored-top-k", type=int, default=16,
+                   help="compact: how many of the target's most likely next tokens to store per position "
+                        "(default 16, training's --teacher-top-k default; training can use up to this many)")
 
 
 def add_foreign_dataset_args(p: argparse.ArgumentParser, online: bool = False) -> None:
@@ -72,7 +78,7 @@ def cmd_extract(args: argparse.Namespace) -> None:
 
     summary = extract(args.prepared, args.out, args.target, args.layer_ids, args.dtype, args.store_dtype, args.device,
                       args.batch_tokens, args.max_batch_size, args.num_shards, args.shard_id, args.command,
-                      layout=args.layout)
+                      layout=args.layout, stored_top_k=args.stored_top_k)
     print("\n".join(summary.lines()))
 
 
@@ -80,7 +86,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     from eaglet.convert import convert
 
     summary = convert(args.src, args.out, args.layout, args.target, args.aux_layer_ids, args.last_hidden_state,
-                      args.command)
+                      args.command, stored_top_k=args.stored_top_k)
     print("\n".join(summary.lines()))
 
 
@@ -253,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_layout_arg(p)
     p.set_defaults(func=cmd_extract)
 
-    p = sub.add_parser("convert", help="a hidden-state dataset in another layout (v1 <-> speculators)",
+    p = sub.add_parser("convert", help="a hidden-state dataset in another layout (v1, speculators, compact)",
                        description="Copy a hidden-state dataset (any layout `eaglet check` reads) into eaglet's v1 "
                                    "or speculators' layout, states bit for bit, with the side files the output "
                                    "needs; resumable.")

@@ -1,8 +1,9 @@
 """A hidden-state dataset in one layout -> another (`eaglet convert`).
 
 Reads any dataset `eaglet check` and `eaglet train` read (eaglet's v1, speculators' Arrow table +
-`hs_{i}.safetensors`, flat v1, `hs_*.safetensors` with masks, SpecForge) and writes eaglet's v1
-or speculators' layout. The states are copied bit for bit (same dtype, same values); the side
+`hs_{i}.safetensors`, flat v1, `hs_*.safetensors` with masks, SpecForge) and writes eaglet's v1,
+speculators' layout, or the compact one (6-bit aux states, the target's top-K in place of the
+last state, computed with the target's head). v1 and speculators' get the states bit for bit; the side
 files the output needs (data_config.json, sample_lengths.json, token_freq.pt) are written beside
 them. Like extraction, every file lands by rename and a rerun skips the complete ones, so a
 conversion killed at any moment resumes.
@@ -60,7 +61,7 @@ def target_fields(target: str, hidden_size: int, aux_layer_ids: list[int]) -> di
             "aux_layer_ids": list(aux_layer_ids), "layer_id_convention": formats.LAYER_ID_CONVENTION}
 
 
-def converted_config(ds: Any, layout: str, target: str | None, command: str) -> dict[str, Any]:
+def converted_config(ds: Any, layout: str, target: str | None, command: str, stored_top_k: int) -> dict[str, Any]:
     """The output's data_config.json: the source's (or, for a source without one, --target's
     fields), with the output layout and the totals of the samples."""
     cfg = {k: v for k, v in ds.config.items() if k not in ("format", "command", "converted_from")}
@@ -71,6 +72,9 @@ def converted_config(ds: Any, layout: str, target: str | None, command: str) -> 
                              "it, as every v1 dataset must")
         cfg.update(target_fields(target, ds.config["hidden_size"], ds.aux_layer_ids))
     lengths = [ds.lengths[i] for i in sorted(ds.files)]
+    cfg.pop("compact", None)
+    if layout == formats.FORMAT_COMPACT:
+        cfg["compact"] = formats.compact_config(min(stored_top_k, cfg.get("vocab_size") or stored_top_k))
     cfg.update({
         "format": layout,
         "command": command,
@@ -96,19 +100,34 @@ def read_rows(ds: Any, show_progress: bool) -> list[tuple[torch.Tensor, torch.Te
                          dynamic_ncols=True, disable=not show_progress))
 
 
-def copy_sample(ds: Any, out: Path, layout: str, index: int) -> int:
-    """Read one sample from the source and write it in `layout`; returns its token count."""
+def copy_sample(ds: Any, out: Path, layout: str, index: int, teacher: Any = None) -> int:
+    """Read one sample from the source and write it in `layout` (the compact one with the stored
+    teacher `teacher` makes from the last state); returns its token count."""
     s = formats.read_training_sample(ds.files[index], ds.layout)
     # Each state its own storage: torch.save writes whole storages, a chunk view would drag the
     # other two aux states into every v1 file.
     states = [h.contiguous().clone() for h in s.aux_hidden.chunk(3, dim=-1)] + [s.last_hidden.contiguous()]
-    formats.write_sample(out, layout, index, s.input_ids, states, s.loss_mask)
+    formats.write_sample(out, layout, index, s.input_ids, states, s.loss_mask,
+                         teacher(s.last_hidden) if teacher else None)
     return int(s.input_ids.shape[0])
+
+
+def teacher_maker(ds: Any, target: str | None, stored_top_k: int) -> Any:
+    """The compact layout's teacher from each sample's last state: the target's final norm (unless
+    the stored state is post-norm) and LM head."""
+    from eaglet.extract import StoredTeacherMaker
+    from eaglet.target import load_target, resolve_target
+    from eaglet.train import check_target_matches, dataset_target
+
+    ref = resolve_target(dataset_target(ds, target))
+    model = load_target(ref, torch.float32, torch.device("cpu"))
+    check_target_matches(ds.config, model.config, ref.revision, ref.name)
+    return StoredTeacherMaker(model, stored_top_k, ds.last_hidden_state)
 
 
 def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | None = None,
             aux_layer_ids: list[int] | None = None, last_hidden_state: str | None = None, command: str = "",
-            workers: int = 2, show_progress: bool = True) -> ConvertSummary:
+            workers: int = 2, show_progress: bool = True, stored_top_k: int = 16) -> ConvertSummary:
     """Write the hidden-state dataset at `src` into `out` in `layout` (a `formats.WRITTEN_LAYOUTS`
     name). `aux_layer_ids` / `last_hidden_state` / `target` describe a source whose
     data_config.json does not (as for `eaglet train`)."""
@@ -118,12 +137,15 @@ def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | 
     from eaglet.extract import ensure_data_config
     from eaglet.train import open_dataset
 
-    ranges.at_least(1, workers=workers)
+    ranges.at_least(1, workers=workers, stored_top_k=stored_top_k)
     fmt = formats.written_layout(layout)
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve():
         raise ValueError(f"--out {out} is the source folder; convert into another folder")
     ds = open_dataset(src, aux_layer_ids, last_hidden_state, show_progress)
+    if ds.layout == formats.FORMAT_COMPACT:
+        raise ValueError(f"{src} is compact: it keeps no last-layer state and its aux states are rounded to 6 bits, "
+                         "so no other layout can be made from it; convert the dataset it was made from")
     indices = sorted(ds.files)
     if indices != list(range(len(indices))):
         gaps = sorted(set(range(indices[-1] + 1)) - set(indices))
@@ -133,7 +155,10 @@ def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | 
         raise ValueError(f"{src}: its last state is {ds.last_hidden_state} (after the target's final norm); "
                          "speculators applies that norm itself, and it cannot be undone: extract the states again "
                          "(`eaglet extract --layout speculators`), or convert to v1, which records the convention")
-    config = converted_config(ds, fmt, target, command)
+    if fmt == formats.FORMAT_COMPACT:
+        formats.check_compact_hidden_size(ds.config["hidden_size"], str(src))
+    config = converted_config(ds, fmt, target, command, stored_top_k)
+    teacher = teacher_maker(ds, target, stored_top_k) if fmt == formats.FORMAT_COMPACT else None
     out.mkdir(parents=True, exist_ok=True)
     ensure_data_config(out, config)
     if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
@@ -142,8 +167,8 @@ def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | 
         formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, ds.token_freq)
     if fmt == formats.FORMAT_SPECULATORS_ARROW and not (out / formats.ARROW_STATE_FILE).exists():
         formats.start_dataset(out, fmt, [(ids.numpy(), mask.numpy()) for ids, mask in read_rows(ds, show_progress)])
-    if (out / formats.HIDDEN_STATES_DIR).exists():
-        formats.remove_stale_temp_files(out / formats.HIDDEN_STATES_DIR)
+    if formats.files_dir(out, fmt).exists():
+        formats.remove_stale_temp_files(formats.files_dir(out, fmt))
     num_states = formats.EAGLE3_NUM_STATES
     todo = [i for i in indices
             if formats.sample_file_problem(formats.sample_path(out, fmt, i), fmt, ds.lengths[i], num_states)]
@@ -152,7 +177,7 @@ def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | 
     with ThreadPoolExecutor(max_workers=workers) as pool, \
             tqdm(total=sum(ds.lengths[i] for i in todo), unit="tok", unit_scale=True, desc=f"convert to {layout}",
                  file=sys.stderr, dynamic_ncols=True, disable=not show_progress) as bar:
-        for n in pool.map(lambda i: copy_sample(ds, out, fmt, i), todo):
+        for n in pool.map(lambda i: copy_sample(ds, out, fmt, i, teacher), todo):
             tokens += n
             bar.update(n)
     bytes_in = sum(p.stat().st_size for p in ds.files.values())

@@ -456,6 +456,46 @@ def make_teacher(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.M
     return Teacher(top - torch.logsumexp(top, dim=-1, keepdim=True), ids[..., 0], in_draft, ids, feats)
 
 
+@torch.no_grad()
+def target_top_k(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.Module, k: int,
+                 chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int32 [T, k], log-probabilities fp16 [T, k]) of the target's k most likely next tokens
+    over its whole vocabulary, most likely first: the teacher a compact dataset stores. Computed
+    as `make_teacher` computes it, a chunk of positions at a time (no [T, vocab] tensor)."""
+    ids, log_probs = [], []
+    dtype = lm_head.weight.dtype
+    for part in last_hidden.split(chunk):
+        logits = lm_head(final_norm(part.to(dtype))).float()
+        top, idx = logits.topk(k, dim=-1)  # log_softmax of the k only: no second [chunk, vocab] tensor
+        ids.append(idx.to(torch.int32))
+        log_probs.append((top - torch.logsumexp(logits, dim=-1, keepdim=True)).to(torch.float16))
+    return torch.cat(ids), torch.cat(log_probs)
+
+
+def teacher_from_top_k(ids: torch.Tensor, log_probs: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
+                       top_k: int) -> Teacher:
+    """The sparse teacher `make_teacher(top_k=...)` gives, from a stored full-vocabulary top-K
+    (`ids` [B, L, K] target ids, most likely first): the first `top_k` of them that are draft ids,
+    renormalised over those. Equal to the teacher computed from the last state whenever the
+    stored K hold the `top_k` most likely draft ids (renormalising cancels the two softmaxes'
+    different denominators); the argmax and whether it is drafted are always exact."""
+    draft_index = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=ids.device)
+    draft_index[torch.arange(d2t.shape[0], device=ids.device) + d2t] = torch.arange(d2t.shape[0], device=ids.device)
+    dids = draft_index[ids.long()]  # [B, L, K], -1 where the token is not drafted
+    keep = dids >= 0
+    rank = keep.long().cumsum(-1) - 1
+    keep &= rank < top_k
+    out_ids = torch.zeros(*ids.shape[:-1], top_k, dtype=torch.long, device=ids.device)
+    out_lp = torch.full(out_ids.shape, float("-inf"), device=ids.device)
+    b, l, j = keep.nonzero(as_tuple=True)  # each kept entry goes to its rank among the kept
+    out_ids[b, l, rank[b, l, j]] = dids[b, l, j]
+    out_lp[b, l, rank[b, l, j]] = log_probs[b, l, j].float()
+    none = ~keep.any(-1)  # no drafted token among the stored K: the target's argmax is not drafted either
+    out_lp[..., 0] = torch.where(none, 0.0, out_lp[..., 0])
+    out_lp = out_lp - torch.logsumexp(out_lp, dim=-1, keepdim=True)
+    return Teacher(out_lp, out_ids[..., 0], t2d[ids[..., 0].long()], out_ids)
+
+
 @dataclass
 class StepStats:
     """Sums over counted positions, so micro-batches and processes add up exactly. Accuracy
@@ -551,6 +591,7 @@ def num_parameters(model: nn.Module, trainable_only: bool = True) -> int:
 
 
 __all__ = ["DraftConfig", "Eagle3Draft", "DiagonalTTTAttention", "DraftOutput", "Teacher", "StepStats",
-           "build_draft_vocab", "diagonal_ttt_attention", "make_teacher", "ttt_loss", "soft_cross_entropy",
+           "build_draft_vocab", "diagonal_ttt_attention", "make_teacher", "target_top_k", "teacher_from_top_k",
+           "ttt_loss", "soft_cross_entropy",
            "acceptance_length",
            "stats_summary", "step_weights", "shift_left", "load_embeddings_from"]

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Fields of data_config.json that must agree before two runs may write into one folder.
-IDENTITY_FIELDS = ("format", "target_revision", "layer_ids", "hidden_size", "hidden_states_dtype", "last_hidden_state",
+IDENTITY_FIELDS = ("format", "compact", "target_revision", "layer_ids", "hidden_size", "hidden_states_dtype", "last_hidden_state",
                    "chat_template_sha256", "max_length", "num_samples", "num_tokens", "prepared_sha256")
 
 
@@ -119,6 +119,32 @@ def run_batch(model: nn.Module, capture: LayerCapture, batch: list[TokenizedSamp
     return [[h[row, : len(s.input_ids)].clone() for h in states] for row, s in enumerate(batch)]
 
 
+def write_one(out: Path, layout: str, index: int, sample: TokenizedSample, states: list[torch.Tensor],
+              teacher: StoredTeacherMaker | None) -> Path:
+    return formats.write_sample(out, layout, index, torch.tensor(sample.input_ids, dtype=torch.long), states,
+                                torch.tensor(sample.loss_mask, dtype=torch.long),
+                                teacher(states[-1]) if teacher else None)
+
+
+class StoredTeacherMaker:
+    """The compact layout's teacher of one sample from its stored last state: the target's top-K
+    over its full vocabulary, computed exactly as training computes the teacher from a v1 file
+    (the stored-dtype state, the final norm and LM head in fp32)."""
+
+    def __init__(self, model: nn.Module, top_k: int, last_hidden_state: str = formats.LAST_STATE_PRE_NORM):
+        from eaglet.train import make_teacher_head
+
+        self.head = make_teacher_head(model, last_hidden_state)
+        self.top_k = min(top_k, self.head.lm_head.weight.shape[0])
+
+    def __call__(self, last: torch.Tensor) -> formats.StoredTeacher:
+        from eaglet.draft_model import target_top_k
+
+        dev = self.head.lm_head.weight.device
+        ids, log_probs = target_top_k(last.to(dev).float(), self.head.final_norm, self.head.lm_head, self.top_k)
+        return formats.StoredTeacher(ids.cpu(), log_probs.cpu())
+
+
 def prepared_sha256(samples: list[TokenizedSample]) -> str:
     import hashlib
 
@@ -130,13 +156,16 @@ def prepared_sha256(samples: list[TokenizedSample]) -> str:
 
 def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfig: dict, samples: list[TokenizedSample],
                       layer_ids: list[int], compute_dtype: torch.dtype, store_dtype: torch.dtype, command: str,
-                      layout: str = formats.FORMAT_V1) -> dict:
+                      layout: str = formats.FORMAT_V1, stored_top_k: int = 0) -> dict:
     from eaglet import __version__
     from eaglet.target import dtype_name
 
     cfg = model.config
+    compact = ({"compact": formats.compact_config(min(stored_top_k, cfg.vocab_size))}
+               if layout == formats.FORMAT_COMPACT else {})
     return {
         "format": layout,
+        **compact,
         "eaglet_version": __version__,
         "command": command,
         "target": ref.name,
@@ -209,8 +238,8 @@ class ExtractSummary:
         return [
             f"extracted {self.written} samples ({self.tokens} tokens, {rate:,.0f} tok/s); "
             f"{self.already_done} of this shard's {self.shard_samples} were already done",
-            f"hidden states in {self.out / formats.HIDDEN_STATES_DIR}: {self.bytes_on_disk / 2**20:,.1f} MiB, "
-            f"{per_tok:,.0f} bytes/token (v1 minimum {floor})",
+            f"hidden states in {self.out}: {self.bytes_on_disk / 2**20:,.1f} MiB, "
+            f"{per_tok:,.0f} bytes/token ({per_tok / floor:.2f}x the v1 minimum, {floor})",
         ]
 
 
@@ -223,16 +252,18 @@ def dataset_disk_usage(out: Path, lengths: dict[int, int]) -> tuple[int, int]:
 def extract(prepared: str | Path, out: str | Path, target: str | None = None, layer_ids: list[int] | None = None,
             dtype: str = "auto", store_dtype: str = "bf16", device: str | None = None, batch_tokens: int = 8192,
             max_batch_size: int = 64, num_shards: int = 1, shard_id: int = 0, command: str = "",
-            write_threads: int = 2, show_progress: bool = True, layout: str = "v1") -> ExtractSummary:
+            write_threads: int = 2, show_progress: bool = True, layout: str = "v1",
+            stored_top_k: int = 16) -> ExtractSummary:
     """Extract the hidden states of every prepared sample of this shard into `out`, in `layout`
-    (a `formats.WRITTEN_LAYOUTS` name)."""
+    (a `formats.WRITTEN_LAYOUTS` name); the compact layout stores the target's `stored_top_k`
+    most likely next tokens in place of the last state."""
     from tqdm import tqdm
 
     from eaglet.data import template_hash
     from eaglet.target import decoder_layers, default_layer_ids, load_target, load_tokenizer, parse_dtype, pick_device
 
     ranges.at_least(1, num_shards=num_shards, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
-                    write_threads=write_threads)
+                    write_threads=write_threads, stored_top_k=stored_top_k)
     if not 0 <= shard_id < num_shards:
         raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
     fmt = formats.written_layout(layout)
@@ -243,11 +274,14 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     dev = pick_device(device)
     compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
     model = load_target(ref, compute_dtype, dev)
+    if fmt == formats.FORMAT_COMPACT:
+        formats.check_compact_hidden_size(model.config.hidden_size, ref.name)
     num_layers = model.config.num_hidden_layers
     layer_ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers)
     validate_layer_ids(layer_ids, num_layers)
     config = build_data_config(ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype, save_dtype, command,
-                               fmt)
+                               fmt, stored_top_k)
+    teacher = StoredTeacherMaker(model, stored_top_k) if fmt == formats.FORMAT_COMPACT else None
     out.mkdir(parents=True, exist_ok=True)
     ensure_data_config(out, config)
     formats.start_dataset(out, fmt, [(s.input_ids, s.loss_mask) for s in samples])
@@ -260,7 +294,8 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     mine = [i for i in range(len(samples)) if i % num_shards == shard_id]
     paths = {i: formats.sample_path(out, fmt, i) for i in mine}
     owned_names = {p.name for p in paths.values()}
-    stale = formats.remove_stale_temp_files(out / formats.HIDDEN_STATES_DIR, owned_names) if (out / formats.HIDDEN_STATES_DIR).exists() else 0
+    files_dir = formats.files_dir(out, fmt)
+    stale = formats.remove_stale_temp_files(files_dir, owned_names) if files_dir.exists() else 0
     if stale:
         log.info("removed %d partial files left by an earlier run", stale)
     # Existence means complete (files only appear by rename), unless something else wrote them.
@@ -289,9 +324,9 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
                 while len(pending) > 4 * write_threads:
                     pending.pop(0).result()
                 for i, s, states in zip(batch, batch_samples, per_sample):
-                    pending.append(pool.submit(formats.write_sample, out, fmt, i,
-                                               torch.tensor(s.input_ids, dtype=torch.long), states,
-                                               torch.tensor(s.loss_mask, dtype=torch.long)))
+                    # The compact layout's teacher (the target's LM head) is computed by the writer,
+                    # overlapping the next batch's forward.
+                    pending.append(pool.submit(write_one, out, fmt, i, s, states, teacher))
                 bar.update(sum(lengths[i] for i in batch))
             for f in pending:
                 f.result()

@@ -10,6 +10,8 @@ nowhere else:
   and `token_freq.pt` beside the `hidden_states/` folder;
 - speculators' current dataset layout (`eaglet extract --layout speculators`, `eaglet convert`):
   an Arrow table of tokens and loss masks plus `hidden_states/hs_{row}.safetensors`;
+- eaglet's compact dataset (`--layout compact`): 6-bit aux states and the target's top-K in
+  place of the last state, `compact/rows_{a}-{b}/data_{i}.safetensors`;
 - the foreign layouts `eaglet check` and `eaglet train` read (flat v1, SpecForge);
 - drafter folders for the serving engines (`eaglet export` / `eaglet import`): the speculators
   (vLLM) and EAGLE-3 / SGLang `config.json` layouts and their weight names.
@@ -578,11 +580,154 @@ def speculators_row_of(path: str | os.PathLike) -> tuple[Path, int]:
 
 
 # ---------------------------------------------------------------------------------------------
+# eaglet's compact layout (`eaglet extract --layout compact`, `eaglet convert --layout compact`):
+# `compact/rows_{a}-{b}/data_{i}.safetensors`, one per sample, with
+# - `input_ids` int32 [T], `loss_mask` uint8 [T];
+# - `aux_codes` uint8 [T, 3, 3H/4] and `aux_scales` fp16 [T, 3, H/32]: the three aux states in
+#   6-bit floating point (E3M2, the element type of the OCP MXFP6 format) with an fp16 scale per
+#   32 values, four codes packed in three bytes;
+# - `teacher_ids` int32 [T, K] and `teacher_log_probs` fp16 [T, K]: in place of the last state,
+#   the target's K most likely next tokens (full vocabulary, most likely first, so the first is
+#   the argmax) with their log-probabilities, log_softmax(lm_head(final_norm(h_N))).
+# data_config.json records "format": "eaglet-compact" and a "compact" section (version, scheme, K).
+# Measured on SmolLM2 states: E3M2 with 32-value groups has 1.4 % relative RMS error (fp8 E4M3
+# with a scale per row: 1.0 %, at 8.06 bits instead of 6.5: the fp8 aux alone would be 0.375x of
+# v1's bytes, above the 0.35x this layout is for); see bench/compact.py for the training effect.
+# ---------------------------------------------------------------------------------------------
+
+FORMAT_COMPACT = "eaglet-compact"
+COMPACT_DIR = "compact"
+COMPACT_VERSION = 1
+COMPACT_FILE_RE = re.compile(r"^data_(\d+)\.safetensors$")
+COMPACT_KEYS = ("input_ids", "loss_mask", "aux_codes", "aux_scales", "teacher_ids", "teacher_log_probs")
+FP6_GROUP = 32  # values sharing one scale
+
+
+def _fp6_e3m2_magnitudes() -> torch.Tensor:
+    """The 32 non-negative E3M2 values (3 exponent bits, bias 3, 2 mantissa bits, subnormals), ascending."""
+    mags = [(m / 4) * 2.0 ** -2 for m in range(4)]  # exponent field 0: subnormals 0, 0.0625, 0.125, 0.1875
+    mags += [(1 + m / 4) * 2.0 ** (e - 3) for e in range(1, 8) for m in range(4)]
+    return torch.tensor(mags)
+
+
+FP6_MAGNITUDES = _fp6_e3m2_magnitudes()  # code & 31 indexes this; code & 32 is the sign
+FP6_MAX = float(FP6_MAGNITUDES[-1])  # 28
+FP6_VALUES = torch.cat([FP6_MAGNITUDES, -FP6_MAGNITUDES])  # decode table, indexed by the 6-bit code
+_FP6_MIDPOINTS = (FP6_MAGNITUDES[1:] + FP6_MAGNITUDES[:-1]) / 2
+
+
+def pack_6bit(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes < 64, last dim a multiple of 4 -> 3 bytes per 4 codes (little end first)."""
+    c = codes.reshape(*codes.shape[:-1], -1, 4).to(torch.int32)
+    word = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
+    out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
+    return out.reshape(*codes.shape[:-1], -1).to(torch.uint8)
+
+
+def unpack_6bit(packed: torch.Tensor) -> torch.Tensor:
+    b = packed.reshape(*packed.shape[:-1], -1, 3).to(torch.int32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    out = torch.stack([word & 63, (word >> 6) & 63, (word >> 12) & 63, (word >> 18) & 63], dim=-1)
+    return out.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+
+
+def quantize_fp6(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] (H a multiple of 32) -> (packed codes uint8 [..., 3H/4], scales fp16 [..., H/32]):
+    each group of 32 scaled so its largest magnitude is E3M2's largest, rounded to the nearest value."""
+    if x.shape[-1] % FP6_GROUP:
+        raise ValueError(f"hidden size {x.shape[-1]} is not a multiple of {FP6_GROUP}, the compact layout's group")
+    g = x.float().reshape(*x.shape[:-1], -1, FP6_GROUP)
+    if not torch.isfinite(g).all():
+        raise ValueError("hidden states hold NaN/Inf (`eaglet check` on a v1 copy names the rows)")
+    scale = (g.abs().amax(-1, keepdim=True) / FP6_MAX).to(torch.float16)
+    if not torch.isfinite(scale).all():
+        raise ValueError(f"hidden state values up to {float(g.abs().max()):.3g} overflow the fp16 scale")
+    s = scale.float()
+    mag = torch.bucketize((g / torch.where(s > 0, s, 1.0)).abs(), _FP6_MIDPOINTS)
+    codes = (mag | ((g < 0).to(mag.dtype) << 5)).to(torch.uint8)
+    return pack_6bit(codes.reshape(x.shape)), scale.squeeze(-1)
+
+
+def dequantize_fp6(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    values = FP6_VALUES[unpack_6bit(packed).long()]
+    g = values.reshape(*scales.shape, FP6_GROUP) * scales.float().unsqueeze(-1)
+    return g.reshape(*scales.shape[:-1], -1).to(dtype)
+
+
+def compact_config(top_k: int) -> dict[str, Any]:
+    """data_config.json's "compact" section: what a reader needs to know the files' scheme."""
+    return {"version": COMPACT_VERSION, "aux": f"fp6_e3m2, fp16 scale per {FP6_GROUP}", "teacher_top_k": top_k}
+
+
+def check_compact_hidden_size(hidden_size: int, where: str) -> None:
+    """Refuse, before any work, a hidden size the compact layout's groups do not divide."""
+    if hidden_size % FP6_GROUP:
+        raise ValueError(f"{where}: hidden size {hidden_size} is not a multiple of {FP6_GROUP}, the compact layout's "
+                         "scale group; use --layout v1")
+
+
+def compact_relative_path(index: int, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
+    start = (index // rows_per_folder) * rows_per_folder
+    return f"{COMPACT_DIR}/rows_{start}-{start + rows_per_folder}/data_{index}.safetensors"
+
+
+@dataclass
+class StoredTeacher:
+    """The target's top-K next tokens at each position (full vocabulary ids, most likely first)."""
+
+    ids: torch.Tensor  # int32 [T, K]
+    log_probs: torch.Tensor  # fp16 [T, K], log_softmax over the full vocabulary
+
+
+def write_compact_sample(out_dir: str | os.PathLike, index: int, input_ids: torch.Tensor,
+                         aux_states: list[torch.Tensor], loss_mask: torch.Tensor, teacher: StoredTeacher) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(out_dir) / compact_relative_path(index)
+    if len(aux_states) != EAGLE3_NUM_STATES - 1:
+        raise ValueError(f"{path}: {len(aux_states)} aux states, expected {EAGLE3_NUM_STATES - 1}")
+    try:
+        codes, scales = quantize_fp6(torch.stack(aux_states, dim=1))
+    except ValueError as e:
+        raise ValueError(f"{path} (sample {index}): {e}") from e
+    tensors = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8),
+               "aux_codes": codes, "aux_scales": scales,
+               "teacher_ids": teacher.ids.to(torch.int32), "teacher_log_probs": teacher.log_probs.to(torch.float16)}
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    return path
+
+
+def compact_fields(obj: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Refuse a compact file whose keys or shapes are not the layout's, naming the field."""
+    missing = [k for k in COMPACT_KEYS if k not in obj]
+    if missing:
+        raise ValueError(f"{path}: keys {sorted(obj)}: missing {missing}")
+    T = obj["input_ids"].shape[0]
+    codes, scales, tids, tlp = (obj[k] for k in ("aux_codes", "aux_scales", "teacher_ids", "teacher_log_probs"))
+    if codes.dim() != 3 or scales.dim() != 3 or codes.shape[:2] != (T, 3) or scales.shape[:2] != (T, 3) \
+            or codes.shape[2] * 4 != scales.shape[2] * FP6_GROUP * 3:
+        raise ValueError(f"{path}: aux_codes {tuple(codes.shape)} and aux_scales {tuple(scales.shape)}: expected "
+                         f"[T, 3, 3H/4] and [T, 3, H/{FP6_GROUP}] with T = {T}")
+    if tids.dim() != 2 or tids.shape != tlp.shape or tids.shape[0] != T or obj["loss_mask"].shape != (T,):
+        raise ValueError(f"{path}: teacher_ids {tuple(tids.shape)}, teacher_log_probs {tuple(tlp.shape)}, loss_mask "
+                         f"{tuple(obj['loss_mask'].shape)}: expected [T, K], [T, K] and [T] with T = {T}")
+
+
+def _compact_training_sample(path: str | os.PathLike) -> TrainingSample:
+    obj = read_safetensors(path)
+    compact_fields(obj, path)
+    aux = dequantize_fp6(obj["aux_codes"], obj["aux_scales"])  # [T, 3, H]
+    return TrainingSample(obj["input_ids"].long(), aux.reshape(aux.shape[0], -1), None, obj["loss_mask"].long(),
+                          StoredTeacher(obj["teacher_ids"], obj["teacher_log_probs"]))
+
+
+# ---------------------------------------------------------------------------------------------
 # The hidden-state layouts eaglet writes (`eaglet extract --layout`, `eaglet convert --layout`):
 # one sample file per index; speculators' layout also needs its table of rows first.
 # ---------------------------------------------------------------------------------------------
 
-WRITTEN_LAYOUTS = {"v1": FORMAT_V1, "speculators": FORMAT_SPECULATORS_ARROW}
+WRITTEN_LAYOUTS = {"v1": FORMAT_V1, "speculators": FORMAT_SPECULATORS_ARROW, "compact": FORMAT_COMPACT}
 
 
 def written_layout(name: str) -> str:
@@ -592,15 +737,27 @@ def written_layout(name: str) -> str:
     return WRITTEN_LAYOUTS[name]
 
 
+def files_dir(out: str | os.PathLike, layout: str) -> Path:
+    """The folder under which a layout's sample files live."""
+    return Path(out) / (COMPACT_DIR if layout == FORMAT_COMPACT else HIDDEN_STATES_DIR)
+
+
 def sample_path(out: str | os.PathLike, layout: str, index: int) -> Path:
+    if layout == FORMAT_COMPACT:
+        return Path(out) / compact_relative_path(index)
     return Path(out) / v1_relative_path(index) if layout == FORMAT_V1 else speculators_hs_path(out, index)
 
 
 def write_sample(out: str | os.PathLike, layout: str, index: int, input_ids: torch.Tensor,
-                 states: list[torch.Tensor], loss_mask: torch.Tensor) -> Path:
-    """One sample's file in `layout` (speculators' keeps the loss mask in its table, not here)."""
+                 states: list[torch.Tensor], loss_mask: torch.Tensor, teacher: StoredTeacher | None = None) -> Path:
+    """One sample's file in `layout` (speculators' keeps the loss mask in its table, not here; the
+    compact layout keeps the aux states and, in place of the last state, `teacher`)."""
     if layout == FORMAT_V1:
         return write_v1_sample(out, index, V1Sample(input_ids, states, loss_mask))
+    if layout == FORMAT_COMPACT:
+        if teacher is None:
+            raise ValueError(f"compact sample {index}: the layout stores the target's top-K in place of the last state")
+        return write_compact_sample(out, index, input_ids, states[:EAGLE3_NUM_STATES - 1], loss_mask, teacher)
     return write_speculators_sample(out, index, input_ids, states)
 
 
@@ -622,6 +779,13 @@ def sample_file_problem(path: str | os.PathLike, layout: str, num_tokens: int, n
             s = read_v1_sample(path, mmap=True)
             lengths = [s.input_ids.shape, s.loss_mask.shape, *(h.shape[:1] for h in s.hidden_states)]
             states = len(s.hidden_states)
+        elif layout == FORMAT_COMPACT:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as h:
+                shapes = {k: h.get_slice(k).get_shape() for k in COMPACT_KEYS}
+            lengths = [tuple(shapes[k][:1]) for k in COMPACT_KEYS]
+            states = shapes["aux_codes"][1] + 1 if len(shapes["aux_codes"]) == 3 else -1  # + the stored teacher
         else:
             from safetensors import safe_open
 
@@ -709,10 +873,26 @@ def _indexed(files: list[Path], name_re: re.Pattern) -> list[tuple[int, Path]]:
     return [(int(m.group(1)), p) for p in files if (m := name_re.match(p.name))]
 
 
+def _rows_layout(folder: Path, fmt: str, name_re: re.Pattern, rows_per_folder: int) -> DatasetFiles:
+    """The files of a `rows_{a}-{b}/NAME` layout under `folder` (v1, compact)."""
+    out = DatasetFiles(fmt)
+    _scan_rows_layout(folder, name_re, rows_per_folder, out)
+    for f in _files_in(folder, out, recursive=False):
+        m = name_re.match(f.name)
+        if m:
+            out.files.append((int(m.group(1)), f))
+            out.misplaced.append((int(m.group(1)), f, "not inside a rows_{a}-{b} folder"))
+        else:
+            out.stray.append(f)
+    return out
+
+
 def list_dataset_files(folder: str | os.PathLike, rows_per_folder: int = ROWS_PER_FOLDER) -> DatasetFiles:
     """Detect which layout `folder` holds and list its files (the first layout found wins)."""
     root = Path(folder)
     hs = root / HIDDEN_STATES_DIR
+    if (root / COMPACT_DIR).is_dir():
+        return _rows_layout(root / COMPACT_DIR, FORMAT_COMPACT, COMPACT_FILE_RE, rows_per_folder)
     if (root / ARROW_STATE_FILE).is_file():  # speculators' layout: its table, hs_{row} files below
         out = DatasetFiles(FORMAT_SPECULATORS_ARROW)
         if hs.is_dir():
@@ -721,16 +901,7 @@ def list_dataset_files(folder: str | os.PathLike, rows_per_folder: int = ROWS_PE
                 (out.files.append((int(m.group(1)), f)) if m else out.stray.append(f))
         return out
     if hs.is_dir():
-        out = DatasetFiles(FORMAT_V1)
-        _scan_rows_layout(hs, V1_FILE_RE, rows_per_folder, out)
-        for f in _files_in(hs, out, recursive=False):
-            m = V1_FILE_RE.match(f.name)
-            if m:
-                out.files.append((int(m.group(1)), f))
-                out.misplaced.append((int(m.group(1)), f, "not inside a rows_{a}-{b} folder"))
-            else:
-                out.stray.append(f)
-        return out
+        return _rows_layout(hs, FORMAT_V1, V1_FILE_RE, rows_per_folder)
     if not root.is_dir():
         return DatasetFiles(None)
     top_links = DatasetFiles(None)
@@ -782,8 +953,9 @@ EAGLE3_NUM_STATES = 4  # three aux states (low, mid, high), then the last layer'
 class TrainingSample:
     input_ids: torch.Tensor  # int64 [T]
     aux_hidden: torch.Tensor  # [T, 3H]: the three aux states concatenated in layer-id order
-    last_hidden: torch.Tensor  # [T, H]: the last layer's state
+    last_hidden: torch.Tensor | None  # [T, H]: the last layer's state (None: the compact layout stores the teacher)
     loss_mask: torch.Tensor  # int64 [T]
+    teacher: StoredTeacher | None = None  # the compact layout's stored teacher
 
 
 def _drop_batch_dim(t: Any, dims: int) -> Any:
@@ -863,6 +1035,7 @@ TRAINING_READERS = {
     FORMAT_SPECFORGE: _specforge_training_sample,
     FORMAT_HS_SAFETENSORS: _hs_safetensors_training_sample,
     FORMAT_SPECULATORS_ARROW: _speculators_training_sample,
+    FORMAT_COMPACT: _compact_training_sample,
 }
 
 
@@ -887,6 +1060,11 @@ def read_sample_tokens(path: str | os.PathLike, layout: str) -> tuple[torch.Tens
     if layout == FORMAT_SPECULATORS_ARROW:
         input_ids, loss_mask, _ = speculators_row(*speculators_row_of(path))
         return input_ids, loss_mask
+    if layout == FORMAT_COMPACT:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as h:
+            return h.get_tensor("input_ids").long(), h.get_tensor("loss_mask").long()
     if layout == FORMAT_HS_SAFETENSORS:
         from safetensors import safe_open
 

@@ -42,7 +42,8 @@ from torch import nn
 
 from eaglet import formats, ranges
 from eaglet.draft_model import (DEFAULT_TTT_STEPS, STAT_ROWS, DraftConfig, Eagle3Draft, Teacher, build_draft_vocab,
-                                load_embeddings_from, make_teacher, num_parameters, stats_summary, ttt_loss)
+                                load_embeddings_from, make_teacher, num_parameters, stats_summary, teacher_from_top_k,
+                                ttt_loss)
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class Dataset:
     aux_layer_ids: list[int] = field(default_factory=list)  # hidden_states ids of the three aux states
     last_hidden_state: str = formats.LAST_STATE_PRE_NORM  # whether the stored last state is before the final norm
     hidden_dtype: str = "bfloat16"  # dtype of the stored aux states
+    stored_top_k: int | None = None  # a compact dataset's teacher: the target's top-K it stores
 
 
 def data_config(root: Path) -> dict[str, Any]:
@@ -266,9 +268,10 @@ def side_data(root: Path, files: dict[int, Path], layout: str,
     lengths_path, freq_path = root / formats.SAMPLE_LENGTHS_FILE, root / formats.TOKEN_FREQ_FILE
     lengths = formats.read_sample_lengths(lengths_path) if lengths_path.exists() else None
     freq = formats.read_token_freq(freq_path) if freq_path.exists() else None
-    if layout == formats.FORMAT_V1 and freq is None:
+    own = layout in (formats.FORMAT_V1, formats.FORMAT_COMPACT)  # eaglet's layouts always have both
+    if own and freq is None:
         raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE}; the draft vocabulary is built from it")
-    if layout == formats.FORMAT_V1 and lengths is None:
+    if own and lengths is None:
         lengths = {}  # reported below as lengths missing for every sample
     if lengths is None or freq is None:
         missing = [p.name for p, v in ((lengths_path, lengths), (freq_path, freq)) if v is None]
@@ -301,10 +304,15 @@ def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_
         if not files:
             raise FileNotFoundError(f"{root}: no {formats.HIDDEN_STATES_DIR}/rows_*/data_*.pt files")
     else:
+        if layout == formats.FORMAT_COMPACT:
+            check_v1_config(root, cfg)
         files = dict(listing.files)
         if len(files) != len(listing.files):
             raise ValueError(f"{root}: {len(listing.files) - len(files)} duplicate sample indices; "
                              f"`eaglet check {root}` lists them")
+    if layout == formats.FORMAT_COMPACT and (cfg.get("compact") or {}).get("version") != formats.COMPACT_VERSION:
+        raise ValueError(f"{root / formats.DATA_CONFIG_FILE}: compact version {(cfg.get('compact') or {}).get('version')!r}"
+                         f"; this eaglet reads version {formats.COMPACT_VERSION}")
     if layout == formats.FORMAT_SPECULATORS_ARROW:  # a file per row of its table, and no other
         rows = len(formats.read_speculators_rows(root))
         unpaired = [f"no file for row(s) {gaps[:10]}" for gaps in [sorted(set(range(rows)) - set(files))] if gaps]
@@ -321,16 +329,31 @@ def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_
     lengths, freq = side_data(root, files, layout, show_progress)
     first_path = files[min(files)]
     first = formats.read_training_sample(first_path, layout)
-    hidden = cfg.get("hidden_size", first.last_hidden.shape[-1])
-    shapes = (tuple(first.aux_hidden.shape), tuple(first.last_hidden.shape))
-    want = ((lengths[min(files)], 3 * hidden), (lengths[min(files)], hidden))
+    hidden = cfg.get("hidden_size", first.aux_hidden.shape[-1] // 3)
+    last = first.last_hidden if first.last_hidden is not None else first.teacher.ids  # the teacher's rows: [T, K]
+    shapes = (tuple(first.aux_hidden.shape), tuple(last.shape))
+    want = ((lengths[min(files)], 3 * hidden), (lengths[min(files)], hidden if first.teacher is None else last.shape[1]))
     if shapes != want:
         raise ValueError(f"{first_path}: hidden_states shapes aux {shapes[0]}, last {shapes[1]}; "
                          f"{formats.DATA_CONFIG_FILE} / sample lengths imply {want[0]}, {want[1]}")
     from eaglet.target import dtype_name
 
-    return Dataset(root, {**cfg, "hidden_size": hidden}, files, lengths, freq, layout, aux_ids, last_state,
-                   dtype_name(first.aux_hidden.dtype))
+    dtype = cfg.get("hidden_states_dtype") if layout == formats.FORMAT_COMPACT else dtype_name(first.aux_hidden.dtype)
+    return Dataset(root, {**cfg, "hidden_size": hidden}, files, lengths, freq, layout, aux_ids, last_state, dtype,
+                   first.teacher.ids.shape[1] if first.teacher is not None else None)
+
+
+def check_stored_teacher(ds: Dataset, cfg: TrainConfig) -> None:
+    """A compact dataset keeps the target's top-K instead of the last state: what needs the last
+    state, or more of the teacher than K, cannot train on it."""
+    if ds.stored_top_k is None:
+        return
+    if cfg.teacher_top_k is None or cfg.teacher_top_k > ds.stored_top_k:
+        raise ValueError(f"--teacher-top-k {cfg.teacher_top_k or 0}: {ds.root} stores the target's top "
+                         f"{ds.stored_top_k} only (compact layout); use --teacher-top-k 1..{ds.stored_top_k}, or "
+                         "train on a v1 copy for the dense teacher")
+    if cfg.feature_loss_weight:
+        raise ValueError(f"--feature-loss-weight: {ds.root} is compact and keeps no last-layer state to regress")
 
 
 def refuse_unclean_dataset(root: str | Path) -> None:
@@ -415,10 +438,12 @@ class BatchStream:
 class Batch:
     input_ids: torch.Tensor  # [B, L] int64, right padded with 0
     aux_hidden: torch.Tensor  # [B, L, 3H]
-    last_hidden: torch.Tensor  # [B, L, H] pre-norm
+    last_hidden: torch.Tensor | None  # [B, L, H] pre-norm (None: a compact dataset's stored teacher instead)
     loss_mask: torch.Tensor  # [B, L], 0 on padding
     lengths: list[int]  # real tokens per row
     indices: list[int] = field(default_factory=list)  # sample index per row
+    teacher_ids: torch.Tensor | None = None  # [B, L, K] a compact dataset's stored top-K target ids
+    teacher_log_probs: torch.Tensor | None = None  # [B, L, K] their log-probabilities
 
     @property
     def tokens(self) -> int:
@@ -431,8 +456,12 @@ class Batch:
                                                                                      device=self.input_ids.device)[:, None]
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.input_ids.to(device), self.aux_hidden.to(device), self.last_hidden.to(device),
-                     self.loss_mask.to(device), self.lengths, self.indices)
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return Batch(self.input_ids.to(device), self.aux_hidden.to(device), move(self.last_hidden),
+                     self.loss_mask.to(device), self.lengths, self.indices, move(self.teacher_ids),
+                     move(self.teacher_log_probs))
 
 
 class Prefetcher:
@@ -464,17 +493,20 @@ def collate(samples: list[formats.TrainingSample], max_length: int | None, indic
     attention a real token never sees padding on its right."""
     lens = [min(len(s.input_ids), max_length or len(s.input_ids)) for s in samples]
     first = samples[0]
-    B, L, H, dev = len(samples), max(lens), first.last_hidden.shape[-1], first.aux_hidden.device
-    ids = torch.zeros(B, L, dtype=torch.long, device=dev)
-    aux = torch.zeros(B, L, 3 * H, dtype=first.aux_hidden.dtype, device=dev)
-    last = torch.zeros(B, L, H, dtype=first.last_hidden.dtype, device=dev)
-    mask = torch.zeros(B, L, dtype=torch.long, device=dev)
-    for row, (s, n) in enumerate(zip(samples, lens)):
-        ids[row, :n] = s.input_ids[:n]
-        aux[row, :n] = s.aux_hidden[:n]
-        last[row, :n] = s.last_hidden[:n]
-        mask[row, :n] = s.loss_mask[:n]
-    return Batch(ids, aux, last, mask, lens, list(indices or []))
+    B, L, dev = len(samples), max(lens), first.aux_hidden.device
+
+    def padded(get: Callable[[formats.TrainingSample], torch.Tensor | None]) -> torch.Tensor | None:
+        """[B, L, ...] of one field, zeros past each sample's end (None when the samples lack it)."""
+        if get(first) is None:
+            return None
+        out = torch.zeros(B, L, *get(first).shape[1:], dtype=get(first).dtype, device=dev)
+        for row, (s, n) in enumerate(zip(samples, lens)):
+            out[row, :n] = get(s)[:n]
+        return out
+
+    return Batch(padded(lambda s: s.input_ids).long(), padded(lambda s: s.aux_hidden),
+                 padded(lambda s: s.last_hidden), padded(lambda s: s.loss_mask).long(), lens, list(indices or []),
+                 padded(lambda s: s.teacher and s.teacher.ids), padded(lambda s: s.teacher and s.teacher.log_probs))
 
 
 def load_batch(files: dict[int, Path], indices: list[int], max_length: int | None,
@@ -499,16 +531,18 @@ class Source:
     hidden_dtype: str
     load: Callable[[list[int]], Batch]  # the right-padded micro-batch of these sample indices
     background: bool  # whether loads may run in a background thread (disk reads: yes; the target: no)
+    stored_top_k: int | None = None  # a compact dataset: the teacher is its stored top-K, the aux states 6-bit
 
     def identity(self) -> dict[str, Any]:
         """What the batches hold; a resumed run must get the same (offline or online alike)."""
         return {"aux_layer_ids": self.aux_layer_ids, "last_hidden_state": self.last_hidden_state,
-                "hidden_dtype": self.hidden_dtype}
+                "hidden_dtype": self.hidden_dtype, "stored_top_k": self.stored_top_k}
 
 
 def offline_source(ds: Dataset, max_length: int | None) -> Source:
     return Source(ds.root, ds.lengths, ds.token_freq, ds.aux_layer_ids, ds.last_hidden_state, ds.hidden_dtype,
-                  lambda indices: load_batch(ds.files, indices, max_length, ds.layout), background=True)
+                  lambda indices: load_batch(ds.files, indices, max_length, ds.layout), background=True,
+                  stored_top_k=ds.stored_top_k)
 
 
 def open_prepared(root: str | Path) -> tuple[list[formats.TokenizedSample], dict[str, Any], dict[int, int]]:
@@ -614,6 +648,9 @@ class TeacherSource:
 
     def __call__(self, batch: Batch) -> Teacher:
         device = batch.input_ids.device
+        if batch.teacher_ids is not None:  # a compact dataset stores the target's top-K: nothing to compute
+            return teacher_from_top_k(batch.teacher_ids, batch.teacher_log_probs, self.d2t, self.t2d,
+                                      self.top_k or batch.teacher_ids.shape[-1])
         if self.top_k is None:
             with autocast(device, self.bf16):  # the dense teacher runs in the drafter's compute dtype
                 return make_teacher(batch.last_hidden, self.head.final_norm, self.head.lm_head, self.d2t, self.t2d,
@@ -982,6 +1019,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         ds = open_dataset(dataset_dir, cfg.aux_layer_ids, cfg.last_hidden_state,
                           show_progress and int(os.environ.get("RANK", "0")) == 0)
         refuse_unclean_dataset(dataset_dir)
+        check_stored_teacher(ds, cfg)
 
     # Device and processes: under torchrun, one device per process.
     device = pick_device(cfg.device)

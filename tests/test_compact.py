@@ -1,0 +1,271 @@
+"""The compact layout: 6-bit aux states (E3M2, fp16 scale per 32) and the target's top-K in place
+of the last state. Quantization against its definition, the stored teacher against the one
+training computes from the last state, extraction and conversion, check's findings, training."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglet import check as C
+from eaglet import formats
+from eaglet.convert import convert
+from eaglet.draft_model import build_draft_vocab, make_teacher, target_top_k, teacher_from_top_k
+
+LAYER_IDS = [2, 3, 4, 8]
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization and the stored teacher, against their definitions
+# ---------------------------------------------------------------------------------------------
+
+def test_fp6_values_are_e3m2():
+    mags = formats.FP6_MAGNITUDES
+    assert len(formats.FP6_VALUES) == 64 and mags[0] == 0 and formats.FP6_MAX == 28.0
+    assert mags[1] == 2.0 ** -4 and mags[4] == 0.25 and mags[-4:].tolist() == [16, 20, 24, 28]
+    assert (mags.diff() > 0).all()
+
+
+def test_pack_6bit_is_a_bijection():
+    codes = torch.randint(0, 64, (5, 3, 96), dtype=torch.uint8)
+    packed = formats.pack_6bit(codes)
+    assert packed.shape == (5, 3, 72) and torch.equal(formats.unpack_6bit(packed), codes)
+
+
+def test_quantize_rounds_to_the_nearest_value_of_each_group():
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 64) * torch.logspace(-3, 3, 4)[:, None, None]
+    x[0, 0, :32] = 0  # an all-zero group
+    codes, scales = formats.quantize_fp6(x)
+    assert codes.shape == (4, 3, 48) and scales.shape == (4, 3, 2) and scales.dtype == torch.float16
+    y = formats.dequantize_fp6(codes, scales)
+    assert torch.equal(y[0, 0, :32], torch.zeros(32))
+    # Brute force: for each value, the nearest of the 64 representable ones at its group's scale.
+    s = scales.float().repeat_interleave(32, dim=-1)
+    grid = formats.FP6_VALUES[None, None, None, :] * s[..., None]
+    best = (grid - x[..., None]).abs().min(-1).values
+    assert torch.allclose((y - x).abs(), best, rtol=0, atol=1e-6 * float(x.abs().max()))
+    # Representable inputs come back exactly; the group's largest magnitude is kept to fp16 precision.
+    exact = formats.FP6_VALUES[torch.randint(0, 64, (2, 64))] * 0.5
+    exact[:, 0] = 28 * 0.5
+    exact[:, 32] = -28 * 0.5
+    assert torch.equal(formats.dequantize_fp6(*formats.quantize_fp6(exact)), exact)
+
+
+def test_quantize_refuses_values_beyond_fp16_scales():
+    with pytest.raises(ValueError, match="overflow the fp16 scale"):
+        formats.quantize_fp6(torch.full((1, 32), 1e7))
+
+
+@pytest.fixture(scope="module")
+def head():
+    torch.manual_seed(1)
+    norm = torch.nn.LayerNorm(16, elementwise_affine=False)
+    return norm, torch.nn.Linear(16, 50, bias=False)
+
+
+def test_stored_teacher_equals_the_computed_one(head):
+    """With K covering the vocabulary the stored teacher is the computed one; with a small K the
+    argmax and whether it is drafted stay exact, and the kept ids match where the K held them."""
+    norm, lm_head = head
+    last = torch.randn(2, 9, 16)
+    freq = {t: 100 - t for t in range(0, 50, 2)}  # even ids drafted
+    d2t, t2d = build_draft_vocab(freq, 50, 25)
+    for top_k in (1, 4):
+        ref = make_teacher(last, norm, lm_head, d2t, t2d, top_k=top_k)
+        ids, lp = target_top_k(last.reshape(-1, 16), norm, lm_head, 50)
+        full = teacher_from_top_k(ids.reshape(2, 9, 50), lp.reshape(2, 9, 50), d2t, t2d, top_k)
+        assert torch.equal(full.ids, ref.ids) and torch.equal(full.argmax, ref.argmax)
+        assert torch.equal(full.in_draft, ref.in_draft)
+        assert torch.allclose(full.log_probs, ref.log_probs, atol=2e-3)  # fp16 storage
+        ids, lp = target_top_k(last.reshape(-1, 16), norm, lm_head, 3)
+        small = teacher_from_top_k(ids.reshape(2, 9, 3), lp.reshape(2, 9, 3), d2t, t2d, top_k)
+        assert torch.equal(small.in_draft, ref.in_draft)
+        assert torch.equal(small.argmax[ref.in_draft], ref.argmax[ref.in_draft])
+        assert torch.isfinite(small.log_probs.logsumexp(-1)).all()  # no row without a teacher
+
+
+# ---------------------------------------------------------------------------------------------
+# Extraction, conversion, check, training on the tiny target
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def made(tiny_target, tmp_path_factory) -> Path:
+    """The same prepared chats extracted as v1 (root/v1) and compact (root/cmp)."""
+    from conftest import CHATS, write_jsonl
+
+    from eaglet.data import prepare
+    from eaglet.extract import extract
+
+    root = tmp_path_factory.mktemp("compact")
+    records = []
+    for n in range(10):
+        chat = [dict(m) for m in CHATS[n % len(CHATS)]]
+        chat[-1]["content"] += " More words." * (n % 4)
+        records.append({"id": f"c{n}", "messages": chat})
+    prepare(str(tiny_target), str(write_jsonl(root / "chats.jsonl", records)), root / "prep", max_length=256)
+    for name, layout in (("v1", "v1"), ("cmp", "compact")):
+        extract(root / "prep", root / name, str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32", show_progress=False,
+                layout=layout, stored_top_k=8)
+    return root
+
+
+def files(folder: Path) -> dict[int, Path]:
+    return dict(formats.list_dataset_files(folder).files)
+
+
+def test_extract_compact_holds_v1s_states_and_teacher(made, tiny_target):
+    v1, cmp = files(made / "v1"), files(made / "cmp")
+    assert sorted(v1) == sorted(cmp) == list(range(10))
+    assert all(p.parent.parent.name == formats.COMPACT_DIR for p in cmp.values())
+    from transformers import AutoModelForCausalLM
+
+    from eaglet.train import make_teacher_head
+
+    head = make_teacher_head(AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32), "pre_norm")
+    for i in range(10):
+        a = formats.read_v1_sample(v1[i])
+        obj = formats.read_safetensors(cmp[i])
+        assert torch.equal(obj["input_ids"].long(), a.input_ids) and torch.equal(obj["loss_mask"].long(), a.loss_mask)
+        codes, scales = formats.quantize_fp6(torch.stack(a.hidden_states[:3], dim=1))
+        assert torch.equal(obj["aux_codes"], codes) and torch.equal(obj["aux_scales"], scales)
+        ids, lp = target_top_k(a.hidden_states[3].float(), head.final_norm, head.lm_head, 8)
+        assert torch.equal(obj["teacher_ids"], ids) and torch.equal(obj["teacher_log_probs"], lp)
+    cfg = json.loads((made / "cmp" / formats.DATA_CONFIG_FILE).read_text())
+    assert cfg["format"] == formats.FORMAT_COMPACT and cfg["compact"]["teacher_top_k"] == 8
+    report = C.check_dataset(made / "cmp", target=str(tiny_target))
+    assert report.clean and report.format == formats.FORMAT_COMPACT, report.lines()
+    assert [s.best for s in report.identity] == [f"layer {k}" for k in LAYER_IDS[:3]]
+    assert report.next_token_accuracy["agreement"] == 1.0
+
+
+def test_compact_extraction_resumes(made, tiny_target, tmp_path):
+    from eaglet.extract import extract
+
+    ds = Path(shutil.copytree(made / "cmp", tmp_path / "cmp"))
+    victim = files(ds)[3]
+    victim.write_bytes(victim.read_bytes()[:200])
+    summary = extract(made / "prep", ds, str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32", show_progress=False,
+                      layout="compact", stored_top_k=8)
+    assert summary.written == 1 and summary.already_done == 9
+    assert files(ds)[3].read_bytes() == files(made / "cmp")[3].read_bytes()
+    with pytest.raises(ValueError, match="compact"):  # another K is another dataset
+        extract(made / "prep", ds, str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32", show_progress=False,
+                layout="compact", stored_top_k=4)
+
+
+def test_convert_to_compact_equals_extraction(made, tmp_path):
+    convert(made / "v1", tmp_path / "cmp", "compact", stored_top_k=8, show_progress=False)
+    for i, p in files(made / "cmp").items():
+        a, b = formats.read_safetensors(p), formats.read_safetensors(files(tmp_path / "cmp")[i])
+        assert all(torch.equal(a[k], b[k]) for k in formats.COMPACT_KEYS), i
+    with pytest.raises(ValueError, match="no other layout can be made from it"):
+        convert(made / "cmp", tmp_path / "v1", "v1", show_progress=False)
+
+
+@pytest.mark.parametrize("layout", [formats.FORMAT_V1_FLAT, formats.FORMAT_SPECFORGE, formats.FORMAT_HS_SAFETENSORS,
+                                    formats.FORMAT_SPECULATORS_ARROW])
+def test_every_layout_converts_to_compact_and_trains(made, tiny_target, tmp_path, layout):
+    from test_train_sources import final_norm, write_foreign
+
+    from eaglet.train import train
+
+    foreign = write_foreign(made / "v1", tmp_path / "foreign", layout, final_norm(tiny_target))
+    convert(foreign, tmp_path / "cmp", "compact", target=str(tiny_target), aux_layer_ids=LAYER_IDS[:3],
+            stored_top_k=8, show_progress=False)
+    report = C.check_dataset(tmp_path / "cmp", target=str(tiny_target))
+    assert report.clean, report.lines()
+    # The teacher's argmax is the one v1's last state gives: the same bits from a pre-norm state;
+    # from SpecForge's post-norm one (normed, then rounded to bf16) near-ties of this random model may flip.
+    agree = total = 0
+    for i, p in files(tmp_path / "cmp").items():
+        ref = formats.read_safetensors(files(made / "cmp")[i])["teacher_ids"][:, 0]
+        got = formats.read_safetensors(p)["teacher_ids"][:, 0]
+        assert layout == formats.FORMAT_SPECFORGE or torch.equal(got, ref), i
+        agree, total = agree + int((got == ref).sum()), total + len(ref)
+    assert agree / total > 0.95
+    summary = train(tmp_path / "cmp", tmp_path / "run", total_steps=2, teacher_top_k=8, eval_fraction=0.2,
+                    batch_size=3, show_progress=False)  # padded rows of stored teachers too
+    assert summary.step == 2
+
+
+def test_heldout_accuracy_is_the_same_on_compact_and_v1(made, tmp_path):
+    """Held-out acceptance needs only the teacher's argmax and whether it is drafted, which the
+    stored top-K holds exactly: a drafter scores the same on v1 and on its compact copy."""
+    from eaglet.train import evaluate_heldout, train
+
+    train(made / "v1", tmp_path / "run", total_steps=3, eval_fraction=0.3, batch_size=2, show_progress=False)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
+    v1, cmp = (evaluate_heldout(ckpt, made / name, eval_fraction=0.3, batch_size=2) for name in ("v1", "cmp"))
+    assert v1["acc"] == cmp["acc"] and v1["positions"] == cmp["positions"]
+
+
+def test_train_on_compact_refuses_what_needs_the_last_state(made, tmp_path):
+    from eaglet.train import train
+
+    for options, message in (({"teacher_top_k": 0}, "stores the target's top 8 only"),
+                             ({"teacher_top_k": 9}, "stores the target's top 8 only"),
+                             ({"teacher_top_k": 8, "feature_loss_weight": 0.1}, "no last-layer state")):
+        with pytest.raises(ValueError, match=message):
+            train(made / "cmp", tmp_path / "run", total_steps=1, show_progress=False, **options)
+
+
+@pytest.fixture
+def cmp_copy(made, tmp_path) -> Path:
+    return Path(shutil.copytree(made / "cmp", tmp_path / "cmp"))
+
+
+def edit(ds: Path, i: int, **changes: torch.Tensor) -> str:
+    from safetensors.torch import save_file
+
+    path = files(ds)[i]
+    obj = formats.read_safetensors(path)
+    obj.update(changes)
+    save_file({k: v.contiguous() for k, v in obj.items() if v is not None}, str(path))
+    return str(path.relative_to(ds))
+
+
+def test_check_finds_planted_faults_in_compact_files(cmp_copy, tiny_target):
+    ds = cmp_copy
+    obj = {i: formats.read_safetensors(p) for i, p in files(ds).items()}
+    planted = {
+        C.STORED_TEACHER: [edit(ds, 0, teacher_ids=obj[0]["teacher_ids"] + 1000),
+                           edit(ds, 1, teacher_log_probs=obj[1]["teacher_log_probs"].flip(-1)),
+                           edit(ds, 2, teacher_log_probs=torch.full_like(obj[2]["teacher_log_probs"], float("nan")))],
+        C.WRONG_DTYPE: [edit(ds, 3, aux_scales=obj[3]["aux_scales"].float())],
+        C.WRONG_SHAPE: [edit(ds, 4, aux_codes=obj[4]["aux_codes"][:, :2].contiguous())],
+        C.MASK_VALUES: [edit(ds, 5, loss_mask=obj[5]["loss_mask"] * 2)],
+        C.WRONG_KEYS: [edit(ds, 6, teacher_ids=None)],
+        C.NON_FINITE: [edit(ds, 9, aux_scales=obj[9]["aux_scales"].index_fill(0, torch.tensor([2]), float("nan")))],
+    }
+    # File 1 again: its teacher reversed (above) and cut to another K.
+    planted[C.WRONG_SHAPE].append(edit(ds, 1, teacher_ids=obj[1]["teacher_ids"][:, :4].contiguous(),
+                                       teacher_log_probs=obj[1]["teacher_log_probs"].flip(-1)[:, :4].contiguous()))
+    trunc = files(ds)[7]
+    trunc.write_bytes(trunc.read_bytes()[:100])
+    planted[C.UNREADABLE] = [str(trunc.relative_to(ds))]
+    files(ds)[8].unlink()
+    planted[C.MISSING_INDEX] = [""]
+    report = C.check_dataset(ds, use_target=False)
+    found = {(p.kind, p.path) for p in report.problems}
+    for kind, paths in planted.items():
+        for path in paths:
+            assert (kind, path) in found, (kind, path, report.lines())
+
+
+def test_check_names_a_compact_file_of_another_layer_or_model(cmp_copy, tiny_target):
+    ds = cmp_copy
+    obj = formats.read_safetensors(files(ds)[2])
+    swapped = obj["aux_codes"][:, [1, 0, 2]].contiguous(), obj["aux_scales"][:, [1, 0, 2]].contiguous()
+    rel = edit(ds, 2, aux_codes=swapped[0], aux_scales=swapped[1])
+    lp = formats.read_safetensors(files(ds)[5])["teacher_log_probs"].float()
+    edit(ds, 5, teacher_log_probs=(lp - 0.5).half())  # a teacher from another model
+    report = C.check_dataset(ds, target=str(tiny_target), identity_samples=10)
+    assert any(p.kind == C.LAYER_IDENTITY and p.path == rel and "slot 0" in p.message for p in report.problems), \
+        report.lines()
+    assert any(p.kind == C.STORED_TEACHER and "recomputed target's by 0.5" in p.message for p in report.problems), \
+        "\n".join(report.lines())
