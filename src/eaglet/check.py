@@ -375,18 +375,18 @@ def stored_teacher_problems(t: formats.StoredTeacher, vocab_size: int | None, re
     if vocab_size is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         out.append(Problem(STORED_TEACHER, rel, f"teacher_ids {int(ids.min())}..{int(ids.max())} outside "
                                                 f"[0, {vocab_size})"))
-    if ids.shape[1] > 1 and (ids.sort(-1).values.diff(dim=-1) == 0).any():
-        row = int((ids.sort(-1).values.diff(dim=-1) == 0).any(-1).nonzero()[0])
-        out.append(Problem(STORED_TEACHER, rel, f"teacher_ids repeat a token at position {row}"))
+    repeats = (ids.sort(-1).values.diff(dim=-1) == 0).any(-1)  # [T]: a token twice at that position
+    if repeats.any():
+        out.append(Problem(STORED_TEACHER, rel, f"teacher_ids repeat a token at position {int(repeats.nonzero()[0])}"))
     if not torch.isfinite(lp).all():
         out.append(Problem(STORED_TEACHER, rel, "teacher_log_probs hold NaN/Inf at positions "
                                                 + fmt_rows((~torch.isfinite(lp)).any(-1).nonzero().flatten().tolist())))
         return out
-    if (lp > 1e-3).any() or (lp.diff(dim=-1) > 1e-3).any() or (lp.exp().sum(-1) > 1.01).any():
-        rows = ((lp > 1e-3).any(-1) | (lp.diff(dim=-1) > 1e-3).any(-1) | (lp.exp().sum(-1) > 1.01)).nonzero()
+    bad = (lp > 1e-3).any(-1) | (lp.diff(dim=-1) > 1e-3).any(-1) | (lp.exp().sum(-1) > 1.01)  # [T]
+    if bad.any():
         out.append(Problem(STORED_TEACHER, rel, "teacher_log_probs are not log-probabilities of the most likely tokens "
                                                 "in order (> 0, increasing, or summing past 1) at positions "
-                                                + fmt_rows(rows.flatten().tolist())))
+                                                + fmt_rows(bad.nonzero().flatten().tolist())))
     return out
 
 
@@ -620,7 +620,7 @@ def read_config(root: Path, fmt: str | None) -> tuple[dict | None, list[Problem]
     path = root / formats.DATA_CONFIG_FILE
     if not path.exists():
         # This project's layout always has one; foreign layouts may not (then files set the bar).
-        sev = ERROR if fmt in (formats.FORMAT_V1, formats.FORMAT_COMPACT) else WARNING
+        sev = ERROR if fmt in formats.EAGLET_LAYOUTS else WARNING
         return None, [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, "missing: expectations are inferred from the "
                                                                       "first file", sev)]
     try:
@@ -644,10 +644,9 @@ def read_config(root: Path, fmt: str | None) -> tuple[dict | None, list[Problem]
         if isinstance(n, int) and ids and ids[-1] != n:
             probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE,
                                  f"layer_ids {ids} end at {ids[-1]}, the target has num_hidden_layers={n}"))
-    version = (cfg.get("compact") or {}).get("version")
-    if fmt == formats.FORMAT_COMPACT and version != formats.COMPACT_VERSION:
-        probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"compact version {version!r}: this eaglet reads "
-                                                                    f"version {formats.COMPACT_VERSION}"))
+    version_problem = formats.compact_version_problem(cfg) if fmt == formats.FORMAT_COMPACT else None
+    if version_problem:
+        probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, version_problem))
     for key in ("hidden_size", "vocab_size"):
         if key in cfg and not isinstance(cfg[key], int):
             probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} {cfg[key]!r}: expected an int"))
@@ -1125,7 +1124,7 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
     report.workers = workers
     # Threads, not processes: torch.load reads and every tensor op here release the GIL, and
     # threads avoid pickling tensors back from workers (measured faster on 2 cores).
-    required = listing.format in (formats.FORMAT_V1, formats.FORMAT_COMPACT)  # side files eaglet always writes
+    required = listing.format in formats.EAGLET_LAYOUTS  # side files eaglet always writes
     with ThreadPoolExecutor(max_workers=workers) as pool, single_threaded_ops():
         freq_future = pool.submit(load_token_freq, root, required)
         results = list(pool.map(lambda ip: check_file(ip[0], ip[1], root, exp), files))

@@ -167,8 +167,7 @@ def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | 
         formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, ds.token_freq)
     if fmt == formats.FORMAT_SPECULATORS_ARROW and not (out / formats.ARROW_STATE_FILE).exists():
         formats.start_dataset(out, fmt, [(ids.numpy(), mask.numpy()) for ids, mask in read_rows(ds, show_progress)])
-    if formats.files_dir(out, fmt).exists():
-        formats.remove_stale_temp_files(formats.files_dir(out, fmt))
+    formats.remove_stale_temp_files(formats.files_dir(out, fmt))
     num_states = formats.EAGLE3_NUM_STATES
     todo = [i for i in indices
             if formats.sample_file_problem(formats.sample_path(out, fmt, i), fmt, ds.lengths[i], num_states)]

@@ -294,8 +294,7 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     mine = [i for i in range(len(samples)) if i % num_shards == shard_id]
     paths = {i: formats.sample_path(out, fmt, i) for i in mine}
     owned_names = {p.name for p in paths.values()}
-    files_dir = formats.files_dir(out, fmt)
-    stale = formats.remove_stale_temp_files(files_dir, owned_names) if files_dir.exists() else 0
+    stale = formats.remove_stale_temp_files(formats.files_dir(out, fmt), owned_names)
     if stale:
         log.info("removed %d partial files left by an earlier run", stale)
     # Existence means complete (files only appear by rename), unless something else wrote them.

@@ -157,7 +157,7 @@ def torch_load_safe(path: str | os.PathLike) -> Any:
 
 def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = None) -> int:
     """Delete temp files and folders (atomic_dir's) a killed writer left behind; `owned` limits it to
-    these final names."""
+    these final names. A folder that does not exist (yet) has none."""
     def stale(name: str) -> bool:
         return name.startswith(".") and TMP_MARK in name and (owned is None or name[1:].split(TMP_MARK, 1)[0] in owned)
 
@@ -297,9 +297,14 @@ LAYER_ID_CONVENTION = "hf_hidden_states: 0 = embeddings, k = output of decoder l
 LAST_STATE_PRE_NORM = "pre_norm"
 
 
-def v1_relative_path(index: int, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
+def rows_folder(index: int, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
+    """`rows_{a}-{b}`, the folder of sample `index` in the layouts that group files by rows."""
     start = (index // rows_per_folder) * rows_per_folder
-    return f"{HIDDEN_STATES_DIR}/rows_{start}-{start + rows_per_folder}/data_{index}.pt"
+    return f"rows_{start}-{start + rows_per_folder}"
+
+
+def v1_relative_path(index: int, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
+    return f"{HIDDEN_STATES_DIR}/{rows_folder(index, rows_per_folder)}/data_{index}.pt"
 
 
 @dataclass
@@ -331,11 +336,6 @@ def read_v1_sample(path: str | os.PathLike, mmap: bool = False) -> V1Sample:
     if not isinstance(hs, (list, tuple)) or not all(isinstance(h, torch.Tensor) for h in hs):
         raise ValueError(f"{path}: field hidden_states must be a list of tensors")
     return V1Sample(obj["input_ids"], list(hs), obj["loss_mask"])
-
-
-def v1_sample_exists(out_dir: str | os.PathLike, index: int) -> bool:
-    # Existence means complete: files only appear by atomic rename.
-    return (Path(out_dir) / v1_relative_path(index)).exists()
 
 
 def list_v1_files(out_dir: str | os.PathLike) -> dict[int, Path]:
@@ -402,8 +402,7 @@ def write_flat_v1_sample(folder: str | os.PathLike, index: int, sample: V1Sample
 
 
 def specforge_relative_path(index: int, compressed: bool = False, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
-    start = (index // rows_per_folder) * rows_per_folder
-    return f"rows_{start}-{start + rows_per_folder}/data_{index}.ckpt" + (".gz" if compressed else "")
+    return f"{rows_folder(index, rows_per_folder)}/data_{index}.ckpt" + (".gz" if compressed else "")
 
 
 def write_specforge_sample(folder: str | os.PathLike, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -634,8 +633,7 @@ def unpack_6bit(packed: torch.Tensor) -> torch.Tensor:
 def quantize_fp6(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., H] (H a multiple of 32) -> (packed codes uint8 [..., 3H/4], scales fp16 [..., H/32]):
     each group of 32 scaled so its largest magnitude is E3M2's largest, rounded to the nearest value."""
-    if x.shape[-1] % FP6_GROUP:
-        raise ValueError(f"hidden size {x.shape[-1]} is not a multiple of {FP6_GROUP}, the compact layout's group")
+    check_compact_hidden_size(x.shape[-1], "compact layout")
     g = x.float().reshape(*x.shape[:-1], -1, FP6_GROUP)
     if not torch.isfinite(g).all():
         raise ValueError("hidden states hold NaN/Inf (`eaglet check` on a v1 copy names the rows)")
@@ -659,6 +657,14 @@ def compact_config(top_k: int) -> dict[str, Any]:
     return {"version": COMPACT_VERSION, "aux": f"fp6_e3m2, fp16 scale per {FP6_GROUP}", "teacher_top_k": top_k}
 
 
+def compact_version_problem(cfg: dict[str, Any]) -> str | None:
+    """Why data_config.json's compact section is not one this eaglet reads (None: it is)."""
+    version = (cfg.get("compact") or {}).get("version")
+    if version == COMPACT_VERSION:
+        return None
+    return f"compact version {version!r}: this eaglet reads version {COMPACT_VERSION}"
+
+
 def check_compact_hidden_size(hidden_size: int, where: str) -> None:
     """Refuse, before any work, a hidden size the compact layout's groups do not divide."""
     if hidden_size % FP6_GROUP:
@@ -667,8 +673,7 @@ def check_compact_hidden_size(hidden_size: int, where: str) -> None:
 
 
 def compact_relative_path(index: int, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
-    start = (index // rows_per_folder) * rows_per_folder
-    return f"{COMPACT_DIR}/rows_{start}-{start + rows_per_folder}/data_{index}.safetensors"
+    return f"{COMPACT_DIR}/{rows_folder(index, rows_per_folder)}/data_{index}.safetensors"
 
 
 @dataclass
@@ -728,6 +733,9 @@ def _compact_training_sample(path: str | os.PathLike) -> TrainingSample:
 # ---------------------------------------------------------------------------------------------
 
 WRITTEN_LAYOUTS = {"v1": FORMAT_V1, "speculators": FORMAT_SPECULATORS_ARROW, "compact": FORMAT_COMPACT}
+# eaglet's own layouts: a folder in them always has data_config.json, sample_lengths.json and token_freq.pt
+# (speculators' may have been written by speculators itself, without them).
+EAGLET_LAYOUTS = (FORMAT_V1, FORMAT_COMPACT)
 
 
 def written_layout(name: str) -> str:
@@ -779,19 +787,17 @@ def sample_file_problem(path: str | os.PathLike, layout: str, num_tokens: int, n
             s = read_v1_sample(path, mmap=True)
             lengths = [s.input_ids.shape, s.loss_mask.shape, *(h.shape[:1] for h in s.hidden_states)]
             states = len(s.hidden_states)
-        elif layout == FORMAT_COMPACT:
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as h:
-                shapes = {k: h.get_slice(k).get_shape() for k in COMPACT_KEYS}
-            lengths = [tuple(shapes[k][:1]) for k in COMPACT_KEYS]
-            states = shapes["aux_codes"][1] + 1 if len(shapes["aux_codes"]) == 3 else -1  # + the stored teacher
         else:
             from safetensors import safe_open
 
+            keys = COMPACT_KEYS if layout == FORMAT_COMPACT else HS_SAFETENSORS_KEYS
             with safe_open(str(path), framework="pt") as h:
-                ids, hs = h.get_slice("token_ids").get_shape(), h.get_slice("hidden_states").get_shape()
-            lengths, states = [tuple(ids), tuple(hs[:1])], hs[1] if len(hs) == 3 else -1
+                shapes = {k: h.get_slice(k).get_shape() for k in keys}
+            ids_key, stacked = (("input_ids", shapes["aux_codes"]) if layout == FORMAT_COMPACT
+                                else ("token_ids", shapes["hidden_states"]))
+            lengths = [tuple(shapes[ids_key]), *(tuple(shape[:1]) for shape in shapes.values())]
+            # compact: the aux states plus the stored teacher in place of the last one
+            states = (stacked[1] + (layout == FORMAT_COMPACT)) if len(stacked) == 3 else -1
     except Exception as e:  # unsafe pickle, truncated file, wrong schema: all mean "write it again"
         return f"{type(e).__name__}: {e}"
     ok = all(tuple(n) == (num_tokens,) for n in lengths) and states == num_states

@@ -268,7 +268,7 @@ def side_data(root: Path, files: dict[int, Path], layout: str,
     lengths_path, freq_path = root / formats.SAMPLE_LENGTHS_FILE, root / formats.TOKEN_FREQ_FILE
     lengths = formats.read_sample_lengths(lengths_path) if lengths_path.exists() else None
     freq = formats.read_token_freq(freq_path) if freq_path.exists() else None
-    own = layout in (formats.FORMAT_V1, formats.FORMAT_COMPACT)  # eaglet's layouts always have both
+    own = layout in formats.EAGLET_LAYOUTS  # eaglet's layouts always have both
     if own and freq is None:
         raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE}; the draft vocabulary is built from it")
     if own and lengths is None:
@@ -310,9 +310,9 @@ def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_
         if len(files) != len(listing.files):
             raise ValueError(f"{root}: {len(listing.files) - len(files)} duplicate sample indices; "
                              f"`eaglet check {root}` lists them")
-    if layout == formats.FORMAT_COMPACT and (cfg.get("compact") or {}).get("version") != formats.COMPACT_VERSION:
-        raise ValueError(f"{root / formats.DATA_CONFIG_FILE}: compact version {(cfg.get('compact') or {}).get('version')!r}"
-                         f"; this eaglet reads version {formats.COMPACT_VERSION}")
+    version_problem = formats.compact_version_problem(cfg) if layout == formats.FORMAT_COMPACT else None
+    if version_problem:
+        raise ValueError(f"{root / formats.DATA_CONFIG_FILE}: {version_problem}")
     if layout == formats.FORMAT_SPECULATORS_ARROW:  # a file per row of its table, and no other
         rows = len(formats.read_speculators_rows(root))
         unpaired = [f"no file for row(s) {gaps[:10]}" for gaps in [sorted(set(range(rows)) - set(files))] if gaps]
