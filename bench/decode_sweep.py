@@ -1,7 +1,7 @@
 """Which draft shapes pay off on this machine: chain depths, tree sizes, prompt lookup and
 hybrids of the drafter's chain with prompt lookup, side by side.
 
-    python bench/decode_sweep.py DRAFTER [--target T] [--prompts mtbench] [--num-prompts 8]
+    python bench/decode_sweep.py DRAFTER [DRAFTER ...] [--target T] [--prompts mtbench] [--num-prompts 8]
         [--skip-prompts N] [--max-new-tokens 96] [--threads 1] [--dtype bf16] [--only LABELS]
         [--min-draft-probs 0,0.3,0.5]
 
@@ -10,7 +10,8 @@ prompt, plain greedy and every configuration decode the same prompt in a rotatin
 drift spreads evenly); prints tau, acceptance per draft position, tokens/s, speedup over plain
 greedy and its ceiling, all measured in this one run. The defaults of `eaglet eval`
 (`evaluate.CPU_TREE`, `evaluate.CPU_CHAIN_DEPTH`, `evaluate.CPU_MIN_DRAFT_PROB`,
-`evaluate.HYBRID_LOOKUP_TOKENS`) were chosen with it. `--min-draft-probs` crosses every shape with each draft-probability floor
+`evaluate.HYBRID_LOOKUP_TOKENS`) were chosen with it. With several drafters (for one target), every
+shape that uses one runs once per drafter, labelled "[1]", "[2]", ..., in the same run. `--min-draft-probs` crosses every shape with each draft-probability floor
 (`eaglet eval --min-draft-prob`): drafts the drafter itself finds unlikely are not verified.
 """
 
@@ -21,8 +22,8 @@ from dataclasses import replace
 
 import torch
 
-from eaglet.evaluate import (BASELINE, ENGINE_METHODS, DecodeSettings, evaluate_set, format_table, load_prompt_set,
-                             summarize, torch_threads, warm_up)
+from eaglet.evaluate import (BASELINE, ENGINE_METHODS, SPEC_METHODS, DecodeSettings, evaluate_set, format_table, load_prompt_set,
+                             summarize, torch_threads, warm_up, with_pass_costs)
 from eaglet.export import load_drafter_for_target
 from eaglet.regen import stop_token_ids
 from eaglet.target import load_target, load_tokenizer, parse_dtype, resolve_target
@@ -30,6 +31,7 @@ from eaglet.target import load_target, load_tokenizer, parse_dtype, resolve_targ
 # (label, method, settings that differ from eaglet eval's defaults)
 CONFIGS = [
     *((f"chain {d}", "chain", dict(chain_depth=d)) for d in range(1, 7)),
+    ("chain 2 p>=0.35", "chain", dict(chain_depth=2, min_draft_prob=0.35)),  # the demo recipe's eval
     *((f"tree {d}/{k}/{n}", "tree", dict(depth=d, top_k=k, total_tokens=n))
       for d, k, n in ((2, 2, 3), (3, 2, 4), (4, 2, 6), (5, 4, 12), (5, 4, 20), (6, 8, 30), (7, 10, 60))),
     ("prompt-lookup", "prompt-lookup", {}),  # Hugging Face's, 10 tokens
@@ -39,12 +41,15 @@ CONFIGS = [
     ("hybrid chain 1 + 4 p>=0.6", "hybrid", dict(hybrid_chain_depth=1, lookup_tokens=4, min_draft_prob=0.6)),
     ("hybrid chain 1 + 4 drop rivals", "hybrid", dict(hybrid_chain_depth=1, lookup_tokens=4, drop_rivals=True)),
     ("hybrid tree 4/2/6 + 4", "hybrid", dict(hybrid_draft="tree", depth=4, top_k=2, total_tokens=6, lookup_tokens=4)),
+    # the same shapes verifying every proposed token (--admission all) instead of what pays
+    *((f"{label} all", method, dict(admission="all", min_draft_prob=0.35))
+      for label, method in (("ngram 4", "ngram"), ("hybrid chain 1 + 4", "hybrid"))),
 ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("drafter")
+    ap.add_argument("drafters", nargs="+", metavar="drafter")
     ap.add_argument("--target", default=None)
     ap.add_argument("--prompts", default="mtbench")
     ap.add_argument("--num-prompts", type=int, default=8)
@@ -57,11 +62,12 @@ def main() -> None:
     args = ap.parse_args()
 
     dtype = parse_dtype(args.dtype)
-    drafter, target_spec = load_drafter_for_target(args.drafter, args.target)
-    ref = resolve_target(target_spec)
+    loaded = [load_drafter_for_target(path, args.target) for path in args.drafters]
+    ref = resolve_target(loaded[0][1])
     tokenizer = load_tokenizer(ref)
     model = load_target(ref, dtype, torch.device("cpu"))
-    drafter = drafter.to(dtype=dtype).eval()
+    drafters = [d.to(dtype=dtype).eval() for d, _ in loaded]
+    drafter_of: dict[str, torch.nn.Module] = {}
     base = DecodeSettings(max_new_tokens=args.max_new_tokens, eos_ids=tuple(sorted(stop_token_ids(model, tokenizer))))
     variants = {BASELINE: (BASELINE, base)}
     floors = [float(x) for x in args.min_draft_probs.split(",")]
@@ -69,17 +75,23 @@ def main() -> None:
         if args.only is None or label in args.only.split(","):
             for floor in floors if method in ENGINE_METHODS and "min_draft_prob" not in changes else [0.0]:
                 name = label if floor == 0 else f"{label} p>={floor:g}"
-                variants[name] = (method, replace(base, **{"min_draft_prob": floor, **changes}))
+                uses_drafter = method in SPEC_METHODS and len(drafters) > 1
+                for i, drafter in enumerate(drafters if uses_drafter else drafters[:1], start=1):
+                    named = f"{name} [{i}]" if uses_drafter else name
+                    variants[named] = (method, replace(base, **{"min_draft_prob": floor, **changes}))
+                    drafter_of[named] = drafter
     prompts = load_prompt_set(args.prompts, args.skip_prompts + args.num_prompts)[args.skip_prompts:]
 
     def progress(totals) -> None:
         print(f"prompt {totals[BASELINE].turns}/{len(prompts)} done", flush=True)
 
     with torch_threads(args.threads), torch.inference_mode():
-        warm_up(variants, model, drafter, tokenizer, prompts[0])
-        totals = evaluate_set(prompts, variants, model, drafter, tokenizer, progress, records=[])
+        variants = with_pass_costs(variants, model)
+        warm_up(variants, model, drafters[0], tokenizer, prompts[0], drafter_of)
+        totals = evaluate_set(prompts, variants, model, drafters[0], tokenizer, progress, records=[],
+                              drafters=drafter_of)
     print(f"\n{len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens, {args.dtype}, "
-          f"{args.threads} thread(s); drafter {args.drafter}")
+          f"{args.threads} thread(s); " + ", ".join(f"drafter [{i}] {p}" for i, p in enumerate(args.drafters, 1)))
     print(format_table({args.prompts: summarize(totals, compared=True)}))
 
 

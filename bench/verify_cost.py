@@ -14,11 +14,10 @@ rate p (the same at every draft position) at which a chain of q - 1 drafted toke
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from eaglet.decode import TargetRunner
+from eaglet.decode import measure_pass_costs
 from eaglet.draft_model import acceptance_length
 from eaglet.target import load_target, parse_dtype, resolve_target
 
@@ -43,27 +42,6 @@ def break_even_acceptance(cost_ratio: float, drafted: int) -> float | None:
     return hi
 
 
-@torch.inference_mode()
-def pass_costs(model: torch.nn.Module, context: int, repeats: int, seed: int = 0) -> list[float]:
-    """Median seconds of a target pass over q = 1..MAX_Q new tokens after `context` cached tokens.
-    Each round times every q once, so drift of the machine spreads over all of them."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    runner = TargetRunner(model)
-    runner.forward(torch.randint(0, vocab, (context,), generator=g).tolist())
-    times: list[list[float]] = [[] for _ in range(MAX_Q)]
-    for r in range(repeats + 1):  # round 0 warms up
-        for q in range(1, MAX_Q + 1):
-            ids = torch.randint(0, vocab, (q,), generator=g).tolist()
-            t0 = time.perf_counter()
-            runner.forward(ids, positions=list(range(context, context + q)))
-            if r > 0:
-                times[q - 1].append(time.perf_counter() - t0)
-            runner.keep(context, [])  # drop the q new entries: every pass sees the same cache
-    runner.close()
-    return [sorted(t)[len(t) // 2] for t in times]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="model folder or hub id (default: the embedded SmolLM2)")
@@ -79,7 +57,7 @@ def main() -> None:
     print(f"{'dtype':<6} {'q':>2} {'ms':>8} {'x q=1':>6} {'break-even p':>13}")
     for name in args.dtypes.split(","):
         model = load_target(ref, parse_dtype(name), torch.device("cpu"))
-        costs = pass_costs(model, args.context, args.repeats)
+        costs = measure_pass_costs(model, args.context, MAX_Q, args.repeats)
         for q, cost in enumerate(costs, start=1):
             ratio = cost / costs[0]
             p = break_even_acceptance(ratio, q - 1) if q > 1 else None

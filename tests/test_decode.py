@@ -8,13 +8,15 @@ from collections import Counter
 import pytest
 import torch
 
-from eaglet.decode import (BOTH, DRAFTER, NGRAM, DraftTree, Eagle3Proposer, HybridProposer, NgramProposer,
-                           accept_greedy, accept_sampling, ancestor_matrix, drop_rivals, merge_chain,
+from eaglet.decode import (BOTH, DRAFTER, NGRAM, Calibration, DraftTree, Eagle3Proposer, HybridProposer,
+                           NgramProposer, accept_greedy, accept_sampling, admit_by_cost, ancestor_matrix, drop_rivals,
+                           expected_acceptance, keep_nodes, measure_pass_costs, merge_chain,
                            plain_generate, plain_greedy, process_probs, speculative_generate, tree_attention_mask)
 from eaglet.draft_model import DraftConfig, Eagle3Draft, allowed_keys
 
 AUX_IDS = [2, 4, 5]
 PROMPTS = [[5, 17, 99, 3, 42, 7], [1, 200, 201, 202], [300, 12, 12, 12, 12, 88, 91, 150, 2, 77, 31]]
+COSTS = (1.0, 1.3, 1.6, 1.9, 2.2, 2.5, 2.8, 3.1)  # pass seconds over 1..8 tokens, for cost-aware admission
 
 
 @pytest.fixture(scope="module")
@@ -421,10 +423,11 @@ class TargetTreeProposer:
         return DraftTree(tokens, parents)
 
 
-@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("hybrid", [None, "all", "cost"])
 def test_sampling_matches_target_distribution(target, hybrid):
     """With `hybrid`, prompt lookup adds the target's top token (7 follows 7 here) beside the
-    drafted siblings: rejection sampling over the merged tree's siblings must stay exact."""
+    drafted siblings: rejection sampling over the merged tree's siblings must stay exact, and
+    admitting only what pays ("cost") changes which nodes are verified, never the law."""
     T, top_p, n = 0.05, 0.9, 500
     prompt = PROMPTS[0]
     with torch.no_grad():
@@ -437,7 +440,8 @@ def test_sampling_matches_target_distribution(target, hybrid):
     proposer = TargetTreeProposer(target)
     depth, top_k, total = 2, 3, 9
     if hybrid:
-        proposer = HybridProposer(proposer, NgramProposer(3), (depth, top_k, total), lookup_tokens=2)
+        proposer = HybridProposer(proposer, NgramProposer(3), (depth, top_k, total), lookup_tokens=2,
+                                  pass_costs=COSTS if hybrid == "cost" else None)
         depth, top_k, total = proposer.limits
     counts: Counter = Counter()
     accepted: Counter = Counter()
@@ -452,8 +456,8 @@ def test_sampling_matches_target_distribution(target, hybrid):
     stat, dof, ok = chi_square_ok(counts, expected, n)
     assert ok, (stat, dof)
     # rejections, depth-1 and depth-2 acceptances were all exercised
-    assert min(accepted[0], accepted[1], accepted[2]) > 30, accepted
-    if hybrid:  # and both proposers' siblings were accepted
+    assert min(accepted[0], accepted[1], accepted[2] if hybrid != "cost" else 31) > 30, accepted
+    if hybrid == "all":  # and both proposers' siblings were accepted
         assert min(sources[NGRAM], sources[DRAFTER]) > 30, sources
     # and plain sampling draws from the same law (a check of the reference itself)
     gen = torch.Generator().manual_seed(1)
@@ -475,8 +479,9 @@ def test_verify_cost_bench_break_even(target):
     p = verify_cost.break_even_acceptance(1.59, 2)
     assert 1 + p + p * p == pytest.approx(1.59, abs=1e-9)
     assert verify_cost.break_even_acceptance(2.5, 1) is None  # one draft yields at most 2 tokens
-    costs = verify_cost.pass_costs(target, context=12, repeats=1)
+    costs = measure_pass_costs(target, context=12, max_q=verify_cost.MAX_Q, repeats=1)
     assert len(costs) == verify_cost.MAX_Q and all(c > 0 for c in costs)
+    assert costs == sorted(costs)  # a longer pass never looks cheaper
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,3 +568,93 @@ def test_ngram_floor_learns_how_deep_to_trust_the_lookup():
         p.observe(seq, None)
         tokens = p.propose(4, 1, 4).tokens
     assert p.accept_rate(1, 0) == (3 + 1) / (13 + 2) and tokens == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost-aware admission (hybrid / ngram with pass costs)
+# ---------------------------------------------------------------------------------------------
+
+def test_expected_acceptance_multiplies_down_paths_and_caps_siblings():
+    # root -> a (0.7), b (0.6: capped to 0.3, the two cannot both be right); a -> c (0.5)
+    e = expected_acceptance([-1, -1, 0], [0.7, 0.6, 0.5])
+    assert e == pytest.approx([0.7, 0.3, 0.35])
+
+
+def test_admit_by_cost_keeps_what_raises_tokens_per_second():
+    costs = [1.0, 1.5, 2.1, 2.9]
+    # a 2-token pass costs 1.5: a node pays when 1 + e > 1.5, i.e. e > 0.5
+    assert admit_by_cost([-1], [0.6], costs) == [0]
+    assert admit_by_cost([-1], [0.4], costs) == []
+    # a chain: 0.95 pays (1.95/1.5 > 1), 0.85 too (2.8/2.1 > 1.95/1.5), 0.425 not (3.225/2.9 < 2.8/2.1)
+    assert admit_by_cost([-1, 0, 1], [0.95, 0.85, 0.425], costs) == [0, 1]
+    assert admit_by_cost([-1, 0, 1], [0.9, 0.72, 0.36], costs) == [0]  # 2.62/2.1 < 1.9/1.5
+    # likeliest first, ancestor-closed, sorted; within max_nodes and the measured costs
+    assert admit_by_cost([-1, -1, 1], [0.3, 0.95, 0.9], costs) == [1, 2]
+    assert admit_by_cost([-1, 0, 1, 2, 3], [1.0] * 5, [1.0, 1.1, 1.2, 1.3]) == [0, 1, 2]  # 3 nodes measured
+    assert admit_by_cost([-1, 0, 1], [1.0] * 3, costs, max_nodes=1) == [0]
+    # time already spent drafting makes a longer pass relatively cheaper
+    assert admit_by_cost([-1], [0.45], costs, spent=1.0) == [0]
+    assert keep_nodes(DraftTree([5, 6, 7], [-1, -1, 1]), [1, 2]) == DraftTree([6, 7], [-1, 0])
+
+
+def test_calibration_starts_at_the_proposers_word_and_learns():
+    c = Calibration()
+    assert c.rate(0.83) == pytest.approx(0.83)
+    for _ in range(18):
+        c.record(0.85, False)
+    assert c.rate(0.83) < 0.1  # a drafter sure of itself and wrong is not trusted
+    assert c.rate(0.35) == pytest.approx(0.35)  # other tenths are untouched
+
+
+
+@pytest.mark.parametrize("drafted", ["random", "oracle", None])
+def test_cost_aware_hybrid_is_exact(target, drafted):
+    """Greedy output equals plain greedy's whatever is admitted, also when drafter cycles are skipped
+    and caught up later; the drafter runs only while it pays."""
+    runs = []
+    for prompt in [*PROMPTS, COPY_PROMPT]:
+        ref = plain_greedy(target, prompt, 24)
+        drafter = {"random": lambda: Eagle3Proposer(make_drafter(target)),
+                   "oracle": lambda: OracleProposer(prompt + ref, 400), None: lambda: None}[drafted]()
+        hybrid = HybridProposer(drafter, NgramProposer(3), (2, 1, 2), lookup_tokens=4, pass_costs=COSTS)
+        depth, top_k, total = hybrid.limits
+        out, stats = speculative_generate(target, hybrid, prompt, 24, depth=depth, top_k=top_k, total_tokens=total)
+        assert out == ref
+        assert sum(stats.accepted_from.values()) == sum(m * c for m, c in enumerate(stats.accept_counts))
+        runs.append((hybrid.drafter_runs, stats.verify_forwards, stats.accepted_from))
+    if drafted == "oracle":  # always right: where it runs its tokens are taken
+        assert all(a.get(DRAFTER, 0) + a.get(BOTH, 0) > 0 for *_, a in runs)
+    if drafted == "random":  # next to never right: after learning so, it is mostly not run
+        assert sum(r for r, *_ in runs) < sum(v for _, v, _ in runs)
+
+
+def test_cost_aware_hybrid_skips_the_drafter_where_the_lookup_is_trusted(target):
+    """On text that repeats, the lookup's tokens are trusted and a drafter that is right half the
+    time cannot pay for itself: it stops running, and when it runs again it has seen every token."""
+    prompt = [300, 12, 13, 14, 88, 91, 150, 2, 77, 31] * 6
+    ref = plain_greedy(target, prompt + [300], 40)
+
+    class Periodic(OracleProposer):  # right at depth 1 every other cycle, and slow
+        calls = 0
+
+        def propose(self, max_depth, top_k, total_tokens):
+            Periodic.calls += 1
+            tree = super().propose(1, 1, 1)
+            return tree if Periodic.calls % 2 else DraftTree.chain([(tree.tokens[0] + 1) % 400])
+
+    hybrid = HybridProposer(Periodic(prompt + [300] + ref, 400), NgramProposer(3), (1, 1, 1), 4, pass_costs=COSTS)
+    seen = []
+    original = hybrid.drafter.observe
+    hybrid.drafter.observe = lambda seq, aux: (seen.append(len(seq)), original(seq, aux))
+    out, stats = speculative_generate(target, hybrid, prompt + [300], 40, depth=4, top_k=1, total_tokens=5)
+    assert out == ref
+    assert hybrid.drafter_runs < stats.verify_forwards / 2, (hybrid.drafter_runs, stats.verify_forwards)
+    assert stats.accepted_from.get(NGRAM, 0) > 10
+    assert seen and all(a < b for a, b in zip(seen, seen[1:]))  # catch-ups only move forward
+
+
+def test_hybrid_refuses_bad_pass_costs():
+    with pytest.raises(ValueError, match="pass_costs"):
+        HybridProposer(None, NgramProposer(3), (1, 1, 1), 2, pass_costs=[1.0])
+    with pytest.raises(ValueError, match="pass_costs"):
+        HybridProposer(None, NgramProposer(3), (1, 1, 1), 2, pass_costs=[1.0, 0.0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -119,6 +120,9 @@ def test_eval_end_to_end_fp32_is_exact(tiny_target, drafter_ckpt, tmp_path, one_
     assert set(r["ngram"]["accepted_from"]) <= {"ngram"} and set(r["chain"]["accepted_from"]) <= {"drafter"}
     saved = formats.read_json(out / "eval.json")
     assert saved["sets"] == json.loads(json.dumps(result.sets))
+    # hybrid and ngram admitted tokens by cost, with the target's pass times measured before decoding
+    costs = saved["config"]["pass_costs_s"]
+    assert saved["config"]["hybrid"]["admission"] == "cost" and len(costs) >= 2 and costs == sorted(costs)
     assert [(p["id"], p["turn"]) for p in saved["prompts"]] == [("x", 0), ("y", 0), ("y", 1)]
     # the second turn's prompt holds the first turn's answer, so it is longer than turn 0's
     assert saved["prompts"][2]["prompt_tokens"] > saved["prompts"][1]["prompt_tokens"] + 12
@@ -154,3 +158,25 @@ def test_prompts_longer_than_the_target_are_skipped_and_counted(drafter_ckpt, ti
     with pytest.raises(ValueError, match="every prompt is too long for the target's 1024 positions"):
         evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(only_long)], methods=["chain"],
                  settings=DecodeSettings(max_new_tokens=4), dtype="fp32", device="cpu", progress=False)
+
+
+def test_cost_admission_needs_measured_pass_costs(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    from eaglet.decode import HybridProposer, NgramProposer
+    from eaglet.evaluate import engine_proposer, variants_for, with_pass_costs
+
+    with pytest.raises(ValueError, match="pass costs"):
+        engine_proposer("ngram", None, DecodeSettings())
+    with pytest.raises(ValueError, match="--admission"):
+        DecodeSettings(admission="some")
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    settings = DecodeSettings(lookup_tokens=3, hybrid_chain_depth=2)
+    variants = with_pass_costs(variants_for(["ngram", "hybrid", "chain"], settings), model)
+    # one measurement, as long as the largest tree a variant verifies (+ the root)
+    assert len(variants["hybrid"][1].pass_costs) == 6 and variants["ngram"][1].pass_costs == variants["hybrid"][1].pass_costs
+    assert variants["chain"][1].pass_costs == ()
+    proposer, limits = engine_proposer("ngram", None, variants["ngram"][1])
+    assert isinstance(proposer, HybridProposer) and proposer.drafter is None and limits == (3, 1, 3)
+    lookup, _ = engine_proposer("ngram", None, replace(settings, admission="all"))
+    assert isinstance(lookup, NgramProposer)

@@ -180,6 +180,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                               min_draft_prob=args.min_draft_prob, lookup_tokens=args.lookup_tokens,
                               max_ngram=args.max_ngram, hybrid_draft=args.hybrid_draft,
                               hybrid_chain_depth=args.hybrid_chain_depth, drop_rivals=args.drop_rivals,
+                              admission=args.admission,
                               temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     result = evaluate(args.drafter, args.target, args.prompts, args.num_prompts, args.methods, settings, args.dtype,
                       args.device, args.threads, args.out, plot=not args.no_plot)
@@ -400,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_regen)
 
     from eaglet.evaluate import (CPU_CHAIN_DEPTH, CPU_MIN_DRAFT_PROB, CPU_TREE, DEFAULT_METHODS, HYBRID_CHAIN_DEPTH,
-                                 HYBRID_DRAFTS, HYBRID_LOOKUP_TOKENS, HYBRID_MAX_NGRAM, METHODS, PROMPT_SETS)
+                                 ADMISSIONS, HYBRID_DRAFTS, HYBRID_LOOKUP_TOKENS, HYBRID_MAX_NGRAM, METHODS, PROMPT_SETS)
     p = sub.add_parser("eval", help="acceptance length and speedup of a drafter on prompt sets",
                        description="Decode prompt sets with plain greedy and with each method (speculative chain / "
                                    "tree with the drafter; hybrid: the drafter's chain and prompt lookup's continuation "
@@ -437,6 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-rivals", action="store_true",
                    help="hybrid with --min-draft-prob: leave out drafted tokens that rival a lookup token trusted "
                         "beyond 1 - P (at most one sibling is right, so such a rival is right with at most P)")
+    p.add_argument("--admission", choices=ADMISSIONS, default="cost",
+                   help="hybrid and ngram: 'cost' verifies a proposed token only where its calibrated chance of "
+                        "acceptance pays for the longer target pass (pass times measured before decoding); 'all' "
+                        "verifies every proposed token (default cost)")
     p.add_argument("--lookup-tokens", type=int, default=HYBRID_LOOKUP_TOKENS,
                    help=f"hybrid and ngram: tokens prompt lookup adds to a cycle at most (default {HYBRID_LOOKUP_TOKENS})")
     p.add_argument("--max-ngram", type=int, default=HYBRID_MAX_NGRAM,

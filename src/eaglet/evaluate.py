@@ -32,7 +32,7 @@ from torch import nn
 from eaglet import embedded, formats, ranges
 from eaglet.data import EMBEDDED_SHAREGPT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
 from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramProposer, Proposer, max_positions,
-                           plain_generate, speculative_generate, truncate_at_eos)
+                           measure_pass_costs, plain_generate, speculative_generate, truncate_at_eos)
 from eaglet.draft_model import Eagle3Draft
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,10 @@ HYBRID_MAX_NGRAM = 3
 HYBRID_LOOKUP_TOKENS = 4
 HYBRID_DRAFTS = ("chain", "tree")
 HYBRID_CHAIN_DEPTH = 1
+# hybrid / ngram: "cost" verifies a node only where its calibrated acceptance pays for the longer
+# pass (pass times measured on this machine before decoding); "all" verifies every proposed node
+ADMISSIONS = ("cost", "all")
+LOOKUP_METHODS = ("hybrid", "ngram")
 # The embedded ShareGPT's first records feed `eaglet prepare` / `eaglet regen` by default; the
 # held-out prompts come from far behind them.
 SHAREGPT_HELDOUT_START = 15_000  # of the 17,671 complete records the embedded file holds
@@ -196,6 +200,8 @@ class DecodeSettings:
     hybrid_draft: str = "chain"  # the drafter's part of a hybrid cycle: a chain or a tree
     hybrid_chain_depth: int = HYBRID_CHAIN_DEPTH  # ... that chain's depth
     drop_rivals: bool = False  # hybrid: leave out drafted siblings of a lookup token trusted beyond 1 - floor
+    admission: str = "cost"  # hybrid / ngram: which proposed nodes are verified (ADMISSIONS)
+    pass_costs: tuple[float, ...] = ()  # seconds of a target pass over 1, 2, ... tokens (measured: with_pass_costs)
 
     def __post_init__(self) -> None:
         ranges.at_least(1, max_new_tokens=self.max_new_tokens, depth=self.depth, top_k=self.top_k,
@@ -204,6 +210,8 @@ class DecodeSettings:
                         hybrid_chain_depth=self.hybrid_chain_depth)
         if self.hybrid_draft not in HYBRID_DRAFTS:
             raise ValueError(f"--hybrid-draft {self.hybrid_draft!r}: choose one of {', '.join(HYBRID_DRAFTS)}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"--admission {self.admission!r}: choose one of {', '.join(ADMISSIONS)}")
         ranges.within(0, 1, min_draft_prob=self.min_draft_prob)
         ranges.at_least(0, temperature=self.temperature)
         ranges.within(0, 1, low_open=True, top_p=self.top_p)
@@ -268,12 +276,36 @@ def engine_proposer(method: str, drafter: Eagle3Draft | None,
     """The proposer of an engine method and the tree limits the engine verifies it under."""
     if method in ("chain", "tree"):
         return Eagle3Proposer(drafter, s.min_draft_prob), drafter_limits(method, s)
+    if s.admission == "cost":
+        if not s.pass_costs:
+            raise ValueError(f"{method} with cost admission needs the target's pass costs (with_pass_costs)")
+        # the cost rule replaces the lookup's floor; the drafter keeps its own (it saves drafting work)
+        hybrid = HybridProposer(None if method == "ngram" else Eagle3Proposer(drafter, s.min_draft_prob),
+                                NgramProposer(s.max_ngram), drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth),
+                                s.lookup_tokens, pass_costs=s.pass_costs)
+        return hybrid, hybrid.limits
     lookup = NgramProposer(s.max_ngram, min_prob=s.min_draft_prob)
     if method == "ngram":
         return lookup, (s.lookup_tokens, 1, s.lookup_tokens)
     hybrid = HybridProposer(Eagle3Proposer(drafter, s.min_draft_prob), lookup,
                             drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth), s.lookup_tokens, s.drop_rivals)
     return hybrid, hybrid.limits
+
+
+def with_pass_costs(variants: Variants, target: nn.Module) -> Variants:
+    """`variants` with the target's pass costs measured (once, up to the largest tree any variant
+    verifies) filled in where a hybrid / ngram variant admits nodes by cost."""
+    needs = {label: s for label, (method, s) in variants.items()
+             if method in LOOKUP_METHODS and s.admission == "cost" and not s.pass_costs}
+    if not needs:
+        return variants
+    largest = max(s.lookup_tokens + (0 if variants[label][0] == "ngram" else
+                                     drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth)[2])
+                  for label, s in needs.items())
+    costs = tuple(measure_pass_costs(target, max_q=max(2, largest + 1)))
+    log.info("target pass costs (ms, 1..%d tokens): %s", len(costs), " ".join(f"{1000 * c:.0f}" for c in costs))
+    return {label: (method, replace(s, pass_costs=costs) if label in needs else s)
+            for label, (method, s) in variants.items()}
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -400,9 +432,11 @@ def rotated(labels: list[str], k: int) -> list[str]:
 
 def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, drafter: Eagle3Draft | None,
                  tokenizer, on_turn: Callable[[dict[str, MethodTotals]], None],
-                 records: list[dict[str, Any]]) -> dict[str, MethodTotals]:
+                 records: list[dict[str, Any]], drafters: dict[str, Eagle3Draft] | None = None
+                 ) -> dict[str, MethodTotals]:
     """Decode every turn of every prompt with each variant, in a rotating order; sums per label.
-    The next turn's history holds plain greedy's answer, so every variant sees the same prompt."""
+    The next turn's history holds plain greedy's answer, so every variant sees the same prompt.
+    `drafters`: another drafter for some labels (drafters compared in one run)."""
     labels = list(variants)
     totals = {label: MethodTotals() for label in labels}
     greedy = variants[BASELINE][1].temperature <= 0
@@ -423,7 +457,7 @@ def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, d
             runs = {}
             for label in rotated(labels, k):
                 method, settings = variants[label]
-                runs[label] = run_method(method, target, drafter, ids, settings)
+                runs[label] = run_method(method, target, (drafters or {}).get(label, drafter), ids, settings)
             k += 1
             reference = runs[BASELINE].tokens if greedy else None
             for label in labels:
@@ -448,12 +482,14 @@ def summarize(totals: dict[str, MethodTotals], compared: bool) -> dict[str, dict
             for label, t in totals.items()}
 
 
-def warm_up(variants: Variants, target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt) -> None:
+def warm_up(variants: Variants, target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt,
+            drafters: dict[str, Eagle3Draft] | None = None) -> None:
     """One short untimed run per variant: first calls pay for allocations and kernel selection."""
     ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
     ids = ids[-(max_positions(target) // 2):]  # untimed: any prompt that fits will do
-    for method, s in variants.values():
-        run_method(method, target, drafter, ids, replace(s, max_new_tokens=min(8, s.max_new_tokens)))
+    for label, (method, s) in variants.items():
+        run_method(method, target, (drafters or {}).get(label, drafter), ids,
+                   replace(s, max_new_tokens=min(8, s.max_new_tokens)))
 
 
 @contextlib.contextmanager
@@ -501,7 +537,7 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
         s.eos_ids = tuple(sorted(stop_token_ids(model, tokenizer)))
         sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
 
-        variants = variants_for(methods, s)
+        variants = with_pass_costs(variants_for(methods, s), model)
         warm_up(variants, model, drafter, tokenizer, next(iter(sets.values()))[0])
         n_turns = sum(len(p.turns) for ps in sets.values() for p in ps)
         bar = tqdm(total=n_turns, desc="eval", unit="turn", disable=not progress, dynamic_ncols=True)
@@ -536,7 +572,8 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
                   "chain_depth": s.chain_depth, "min_draft_prob": s.min_draft_prob,
                   "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS, "seed": s.seed,
                   "hybrid": {"draft": s.hybrid_draft, "chain_depth": s.hybrid_chain_depth, "drop_rivals": s.drop_rivals,
-                             "lookup_tokens": s.lookup_tokens, "max_ngram": s.max_ngram},
+                             "lookup_tokens": s.lookup_tokens, "max_ngram": s.max_ngram, "admission": s.admission},
+                  "pass_costs_s": list(next((vs.pass_costs for _, vs in variants.values() if vs.pass_costs), ())),
                   "skipped_turns": len(skipped)}
         result = EvalResult(config, results, records)
         if out is not None:
