@@ -39,7 +39,8 @@ CONFIGS = [
     *((f"hybrid chain {d} + {n}", "hybrid", dict(hybrid_chain_depth=d, lookup_tokens=n))
       for d, n in ((1, 2), (1, 4), (2, 2), (2, 4), (2, 6), (3, 4))),
     ("hybrid chain 1 + 4 p>=0.6", "hybrid", dict(hybrid_chain_depth=1, lookup_tokens=4, min_draft_prob=0.6)),
-    ("hybrid chain 1 + 4 drop rivals", "hybrid", dict(hybrid_chain_depth=1, lookup_tokens=4, drop_rivals=True)),
+    ("hybrid chain 1 + 4 drop rivals", "hybrid",
+     dict(hybrid_chain_depth=1, lookup_tokens=4, drop_rivals=True, admission="all", min_draft_prob=0.35)),
     ("hybrid tree 4/2/6 + 4", "hybrid", dict(hybrid_draft="tree", depth=4, top_k=2, total_tokens=6, lookup_tokens=4)),
     # the same shapes verifying every proposed token (--admission all) instead of what pays
     *((f"{label} all", method, dict(admission="all", min_draft_prob=0.35))

@@ -170,6 +170,8 @@ def test_cost_admission_needs_measured_pass_costs(tiny_target):
         engine_proposer("ngram", None, DecodeSettings())
     with pytest.raises(ValueError, match="--admission"):
         DecodeSettings(admission="some")
+    with pytest.raises(ValueError, match="--drop-rivals"):
+        DecodeSettings(drop_rivals=True)
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     settings = DecodeSettings(lookup_tokens=3, hybrid_chain_depth=2)
     variants = with_pass_costs(variants_for(["ngram", "hybrid", "chain"], settings), model)

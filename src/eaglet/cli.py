@@ -436,11 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hybrid-chain-depth", type=int, default=HYBRID_CHAIN_DEPTH,
                    help=f"hybrid: the depth of the drafter's chain (default {HYBRID_CHAIN_DEPTH})")
     p.add_argument("--drop-rivals", action="store_true",
-                   help="hybrid with --min-draft-prob: leave out drafted tokens that rival a lookup token trusted "
-                        "beyond 1 - P (at most one sibling is right, so such a rival is right with at most P)")
+                   help="hybrid with --admission all and --min-draft-prob: leave out drafted tokens that rival a "
+                        "lookup token trusted beyond 1 - P (at most one sibling is right, so such a rival is right "
+                        "with at most P)")
     p.add_argument("--admission", choices=ADMISSIONS, default="cost",
                    help="hybrid and ngram: 'cost' verifies a proposed token only where its calibrated chance of "
-                        "acceptance pays for the longer target pass (pass times measured before decoding); 'all' "
+                        "acceptance pays for the longer target pass (pass times measured before decoding; "
+                        "--min-draft-prob then applies to the drafter only); 'all' "
                         "verifies every proposed token (default cost)")
     p.add_argument("--lookup-tokens", type=int, default=HYBRID_LOOKUP_TOKENS,
                    help=f"hybrid and ngram: tokens prompt lookup adds to a cycle at most (default {HYBRID_LOOKUP_TOKENS})")

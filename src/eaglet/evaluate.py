@@ -212,6 +212,8 @@ class DecodeSettings:
             raise ValueError(f"--hybrid-draft {self.hybrid_draft!r}: choose one of {', '.join(HYBRID_DRAFTS)}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"--admission {self.admission!r}: choose one of {', '.join(ADMISSIONS)}")
+        if self.drop_rivals and self.admission != "all":
+            raise ValueError("--drop-rivals applies to --admission all (cost admission weighs rivals itself)")
         ranges.within(0, 1, min_draft_prob=self.min_draft_prob)
         ranges.at_least(0, temperature=self.temperature)
         ranges.within(0, 1, low_open=True, top_p=self.top_p)
