@@ -32,6 +32,7 @@ from eaglet.target import load_target, load_tokenizer, parse_dtype, resolve_targ
 CONFIGS = [
     *((f"chain {d}", "chain", dict(chain_depth=d)) for d in range(1, 7)),
     ("chain 2 p>=0.35", "chain", dict(chain_depth=2, min_draft_prob=0.35)),  # the demo recipe's eval
+    ("tree 4/2/6 p>=0.35", "tree", dict(depth=4, top_k=2, total_tokens=6, min_draft_prob=0.35)),
     *((f"tree {d}/{k}/{n}", "tree", dict(depth=d, top_k=k, total_tokens=n))
       for d, k, n in ((2, 2, 3), (3, 2, 4), (4, 2, 6), (5, 4, 12), (5, 4, 20), (6, 8, 30), (7, 10, 60))),
     ("prompt-lookup", "prompt-lookup", {}),  # Hugging Face's, 10 tokens

@@ -653,6 +653,31 @@ def test_cost_aware_hybrid_skips_the_drafter_where_the_lookup_is_trusted(target)
     assert seen and all(a < b for a, b in zip(seen, seen[1:]))  # catch-ups only move forward
 
 
+def test_an_unlucky_start_does_not_silence_a_good_drafter(target):
+    """The drafter's first proposal is wrong and unsure, every later one right and sure: after one
+    run the calibration alone would never run it again; exploration keeps it running, it learns,
+    and its tokens are taken."""
+    prompt = PROMPTS[0]
+    ref = plain_greedy(target, prompt, 40)
+
+    class SlowStarter(OracleProposer):
+        def propose(self, max_depth, top_k, total_tokens):
+            tree = super().propose(1, 1, 1)
+            first = not hasattr(self, "path_log_probs")
+            self.path_log_probs = [math.log(0.05 if first else 0.95)] * len(tree)
+            return DraftTree.chain([(tree.tokens[0] + 1) % 400]) if first and tree.tokens else tree
+
+    runs = {}
+    for explore in (0, 8):
+        hybrid = HybridProposer(SlowStarter(prompt + ref, 400), NgramProposer(3), (1, 1, 1), 2, pass_costs=COSTS,
+                                explore_runs=explore)
+        out, stats = speculative_generate(target, hybrid, prompt, 40, depth=2, top_k=1, total_tokens=3)
+        assert out == ref
+        runs[explore] = (hybrid.drafter_runs, stats.accepted_from.get(DRAFTER, 0) + stats.accepted_from.get(BOTH, 0))
+    assert runs[0] == (1, 0)  # judged on one unlucky sample
+    assert runs[8][0] > 8 and runs[8][1] > 5, runs  # later, where the lookup is trusted, it rests
+
+
 def test_hybrid_refuses_bad_pass_costs():
     with pytest.raises(ValueError, match="pass_costs"):
         HybridProposer(None, NgramProposer(3), (1, 1, 1), 2, pass_costs=[1.0])

@@ -699,7 +699,10 @@ class HybridProposer:
     tokens), and nodes join while they raise expected tokens per second (`admit_by_cost`). The
     drafter runs only when it can pay for itself: not when the lookup's next token is trusted
     enough that even a right drafted rival would not repay the drafter's time (measured) and the
-    extra verified token. Skipped cycles still feed the drafter later, in one catch-up pass.
+    extra verified token. Skipped cycles still feed the drafter later, in one catch-up pass. So that
+    an unlucky start cannot silence a good drafter, it runs in the first `explore_runs` cycles of a
+    sequence and then at least once every `explore_runs` cycles (its tokens still admitted by cost;
+    0: never regardless of the calibration).
     `drafter` None: prompt lookup alone under the same rule.
 
     Without `pass_costs`, every proposed node is verified (floors, if any, are the proposers' own).
@@ -708,7 +711,8 @@ class HybridProposer:
     and 2 CPU cores it did not pay)."""
 
     def __init__(self, drafter: Proposer | None, lookup: NgramProposer, drafter_limits: tuple[int, int, int],
-                 lookup_tokens: int, drop_rivals: bool = False, pass_costs: Sequence[float] | None = None):
+                 lookup_tokens: int, drop_rivals: bool = False, pass_costs: Sequence[float] | None = None,
+                 explore_runs: int = 8):
         if lookup_tokens < 1:
             raise ValueError(f"lookup_tokens {lookup_tokens}: must be >= 1")
         if pass_costs is not None and (len(pass_costs) < 2 or min(pass_costs) <= 0):
@@ -716,6 +720,7 @@ class HybridProposer:
         self.drafter, self.lookup, self.drop_rivals = drafter, lookup, drop_rivals
         self.drafter_limits, self.lookup_tokens = drafter_limits, lookup_tokens
         self.pass_costs = None if pass_costs is None else list(pass_costs)
+        self.explore_runs = explore_runs
         self.aux_layer_ids = [] if drafter is None else list(drafter.aux_layer_ids)
         self.sources: list[str] = []
         self.reset()
@@ -741,6 +746,7 @@ class HybridProposer:
         self.first = Calibration()  # the drafter's likeliest first token, when it ran: how sure, how often right
         self.drafter_seconds: float | None = None  # moving average of a drafter run (catch-up + propose)
         self.drafter_runs = 0
+        self.skipped = 0  # cycles since the drafter last ran
 
     def observe(self, seq: list[int], aux: torch.Tensor | None) -> None:
         self.lookup.observe(seq, aux)
@@ -806,8 +812,13 @@ class HybridProposer:
         if self.drafter is not None and max_depth > 0:
             expected = expected_acceptance(chain_parents, chain_right)
             plan = admit_by_cost(chain_parents, expected, self.pass_costs, max_nodes=total_tokens)
-            if self.drafter_pays(chain_right[0] if chain else 0.0, 1.0 + sum(expected[i] for i in plan), len(plan)):
+            explore = self.explore_runs > 0 and (self.drafter_runs < self.explore_runs
+                                                 or self.skipped >= self.explore_runs)
+            if explore or self.drafter_pays(chain_right[0] if chain else 0.0, 1.0 + sum(expected[i] for i in plan),
+                                            len(plan)):
                 tree, drafter_right, spent = self.run_drafter(max_depth)
+            else:
+                self.skipped += 1
         merged, sources = merge_chain(tree, chain)
         right = drafter_right + [0.0] * (len(merged) - len(tree))
         child_of = {(p, t): i for i, (p, t) in enumerate(zip(merged.parents, merged.tokens))}
@@ -828,6 +839,7 @@ class HybridProposer:
         tree = self.drafter.propose(min(depth, max_depth), d_top_k, d_total)
         spent = time.perf_counter() - t0
         self.drafter_runs += 1
+        self.skipped = 0
         self.drafter_seconds = spent if self.drafter_seconds is None else 0.7 * self.drafter_seconds + 0.3 * spent
         # a proposer without path probabilities (a test's oracle) is taken at its word
         log_probs = getattr(self.drafter, "path_log_probs", None) or [0.0] * len(tree)
