@@ -11,7 +11,7 @@ import torch
 from eaglet.decode import (BOTH, DRAFTER, NGRAM, Calibration, DraftTree, Eagle3Proposer, HybridProposer,
                            NgramProposer, accept_greedy, accept_sampling, admit_by_cost, ancestor_matrix, drop_rivals,
                            expected_acceptance, keep_nodes, measure_pass_costs, merge_chain,
-                           plain_generate, plain_greedy, process_probs, speculative_generate, tree_attention_mask)
+                           path_nodes, plain_generate, plain_greedy, process_probs, speculative_generate, tree_attention_mask)
 from eaglet.draft_model import DraftConfig, Eagle3Draft, allowed_keys
 
 AUX_IDS = [2, 4, 5]
@@ -511,6 +511,8 @@ def test_merge_chain_shares_prefixes_and_names_sources():
     same, sources = merge_chain(DraftTree.chain([5, 6]), [5, 6])
     assert same == DraftTree.chain([5, 6]) and sources == [BOTH, BOTH]
     assert merge_chain(DraftTree.empty(), [3, 4]) == (DraftTree.chain([3, 4]), [NGRAM, NGRAM])
+    assert path_nodes(merged, [5, 7, 8, 1]) == [0, 3, 4]  # the chain's nodes, up to where it leaves the tree
+    assert path_nodes(merged, [9, 6]) == [2] and path_nodes(merged, [1]) == []
 
 
 def test_drop_rivals_removes_siblings_of_a_confident_chain_with_their_subtrees():

@@ -530,19 +530,25 @@ class NgramProposer:
 DRAFTER, NGRAM, BOTH = "drafter", "ngram", "both"
 
 
+def path_nodes(tree: DraftTree, path: list[int]) -> list[int]:
+    """The nodes of `tree` that spell the longest prefix of `path` from the root, in depth order."""
+    child_of = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens))}
+    nodes: list[int] = []
+    for token in path:
+        node = child_of.get((nodes[-1] if nodes else -1, token))
+        if node is None:
+            break
+        nodes.append(node)
+    return nodes
+
+
 def drop_rivals(tree: DraftTree, chain: list[int], depths: set[int]) -> DraftTree:
     """`tree` without the nodes (and their subtrees) that hang where `chain` goes at one of
     `depths` but hold another token: two siblings cannot both be right, so where the chain's token
     is right with probability p, a rival is right with at most 1 - p."""
-    child_of = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens))}
-    dropped: set[int] = set()
-    at: int | None = -1
-    for d, token in enumerate(chain):
-        if d in depths:
-            dropped |= {i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p == at and t != token}
-        at = child_of.get((at, token))
-        if at is None:  # the chain left the tree: no siblings of it below
-            break
+    under = [-1] + path_nodes(tree, chain)  # the chain's depth-d token hangs under under[d]
+    dropped = {i for d in depths if d < min(len(chain), len(under))
+               for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p == under[d] and t != chain[d]}
     if not dropped:
         return tree
     for i, p in enumerate(tree.parents):  # parents come first: a subtree follows its root
@@ -821,11 +827,8 @@ class HybridProposer:
                 self.skipped += 1
         merged, sources = merge_chain(tree, chain)
         right = drafter_right + [0.0] * (len(merged) - len(tree))
-        child_of = {(p, t): i for i, (p, t) in enumerate(zip(merged.parents, merged.tokens))}
-        at = -1
-        for d, token in enumerate(chain):  # the lookup's nodes: its calibrated rate (shared: the higher)
-            at = child_of[(at, token)]
-            right[at] = max(right[at], chain_right[d])
+        for d, node in enumerate(path_nodes(merged, chain)):  # the lookup's calibrated rate (shared: the higher)
+            right[node] = max(right[node], chain_right[d])
         keep = admit_by_cost(merged.parents, expected_acceptance(merged.parents, right), self.pass_costs, spent,
                              total_tokens)
         self.sources = [sources[i] for i in keep]
