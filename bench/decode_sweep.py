@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
+    ap.add_argument("--only", default=None,
+                    help='comma-separated labels to run (default: all); "LABEL [i]" runs a shape with drafter i only')
     ap.add_argument("--min-draft-probs", default="0", help="comma-separated draft-probability floors (default 0)")
     args = ap.parse_args()
 
@@ -73,13 +74,14 @@ def main() -> None:
     base = DecodeSettings(max_new_tokens=args.max_new_tokens, eos_ids=tuple(sorted(stop_token_ids(model, tokenizer))))
     variants = {BASELINE: (BASELINE, base)}
     floors = [float(x) for x in args.min_draft_probs.split(",")]
+    only = None if args.only is None else set(args.only.split(","))
     for label, method, changes in CONFIGS:
-        if args.only is None or label in args.only.split(","):
-            for floor in floors if method in ENGINE_METHODS and "min_draft_prob" not in changes else [0.0]:
-                name = label if floor == 0 else f"{label} p>={floor:g}"
-                uses_drafter = method in SPEC_METHODS and len(drafters) > 1
-                for i, drafter in enumerate(drafters if uses_drafter else drafters[:1], start=1):
-                    named = f"{name} [{i}]" if uses_drafter else name
+        for floor in floors if method in ENGINE_METHODS and "min_draft_prob" not in changes else [0.0]:
+            name = label if floor == 0 else f"{label} p>={floor:g}"
+            uses_drafter = method in SPEC_METHODS and len(drafters) > 1
+            for i, drafter in enumerate(drafters if uses_drafter else drafters[:1], start=1):
+                named = f"{name} [{i}]" if uses_drafter else name
+                if only is None or {label, name, named} & only:
                     variants[named] = (method, replace(base, **{"min_draft_prob": floor, **changes}))
                     drafter_of[named] = drafter
     prompts = load_prompt_set(args.prompts, args.skip_prompts + args.num_prompts)[args.skip_prompts:]
