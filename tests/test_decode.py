@@ -10,8 +10,8 @@ import torch
 
 from eaglet.decode import (BOTH, DRAFTER, NGRAM, Calibration, DraftTree, Eagle3Proposer, HybridProposer,
                            NgramProposer, accept_greedy, accept_sampling, admit_by_cost, ancestor_matrix, drop_rivals,
-                           expected_acceptance, keep_nodes, measure_pass_costs, merge_chain,
-                           path_nodes, plain_generate, plain_greedy, process_probs, speculative_generate, tree_attention_mask)
+                           expected_acceptance, keep_nodes, measure_pass_costs, merge_chain, path_nodes,
+                           plain_generate, plain_greedy, process_probs, speculative_generate, tree_attention_mask)
 from eaglet.draft_model import DraftConfig, Eagle3Draft, allowed_keys
 
 AUX_IDS = [2, 4, 5]

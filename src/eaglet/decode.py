@@ -708,7 +708,7 @@ class HybridProposer:
     extra verified token. Skipped cycles still feed the drafter later, in one catch-up pass. So that
     an unlucky start cannot silence a good drafter, it runs in the first `explore_runs` cycles of a
     sequence and then at least once every `explore_runs` cycles (its tokens still admitted by cost;
-    0: never regardless of the calibration).
+    0: no exploration, the calibration alone decides).
     `drafter` None: prompt lookup alone under the same rule.
 
     Without `pass_costs`, every proposed node is verified (floors, if any, are the proposers' own).
