@@ -66,10 +66,10 @@ def main() -> None:
 
     dtype = parse_dtype(args.dtype)
     loaded = [load_drafter_for_target(path, args.target) for path in args.drafters]
-    ref = resolve_target(loaded[0][1])
+    ref = resolve_target(loaded[0].target)
     tokenizer = load_tokenizer(ref)
     model = load_target(ref, dtype, torch.device("cpu"))
-    drafters = [d.to(dtype=dtype).eval() for d, _ in loaded]
+    drafters = [d.model.to(dtype=dtype).eval() for d in loaded]
     drafter_of: dict[str, torch.nn.Module] = {}
     base = DecodeSettings(max_new_tokens=args.max_new_tokens, eos_ids=tuple(sorted(stop_token_ids(model, tokenizer))))
     variants = {BASELINE: (BASELINE, base)}

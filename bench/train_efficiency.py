@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eaglet.cli import parse_duration
+from eaglet.options import parse_duration
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = dict(batch_size=1, log_every=10, seed=0, evals=5)  # every variant, unless it says otherwise (bf16: where fast)

@@ -337,7 +337,7 @@ def main() -> None:
     if args.cmd == "pack":
         pack(args.out, args.num_samples, args.skip, args.max_length, args.add_prepared)
     elif args.cmd == "run":
-        from eaglet.cli import parse_duration
+        from eaglet.options import parse_duration
         from eaglet.recipe import parse_value
 
         options = dict(GPU_DEFAULTS)

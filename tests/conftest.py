@@ -4,10 +4,19 @@ embedded SmolLM2 cached once per test session (about 30 s) for the end-to-end te
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from eaglet.target import FAST_BF16_ENV
+
+# `--dtype auto` (and train's bf16 default) follow the CPU: bf16 on one with AMX / AVX512-BF16,
+# fp32 elsewhere. No test may depend on the machine: the suite runs the fp32 path of `auto` by
+# default, in this process and in every subprocess it starts; tests of the bf16 path ask for it
+# with the `auto_is_bf16` fixture.
+os.environ[FAST_BF16_ENV] = "0"
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
@@ -67,6 +76,12 @@ def tiny_target(tmp_path_factory) -> Path:
     tok = make_tiny_tokenizer(folder)
     make_tiny_llama(folder, len(tok))
     return folder
+
+
+@pytest.fixture
+def auto_is_bf16(monkeypatch):
+    """`auto` resolves as on a CPU with bf16 matrix units (emulated, and slow, on one without)."""
+    monkeypatch.setenv(FAST_BF16_ENV, "1")
 
 
 def write_jsonl(path: Path, records: list) -> Path:

@@ -56,6 +56,20 @@ def test_quantize_rounds_to_the_nearest_value_of_each_group():
     assert torch.equal(formats.dequantize_fp6(*formats.quantize_fp6(exact)), exact)
 
 
+def test_the_encoder_writes_no_impossible_group():
+    """What `impossible_fp6_groups` calls impossible, quantize_fp6 never writes: over 12 decades of
+    magnitude (subnormal and underflowing fp16 scales too), exact values, zero and one-value groups."""
+    torch.manual_seed(2)
+    x = torch.randn(40, 3, 256) * torch.logspace(-9, 3, 40)[:, None, None]
+    x[0, 0] = 0
+    x[1, 1, :32] = 0
+    x[1, 1, 5] = -1e-3  # one value in a group of zeros
+    x[2] = formats.FP6_VALUES[torch.randint(0, 64, (3, 256))] * 0.25
+    codes, scales = formats.quantize_fp6(x)
+    assert not formats.impossible_fp6_groups(codes, scales).any()
+    assert (scales == 0).any() and ((scales > 0) & (scales < torch.finfo(torch.float16).tiny)).any()
+
+
 def test_quantize_refuses_values_beyond_fp16_scales():
     with pytest.raises(ValueError, match="overflow the fp16 scale"):
         formats.quantize_fp6(torch.full((1, 32), 1e7))
@@ -161,8 +175,9 @@ def test_compact_extraction_resumes(made, tiny_target, tmp_path):
 def test_convert_to_compact_equals_extraction(made, tmp_path):
     convert(made / "v1", tmp_path / "cmp", "compact", stored_top_k=8, show_progress=False)
     for i, p in files(made / "cmp").items():
-        a, b = formats.read_safetensors(p), formats.read_safetensors(files(tmp_path / "cmp")[i])
-        assert all(torch.equal(a[k], b[k]) for k in formats.COMPACT_KEYS), i
+        a, b = formats.read_compact_file(p), formats.read_compact_file(files(tmp_path / "cmp")[i])
+        assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in formats.COMPACT_KEYS), i
+        assert a.metadata == b.metadata and formats.compact_checksum_problems(b) == [], i  # both writers checksum
     with pytest.raises(ValueError, match="no other layout can be made from it"):
         convert(made / "cmp", tmp_path / "v1", "v1", show_progress=False)
 
@@ -198,9 +213,12 @@ def test_heldout_accuracy_is_the_same_on_compact_and_v1(made, tmp_path):
     stored top-K holds exactly: a drafter scores the same on v1 and on its compact copy."""
     from eaglet.train import evaluate_heldout, train
 
-    train(made / "v1", tmp_path / "run", total_steps=3, eval_fraction=0.3, batch_size=2, show_progress=False)
+    # fp32 on every machine: under bf16 autocast the 6-bit aux states' rounding can tip an argmax
+    train(made / "v1", tmp_path / "run", total_steps=3, eval_fraction=0.3, batch_size=2, show_progress=False,
+          bf16=False)
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
-    v1, cmp = (evaluate_heldout(ckpt, made / name, eval_fraction=0.3, batch_size=2) for name in ("v1", "cmp"))
+    v1, cmp = (evaluate_heldout(ckpt, made / name, eval_fraction=0.3, batch_size=2, bf16=False)
+               for name in ("v1", "cmp"))
     assert v1["acc"] == cmp["acc"] and v1["positions"] == cmp["positions"]
 
 
@@ -220,12 +238,15 @@ def cmp_copy(made, tmp_path) -> Path:
 
 
 def edit(ds: Path, i: int, **changes: torch.Tensor) -> str:
+    """File i rewritten with `changes` (None drops a tensor) and checksums that match them: a fault
+    the writer made, which only the checks of the content can find."""
     from safetensors.torch import save_file
 
     path = files(ds)[i]
     obj = formats.read_safetensors(path)
     obj.update(changes)
-    save_file({k: v.contiguous() for k, v in obj.items() if v is not None}, str(path))
+    tensors = {k: v.contiguous() for k, v in obj.items() if v is not None}
+    save_file(tensors, str(path), metadata=formats.compact_checksums(tensors))
     return str(path.relative_to(ds))
 
 
@@ -269,3 +290,151 @@ def test_check_names_a_compact_file_of_another_layer_or_model(cmp_copy, tiny_tar
         report.lines()
     assert any(p.kind == C.STORED_TEACHER and "recomputed target's by 0.5" in p.message for p in report.problems), \
         "\n".join(report.lines())
+
+
+def tensor_bytes(path: Path, name: str) -> tuple[int, int]:
+    """[start, end) of a tensor's bytes in a safetensors file (8-byte header length, JSON header, data)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    start, end = json.loads(raw[8:8 + n])[name]["data_offsets"]
+    return 8 + n + start, 8 + n + end
+
+
+def overwrite(ds: Path, i: int, name: str, offset: int, data: bytes) -> str:
+    """Bytes of tensor `name` in file i changed in place, as a disk or a copy damages a file."""
+    path = files(ds)[i]
+    start, end = tensor_bytes(path, name)
+    assert start + offset + len(data) <= end
+    raw = bytearray(path.read_bytes())
+    raw[start + offset:start + offset + len(data)] = data
+    path.write_bytes(bytes(raw))
+    return str(path.relative_to(ds))
+
+
+def flip_bit(ds: Path, i: int, name: str, offset: int, bit: int) -> str:
+    path = files(ds)[i]
+    start, _ = tensor_bytes(path, name)
+    return overwrite(ds, i, name, offset, bytes([path.read_bytes()[start + offset] ^ (1 << bit)]))
+
+
+def checksum_findings(ds: Path) -> list[tuple[str, str]]:
+    """(file, what: the tensor named) of each checksum finding of `eaglet check` without the target."""
+    report = C.check_dataset(ds, use_target=False)
+    assert not report.clean
+    return [(p.path, p.message.split(";")[0].split(":")[0]) for p in report.problems if p.kind == C.CHECKSUM]
+
+
+def code_byte(codes: torch.Tensor, t: int, s: int, j: int) -> tuple[int, int]:
+    """(byte offset in aux_codes, bit) of bit 0 of code j of row t, state s: four codes in three bytes."""
+    row = (t * codes.shape[1] + s) * codes.shape[2]
+    return row + (j // 4) * 3 + 6 * (j % 4) // 8, 6 * (j % 4) % 8
+
+
+def test_a_clean_compact_dataset_is_clean_without_the_target(made):
+    report = C.check_dataset(made / "cmp", use_target=False)
+    assert report.clean and not [p for p in report.problems if p.kind in (C.CHECKSUM, C.AUX_CODES)], report.lines()
+
+
+def test_check_and_training_find_a_flipped_bit_in_the_aux_codes(cmp_copy):
+    """A flipped low bit of a code that is not its group's largest: a well-formed file, which every
+    other check passes (shown with matching checksums); the checksum names it, without the target,
+    and training's reader refuses it."""
+    ds = cmp_copy
+    codes = formats.read_safetensors(files(ds)[4])["aux_codes"]
+    j = int(((formats.unpack_6bit(codes[5, 1]) & 31) < 30).nonzero()[0])
+    offset, bit = code_byte(codes, 5, 1, j)
+    rel = flip_bit(ds, 4, "aux_codes", offset, bit)
+    assert checksum_findings(ds) == [(rel, "aux_codes")]
+    with pytest.raises(ValueError, match=f"{rel}: aux_codes: its bytes do not match.*delete the file and re-run"):
+        formats.read_training_sample(ds / rel, formats.FORMAT_COMPACT)
+    edit(ds, 4)  # the same bytes with checksums that match them
+    assert C.check_dataset(ds, use_target=False).clean
+
+
+def test_check_finds_a_row_of_0xff_in_the_aux_codes(cmp_copy):
+    """0xFF bytes are codes 63 (-28 x the scale): valid codes the packing cannot tell from data, so
+    the checksum is what finds them."""
+    ds = cmp_copy
+    codes = formats.read_safetensors(files(ds)[2])["aux_codes"]
+    rel = overwrite(ds, 2, "aux_codes", code_byte(codes, 3, 0, 0)[0], b"\xff" * codes.shape[2])
+    assert checksum_findings(ds) == [(rel, "aux_codes")]
+
+
+@pytest.mark.parametrize("name, bit", [("teacher_ids", 0), ("teacher_log_probs", 0), ("aux_scales", 3),
+                                       ("input_ids", 1)])
+def test_check_finds_a_flipped_bit_in_any_tensor(cmp_copy, name, bit):
+    ds = cmp_copy
+    rel = flip_bit(ds, 6, name, 10, bit)
+    assert checksum_findings(ds) == [(rel, name)]
+    with pytest.raises(ValueError, match=f"{rel}: {name}: its bytes do not match"):
+        formats.read_training_sample(ds / rel, formats.FORMAT_COMPACT)
+
+
+def test_check_names_impossible_aux_codes_by_row(cmp_copy):
+    """Codes no encoder output has, in files whose checksums match (a faulty writer, or a version-1
+    file): a group whose largest code is not E3M2's largest, a negative scale."""
+    ds = cmp_copy
+    obj = {i: formats.read_safetensors(files(ds)[i]) for i in (1, 3)}
+    codes = obj[1]["aux_codes"].clone()
+    codes[7, 2] = 0
+    zeroed = edit(ds, 1, aux_codes=codes)
+    scales = obj[3]["aux_scales"].clone()
+    scales[4, 1, 1] = -scales[4, 1, 1]
+    negative = edit(ds, 3, aux_scales=scales)
+    report = C.check_dataset(ds, use_target=False)
+    found = {p.path: p.message for p in report.problems if p.kind == C.AUX_CODES}
+    assert sorted(found) == sorted([zeroed, negative]) and not [p for p in report.problems if p.kind == C.CHECKSUM]
+    assert found[zeroed].startswith("aux row 7, state 2, values 0..31") and "rows 7);" in found[zeroed]
+    assert found[negative].startswith("aux row 4, state 1, values 32..63: a negative scale")
+
+
+def strip_checksums(ds: Path, version: int) -> None:
+    """The dataset as an eaglet before checksums wrote it: no header metadata, data_config.json's version."""
+    from safetensors.torch import save_file
+
+    for path in files(ds).values():
+        save_file(formats.read_safetensors(path), str(path))
+    cfg = json.loads((ds / formats.DATA_CONFIG_FILE).read_text())
+    cfg["compact"]["version"] = version
+    (ds / formats.DATA_CONFIG_FILE).write_text(json.dumps(cfg))
+
+
+def test_version_1_compact_data_is_read_with_a_warning(made, cmp_copy, caplog):
+    """Written before checksums: checked (impossible codes still found) and trained on, with a warning
+    on data_config.json that says what cannot be found and what writes files that can be checked."""
+    ds = cmp_copy
+    strip_checksums(ds, 1)
+    report = C.check_dataset(ds, use_target=False)
+    assert report.clean, report.lines()
+    [w] = [p for p in report.problems if p.kind == C.DATA_CONFIG]
+    assert w.severity == C.WARNING and "compact version 1" in w.message
+    assert "eaglet convert --layout compact" in w.message
+    with caplog.at_level("WARNING", logger="eaglet.formats"):
+        for path in files(ds).values():
+            formats.read_training_sample(path, formats.FORMAT_COMPACT)
+    assert [r.getMessage() for r in caplog.records if "compact version 1" in r.getMessage()] == \
+        [f"{ds}: {formats.compact_version_warning({'compact': {'version': 1}})}"]  # once per dataset
+    codes = formats.read_safetensors(files(ds)[0])["aux_codes"].clone()
+    codes[1] = 0
+    rel = edit(ds, 0, aux_codes=codes)
+    strip_checksums(ds, 1)
+    assert [p.path for p in C.check_dataset(ds, use_target=False).problems if p.kind == C.AUX_CODES] == [rel]
+    with pytest.raises(ValueError, match="made with compact=.*'version': 1.*use another --out"):  # never mixed
+        convert(made / "v1", ds, "compact", stored_top_k=8, show_progress=False)
+
+
+def test_current_compact_data_needs_its_checksums(cmp_copy):
+    """In a version-2 dataset a file without checksums (another tool's, or rewritten) is named; an
+    unknown version is refused with what to do."""
+    from safetensors.torch import save_file
+
+    ds = cmp_copy
+    path = files(ds)[8]
+    save_file(formats.read_safetensors(path), str(path))
+    rel = str(path.relative_to(ds))
+    assert checksum_findings(ds) == [(rel, "no sha256 checksums in its header (written before compact version 2, "
+                                           "by another tool, or rewritten since)")]
+    with pytest.raises(ValueError, match=f"{rel}: no sha256 checksums"):
+        formats.read_training_sample(path, formats.FORMAT_COMPACT)
+    problem = formats.compact_version_problem({"compact": {"version": 3}})
+    assert "reads versions 1, 2" in problem and "eaglet convert --layout compact" in problem

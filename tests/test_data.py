@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from eaglet import formats
-from eaglet.data import (ReadStats, TemplateSpanError, iter_records, prepare, to_messages, tokenize_chat)
+from eaglet.data import (TRUNCATED_AWAY, ReadStats, TemplateSpanError, iter_records, prepare, to_messages,
+                         tokenize_chat)
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -280,3 +282,64 @@ def test_prepare_embedded_sharegpt_with_smollm2(smollm2_dir, tmp_path):
     for s in samples:
         for run in masked_runs(s.input_ids, s.loss_mask)[:-1]:  # the last run may be cut by max_length
             assert tok.decode(run[-1:]) == "<|im_end|>"
+
+
+def target_with_positions(tiny_target: Path, tmp_path: Path, positions: int) -> Path:
+    """A copy of the tiny target whose config holds `positions` positions."""
+    folder = Path(shutil.copytree(tiny_target, tmp_path / f"target_{positions}"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    return folder
+
+
+def test_prepare_refuses_max_length_beyond_the_target_positions(tiny_target, chats_jsonl, tmp_path):
+    target = target_with_positions(tiny_target, tmp_path, 24)
+    with pytest.raises(ValueError, match=rf"^--max-length 25: more than the 24 positions the target holds "
+                                         rf"\(max_position_embeddings in {target / 'config.json'}\); "
+                                         rf"pass --max-length 24 or less$"):
+        prepare(str(target), str(chats_jsonl), tmp_path / "prep", max_length=25)
+    assert not (tmp_path / "prep").exists()
+    # Without --max-length the default is capped at the target's positions.
+    prepare(str(target), str(chats_jsonl), tmp_path / "prep")
+    samples, config = formats.read_prepared(tmp_path / "prep")
+    assert config["max_length"] == 24 and max(len(s.input_ids) for s in samples) == 24
+
+
+def test_prepare_says_truncation_cut_every_chat(tiny_target, chats_jsonl, tmp_path):
+    with pytest.raises(ValueError) as e:
+        prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prep", max_length=1)
+    message = str(e.value)
+    assert ("no usable chat in 12 records read; every chat was cut to nothing by --max-length 1 (no assistant token "
+            "left in 12 of 12 records): raise it") in message and "\n" not in message
+    assert f"skipped: {TRUNCATED_AWAY}: 12 (first: {chats_jsonl}:1 (id chat0))" in message
+    chats_jsonl.write_text(chats_jsonl.read_text() + "{oops\n")
+    with pytest.raises(ValueError, match=r"--max-length 1 \(no assistant token left in 12 of 13 records; the others "
+                                         r"were skipped\): raise it; .*invalid JSON line: 1 \(first: .*:13\)"):
+        prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prep", max_length=1)
+
+
+def test_every_skip_reason_names_its_first_record(tiny_target, tmp_path):
+    chat = {"messages": TEST_CHATS[0]}
+    long_question = {"messages": [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]}
+    lines = [json.dumps(chat), json.dumps({"id": "q", "messages": [{"role": "user", "content": "only a question"}]}),
+             "{oops", json.dumps("just a string"), json.dumps({"id": "long", **long_question}),
+             json.dumps({"id": "twice", "messages": [*TEST_CHATS[0], TEST_CHATS[0][1]]}),
+             json.dumps({"id": "tool",
+                         "messages": [TEST_CHATS[0][0], {"role": "tool", "content": "x"}, TEST_CHATS[0][1]]}),
+             json.dumps({"id": "q2", "messages": [{"role": "user", "content": "another question"}]})]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    summary = prepare(str(tiny_target), str(path), tmp_path / "prep", max_length=64)
+    assert summary.samples == 3 and summary.dropped_after_truncation == 1
+    text = "\n".join(summary.lines())
+    for line in ("skipped: no assistant turn: 2 (first: {p}:2 (id q))", "skipped: invalid JSON line: 1 (first: {p}:3)",
+                 "skipped: record is not an object: 1 (first: {p}:4)",
+                 f"skipped: {TRUNCATED_AWAY}: 1 (first: {{p}}:5 (id long))",
+                 "cut short: roles stop alternating: cut there: 1 (first: {p}:6 (id twice))",
+                 "dropped messages of role: tool: 1 (first: {p}:7 (id tool))"):
+        assert line.format(p=path) in text, text
+    # A JSON array names its records by index.
+    array = tmp_path / "mixed.json"
+    array.write_text(json.dumps([chat, {"id": "q", "messages": [{"role": "user", "content": "only a question"}]}]))
+    summary = prepare(str(tiny_target), str(array), tmp_path / "prep2", max_length=64)
+    assert f"  skipped: no assistant turn: 1 (first: {array}[1] (id q))" in summary.lines()

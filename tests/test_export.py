@@ -436,3 +436,52 @@ def test_import_reads_the_sliding_window_as_speculators_does(tmp_path, ckpt, blo
     (out / "config.json").write_text(json.dumps(c))
     import_drafter(out, tmp_path / "back")
     assert load_checkpoint(tmp_path / "back").config.sliding_window == window
+
+
+class ExecutesOnLoad:
+    """A custom class: torch.load(weights_only=False) would import it and run its __setstate__."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __getstate__(self) -> dict:
+        return {"marker": self.marker}
+
+    def __setstate__(self, state: dict) -> None:
+        Path(state["marker"]).write_text("executed")
+
+
+def bin_folder(tmp_path: Path, ckpt: Path, extra: dict) -> Path:
+    """An EAGLE-3 folder whose weights are a pytorch_model.bin holding the tensors and `extra`."""
+    folder = tmp_path / "official"
+    export_drafter(ckpt, folder, "eagle", dtype="fp32")
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    torch.save({**tensors, **extra}, folder / "pytorch_model.bin")
+    return folder
+
+
+def test_import_of_a_pickle_that_needs_code_says_what_to_do(tmp_path, ckpt, capsys):
+    """torch's own message advises weights_only=False (running the file's code) and names no file."""
+    marker = tmp_path / "executed"
+    folder = bin_folder(tmp_path, ckpt, {"optimizer": ExecutesOnLoad(str(marker))})
+    with pytest.raises(ValueError) as e:
+        import_drafter(folder, tmp_path / "back")
+    message = str(e.value)
+    assert message.startswith(f"{folder / 'pytorch_model.bin'}: holds Python objects beyond tensors")
+    assert "ExecutesOnLoad" in message and "will not execute" in message and "safetensors" in message
+    assert "weights_only=False" not in message and "\n" not in message
+    rc = cli_main(["import", str(folder), "--out", str(tmp_path / "back")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith(f"eaglet import: error: {folder / 'pytorch_model.bin'}: ")
+    assert "Re-running" not in err and not marker.exists() and not (tmp_path / "back").exists()
+
+
+def test_import_of_a_damaged_bin_names_it(tmp_path, ckpt):
+    folder = bin_folder(tmp_path, ckpt, {})
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x02garbage")  # a pickle header, then nonsense
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: not a readable torch file \(Unsupported operand "
+                                         r"\d+\); it is damaged") as e:
+        import_drafter(folder, tmp_path / "back")
+    assert "weights_only=False" not in str(e.value)

@@ -238,3 +238,85 @@ def test_kill_9_mid_run_then_resume(tiny_target, tmp_path):
     for i in a:
         assert torch.equal(a[i].input_ids, b[i].input_ids)
         assert all(torch.equal(x, y) for x, y in zip(a[i].hidden_states, b[i].hidden_states))
+
+
+def edit_prepared(prepared: Path, line: int, edit) -> None:
+    """Change the sample on `line` (1-based) of prepared.jsonl in place."""
+    import json
+
+    path = prepared / formats.PREPARED_FILE
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    edit(records[line - 1])
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("bad", [400, -1, 3.0])  # the tiny target's vocabulary holds ids 0..399
+def test_token_id_outside_the_vocabulary_is_refused_before_anything_is_written(tiny_target, prepared, tmp_path, bad):
+    edit_prepared(prepared, 2, lambda r: r["input_ids"].__setitem__(1, bad))
+    with pytest.raises(ValueError, match=rf"^{prepared / formats.PREPARED_FILE}:2: sample chat1: token id {bad} "
+                                         r"\(token 1\) is not in the target's vocabulary of 400 \(ids 0 to 399\)"):
+        extract(prepared, tmp_path / "data", str(tiny_target), show_progress=False)
+    assert not (tmp_path / "data").exists()
+
+
+def test_samples_longer_than_the_target_positions_are_refused(tiny_target, prepared, tmp_path):
+    """A prepared dataset from before prepare checked --max-length, or edited: 1030 tokens on a 1024-position target."""
+    edit_prepared(prepared, 3, lambda r: r.update(input_ids=(r["input_ids"] * 400)[:1030],
+                                                  loss_mask=(r["loss_mask"] * 400)[:1030]))
+    with pytest.raises(ValueError, match=rf"^{prepared / formats.PREPARED_FILE}:3: sample chat2 has 1030 tokens, "
+                                         rf"more than the 1024 positions the target holds \(max_position_embeddings "
+                                         rf"in {tiny_target / 'config.json'}\); 1 of 12 samples are that long: run "
+                                         r"`eaglet prepare` again with --max-length 1024 or less$"):
+        extract(prepared, tmp_path / "data", str(tiny_target), show_progress=False)
+    assert not (tmp_path / "data").exists()
+
+
+def fail_first_batch(monkeypatch) -> None:
+    import eaglet.extract
+
+    def out_of_memory(*a, **k):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(eaglet.extract, "run_batch", out_of_memory)
+
+
+@pytest.mark.parametrize("layout", ["v1", "speculators"])
+def test_a_run_that_wrote_no_sample_does_not_lock_the_folder(tiny_target, prepared, chats_jsonl, tmp_path, monkeypatch,
+                                                             layout):
+    """It leaves data_config.json and side files; a rerun on other data (the input fixed) replaces them."""
+    out = tmp_path / "data"
+    fail_first_batch(monkeypatch)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        extract(prepared, out, str(tiny_target), layout=layout, show_progress=False)
+    assert (out / formats.DATA_CONFIG_FILE).exists() and not formats.list_dataset_files(out).files
+    monkeypatch.undo()
+    fixed = tmp_path / "fixed"
+    prepare(str(tiny_target), str(chats_jsonl), fixed, max_length=512, num_samples=5)
+    summary = extract(fixed, out, str(tiny_target), show_progress=False)
+    samples, _ = formats.read_prepared(fixed)
+    assert summary.written == 5 and formats.read_json(out / formats.DATA_CONFIG_FILE)["num_samples"] == 5
+    lengths = formats.read_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE)
+    assert lengths == {i: len(s.input_ids) for i, s in enumerate(samples)}
+    assert formats.list_dataset_files(out).format == formats.FORMAT_V1 and not (out / formats.ARROW_STATE_FILE).exists()
+    # Now that the folder holds samples, another dataset is refused as before.
+    with pytest.raises(ValueError, match="holds a dataset made with .*delete the folder to start over"):
+        extract(prepared, out, str(tiny_target), show_progress=False)
+
+
+def test_a_config_replaced_before_the_first_write_is_refused(tiny_target, prepared, tmp_path, monkeypatch):
+    """Another run on other data may replace a config that has no sample file yet; this run then
+    must not add its files to that run's dataset."""
+    import eaglet.extract
+
+    out = tmp_path / "data"
+    real_run_batch = eaglet.extract.run_batch
+
+    def other_run_replaces_the_config(*a, **k):
+        config = formats.read_json(out / formats.DATA_CONFIG_FILE)
+        formats.write_json_atomic(out / formats.DATA_CONFIG_FILE, {**config, "prepared_sha256": "another"})
+        return real_run_batch(*a, **k)
+
+    monkeypatch.setattr(eaglet.extract, "run_batch", other_run_replaces_the_config)
+    with pytest.raises(ValueError, match="prepared_sha256='another'"):
+        extract(prepared, out, str(tiny_target), show_progress=False)
+    assert not formats.list_dataset_files(out).files

@@ -29,13 +29,18 @@ def assert_one_line(err: str, *words: str) -> None:
         assert w in lines[0], (w, lines[0])
 
 
+# The tiny target holds 1024 positions: prepare refuses a longer --max-length.
+FITS = ("--max-length", "512")
+
+
 def temp_files(folder: Path) -> list[Path]:
     return [p for p in folder.rglob("*") if formats.TMP_MARK in p.name]
 
 
 @pytest.fixture
 def prepared(tiny_target, chats_jsonl, tmp_path) -> Path:
-    assert main(["prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep"), "--target", str(tiny_target)]) == 0
+    assert main(["prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep"), "--target", str(tiny_target),
+                 *FITS]) == 0
     return tmp_path / "prep"
 
 
@@ -70,7 +75,7 @@ def test_disk_full_during_prepare_keeps_nothing_half_written(tiny_target, chats_
     out = tmp_path / "prep"
     out.mkdir()
     (out / f".{formats.PREPARED_FILE}{formats.TMP_MARK}killed").write_text("an earlier run's half")
-    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(out), "--target", str(tiny_target))
+    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(out), "--target", str(tiny_target), *FITS)
     assert rc == 2
     assert_one_line(err, f"could not write {out / formats.PREPARED_FILE}", "no space left")
     assert not temp_files(out) and not (out / formats.PREPARE_CONFIG_FILE).exists()
@@ -81,7 +86,8 @@ def test_read_only_output_folder(tiny_target, chats_jsonl, tmp_path, capsys, mon
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(formats.tempfile, "mkstemp", read_only)
-    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep"), "--target", str(tiny_target))
+    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep"),
+                  "--target", str(tiny_target), *FITS)
     assert rc == 2
     assert_one_line(err, str(tmp_path / "prep"), "read-only file system", "another folder")
 
@@ -145,3 +151,22 @@ def test_numeric_options_are_checked_by_each_stage_entry_function():
     for call, message in bad_option_calls():
         with pytest.raises(ValueError, match=f"^{message}"):
             call()
+
+
+def test_token_id_outside_the_vocabulary_names_the_sample_and_the_fixed_input_reruns(tiny_target, prepared, tmp_path,
+                                                                                      capsys):
+    """Once "IndexError: index out of range in self", with a data_config.json left that refused the rerun."""
+    import json
+
+    path = prepared / formats.PREPARED_FILE
+    good = path.read_text()
+    records = [json.loads(line) for line in good.splitlines()]
+    records[4]["input_ids"][2] = 100_000
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ("extract", "--prepared", str(prepared), "--out", str(tmp_path / "data"), "--target", str(tiny_target))
+    rc, err = run(capsys, *argv)
+    assert rc == 2
+    assert_one_line(err, f"{path}:5: sample chat4: token id 100000", "vocabulary of 400", "prepare the data again")
+    path.write_text(good)
+    rc, _ = run(capsys, *argv)
+    assert rc == 0 and len(formats.list_v1_files(tmp_path / "data")) == 12

@@ -3,23 +3,28 @@ the tiny target that resumes stage by stage."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from eaglet import formats
-from eaglet.recipe import (apply_overrides, apply_scale, builtin_recipes, load_recipe, parse_override, run_recipe,
-                           validate)
+from eaglet.recipe import (Paths, apply_overrides, apply_scale, builtin_recipes, load_recipe, overridden,
+                           parse_override, plan_stages, run_recipe, validate)
 
 from conftest import CHATS, write_jsonl
 
 
-def test_builtin_recipes_load_and_validate():
+def test_builtin_recipes_load_and_validate(tmp_path):
     assert {"demo", "smollm2-sharegpt"} <= set(builtin_recipes())
     for name in builtin_recipes():
         recipe = load_recipe(name)
-        validate(recipe)
+        validate(recipe, name)  # keys, option names and types, [scale] paths
+        validate(apply_scale(recipe, 4), name)
         assert recipe["recipe"]["name"] == name
         assert list(recipe)[-1] == "eval" or "eval" in recipe
+        # every stage finds the output it reads in a fresh folder
+        assert set(plan_stages(recipe, Paths(tmp_path / name), None, name).values()) == {"run"}
 
 
 def test_overrides_and_scale():
@@ -43,7 +48,8 @@ def test_overrides_and_scale():
 def test_bad_recipes_fail_before_any_work(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nlearning_rate = 1e-4\n")
-    with pytest.raises(ValueError, match=r"recipe \[train\]: unknown options \['learning_rate'\]"):
+    with pytest.raises(ValueError, match=r"bad\.toml \[train\]\.learning_rate: unknown option; "
+                                         r"\[train\] takes .*\blr\b"):
         run_recipe(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     bad.write_text("[trainer]\nlr = 1\n")
@@ -54,6 +60,123 @@ def test_bad_recipes_fail_before_any_work(tmp_path):
         load_recipe(bad)
     with pytest.raises(FileNotFoundError, match="not a built-in recipe"):
         load_recipe("no-such-recipe")
+    bad.write_text("train = 3\n")
+    with pytest.raises(ValueError, match=r"bad\.toml: train = 3 is not a table; write its options under \[train\]"):
+        load_recipe(bad)
+
+
+def test_unknown_recipe_and_scale_keys_are_refused(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[recipe]\ntargt = "org/model"\n\n[prepare]\n')
+    with pytest.raises(ValueError, match=r"bad\.toml \[recipe\]\.targt: unknown key \(did you mean 'target'\?\); "
+                                         r"\[recipe\] takes description, name, out, target$"):
+        run_recipe(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    recipe = load_recipe("demo")
+    with pytest.raises(ValueError, match=r"^--set recipe\.targt=x \(recipe demo\): unknown key \(did you mean 'target'"):
+        validate(apply_overrides(recipe, ["recipe.targt=x"]), "demo", overridden(["recipe.targt=x"]))
+    for scale, error in [
+            ('multiplier = ["regen.num_samples"]', r"\[scale\]\.multiplier: unknown key \(did you mean 'multiply'\?\)"),
+            ('multiply = ["regen.num_sample"]', r"\[scale\]\.multiply: 'regen\.num_sample' names no stage option "
+                                                r"\(did you mean 'regen\.num_samples'\?\); write STAGE\.OPTION"),
+            ('multiply = ["sample.num_samples"]', r"\[scale\]\.multiply: 'sample\.num_samples' names no stage option"),
+            ('multiply = ["regen.data"]', r"\[scale\]\.multiply: 'regen\.data' is a str option, not a number; "
+                                          r".* remove it from multiply"),
+            ('multiply = "regen.num_samples"', r"\[scale\]\.multiply: \"regen\.num_samples\" is a str, expected list of "
+                                               r"str; write \[\"regen\.num_samples\"\]")]:
+        bad.write_text(f"[scale]\n{scale}\n\n[regen]\nnum_samples = 4\n")
+        with pytest.raises(ValueError, match=r"bad\.toml " + error):
+            run_recipe(bad, tmp_path / "out", scale=2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_option_types_are_checked_before_any_stage(tmp_path):
+    bad = tmp_path / "bad.toml"
+    recipe = '[prepare]\ndata = "chats.jsonl"\n\n[extract]\n\n[train]\ntotal_steps = "4"\nlr = 1\n'
+    bad.write_text(recipe)
+    with pytest.raises(ValueError, match=r'bad\.toml \[train\]\.total_steps: "4" is a str, expected int or None; '
+                                         r'write 4$'):
+        run_recipe(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # prepare and extract did not run
+    fixed = apply_overrides(load_recipe(bad), ["train.total_steps=4"])
+    validate(fixed, bad)  # an int where a float is expected (lr = 1) is fine
+    with pytest.raises(ValueError, match=r'^--set train\.total_steps=abc \(recipe .*bad\.toml\): "abc" is a str, '
+                                         r'expected int or None; give it a value of that type$'):
+        run_recipe(bad, tmp_path / "out", overrides=["train.total_steps=abc"])
+    for table, option, error in [
+            ("eval", 'methods = "chain,tree"', r'\[eval\]\.methods: "chain,tree" is a str, expected list of str; '
+                                               r'write \["chain", "tree"\]'),
+            ("eval", "depth = 2.5", r"\[eval\]\.depth: 2\.5 is a float, expected int"),
+            ("train", "ttt_steps = true", r"\[train\]\.ttt_steps: true is a bool, expected int"),
+            ("train", "aux_layer_ids = 3", r"\[train\]\.aux_layer_ids: 3 is a int, expected list of int or None; "
+                                           r"write \[3\]"),
+            ("regen", "temperature = \"0\"", r'\[regen\]\.temperature: "0" is a str, expected float; write 0')]:
+        bad.write_text(f"[{table}]\n{option}\n")
+        with pytest.raises(ValueError, match=r"bad\.toml " + error):
+            validate(load_recipe(bad), bad)
+    bad.write_text('[regen]\ndata = "sharegpt"\n\n[prepare]\ndata = "chats.jsonl"\n')
+    with pytest.raises(ValueError, match=r"bad\.toml \[prepare\]\.data: set, but this recipe regenerates"):
+        run_recipe(bad, tmp_path / "out")  # before regen runs, not after
+
+
+def test_a_stage_without_its_input_is_refused_up_front(tmp_path):
+    bad = tmp_path / "bad.toml"
+    out = tmp_path / "out"
+    for tables, error in [
+            ("[prepare]\n[train]\n", r"\[train\] reads the output of extract \(.*data\), but the recipe has no "
+                                      r"\[extract\] table and .* holds no finished extract; add the table \[extract\] "
+                                      r"\(an empty one takes its defaults\) or set online = true in \[train\]"),
+            ("[extract]\n[check]\n", r"\[extract\] reads the output of prepare .* add the table \[prepare\]"),
+            ("[train]\nonline = true\n", r"\[train\] reads the output of prepare .* add the table \[prepare\]"),
+            ("[eval]\n", r"\[eval\] reads the output of train .* add the table \[train\]")]:
+        bad.write_text(tables)
+        with pytest.raises(ValueError, match=r"bad\.toml: " + error):
+            run_recipe(bad, out)
+    bad.write_text('[prepare]\ndata = "chats.jsonl"\n[extract]\n[check]\n')
+    with pytest.raises(ValueError, match=r"^--only check,extract: extract reads the output of prepare \(.*prepared\), "
+                                         r"which is not finished in .*; add prepare to --only$"):
+        run_recipe(bad, out, only=["check", "extract"])
+    with pytest.raises(ValueError, match=r"^--only train: train reads the output of extract .*; add "
+                                         r"regen,prepare,extract to --only$"):
+        run_recipe("demo", out, only=["train"])  # the whole chain at once, not one rerun per stage
+    assert not out.exists()
+    # a stage outside the recipe that finished in OUT earlier provides its output
+    formats.write_json_atomic(Paths(out).marker("extract"), {"options": {}, "result": {}, "seconds": 1.0})
+    bad.write_text("[train]\n")
+    assert plan_stages(load_recipe(bad), Paths(out), None, bad) == {"train": "run"}
+
+
+def test_a_changed_target_is_refused_before_any_stage(tiny_target, tmp_path, capsys):
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"id": f"c{i}", "messages": CHATS[i % 3]} for i in range(3)])
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[recipe]\ntarget = "{target}"\n\n[prepare]\ndata = "{chats}"\nmax_length = 256\n')
+    out = tmp_path / "run"
+    run_recipe(recipe, out)
+    marker = out / "stages" / "prepare.json"
+    ran_with = formats.read_json(marker)["target"]
+    assert ran_with["name"] == str(target.resolve()) and ran_with["revision"]
+    assert formats.read_json(out / "summary.json")["target"] == ran_with
+
+    other = shutil.copytree(target, tmp_path / "other")
+    with pytest.raises(ValueError, match=rf"^{marker}: prepare ran with target {target} \(revision \w+\), this run's "
+                                         rf"is {other} \(revision \w+\); use another --out for this target, or delete "
+                                         rf"{out} to start over$"):
+        run_recipe(recipe, out, overrides=[f'recipe.target="{other}"'])
+    (target / "generation_config.json").write_text("{}")  # same folder, other weights: another revision
+    with pytest.raises(ValueError, match=rf"prepare ran with target {target} \(revision {ran_with['revision']}\), "
+                                         rf"this run's is {target} \(revision (?!{ran_with['revision']})\w+\)"):
+        run_recipe(recipe, out)
+
+    # a marker from before markers recorded their target is reused, with a note, and left as it is
+    record = formats.read_json(marker)
+    del record["target"]
+    formats.write_json_atomic(marker, record)
+    capsys.readouterr()
+    again = run_recipe(recipe, out)
+    assert again.stages["prepare"]["reused"]
+    assert f"note: {marker} does not record its target" in capsys.readouterr().out
+    assert "target" not in formats.read_json(marker)
 
 
 def test_pipeline_on_tiny_target_resumes_and_refuses_changed_options(tiny_target, tmp_path, capsys):

@@ -87,6 +87,13 @@ def read_out(path: Path) -> dict[str, dict]:
     return by_id
 
 
+def last_line(stderr: str) -> str:
+    """The message main() ends with, after the progress bar's redraws (one line: nothing but a bar before it)."""
+    lines = stderr.rstrip("\n").split("\n")
+    assert all(line.startswith("regen: ") or "\r" in line for line in lines[:-1]), lines
+    return lines[-1]
+
+
 def answers(rec: dict) -> list[str]:
     return [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
 
@@ -95,7 +102,8 @@ class StandIn:
     """An OpenAI-compatible chat server on 127.0.0.1 answering deterministically: the answer
     is a function of the last user message and the assistant turns in the history. Markers in
     the user message script failures: FLAKY (first try 500), BUSY (first try 429 +
-    Retry-After), SLOW (first try sleeps past the client's timeout), BAD (always 400)."""
+    Retry-After), SLOW (first try sleeps past the client's timeout), BAD (always 400), EMPTY /
+    BLANK / NULL (first try answers "", whitespace, null content)."""
 
     def __init__(self):
         self.requests: list[dict] = []
@@ -144,11 +152,13 @@ class StandIn:
                     return self.reply(429, {"error": "rate limited"}, {"Retry-After": "0"})
                 if tries == 1 and "SLOW" in user:
                     threading.Event().wait(1.0)
-                text = stand_in.answer(req["messages"])
+                empty = {"EMPTY": "", "BLANK": " \n ", "NULL": None}
+                first_try = [v for k, v in empty.items() if k in user] if tries == 1 else []
+                text = first_try[0] if first_try else stand_in.answer(req["messages"])
                 self.reply(200, {"id": "x", "object": "chat.completion", "model": req["model"],
                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                               "finish_reason": "stop"}],
-                                 "usage": {"prompt_tokens": 1, "completion_tokens": len(text.split()),
+                                 "usage": {"prompt_tokens": 1, "completion_tokens": len((text or "").split()),
                                            "total_tokens": 1}})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -420,3 +430,127 @@ def test_max_turns_keeps_the_first_answers(stand_in, tmp_path):
         assert rec["messages"][-1]["role"] == "assistant"  # later user turns are dropped with their answers
     with pytest.raises(ValueError, match="--max-turns 0"):
         endpoint_regen(data, tmp_path / "out2.jsonl", stand_in, max_turns=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures that must not pass for success
+# ---------------------------------------------------------------------------------------------
+
+def test_every_chat_failing_is_an_error(stand_in, tmp_path, capsys):
+    """Nothing written and every chat failed: exit 2 with one line naming the errors file, the
+    count and the first reason. (Some chats written, some failed: success, as the retries test shows.)"""
+    records = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"BAD {i}"},
+                                            {"role": "assistant", "content": "x"}]} for i in range(3)]
+    data = write_jsonl(tmp_path / "chats.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    argv = ["regen", "--data", str(data), "--out", str(out), "--backend", "openai", "--base-url", stand_in.url,
+            "--max-retries", "0"]
+    assert main(argv) == 2
+    err = last_line(capsys.readouterr().err)
+    assert err.startswith("eaglet regen: error: ")
+    assert str(regen.errors_path(out)) in err and "all 3 chats failed" in err
+    assert "HTTP 400" in err and "prompt is too long" in err and "--resume" in err
+    assert len(regen.errors_path(out).read_text().splitlines()) == 3
+    with pytest.raises(regen.AllChatsFailed):  # the same on a resume, while OUT holds no chat
+        endpoint_regen(data, out, stand_in, resume=True, max_retries=0)
+
+
+def test_endpoint_empty_answer_fails_the_chat_and_resume_retries_it(stand_in, tmp_path):
+    """An empty, whitespace-only or null answer is a failure of its chat, at once (no retry
+    within the run), not a finished chat; the resume asks again and writes the answers."""
+    def chat(cid: str, *users: str) -> dict:
+        return {"id": cid, "messages": [m for u in users for m in ({"role": "user", "content": u},
+                                                                   {"role": "assistant", "content": "x"})]}
+
+    data = write_jsonl(tmp_path / "chats.jsonl", [
+        chat("ok", "plain"), chat("empty", "EMPTY one"), chat("blank", "BLANK one"), chat("null", "NULL one"),
+        chat("later", "fine first", "then EMPTY")])
+    out = tmp_path / "out.jsonl"
+    s = endpoint_regen(data, out, stand_in)
+    assert set(read_out(out)) == {"ok"} and s.written == 1 and s.failed == 4
+    errors = {e["id"]: e["reason"] for e in map(json.loads, regen.errors_path(out).read_text().splitlines())}
+    assert set(errors) == {"empty", "blank", "null", "later"}
+    assert all("empty answer" in r for r in errors.values()) and errors["later"].startswith("turn 1: empty answer")
+    assert all(stand_in.tries[u] == 1 for u in ("EMPTY one", "BLANK one", "NULL one", "then EMPTY"))
+
+    s2 = endpoint_regen(data, out, stand_in, resume=True)
+    assert s2.already_done == 1 and s2.written == 4 and s2.failed == 0
+    recs = read_out(out)
+    assert set(recs) == {"ok", "empty", "blank", "null", "later"}
+    assert all(a.strip() for r in recs.values() for a in answers(r))
+
+
+def test_local_empty_answer_fails_the_chat(lively_target, tmp_path, monkeypatch):
+    """Local: a turn whose first generated token is the stop token fails its chat (a later turn
+    too: the chat is not written cut short), and the resume regenerates it."""
+    records = [{"id": r["id"], "messages": [dict(m) for m in r["messages"]]}
+               for r in map(json.loads, chats_file(tmp_path / "plain.jsonl", 4).read_text().splitlines())]
+    records[0]["messages"][0]["content"] += " EMPTY"  # c0: turn 0
+    records[1]["messages"][3]["content"] += " EMPTY"  # c1: turn 1
+    data = write_jsonl(tmp_path / "chats.jsonl", records)
+    real_generate = regen.LocalGenerator.generate
+
+    def generate(gen, prompts):
+        # What a row that starts with the stop token becomes: split, then decoded.
+        kept, reason, count = regen.split_at_stop([min(gen.stop_ids)], gen.stop_ids)
+        stopped = regen.Turn(gen.tokenizer.decode(kept, skip_special_tokens=True), reason, count)
+        turns = real_generate(gen, prompts)
+        return [stopped if "EMPTY" in gen.tokenizer.decode(p) else t for p, t in zip(prompts, turns)]
+
+    out = tmp_path / "out.jsonl"
+    kw = {"dtype": "fp32", "device": "cpu", "max_new_tokens": 4, "progress_bar": False}
+    with monkeypatch.context() as m:
+        m.setattr(regen.LocalGenerator, "generate", generate)
+        s = regen.regenerate(str(data), out, str(lively_target), **kw)
+    assert set(read_out(out)) == {"c2", "c3"} and s.failed == 2 and s.cut_short == 0
+    assert s.errors == {"empty answer (finish_reason stop), nothing to train on": 2}  # one kind, two turns
+    errors = {e["id"]: e["reason"] for e in map(json.loads, regen.errors_path(out).read_text().splitlines())}
+    assert errors == {"c0": "turn 0: " + regen.empty_answer(regen.Turn("", "stop", 1)),
+                      "c1": "turn 1: " + regen.empty_answer(regen.Turn("", "stop", 1))}
+    s2 = regen.regenerate(str(data), out, str(lively_target), resume=True, **kw)
+    assert s2.written == 2 and set(read_out(out)) == {"c0", "c1", "c2", "c3"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C: the message names what continues the stage
+# ---------------------------------------------------------------------------------------------
+
+def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, capsys, monkeypatch):
+    from eaglet import cli
+
+    data = chats_file(tmp_path / "chats.jsonl", 6)
+    out = tmp_path / "out.jsonl"
+    argv = ["regen", "--data", str(data), "--out", str(out), "--backend", "openai", "--base-url", stand_in.url,
+            "--concurrency", "1"]
+    real = regen.regen_conversation_remote
+
+    def ctrl_c_at_c3(ep, conv, *rest):
+        if conv.id == "c3":
+            raise KeyboardInterrupt
+        return real(ep, conv, *rest)
+
+    with monkeypatch.context() as m:
+        m.setattr(regen, "regen_conversation_remote", ctrl_c_at_c3)
+        assert main(argv) == 130
+    assert last_line(capsys.readouterr().err) == ("eaglet regen: interrupted; every finished chat in --out is kept; "
+                                                  "the same command with --resume skips them and continues")
+    kept = set(read_out(out))
+    assert kept and "c3" not in kept
+    assert main(argv) == 2 and "--resume" in capsys.readouterr().err  # the plain same command is refused...
+    assert main(argv + ["--resume"]) == 0  # ...the one the message names finishes the job
+    assert set(read_out(out)) == {f"c{i}" for i in range(6)}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("eaglet.train.train", interrupted)
+    train_argv = ["train", str(tmp_path / "data"), "--out", str(tmp_path / "run")]
+    assert main(train_argv) == 130
+    assert last_line(capsys.readouterr().err) == ("eaglet train: interrupted; checkpoints up to the last save are "
+                                                  "kept; the same command with --resume continues from the latest")
+    assert main(train_argv + ["--resume"]) == 130
+    assert last_line(capsys.readouterr().err).endswith("; the same command continues from the latest")  # has it
+
+    # Every stage has its own advice, one line each.
+    assert set(cli.INTERRUPTED) == set(cli.build_parser().stage_parsers)
+    assert all("\n" not in text for text in cli.INTERRUPTED.values())

@@ -294,12 +294,19 @@ def test_evaluate_heldout_measures_any_drafter_on_a_datasets_split(dataset, tmp_
     assert r["acc"] == pytest.approx(last["acc"]) and r["positions"] == last["positions"]
 
 
-def test_auto_dtype_is_bf16_only_where_fast():
-    from eaglet.cli import parse_duration
-    from eaglet.target import fast_bf16, parse_dtype
+def test_auto_dtype_is_bf16_only_where_fast(monkeypatch):
+    from eaglet.options import parse_duration
+    from eaglet.target import FAST_BF16_ENV, fast_bf16, parse_dtype
 
-    expected = torch.bfloat16 if fast_bf16("cpu") else torch.float32
-    assert parse_dtype("auto", "cpu") == expected and parse_dtype("fp32", "cpu") == torch.float32
+    for flag, expected in (("1", torch.bfloat16), ("0", torch.float32)):
+        monkeypatch.setenv(FAST_BF16_ENV, flag)
+        assert fast_bf16("cpu") == (flag == "1") and parse_dtype("auto", "cpu") == expected
+    assert parse_dtype("fp32", "cpu") == torch.float32
+    monkeypatch.setenv(FAST_BF16_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{FAST_BF16_ENV}='yes': set it to 1"):
+        fast_bf16("cpu")
+    monkeypatch.delenv(FAST_BF16_ENV)  # the detection itself answers without error on any machine
+    assert isinstance(fast_bf16("cpu"), bool)
     assert (parse_duration("90"), parse_duration("1.5m"), parse_duration("2h")) == (90.0, 90.0, 7200.0)
 
 

@@ -54,9 +54,12 @@ STRAY_FILE = "stray file"
 BROKEN_LINK = "broken link"
 TABLE_ROW = "file vs table row"  # speculators' layout: a hs_{i} file against row i of its Arrow table
 STORED_TEACHER = "stored teacher"  # the compact layout's top-K of the target
+CHECKSUM = "checksum mismatch"  # the compact layout's tensors against the checksums written with them
+AUX_CODES = "impossible aux codes"  # the compact layout's 6-bit codes and scales no encoder output has
 NO_FILES = "no hidden-state files"
 LAYER_IDENTITY = "layer identity"
 MASK_TEMPLATE = "mask vs chat template"
+TOO_LONG = "longer than the target"  # more tokens than the target has positions
 NOT_CHECKED = "not checked"
 
 ERROR, WARNING = "error", "warning"
@@ -104,6 +107,7 @@ class Expect:
     vocab_size: int | None = None
     source: str = "data_config.json"  # where these expectations come from (said in messages)
     teacher_top_k: int | None = None  # the compact layout's K (data_config.json)
+    compact_version: int | None = None  # the compact layout's version (data_config.json): 1 has no checksums
     gen_prompt_ids: list[int] | None = None  # the chat template's generation prompt, tokenized
     eot_ids: frozenset[int] = frozenset()  # special tokens that can end an assistant turn
 
@@ -209,8 +213,7 @@ class CheckReport:
 # What torch's weights-only unpickler says when a file asks for an object outside its
 # allow-list (a class, a function to call). Garbage bytes also raise UnpicklingError, but with
 # "Unsupported operand" and the like: those are corrupt files, not unsafe ones.
-UNSAFE_PICKLE_MARKERS = ("Unsupported global", "unsupported GLOBAL", "Can only create new object",
-                         "Can only build Tensor")
+UNSAFE_PICKLE_MARKERS = formats.PICKLED_CODE_MARKERS  # torch's words for a pickle that needs code
 
 
 def is_unsafe_pickle_error(e: BaseException) -> bool:
@@ -241,7 +244,9 @@ def load_raw(path: Path, fmt: str) -> Any:
         return TableSample(tensors, row, rows, formats.speculators_row(folder, row) if row < rows else None)
     if fmt == formats.FORMAT_SPECFORGE:
         return formats.read_specforge_sample(path)
-    if fmt in (formats.FORMAT_HS_SAFETENSORS, formats.FORMAT_COMPACT):
+    if fmt == formats.FORMAT_COMPACT:
+        return formats.read_compact_file(path)
+    if fmt == formats.FORMAT_HS_SAFETENSORS:
         return formats.read_safetensors(path)
     return formats.torch_load_safe_mmap(path)
 
@@ -348,8 +353,39 @@ COMPACT_DTYPES = {"aux_codes": (torch.uint8,), "aux_scales": (torch.float16,), "
                   "input_ids": (torch.int32, torch.int64)}
 
 
-def compact_sample(obj: dict[str, torch.Tensor], rel: str) -> tuple[Sample | None, list[Problem]]:
-    """The dequantized aux states and the stored teacher, after the layout's keys, dtypes and shapes."""
+def checksum_problems(f: formats.CompactFile, exp: Expect, rel: str) -> list[Problem]:
+    """One per tensor whose bytes do not match the checksum written with the file (a version-1
+    dataset's files carry none: data_config.json's warning says so once)."""
+    if exp.compact_version == formats.COMPACT_UNCHECKED_VERSION and not formats.has_compact_checksums(f.metadata):
+        return []
+    return [Problem(CHECKSUM, rel, f"{why}; {formats.COMPACT_REWRITE_FILE}")
+            for why in formats.compact_checksum_problems(f)]
+
+
+def impossible_codes_problem(codes: torch.Tensor, scales: torch.Tensor, aux: torch.Tensor,
+                             rel: str) -> Problem | None:
+    """The aux groups [T, 3, H/32] whose codes and scale the encoder cannot have written, by row
+    (`aux`: the states they dequantize to)."""
+    bad = formats.impossible_fp6_groups(codes, scales, aux)
+    if not bad.any():
+        return None
+    t, s, g = (int(i) for i in bad.nonzero()[0])
+    n, scale = formats.FP6_GROUP, float(scales[t, s, g])
+    top = int((formats.unpack_6bit(codes[t, s]) & 31).reshape(-1, n)[g].max())
+    why = ("a negative scale, which the encoder never writes" if math.copysign(1.0, scale) < 0 else
+           f"scale 0 with codes up to magnitude {top}, but at scale 0 the encoder writes only +-0" if scale == 0 else
+           f"largest code magnitude {top} at scale {scale:.3g}, but the encoder stores each group's largest value "
+           "as 31 (E3M2's largest)")
+    rows = bad.flatten(1).any(1).nonzero().flatten().tolist()
+    return Problem(AUX_CODES, rel, f"aux row {t}, state {s}, values {g * n}..{(g + 1) * n - 1}: {why} "
+                                   f"({int(bad.sum())} such groups, rows {fmt_rows(rows)}); "
+                                   + formats.COMPACT_REWRITE_FILE)
+
+
+def compact_sample(f: formats.CompactFile, rel: str) -> tuple[Sample | None, list[Problem]]:
+    """The dequantized aux states and the stored teacher, after the layout's keys, dtypes and shapes
+    and its codes' invariants."""
+    obj = f.tensors
     p = keys_problem(obj, formats.COMPACT_KEYS, (), rel)
     if p and any(k not in obj for k in formats.COMPACT_KEYS):
         return None, [p]
@@ -363,6 +399,7 @@ def compact_sample(obj: dict[str, torch.Tensor], rel: str) -> tuple[Sample | Non
     except ValueError as e:
         return None, probs + [Problem(WRONG_SHAPE, rel, str(e).removeprefix(f"{rel}: "))]
     aux = formats.dequantize_fp6(obj["aux_codes"], obj["aux_scales"])
+    probs += [q for q in [impossible_codes_problem(obj["aux_codes"], obj["aux_scales"], aux, rel)] if q]
     teacher = formats.StoredTeacher(obj["teacher_ids"], obj["teacher_log_probs"])
     return Sample(obj["input_ids"], obj["loss_mask"], list(aux.unbind(1)), teacher), probs
 
@@ -545,6 +582,8 @@ def check_file(index: int, path: Path, root: Path, exp: Expect) -> FileResult:
         res.problems.append(load_problem(e, rel))
         return res
     res.readable = True
+    damage = checksum_problems(obj, exp, rel) if isinstance(obj, formats.CompactFile) else []
+    res.problems += damage
     try:
         sample, probs = to_sample(obj, exp.format, rel)
     except Exception as e:
@@ -560,7 +599,7 @@ def check_file(index: int, path: Path, root: Path, exp: Expect) -> FileResult:
         res.hidden_size, res.dtype = int(sample.states[0].shape[1]), formats_dtype_name(sample.states[0].dtype)
     if not is_int_tensor(sample.input_ids) or sample.input_ids.dim() != 1:
         return res
-    res.schema_ok = not schema and not probs
+    res.schema_ok = not schema and not probs and not damage  # damaged bytes: no recompute can judge them
     ids = sample.input_ids
     res.length = T = int(ids.shape[0])
     if T and exp.vocab_size is not None:
@@ -647,6 +686,9 @@ def read_config(root: Path, fmt: str | None) -> tuple[dict | None, list[Problem]
     version_problem = formats.compact_version_problem(cfg) if fmt == formats.FORMAT_COMPACT else None
     if version_problem:
         probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, version_problem))
+    version_warning = formats.compact_version_warning(cfg) if fmt == formats.FORMAT_COMPACT else None
+    if version_warning:
+        probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, version_warning, WARNING))
     for key in ("hidden_size", "vocab_size"):
         if key in cfg and not isinstance(cfg[key], int):
             probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} {cfg[key]!r}: expected an int"))
@@ -660,7 +702,8 @@ def expect_from_config(cfg: dict, fmt: str) -> Expect:
                   len(ids) - compact if isinstance(ids, list) else None,
                   None if compact else cfg.get("hidden_states_dtype"),
                   cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None,
-                  teacher_top_k=(cfg.get("compact") or {}).get("teacher_top_k") if compact else None)
+                  teacher_top_k=(cfg.get("compact") or {}).get("teacher_top_k") if compact else None,
+                  compact_version=(cfg.get("compact") or {}).get("version") if compact else None)
 
 
 def expect_from_file(first: FileResult, fmt: str, vocab_size: int | None) -> Expect:
@@ -1007,6 +1050,42 @@ def identity_check(report: CheckReport, root: Path, exp: Expect, model, files: l
                                            f"{acc[3] / acc[0]:.1%} of masked positions ({len(files)} sampled files)"))
 
 
+def too_long_problems(results: list[FileResult], model) -> list[Problem]:
+    """Samples longer than the target's positions: states the target never makes in use."""
+    from eaglet.decode import max_positions
+
+    limit = max_positions(model)
+    return [Problem(TOO_LONG, r.path, f"{r.length} tokens, the target has {limit} positions "
+                                      f"(max_position_embeddings): prepare with --max-length {limit} or less")
+            for r in results if r.length is not None and r.length > limit]
+
+
+def layer_identity_problems(root: Path, fmt: str, sample: Path, model, layer_ids: list[int],
+                            last_convention: str) -> list[Problem]:
+    """The layer-identity errors `eaglet check --target` would report for one file, with the
+    target already loaded: train runs this before spending hours on states whose recorded
+    layer ids are not what the files hold (an edited data_config.json trains a drafter that the
+    engines feed other layers, and that is then never accepted)."""
+    report = CheckReport(str(root))
+    probe = FileResult(0, str(sample.relative_to(root)), 0, schema_ok=True, length=1)
+    with torch.inference_mode():
+        identity_check(report, root, Expect(fmt), model, [probe], layer_ids, last_convention,
+                       next(model.parameters()).device)
+    return [p for p in report.problems if p.kind == LAYER_IDENTITY and p.severity == ERROR]
+
+
+def target_revision_problem(cfg: dict | None, ref) -> Problem | None:
+    """The data records the revision (content hash) of the target it came from; a target of other
+    weights explains every identity mismatch that follows, so it is said first, in one line."""
+    recorded = (cfg or {}).get("target_revision")
+    if not recorded or recorded == ref.revision:
+        return None
+    return Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
+                   f"target_revision {recorded} ({(cfg or {}).get('target', '?')}) is not the revision of the target "
+                   f"checked against, {ref.name} ({ref.revision}): other weights, so no stored state will match; "
+                   "check against the target the data was extracted with")
+
+
 def load_target_for_check(spec: str, cfg: dict | None):
     """(ref, tokenizer, model, device). Recompute in the recorded compute dtype, as extraction did."""
     from eaglet.target import load_target, load_tokenizer, parse_dtype, pick_device, resolve_target
@@ -1077,6 +1156,7 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
         try:
             ref, tokenizer, model, device = load_target_for_check(spec, cfg)
             report.target = ref.name
+            report.problems += [p for p in [target_revision_problem(cfg, ref)] if p]
         except Exception as e:
             # --target asks for these checks: one that cannot run is not a pass. A target merely
             # recorded in data_config.json may live on another machine: then a warning.
@@ -1147,6 +1227,8 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
         report.problems += token_freq_problems(recorded_freq, list(unique.values()))
     if cfg is not None:
         report.problems += config_totals_problems(cfg, list(unique.values()))
+    if model is not None:
+        report.problems += too_long_problems(list(unique.values()), model)
     report.problems += rms_outlier_problems(results)
 
     layer_ids = (cfg or {}).get("layer_ids")

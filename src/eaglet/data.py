@@ -21,10 +21,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from eaglet import embedded, ranges
 from eaglet.formats import PREPARED_FILE, PreparedWriter, TokenizedSample
+
+if TYPE_CHECKING:
+    from eaglet.target import TargetRef
 
 log = logging.getLogger(__name__)
 
@@ -49,22 +53,48 @@ class TemplateSpanError(ValueError):
 # Reading records
 # ---------------------------------------------------------------------------------------------
 
+class Tally(Counter):
+    """Counts by reason, and where each reason first happened: the user fixes that record and
+    knows what the others look like."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.first: dict[str, str] = {}  # reason -> "file:line (id ...)" or "file[index] (id ...)"
+
+    def add(self, reason: str, where: str | None) -> None:
+        self[reason] += 1
+        if where:
+            self.first.setdefault(reason, where)
+
+    def lines(self, title: str) -> list[str]:
+        return [f"{title}: {reason}: {n}" + (f" (first: {self.first[reason]})" if reason in self.first else "")
+                for reason, n in self.most_common()]
+
+
 @dataclass
 class ReadStats:
     records: int = 0
-    skipped: Counter = field(default_factory=Counter)  # reason -> records skipped
-    trimmed: Counter = field(default_factory=Counter)  # reason -> records cut short but kept
-    dropped_roles: Counter = field(default_factory=Counter)  # unknown role -> messages dropped
+    skipped: Tally = field(default_factory=Tally)  # reason -> records skipped
+    trimmed: Tally = field(default_factory=Tally)  # reason -> records cut short but kept
+    dropped_roles: Tally = field(default_factory=Tally)  # unknown role -> messages dropped
     truncated_input: bool = False
+    where: str | None = None  # the record being read: what a count names as its first case
+
+    def skip(self, reason: str) -> None:
+        self.skipped.add(reason, self.where)
+
+    def trim(self, reason: str) -> None:
+        self.trimmed.add(reason, self.where)
 
 
-def iter_json_array(path: Path, stats: ReadStats) -> Iterator[Any]:
-    """Stream the items of a JSON array; a file cut off mid-record yields every complete one."""
+def iter_json_array(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
+    """Stream `(where, item)` of a JSON array; a file cut off mid-record yields every complete one."""
     import ijson
 
     with open(path, "rb") as f:
         try:
-            yield from ijson.items(f, "item", use_float=True)
+            for n, item in enumerate(ijson.items(f, "item", use_float=True)):
+                yield f"{path}[{n}]", item
         except ijson.IncompleteJSONError as e:
             if not array_is_closed(path):  # the file really ends early: a cut-off download or copy
                 stats.truncated_input = True
@@ -87,26 +117,29 @@ def array_is_closed(path: Path) -> bool:
         return f.read().rstrip().endswith(b"]")
 
 
-def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[Any]:
-    """Records of a JSONL file; a line that is not UTF-8 or not JSON is skipped and counted, the
-    first of each kind named with its line number."""
+def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
+    """`(where, record)` of a JSONL file; a line that is not UTF-8 or not JSON is skipped and
+    counted, the first of each kind named with its line number."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
                 if not line.strip():
                     continue
-                yield json.loads(line)
+                record = json.loads(line)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 reason = "line not UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON line"
                 stats.records += 1
-                stats.skipped[reason] += 1
+                stats.skipped.add(reason, f"{path}:{line_no}")
                 if stats.skipped[reason] == 1:
                     log.warning("%s:%d: %s skipped (%s; later ones are only counted)", path, line_no, reason, e)
+                continue
+            yield f"{path}:{line_no}", record
 
 
 def iter_records(source: str, stats: ReadStats) -> Iterator[tuple[str, Any]]:
-    """Yield `(sample_id, raw record)` from `sharegpt` (embedded), a .json array or a .jsonl file."""
+    """Yield `(sample_id, raw record)` from `sharegpt` (embedded), a .json array or a .jsonl file;
+    `stats.where` names the record yielded last (file:line, or file[index], and its id)."""
     path = embedded.sharegpt_json() if source == EMBEDDED_SHAREGPT else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {source}: no such file")
@@ -116,9 +149,10 @@ def iter_records(source: str, stats: ReadStats) -> Iterator[tuple[str, Any]]:
             head = f.read(4096).lstrip()
         is_array = head.startswith(b"[")
     items = iter_json_array(path, stats) if is_array else iter_jsonl(path, stats)
-    for n, rec in enumerate(items):
+    for n, (where, rec) in enumerate(items):
         stats.records += 1
         rid = rec.get("id") if isinstance(rec, dict) else None
+        stats.where = where if rid is None else f"{where} (id {rid})"
         yield (str(rid) if rid is not None else f"{path.name}:{n}"), rec
 
 
@@ -142,7 +176,7 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
             return f"message without a string '{role_key}'"
         role = ROLE_ALIASES.get(turn[role_key].strip().lower())
         if role is None:
-            stats.dropped_roles[turn[role_key]] += 1
+            stats.dropped_roles.add(turn[role_key], stats.where)
             continue
         text = turn.get(text_key)
         if not isinstance(text, str):
@@ -153,12 +187,12 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
             continue
         if role != expected:
             if not messages or messages[-1]["role"] == SYSTEM:
-                stats.trimmed["leading non-user messages dropped (counted per message)"] += 1
+                stats.trim("leading non-user messages dropped (counted per message)")
                 continue
-            stats.trimmed["roles stop alternating: cut there"] += 1
+            stats.trim("roles stop alternating: cut there")
             break
         if not text.strip():
-            stats.trimmed["empty message: cut there"] += 1
+            stats.trim("empty message: cut there")
             break
         messages.append({"role": role, "content": text})
     while messages and messages[-1]["role"] != ASSISTANT:
@@ -253,6 +287,74 @@ def tokenize_chat(tokenizer, messages: list[Message], special_ids: set[int] | No
 # The stage
 # ---------------------------------------------------------------------------------------------
 
+DEFAULT_MAX_LENGTH = 2048  # prepare's --max-length when none is given, capped at the target's positions
+TRUNCATED_AWAY = "no assistant token left after truncation to --max-length"
+
+
+def target_text_config(ref: TargetRef) -> Any:
+    """The target's config (its text model's, for a multimodal one), read without the weights."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(ref.path).get_text_config()
+
+
+def position_limit(config: Any) -> int:
+    """How many positions the target holds: max_position_embeddings of its config.
+
+    That is the real limit, what the model computes: the tokenizer's model_max_length is only a
+    hint, a placeholder (1e30) in many tokenizers and smaller than the config in others whose
+    models run the config's length."""
+    from eaglet.decode import max_positions
+
+    return max_positions(SimpleNamespace(config=config))  # it reads only `.config`: no weights loaded
+
+
+def config_where(ref: TargetRef) -> str:
+    """Where the target's config lives, for a message."""
+    folder = Path(ref.path)
+    return str(folder / "config.json") if folder.is_dir() else f"the config.json of {ref.name}"
+
+
+def checked_max_length(max_length: int | None, limit: int, ref: TargetRef) -> int:
+    """`--max-length`, or the default capped at the target's positions; longer than they are is refused:
+    extract would run the target past the positions it was trained for."""
+    if max_length is None:
+        return min(DEFAULT_MAX_LENGTH, limit)
+    if max_length > limit:
+        raise ValueError(f"--max-length {max_length}: more than the {limit} positions the target holds "
+                         f"(max_position_embeddings in {config_where(ref)}); pass --max-length {limit} or less")
+    return max_length
+
+
+def reason_lines(stats: ReadStats, template_failures: Tally) -> list[str]:
+    """Every count of records skipped or cut short, by reason, each with its first case."""
+    return [line for title, tally in (("skipped", stats.skipped), ("cut short", stats.trimmed),
+                                      ("dropped messages of role", stats.dropped_roles),
+                                      ("template could not be applied", template_failures))
+            for line in tally.lines(title)]
+
+
+def no_usable_chat(data: str, stats: ReadStats, template_failures: Tally, first_failure: str | None,
+                   max_length: int, skip: int) -> ValueError:
+    """Why not one chat of `data` made a sample, and what to do, in one line."""
+    cut = stats.skipped[TRUNCATED_AWAY]
+    if not stats.records:
+        why = "it holds no chat record"
+    elif skip >= stats.records:
+        why = f"--skip {skip} passes over all {stats.records} records: lower it"
+    elif cut:  # no sample came out, so every chat that got as far as its tokens was cut away
+        others = "" if cut == sum(stats.skipped.values()) and not template_failures else "; the others were skipped"
+        why = (f"every chat was cut to nothing by --max-length {max_length} (no assistant token left in {cut} of "
+               f"{stats.records} records{others}): raise it")
+    else:
+        why = "every record was skipped or failed the template: fix the records named, or use another --data"
+    details = reason_lines(stats, template_failures)
+    if first_failure:
+        details.append(f"first template failure: {first_failure}")
+    return ValueError(f"--data {data}: no usable chat in {stats.records} records read; {why}"
+                      + "".join(f"; {d}" for d in details))
+
+
 @dataclass
 class PrepareSummary:
     out: Path
@@ -261,7 +363,7 @@ class PrepareSummary:
     masked_tokens: int
     stats: ReadStats
     dropped_after_truncation: int
-    template_failures: Counter
+    template_failures: Tally
     missing_eot_turns: int
 
     def lines(self) -> list[str]:
@@ -269,12 +371,7 @@ class PrepareSummary:
         out = [f"prepared {self.samples} samples, {self.tokens} tokens "
                f"({self.masked_tokens} assistant tokens, {self.masked_tokens / max(self.tokens, 1):.1%}) -> {self.out}",
                f"read {s.records} records" + (" (input cut off mid-record; complete records kept)" if s.truncated_input else "")]
-        for title, counter in (("skipped", s.skipped), ("cut short", s.trimmed), ("dropped messages of role", s.dropped_roles),
-                               ("template could not be applied", self.template_failures)):
-            for reason, n in counter.most_common():
-                out.append(f"  {title}: {reason}: {n}")
-        if self.dropped_after_truncation:
-            out.append(f"  skipped: no assistant token left after truncation: {self.dropped_after_truncation}")
+        out += [f"  {line}" for line in reason_lines(s, self.template_failures)]
         if self.missing_eot_turns:
             out.append(f"  warning: {self.missing_eot_turns} assistant turns had no end-of-turn token after them")
         return out
@@ -286,11 +383,12 @@ def template_hash(tokenizer) -> str:
     return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()[:16]
 
 
-def prepare(target: str | None, data: str, out: str | Path, max_length: int = 2048,
+def prepare(target: str | None, data: str, out: str | Path, max_length: int | None = None,
             num_samples: int | None = None, skip: int = 0, command: str = "",
             overwrite: bool = False) -> PrepareSummary:
     """Tokenize chats with the target's template and write the prepared dataset to `out`; a
-    prepared dataset already there is replaced only with `overwrite`."""
+    prepared dataset already there is replaced only with `overwrite`. `max_length` (default
+    DEFAULT_MAX_LENGTH, or the target's positions where fewer) may not exceed the target's positions."""
     from tqdm import tqdm
 
     from eaglet import __version__
@@ -303,14 +401,15 @@ def prepare(target: str | None, data: str, out: str | Path, max_length: int = 20
         raise FileExistsError(f"--out {out} already holds a prepared dataset ({existing.name}); choose another "
                               f"folder, or pass --overwrite to replace it")
     ref = resolve_target(target)
+    max_length = checked_max_length(max_length, position_limit(target_text_config(ref)), ref)
     tokenizer = load_tokenizer(ref)
     if not tokenizer.chat_template:
         raise TemplateSpanError(f"target {ref.name}: tokenizer has no chat template")
     special_ids = special_token_ids(tokenizer)
     stats = ReadStats()
-    template_failures: Counter = Counter()
+    template_failures = Tally()
     first_failure: str | None = None
-    dropped_trunc = missing_eot = 0
+    missing_eot = 0
     bar = tqdm(total=num_samples, desc="prepare", unit="chat", file=sys.stderr, dynamic_ncols=True)
     with PreparedWriter(out) as writer:
         for n, (sample_id, record) in enumerate(iter_records(data, stats)):
@@ -320,30 +419,29 @@ def prepare(target: str | None, data: str, out: str | Path, max_length: int = 20
                 break
             messages = to_messages(record, stats)
             if isinstance(messages, str):
-                stats.skipped[messages] += 1
+                stats.skip(messages)
                 continue
             try:
                 ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids)
             except TemplateSpanError as e:
-                first_failure = first_failure or f"sample {sample_id}: {e}"
-                template_failures[str(e).split(" (")[0]] += 1
+                first_failure = first_failure or f"{stats.where}: {e}"
+                template_failures.add(str(e).split(" (")[0], stats.where)
                 if not writer.samples and sum(template_failures.values()) >= 20:
                     raise TemplateSpanError(f"the first 20 chats all failed; {first_failure}") from e
                 continue
             except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
-                template_failures[f"template raised {type(e).__name__}: {str(e)[:80]}"] += 1
+                template_failures.add(f"template raised {type(e).__name__}: {str(e)[:80]}", stats.where)
                 continue
             missing_eot += no_eot
             ids, mask = ids[:max_length], mask[:max_length]
             if not any(mask):
-                dropped_trunc += 1
+                stats.skip(TRUNCATED_AWAY)
                 continue
             writer.add(TokenizedSample(sample_id, ids, mask))
             bar.update(1)
         bar.close()
         if not writer.samples:
-            raise ValueError(f"--data {data}: no usable chat (records read: {stats.records}; "
-                             f"skipped: {dict(stats.skipped)}; template failures: {first_failure})")
+            raise no_usable_chat(data, stats, template_failures, first_failure, max_length, skip)
     config = {
         "eaglet_version": __version__, "command": command,
         "target": ref.name, "target_spec": target, "target_path": ref.path, "target_revision": ref.revision,
@@ -352,9 +450,9 @@ def prepare(target: str | None, data: str, out: str | Path, max_length: int = 20
         "num_masked_tokens": writer.masked_tokens, "records_read": stats.records,
         "skipped": dict(stats.skipped), "cut_short": dict(stats.trimmed),
         "dropped_roles": dict(stats.dropped_roles), "template_failures": dict(template_failures),
-        "dropped_after_truncation": dropped_trunc, "assistant_turns_without_eot": missing_eot,
+        "dropped_after_truncation": stats.skipped[TRUNCATED_AWAY], "assistant_turns_without_eot": missing_eot,
         "input_cut_off": stats.truncated_input,
     }
     writer.finish(config)
-    return PrepareSummary(Path(out), writer.samples, writer.tokens, writer.masked_tokens, stats, dropped_trunc,
-                          template_failures, missing_eot)
+    return PrepareSummary(Path(out), writer.samples, writer.tokens, writer.masked_tokens, stats,
+                          stats.skipped[TRUNCATED_AWAY], template_failures, missing_eot)

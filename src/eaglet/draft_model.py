@@ -580,7 +580,7 @@ def ttt_loss(out: DraftOutput, teacher: Teacher, positions: torch.Tensor, decay:
 def stats_summary(sums: torch.Tensor) -> dict[str, Any]:
     """Per-step loss/acc and tau from a [4, K] tensor of (loss_sum, correct, count, loss_count)."""
     loss_sum, correct, count, loss_count = (sums[i].tolist() for i in range(STAT_ROWS))
-    loss = [ls / c if c else float("nan") for ls, c in zip(loss_sum, loss_count)]
+    loss = [ls / c if c else None for ls, c in zip(loss_sum, loss_count)]  # None: no position to average (JSON null)
     acc = [cr / c if c else 0.0 for cr, c in zip(correct, count)]
     drafted = [lc / c if c else 0.0 for lc, c in zip(loss_count, count)]
     return {"loss": loss, "acc": acc, "tau": acceptance_length(acc), "positions": count, "drafted": drafted}

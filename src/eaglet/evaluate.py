@@ -510,8 +510,9 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
              num_prompts: int | None = None, methods: Sequence[str] = DEFAULT_METHODS,
              settings: DecodeSettings | None = None, dtype: str = "bf16", device: str | None = None,
              threads: int | None = None, out: str | Path | None = None, plot: bool = True,
-             progress: bool = True) -> EvalResult:
-    """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot."""
+             progress: bool = True, other_target: bool = False) -> EvalResult:
+    """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot.
+    A target whose revision is not the one the drafter records is refused unless `other_target`."""
     from tqdm import tqdm
 
     from eaglet.export import load_drafter_for_target
@@ -527,10 +528,15 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
         s = replace(settings or DecodeSettings())  # a copy: eos ids are filled in below
         dev = pick_device(device)
         torch_dtype = parse_dtype(dtype)
-        drafter, target_spec = None, target
+        drafter, target_spec, trained_for = None, target, None
         if any(m in SPEC_METHODS for m in methods):
-            drafter, target_spec = load_drafter_for_target(drafter_path, target)
+            drafter, target_spec, trained_for = load_drafter_for_target(drafter_path, target)
         ref = resolve_target(target_spec)
+        if trained_for and trained_for != ref.revision and not other_target:
+            raise ValueError(f"{drafter_path}: trained for a target of revision {trained_for}; --target {ref.name} "
+                             f"has revision {ref.revision} (other weights): its figures would not be this drafter's "
+                             "on its own target; pass the drafter's own target, or --other-target to measure it on "
+                             "this one anyway")
         tokenizer = load_tokenizer(ref)
         model = load_target(ref, torch_dtype, dev)
         if drafter is not None:
@@ -567,6 +573,7 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
                         len(skipped), max_positions(model))
 
         config = {"drafter": str(drafter_path), "target": ref.name, "target_revision": ref.revision,
+                  "drafter_target_revision": trained_for,
                   "dtype": dtype, "device": str(dev), "threads": torch.get_num_threads(),
                   "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
                   "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,

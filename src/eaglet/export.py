@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -143,7 +143,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for root in (p / CHECKPOINTS_DIR, p):
         for pointer in (BEST_FILE, LATEST_FILE):
             if (root / pointer).exists():
-                return root / formats.read_json(root / pointer)["path"]
+                folder = root / formats.read_json(root / pointer)["path"]
+                if not (folder / formats.DRAFTER_CONFIG_FILE).exists():
+                    raise FileNotFoundError(f"{root / pointer}: names {folder.name}, which is not a complete "
+                                            "checkpoint (deleted or changed by hand); `eaglet train DATA --out "
+                                            f"{p} --resume` rewrites the pointers, or name a checkpoint folder")
+                return folder
     raise FileNotFoundError(f"{p}: no {formats.DRAFTER_CONFIG_FILE}, and no {CHECKPOINTS_DIR}/{BEST_FILE} pointing at one")
 
 
@@ -233,6 +238,14 @@ def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
     tensors = bool_mask(tensors)
     check_drafter(cfg, tensors, config_path, weights_where, fmt)
     return Drafter(folder, fmt, cfg, tensors, c, from_target)
+
+
+def recorded_target_revision(d: Drafter) -> str | None:
+    """The revision (content hash) of the target the drafter was trained for: an eaglet checkpoint
+    and eaglet's exports record it; folders from other tools do not."""
+    if d.format == formats.FORMAT_EAGLET:
+        return d.source["eaglet"].get("target_revision")
+    return (d.source.get("eaglet_export") or {}).get("target_revision")
 
 
 def recorded_target(d: Drafter) -> str | None:
@@ -330,7 +343,7 @@ def export_drafter(ckpt: str | Path, out: str | Path, fmt: str, dtype: str = "bf
     recorded = recorded_target(d)
     target = verifier or (serving_name(recorded) if recorded else None)
     provenance = {"eaglet_version": __version__, "source_format": d.format, "target": target,
-                  "step": (d.source.get("eaglet") or {}).get("step")}
+                  "target_revision": recorded_target_revision(d), "step": (d.source.get("eaglet") or {}).get("step")}
     if fmt == formats.FORMAT_EAGLE:
         config = formats.build_eagle_config(d.config, torch_dtype, provenance)
     else:
@@ -380,7 +393,13 @@ def import_drafter(src: str | Path, out: str | Path, target: str | None = None) 
     return ImportSummary(Path(out), d.format, d.config, d.embeddings_from_target)
 
 
-def load_drafter_for_target(path: str | Path, target: str | None = None) -> tuple[Eagle3Draft, str | None]:
+class LoadedDrafter(NamedTuple):
+    model: Eagle3Draft
+    target: str | None  # the target to run it with: the one given, else the one recorded
+    target_revision: str | None  # the revision of the target it was trained for, where recorded
+
+
+def load_drafter_for_target(path: str | Path, target: str | None = None) -> LoadedDrafter:
     """A checked drafter in eval mode from an eaglet checkpoint (or train run folder) or a
     speculators / EAGLE-3 / SGLang folder, and its target: `target` if given, else the one the
     folder records. `target` supplies embeddings or layer ids a folder leaves to the target
@@ -388,11 +407,11 @@ def load_drafter_for_target(path: str | Path, target: str | None = None) -> tupl
     d = read_drafter(path, target)
     model = Eagle3Draft(d.config)
     model.load_state_dict(d.tensors)  # copy_ converts bf16 weights to the model's fp32
-    return model.eval(), target or recorded_target(d)
+    return LoadedDrafter(model.eval(), target or recorded_target(d), recorded_target_revision(d))
 
 
 def load_drafter(path: str | Path, target: str | None = None) -> Eagle3Draft:
-    return load_drafter_for_target(path, target)[0]
+    return load_drafter_for_target(path, target).model
 
 
 __all__ = ["export_drafter", "import_drafter", "load_drafter", "load_drafter_for_target", "read_drafter", "check_drafter", "Drafter",

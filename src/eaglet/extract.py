@@ -205,16 +205,57 @@ def prepared_target(prepared: str | Path, pconfig: dict, target: str | None) -> 
     return ref
 
 
+def refuse_unrunnable_samples(prepared: str | Path, samples: list[TokenizedSample], ref: TargetRef) -> None:
+    """Before the target loads and anything is written: refuse a sample the target cannot take, a
+    token id outside its vocabulary or more tokens than its positions (the forward would fail, or
+    compute states past the positions the target was trained for, without naming the sample)."""
+    from eaglet.data import config_where, position_limit, target_text_config
+
+    target_config = target_text_config(ref)
+    formats.check_prepared_token_ids(prepared, samples, target_config.vocab_size)
+    limit = position_limit(target_config)
+    longer = [n for n, s in enumerate(samples) if len(s.input_ids) > limit]
+    if longer:
+        n = longer[0]
+        raise ValueError(f"{Path(prepared) / formats.PREPARED_FILE}:{n + 1}: sample {samples[n].sample_id} has "
+                         f"{len(samples[n].input_ids)} tokens, more than the {limit} positions the target holds "
+                         f"(max_position_embeddings in {config_where(ref)}); {len(longer)} of {len(samples)} "
+                         f"samples are that long: run `eaglet prepare` again with --max-length {limit} or less")
+
+
+def refuse_other_dataset(out: Path, config: dict) -> None:
+    """Refuse to write into a folder whose data_config.json describes another dataset."""
+    path = out / formats.DATA_CONFIG_FILE
+    old = formats.read_json(path)
+    key = next((k for k in IDENTITY_FIELDS if old.get(k) != config.get(k)), None)
+    if key is not None:
+        raise ValueError(f"{path}: this folder holds a dataset made with {key}={old.get(key)!r}, this run "
+                         f"has {config.get(key)!r}; use another --out, or delete the folder to start over")
+
+
+def discard_unused_extraction(out: Path, old: dict) -> None:
+    """The side files of an extraction that wrote no sample file: written again from this run's data."""
+    for name in (formats.DATA_CONFIG_FILE, formats.SAMPLE_LENGTHS_FILE, formats.TOKEN_FREQ_FILE):
+        (out / name).unlink(missing_ok=True)
+    if old.get("format") == formats.FORMAT_SPECULATORS_ARROW:  # its table of the old samples' tokens
+        for p in [out / formats.ARROW_STATE_FILE, out / "dataset_info.json", *out.glob("data-*.arrow")]:
+            p.unlink(missing_ok=True)
+
+
 def ensure_data_config(out: Path, config: dict) -> None:
-    """Write data_config.json, or check that the one already there describes the same dataset."""
+    """Write data_config.json, or check that the one already there describes the same dataset.
+
+    One left by an extraction that wrote no sample file (it failed before its first) guards
+    nothing: it is replaced, with the side files of that run, so a fixed input reruns in place."""
     path = out / formats.DATA_CONFIG_FILE
     if path.exists():
         old = formats.read_json(path)
-        for key in IDENTITY_FIELDS:
-            if old.get(key) != config.get(key):
-                raise ValueError(f"{path}: this folder holds a dataset made with {key}={old.get(key)!r}, this run "
-                                 f"has {config.get(key)!r}; use another --out, or delete the folder to start over")
-        return
+        if all(old.get(k) == config.get(k) for k in IDENTITY_FIELDS):
+            return
+        if formats.list_dataset_files(out).files:
+            refuse_other_dataset(out, config)
+        log.warning("%s: replacing the config of an earlier extraction that wrote no sample file", path)
+        discard_unused_extraction(out, old)
     formats.write_json_atomic(path, config)
 
 
@@ -270,6 +311,7 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     out = Path(out)
     samples, pconfig = formats.read_prepared(prepared)
     ref = prepared_target(prepared, pconfig, target)
+    refuse_unrunnable_samples(prepared, samples, ref)
     template_sha = template_hash(load_tokenizer(ref))
     dev = pick_device(device)
     compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
@@ -319,6 +361,9 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
             for batch in batches:
                 batch_samples = [samples[i] for i in batch]
                 per_sample = run_batch(model, capture, batch_samples, dev, save_dtype)
+                # Another run may have replaced a config that had no sample file yet (see
+                # ensure_data_config): then this run's files would join another dataset.
+                refuse_other_dataset(out, config)
                 # Bound the write queue so memory stays flat when the disk is slower than the model.
                 while len(pending) > 4 * write_threads:
                     pending.pop(0).result()

@@ -8,7 +8,10 @@ entry function: `regen.regenerate`, `data.prepare`, `extract.extract`, `check.ch
 (the option paths `--scale` multiplies). A stage leaves `OUT/stages/<stage>.json` when it
 finishes, with the options it ran with, its figures and its time; a rerun skips finished stages
 and continues unfinished ones from where they stopped (regen, extract and train resume
-themselves). Changing a finished stage's options is refused rather than silently mixing runs.
+themselves). Changing a finished stage's options, or the target, is refused rather than silently
+mixing runs. Everything that can be checked without running a stage is checked before the first
+one starts: every table key and option (name and type, `--set` and `--scale` applied), and that
+each stage that runs finds the output it reads.
 
 Built-in recipes live in `eaglet/recipes/` (`eaglet run demo`, `eaglet run smollm2-sharegpt`);
 any other path to a .toml file works too.
@@ -16,15 +19,25 @@ any other path to a .toml file works too.
 
 from __future__ import annotations
 
+import collections.abc
+import difflib
+import functools
+import inspect
+import json
 import logging
 import shutil
 import time
 import tomllib
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from eaglet import formats
+
+if TYPE_CHECKING:  # eaglet.target imports torch: loaded only once a recipe runs
+    from eaglet.target import TargetRef
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +46,9 @@ BUILTIN_DIR = Path(__file__).parent / "recipes"
 STAGE_MARKERS = "stages"
 SUMMARY_FILE = "summary.json"
 CHATS_FILE = "chats.jsonl"
+# The keys of [recipe] and [scale] and their types; `out` is the default of --out.
+RECIPE_KEYS: dict[str, Any] = {"name": str, "target": str, "description": str, "out": str}
+SCALE_KEYS: dict[str, Any] = {"multiply": list[str]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +82,9 @@ def load_recipe(spec: str | Path) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"{path}: unknown tables {sorted(unknown)}; expected [recipe], [scale] and stages "
                          f"{', '.join(STAGES)}")
+    for name, table in recipe.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: {name} = {toml_value(table)} is not a table; write its options under [{name}]")
     recipe.setdefault("recipe", {}).setdefault("name", path.stem)
     return recipe
 
@@ -95,6 +114,11 @@ def apply_overrides(recipe: dict[str, Any], overrides: list[str]) -> dict[str, A
             raise ValueError(f"--set {text!r}: unknown stage {stage!r} (one of {', '.join(STAGES)})")
         out.setdefault(stage, {})[name] = value
     return out
+
+
+def overridden(overrides: list[str]) -> dict[str, str]:
+    """"stage.key" -> the --set text that sets it, so that an error names the --set, not the file."""
+    return {f"{stage}.{name}": text for text in overrides for stage, name, _ in [parse_override(text)]}
 
 
 def apply_scale(recipe: dict[str, Any], scale: float) -> dict[str, Any]:
@@ -147,18 +171,25 @@ class Paths:
                 "train": self.train, "eval": self.eval}[stage]
 
 
-def parameters(fn: Callable[..., Any], exclude: set[str]) -> set[str]:
-    import inspect
-
-    return {n for n, p in inspect.signature(fn).parameters.items()
+def parameters(fn: Callable[..., Any], exclude: set[str]) -> dict[str, Any]:
+    """A function's keyword arguments and their types (evaluated: the modules use postponed
+    annotations); an unannotated one takes its default's type, or anything."""
+    hints = typing.get_type_hints(fn)
+    return {n: hints.get(n, Any if p.default in (p.empty, None) else type(p.default))
+            for n, p in inspect.signature(fn).parameters.items()
             if n not in exclude and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
-def allowed_options(stage: str) -> set[str]:
-    """A stage's recipe options: its entry function's keyword arguments, minus what the recipe
-    wires itself (folders, target, resume, progress)."""
-    from dataclasses import fields
+def field_types(cls: type, exclude: set[str]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls) if f.name not in exclude}
 
+
+@functools.cache
+def option_types(stage: str) -> dict[str, Any]:
+    """A stage's recipe options and their types: its entry function's keyword arguments, minus
+    what the recipe wires itself (folders, target, resume, progress); train's and eval's are the
+    fields of the config they forward to."""
     wired = {"out", "target", "command", "resume", "progress", "progress_bar", "show_progress"}
     if stage == "regen":
         from eaglet.regen import regenerate
@@ -174,22 +205,113 @@ def allowed_options(stage: str) -> set[str]:
         return parameters(check_dataset, wired | {"path", "use_target"})
     if stage == "train":
         from eaglet.train import TrainConfig
-        return {f.name for f in fields(TrainConfig)}
+        return field_types(TrainConfig, set())
     if stage == "eval":
         from eaglet.evaluate import DecodeSettings, evaluate
         return (parameters(evaluate, wired | {"drafter_path", "settings", "plot"})
-                | {f.name for f in fields(DecodeSettings)} - {"eos_ids"})
+                | field_types(DecodeSettings, {"eos_ids"}))
     raise ValueError(f"unknown stage {stage!r}")
 
 
-def validate(recipe: dict[str, Any]) -> None:
-    """Every option of every stage is one its entry function takes: fail before hours of work."""
+def matches(value: Any, hint: Any) -> bool:
+    """Whether a TOML value fits a type hint. An int fits float; a list fits list, tuple and
+    Sequence hints, a string never does (`methods = "chain"` would be read letter by letter)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(matches(value, a) for a in args)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is int:  # bool is an int to Python, not to a recipe
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (list, tuple, collections.abc.Sequence):
+        item = args[0] if args else Any  # list[X], Sequence[X], tuple[X, ...]
+        return isinstance(value, (list, tuple)) and all(matches(v, item) for v in value)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # a hint this check does not know: the stage checks the value itself
+
+
+def type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in args)
+    if origin in (list, tuple, collections.abc.Sequence):
+        return f"list of {type_name(args[0])}" if args else "list"
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def toml_value(value: Any) -> str:
+    return json.dumps(value, default=str)  # the TOML spelling of strings, numbers, booleans and lists
+
+
+def likely_meant(value: Any, hint: Any) -> Any:
+    """The value of the right type the user most likely meant ("4" -> 4, "chain,tree" ->
+    ["chain", "tree"], 3 -> [3]), or None when no guess fits."""
+    if isinstance(value, str):
+        guesses = [parse_value(value), [parse_value(v) for v in value.split(",")]]
+    else:
+        guesses = [[value]]
+    return next((g for g in guesses if matches(g, hint)), None)
+
+
+def key_label(source: str | Path, table: str, key: str, set_by: dict[str, str]) -> str:
+    text = set_by.get(f"{table}.{key}")
+    return f"--set {text} (recipe {source})" if text else f"{source} [{table}].{key}"
+
+
+def closest(word: str, options: collections.abc.Iterable[str]) -> str:
+    match = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def check_table(source: str | Path, table: str, values: dict[str, Any], types_: dict[str, Any],
+                set_by: dict[str, str]) -> None:
+    """Every key of a table is one it takes, with a value of the type it takes."""
+    for key, value in values.items():
+        label = key_label(source, table, key, set_by)
+        noun = "option" if table in STAGES else "key"
+        if key not in types_:
+            raise ValueError(f"{label}: unknown {noun}{closest(key, types_)}; [{table}] takes "
+                             f"{', '.join(sorted(types_))}")
+        if not matches(value, types_[key]):
+            guess = likely_meant(value, types_[key])
+            fix = f"write {toml_value(guess)}" if guess is not None else "give it a value of that type"
+            raise ValueError(f"{label}: {toml_value(value)} is a {type(value).__name__}, expected "
+                             f"{type_name(types_[key])}; {fix}")
+
+
+def check_scale_paths(source: str | Path, paths: list[str]) -> None:
+    """[scale] multiply names numeric stage options ("regen.num_samples"): a typo would leave the
+    data size unscaled without a word."""
+    every = {f"{s}.{k}": hint for s in STAGES for k, hint in option_types(s).items()}
+    for path in paths:
+        if path not in every:
+            raise ValueError(f"{source} [scale].multiply: {path!r} names no stage option{closest(path, every)}; "
+                             f"write STAGE.OPTION, e.g. \"regen.num_samples\"")
+        if not matches(1, every[path]):
+            raise ValueError(f"{source} [scale].multiply: {path!r} is a {type_name(every[path])} option, not a "
+                             f"number; --scale multiplies numbers: remove it from multiply")
+
+
+def validate(recipe: dict[str, Any], source: str | Path = "recipe", set_by: dict[str, str] | None = None) -> None:
+    """Every key of every table is one the recipe or its stage's entry function takes, with a value
+    of the type it takes: fail before hours of work, not in the middle. `set_by` ("stage.key" ->
+    --set text) names the --set that gave a value rather than the file."""
+    set_by = set_by or {}
+    check_table(source, "recipe", recipe.get("recipe", {}), RECIPE_KEYS, set_by)
+    check_table(source, "scale", recipe.get("scale", {}), SCALE_KEYS, set_by)
+    check_scale_paths(source, recipe.get("scale", {}).get("multiply", []))
     for stage in STAGES:
         if stage in recipe:
-            unknown = set(recipe[stage]) - allowed_options(stage)
-            if unknown:
-                raise ValueError(f"recipe [{stage}]: unknown options {sorted(unknown)}; "
-                                 f"allowed: {', '.join(sorted(allowed_options(stage)))}")
+            check_table(source, stage, recipe[stage], option_types(stage), set_by)
+    if "regen" in recipe and "data" in recipe.get("prepare", {}):
+        raise ValueError(f"{key_label(source, 'prepare', 'data', set_by)}: set, but this recipe regenerates its "
+                         f"chats and prepare reads the [regen] output; move 'data' to [regen] or drop the [regen] "
+                         f"table")
 
 
 def run_regen(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
@@ -207,10 +329,7 @@ def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command:
                 has_regen: bool) -> dict[str, Any]:
     from eaglet.data import prepare
 
-    opts = dict(opts)
-    if has_regen and "data" in opts:
-        raise ValueError("recipe [prepare]: 'data' is set, but this recipe regenerates its chats: prepare reads "
-                         "the [regen] output; move 'data' to [regen] or drop the [regen] table")
+    opts = dict(opts)  # `validate` refused 'data' here when the recipe regenerates
     data = str(paths.chats) if has_regen else opts.pop("data", "sharegpt")
     if paths.prepared.exists():  # an unfinished earlier attempt: prepare is quick, redo it whole
         shutil.rmtree(paths.prepared)
@@ -289,16 +408,25 @@ def run_recipe(spec: str | Path, out: str | Path | None = None, scale: float = 1
                overrides: list[str] | None = None, only: list[str] | None = None,
                command: str = "") -> RecipeSummary:
     """Run (or continue) every stage of a recipe into `out`; returns the figures of each stage."""
-    recipe = apply_scale(apply_overrides(load_recipe(spec), overrides or []), scale)
+    from eaglet.target import resolve_target
+
+    source, overrides = recipe_path(spec), overrides or []
+    set_by = overridden(overrides)
+    recipe = apply_overrides(load_recipe(source), overrides)
+    validate(recipe, source, set_by)
+    recipe = apply_scale(recipe, scale)
+    validate(recipe, source, set_by)  # what --scale wrote is checked too, not assumed of its type
     meta = recipe["recipe"]
     paths = Paths(Path(out or meta.get("out") or Path("runs") / meta["name"]))
     target = meta.get("target") or None
-    validate(recipe)
     stages = [s for s in STAGES if s in recipe]
     if only:
         bad = set(only) - set(stages)
         if bad:
             raise ValueError(f"--only {sorted(bad)}: not stages of this recipe ({', '.join(stages)})")
+    plan = plan_stages(recipe, paths, only, source)
+    ran_with = target_record(resolve_target(target))
+    done = finished_stages(recipe, paths, ran_with)
     summary = RecipeSummary(meta["name"], paths.root)
     runners: dict[str, Callable[..., dict[str, Any]]] = {
         "regen": run_regen, "prepare": lambda o, p, t, c: run_prepare(o, p, t, c, "regen" in stages),
@@ -306,33 +434,97 @@ def run_recipe(spec: str | Path, out: str | Path | None = None, scale: float = 1
     print(f"recipe {meta['name']} (scale {scale:g}) -> {paths.root}")
     for i, stage in enumerate(stages, 1):
         options = recipe[stage]
-        marker = paths.marker(stage)
         header = f"[{i}/{len(stages)}] {stage} -> {paths.output_of(stage)}"
-        if marker.exists():
-            done = formats.read_json(marker)
-            if done["options"] != jsonable(options):
-                raise ValueError(f"{stage}: {paths.root} already holds this stage run with other options "
-                                 f"{option_diff(done['options'], jsonable(options))}; use another output folder "
-                                 f"or remove {paths.output_of(stage)} and {marker}")
-            print(f"{header}: done earlier ({format_seconds(done['seconds'])}), reusing it")
-            summary.stages[stage] = {**done, "reused": True}
+        if plan[stage] == "reuse":
+            print(f"{header}: done earlier ({format_seconds(done[stage]['seconds'])}), reusing it")
+            summary.stages[stage] = {**done[stage], "reused": True}
             continue
-        if only and stage not in only:
+        if plan[stage] == "skip":
             print(f"{header}: skipped (--only)")
             continue
         print(header)
         t0 = time.perf_counter()
         result = runners[stage](options, paths, target, command)
-        record = {"options": jsonable(options), "result": jsonable(result), "seconds": time.perf_counter() - t0}
-        formats.write_json_atomic(marker, record)
+        record = {"options": jsonable(options), "target": ran_with, "result": jsonable(result),
+                  "seconds": time.perf_counter() - t0}
+        formats.write_json_atomic(paths.marker(stage), record)
         summary.stages[stage] = {**record, "reused": False}
-    formats.write_json_atomic(paths.root / SUMMARY_FILE, {"recipe": meta, "scale": scale, "stages": summary.stages})
+    formats.write_json_atomic(paths.root / SUMMARY_FILE, {"recipe": meta, "target": ran_with, "scale": scale,
+                                                          "stages": summary.stages})
     return summary
 
 
-def jsonable(x: Any) -> Any:
-    import json
+def input_stage(stage: str, recipe: dict[str, Any]) -> str | None:
+    """The stage whose output this one reads; None: it reads only what its options name."""
+    if stage == "prepare":
+        return "regen" if "regen" in recipe else None  # without [regen], prepare reads its own `data`
+    if stage == "train":  # online: the target runs in the loop on the prepared chats
+        return "prepare" if recipe["train"].get("online") else "extract"
+    return {"extract": "prepare", "check": "extract", "eval": "train"}.get(stage)
 
+
+def plan_stages(recipe: dict[str, Any], paths: Paths, only: list[str] | None,
+                source: str | Path) -> dict[str, str]:
+    """What each stage of the recipe does, decided before any runs: "reuse" (finished in OUT),
+    "skip" (left out by --only) or "run". Refuses a stage that would run without the output it
+    reads, which would otherwise fail, after the stages before it, on a missing folder."""
+    plan = {s: "reuse" if paths.marker(s).exists() else "skip" if only and s not in only else "run"
+            for s in STAGES if s in recipe}
+    for stage, does in plan.items():
+        need = input_stage(stage, recipe)
+        if does != "run" or need is None or plan.get(need) in ("run", "reuse"):
+            continue
+        if need in plan:  # left out by --only: name every unfinished stage up the chain at once
+            missing = [need]
+            while plan.get(input_stage(missing[-1], recipe) or "") == "skip":
+                missing.append(input_stage(missing[-1], recipe) or "")
+            raise ValueError(f"--only {','.join(only or [])}: {stage} reads the output of {need} "
+                             f"({paths.output_of(need)}), which is not finished in {paths.root}; add "
+                             f"{','.join(reversed(missing))} to --only")
+        if not paths.marker(need).exists():  # a stage outside the recipe may have finished in OUT earlier
+            online = " or set online = true in [train] (the target runs in the loop)" if stage == "train" else ""
+            raise ValueError(f"{source}: [{stage}] reads the output of {need} ({paths.output_of(need)}), but the "
+                             f"recipe has no [{need}] table and {paths.root} holds no finished {need}; add the "
+                             f"table [{need}] (an empty one takes its defaults){online}")
+    return plan
+
+
+def target_record(ref: TargetRef) -> dict[str, str]:
+    """What a marker records of the target: a same-named target with other weights has another
+    revision."""
+    return {"name": ref.name, "revision": ref.revision}
+
+
+def finished_stages(recipe: dict[str, Any], paths: Paths, target: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The markers in OUT, each checked against this run before any stage runs: every one must
+    have run with this target (OUT is one target's run, stages outside the recipe included, since
+    their output is read), and a stage of the recipe with these options."""
+    done = {}
+    for stage in STAGES:
+        marker = paths.marker(stage)
+        if not marker.exists():
+            continue
+        record = formats.read_json(marker)
+        then = record.get("target")
+        if then is None:
+            # A marker from before markers recorded their target: nothing tells which it ran
+            # with. It is reused as before (refusing would strand every run made so far), and
+            # left as it is (writing this run's target into it would claim what nobody checked).
+            print(f"note: {marker} does not record its target; reusing it as if run with {target['name']}")
+        elif then != target:
+            raise ValueError(f"{marker}: {stage} ran with target {then.get('name')} (revision "
+                             f"{then.get('revision')}), this run's is {target['name']} (revision "
+                             f"{target['revision']}); use another --out for this target, or delete {paths.root} "
+                             f"to start over")
+        if stage in recipe and record["options"] != jsonable(recipe[stage]):
+            raise ValueError(f"{stage}: {paths.root} already holds this stage run with other options "
+                             f"{option_diff(record['options'], jsonable(recipe[stage]))}; use another output folder "
+                             f"or remove {paths.output_of(stage)} and {marker}")
+        done[stage] = record
+    return done
+
+
+def jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 

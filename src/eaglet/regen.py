@@ -15,7 +15,8 @@ Output: one JSONL line per finished conversation, `{"id", "messages", "regen"}` 
 `messages`, which `eaglet prepare` reads), appended, flushed and fsynced line by line, so a
 kill loses at most the conversations in flight. `--resume` skips ids already written and cuts
 off a partial last line a kill left. Conversations that fail go to `OUT.errors.jsonl` (id +
-reason), which each run rewrites; `--resume` retries them.
+reason), which each run rewrites; `--resume` retries them. An empty answer is such a failure, and
+a run in which every chat fails (and OUT holds none from earlier runs) ends with an error.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -49,6 +51,10 @@ RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # worth another try; ot
 
 class RegenError(Exception):
     """A conversation cannot be regenerated; the message is the reason written to the errors file."""
+
+
+class AllChatsFailed(RuntimeError):
+    """Every chat of the run failed and OUT holds none: nothing for `eaglet prepare` to read."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +118,25 @@ class Conversation:
         self.messages = self.messages[:assistant_indices(self.messages)[self.done - 1] + 1]
 
 
+def empty_answer(turn: Turn) -> str | None:
+    """Why `turn` cannot be kept when it answers nothing (empty or whitespace only), else None.
+
+    Such a turn trains nothing, and `eaglet prepare` cuts a chat at an empty message, so it
+    must not pass for finished (a `--resume` would skip it): the chat fails, into the errors
+    file, and `--resume` retries it. It is not retried within the run: greedy decoding
+    answers the same prompt the same way again, and a server that sends no content (a chat
+    template or reasoning-parser problem) keeps doing so, so retries would only spend backoff."""
+    if turn.text.strip():
+        return None
+    return f"empty answer (finish_reason {turn.finish_reason}), nothing to train on"
+
+
+def reason_kind(reason: str) -> str:
+    """A failure reason's head, for the summary's counts: without the "turn N: " it happened
+    on, so failures of one kind on different turns count together."""
+    return re.sub(r"^turn \d+: ", "", reason).split(":")[0][:80]
+
+
 def split_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], str, int]:
     """Generated tokens -> (answer tokens without the end-of-turn token, finish reason, count).
     Tokens after the first stop token are padding `generate` added for finished rows."""
@@ -153,7 +178,7 @@ def iter_conversations(data: str, stats: ReadStats, num_samples: int | None, ski
             return
         messages = to_messages(record, stats)
         if isinstance(messages, str):
-            stats.skipped[messages] += 1
+            stats.skip(messages)
             continue
         if max_turns is not None:  # keep the chat up to its max_turns-th assistant answer
             answers = assistant_indices(messages)
@@ -262,8 +287,9 @@ def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: in
         pool = [conv for conv, _ in pending]
         for batch in length_batches(pending, lambda item: len(item[1]), batch_size):
             for conv, turn in zip((c for c, _ in batch), generate_or_split(gen, [ids for _, ids in batch], torch)):
-                if isinstance(turn, str):
-                    fail(conv, turn)
+                reason = turn if isinstance(turn, str) else empty_answer(turn)
+                if reason is not None:
+                    fail(conv, f"turn {conv.done}: {reason}")
                     pool.remove(conv)
                     continue
                 conv.record(turn)
@@ -345,7 +371,9 @@ def parse_chat_response(body: bytes) -> Turn:
     try:
         resp = json.loads(body)
         choice = resp["choices"][0]
-        text = choice["message"]["content"]
+        # null content is an answer of nothing (all of it went to reasoning_content or tool calls):
+        # empty_answer fails it, rather than retrying it like a garbled body
+        text = choice["message"]["content"] or ""
     except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
         raise ValueError(f"not a chat completion response ({type(e).__name__}: {body[:200]!r})") from e
     if not isinstance(text, str):
@@ -392,6 +420,9 @@ def regen_conversation_remote(ep: Endpoint, conv: Conversation, max_new_tokens: 
     while not conv.finished:
         body = post_with_retries(ep, chat_request(ep, conv.prompt(), max_new_tokens, temperature, top_p))
         turn = parse_chat_response(body)
+        empty = empty_answer(turn)
+        if empty is not None:
+            raise RegenError(empty)  # not retried: see empty_answer
         conv.record(turn)
         progress(turn.tokens)
     return conv
@@ -461,6 +492,7 @@ class RegenSummary:
     seconds: float = 0.0
     finish_reasons: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)  # reason head -> conversations
+    first_failure: str | None = None  # "id: reason" of the first failed conversation
     stats: ReadStats = field(default_factory=ReadStats)
 
     @property
@@ -590,7 +622,8 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
                 errors_file.flush()
                 os.fsync(errors_file.fileno())
                 summary.failed += 1
-                summary.errors[reason.split(":")[0][:80]] += 1
+                summary.errors[reason_kind(reason)] += 1
+                summary.first_failure = summary.first_failure or f"{conv.id}: {' '.join(reason.split())}"
 
             if backend == "local":
                 run_local(todo(), gen, batch_size, max_prompt_tokens, emit, fail, progress, tick, out_of_time)
@@ -602,4 +635,8 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
         summary.seconds = time.time() - t0
     if not summary.failed:
         summary.errors_file.unlink(missing_ok=True)  # no empty errors file to wonder about
+    elif not summary.written and not done:
+        raise AllChatsFailed(f"{summary.errors_file}: all {summary.failed} chats failed and none was written to "
+                             f"{out} (first: {summary.first_failure}); fix the cause, then rerun with --resume to "
+                             f"retry them")
     return summary

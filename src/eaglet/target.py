@@ -29,6 +29,20 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 
 
 AUTO = "auto"
+# Overrides what the CPU's instructions say about bf16 speed: "1" (treat bf16 as fast, so `auto`
+# is bf16), "0" (slow: `auto` is fp32). The test suite sets it so that no result depends on the
+# machine it runs on; a user can set it to pin `auto` across machines of both kinds.
+FAST_BF16_ENV = "EAGLET_CPU_FAST_BF16"
+
+
+def cpu_fast_bf16_override() -> bool | None:
+    """EAGLET_CPU_FAST_BF16 as a bool, or None when unset; any other value is refused."""
+    raw = os.environ.get(FAST_BF16_ENV)
+    if raw is None or raw == "":
+        return None
+    if raw not in ("0", "1"):
+        raise ValueError(f"{FAST_BF16_ENV}={raw!r}: set it to 1 (auto = bf16 on CPU) or 0 (auto = fp32), or unset it")
+    return raw == "1"
 
 
 def fast_bf16(device: torch.device | str | None = None) -> bool:
@@ -36,8 +50,10 @@ def fast_bf16(device: torch.device | str | None = None) -> bool:
     supports bf16; on a CPU only with bf16 matrix instructions (AMX or AVX512-BF16). Without
     them PyTorch emulates bf16 products, 10-100x slower than fp32 (an AVX2-only CPU: ~1 vs ~50
     GFLOP/s per core), so compute-bound work (prefill, batched generation, training) must run
-    in fp32 there."""
+    in fp32 there. On a CPU, EAGLET_CPU_FAST_BF16 (0 or 1) overrides the detection."""
     device = torch.device(device) if device is not None else pick_device(None)
+    if device.type == "cpu" and cpu_fast_bf16_override() is not None:
+        return bool(cpu_fast_bf16_override())
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":

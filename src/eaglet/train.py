@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import gc
+import hashlib
 import json
 import logging
 import math
 import os
 import random
 import shutil
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -135,6 +138,11 @@ class TrainConfig:
             self.teacher_top_k = None  # one spelling of "dense" in train_config.json
         if self.time_budget is not None and self.total_steps is not None:
             raise ValueError("--time-budget sizes the schedule itself: give it or --total-steps, not both")
+        if self.max_length is not None and self.max_length < min_sample_tokens(self.ttt_steps):
+            raise ValueError(f"--max-length {self.max_length}: TTT step k at position t predicts token t+k+2, so "
+                             f"with --ttt-steps {self.ttt_steps} a sample needs at least "
+                             f"{min_sample_tokens(self.ttt_steps)} tokens for every step to train on one position; "
+                             f"use --max-length {min_sample_tokens(self.ttt_steps)} or more")
 
     def ttt_steps_at(self, step: int, total_steps: int) -> int:
         """The unroll length at this optimizer step: ttt_steps, or growing 1..ttt_steps over the ramp."""
@@ -147,6 +155,11 @@ class TrainConfig:
         d = {k: getattr(self, k) for k in self.TRAJECTORY}
         d["global_accum"] = self.grad_accum * world  # W processes x A equals 1 process x A*W
         return d
+
+
+def min_sample_tokens(ttt_steps: int) -> int:
+    """The shortest sample that gives every TTT step a position: step k at t predicts t+k+2."""
+    return ttt_steps + 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,17 +545,29 @@ class Source:
     load: Callable[[list[int]], Batch]  # the right-padded micro-batch of these sample indices
     background: bool  # whether loads may run in a background thread (disk reads: yes; the target: no)
     stored_top_k: int | None = None  # a compact dataset: the teacher is its stored top-K, the aux states 6-bit
+    layout: str = formats.FORMAT_V1  # the dataset's layout; "prepared" online
 
     def identity(self) -> dict[str, Any]:
         """What the batches hold; a resumed run must get the same (offline or online alike)."""
         return {"aux_layer_ids": self.aux_layer_ids, "last_hidden_state": self.last_hidden_state,
                 "hidden_dtype": self.hidden_dtype, "stored_top_k": self.stored_top_k}
 
+    def fingerprint(self) -> dict[str, Any]:
+        """Which data this is: its layout, sample count and a digest of every sample's length and
+        of the masked-token counts. The path is kept for messages only: a moved copy of the same
+        samples is the same data, a compact copy of them is not (other stored values)."""
+        h = hashlib.sha256(json.dumps([sorted(self.lengths.items()), sorted(self.token_freq.items())]).encode())
+        return {"path": str(self.path.resolve()), "layout": self.layout, "samples": len(self.lengths),
+                "digest": h.hexdigest()[:16]}
+
+
+PREPARED_LAYOUT = "prepared"  # an online source: an `eaglet prepare` output, the target run in the loop
+
 
 def offline_source(ds: Dataset, max_length: int | None) -> Source:
     return Source(ds.root, ds.lengths, ds.token_freq, ds.aux_layer_ids, ds.last_hidden_state, ds.hidden_dtype,
                   lambda indices: load_batch(ds.files, indices, max_length, ds.layout), background=True,
-                  stored_top_k=ds.stored_top_k)
+                  stored_top_k=ds.stored_top_k, layout=ds.layout)
 
 
 def open_prepared(root: str | Path) -> tuple[list[formats.TokenizedSample], dict[str, Any], dict[int, int]]:
@@ -586,7 +611,7 @@ def online_source(root: Path, samples: list[formats.TokenizedSample], token_freq
                        indices)
 
     return Source(root, {i: len(s.input_ids) for i, s in enumerate(samples)}, token_freq, layer_ids[:-1],
-                  formats.LAST_STATE_PRE_NORM, dtype_name(dtype), load, background=False)
+                  formats.LAST_STATE_PRE_NORM, dtype_name(dtype), load, background=False, layout=PREPARED_LAYOUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -778,10 +803,15 @@ def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
     return {**formats.build_eagle_config(cfg, "float32", None), "eaglet": {"draft_config": cfg.to_dict(), **extra}}
 
 
+def checkpoint_name(step: int) -> str:
+    """The folder of the checkpoint at `step`, under checkpoints/."""
+    return f"step_{step:08d}"
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model: Eagle3Draft, config_json: dict[str, Any],
                     state: dict[str, Any]) -> Path:
     """Write a checkpoint folder under a temp name, then rename: a folder that exists is complete."""
-    final = ckpt_root / f"step_{step:08d}"
+    final = ckpt_root / checkpoint_name(step)
     if final.exists():  # the same step saved twice (an eval right at the end): replace it
         shutil.rmtree(final)
     with formats.atomic_dir(final) as tmp:
@@ -817,11 +847,28 @@ def load_checkpoint(folder: str | Path) -> Eagle3Draft:
     return draft.eval()
 
 
+def other_data_message(folder: Path, then: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
+    """Why a resume on `now` would continue on other data than the run's, or None when it is the
+    same (a checkpoint from before fingerprints were recorded has nothing to compare)."""
+    if then is None or all(then.get(k) == now[k] for k in ("layout", "samples", "digest")):
+        return None
+    return (f"--resume: {folder} was trained on {then['path']} ({then['layout']} layout, {then['samples']} samples); "
+            f"{now['path']} is other data ({now['layout']} layout, {now['samples']} samples"
+            f"{', other samples' if then['layout'] == now['layout'] else ''}), and the run's held-out split and best "
+            "step would mix both: resume on the run's own dataset, or train into another --out")
+
+
 def restore(folder: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched: Any,
-            trajectory: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
+            trajectory: dict[str, Any], data: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """Load weights, optimizer, scheduler and RNG from a checkpoint; (step, best, the saved
-    training state) to continue from."""
+    training state) to continue from. Refuses other data (`data`: Source.fingerprint) or settings."""
+    if not (folder / STATE_FILE).exists():
+        raise FileNotFoundError(f"{folder.parent / LATEST_FILE}: names {folder.name}, which has no {STATE_FILE}; the "
+                                "run folder was changed by hand: restore the checkpoint, or train into another --out")
     state = formats.torch_load_safe(folder / STATE_FILE)
+    other = other_data_message(folder, state.get("data"), data)
+    if other:
+        raise ValueError(other)
     then = state["trajectory"]
     # A key an older checkpoint lacks was not recorded then: nothing to compare it with.
     diff = {k: (then[k], v) for k, v in trajectory.items() if k in then and then[k] != v}
@@ -890,7 +937,8 @@ class MetricsLog:
         if self.tb is not None:
             split, step = record["split"], record["step"]
             for k, (loss, acc) in enumerate(zip(record["loss"], record["acc"])):
-                self.tb.add_scalar(f"{split}/loss_{k}", loss, step)
+                if loss is not None:
+                    self.tb.add_scalar(f"{split}/loss_{k}", loss, step)
                 self.tb.add_scalar(f"{split}/acc_{k}", acc, step)
             self.tb.add_scalar(f"{split}/tau", record["tau"], step)
 
@@ -925,7 +973,7 @@ class TrainSummary:
             out.append(f"held-out: acc per TTT step [{acc}], simulated acceptance length {self.last_eval['tau']:.3f}")
         if self.best_step is not None:
             out.append(f"best checkpoint: step {self.best_step} (tau {self.best_tau:.3f}) in "
-                       f"{self.out / CHECKPOINTS_DIR / f'step_{self.best_step:08d}'}")
+                       f"{self.out / CHECKPOINTS_DIR / checkpoint_name(self.best_step)}")
         return out
 
 
@@ -993,17 +1041,69 @@ def budget_steps(budget: float, step: int, seconds_done: float, rate: float, tok
     return step + max(1, int(left * rate / max(tokens_per_step, 1.0)))
 
 
+LOCK_FILE = ".lock"
+
+
+class RunFolderBusy(RuntimeError):
+    """Another process holds the run folder's lock."""
+
+
+@contextlib.contextmanager
+def run_lock(out: Path, enabled: bool = True) -> Iterator[None]:
+    """One writer per run folder: an exclusive lock on OUT/.lock for the whole run. The kernel
+    drops it when the process ends, however it ends, so a killed run never leaves it stuck (a
+    lock file that merely exists would). Only rank 0 writes, so only rank 0 takes it."""
+    if not enabled:
+        yield
+        return
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with locked_file(out / LOCK_FILE):
+            yield
+    finally:
+        if created and [p.name for p in out.iterdir()] == [LOCK_FILE]:  # a run refused before writing anything
+            shutil.rmtree(out, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def locked_file(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path`, which records the holder for the message of the next one."""
+    out = path.parent
+    with open(path, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise RunFolderBusy(f"{out}: another `eaglet train` ({holder}) is writing this run folder; wait for it "
+                                "to end, or train into another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield  # closing the file at the end releases the lock
+
+
 def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = None, resume: bool = False,
           show_progress: bool = True, command: str = "", **options: Any) -> TrainSummary:
     """Train a drafter on `dataset_dir` into `out_dir`; `options` are TrainConfig fields.
-    `dataset_dir` holds stored hidden states, or with `online=True` an `eaglet prepare` output."""
+    `dataset_dir` holds stored hidden states, or with `online=True` an `eaglet prepare` output.
+    The run folder has one writer at a time (`run_lock`)."""
+    unknown = set(options) - {f.name for f in fields(TrainConfig)}
+    if unknown:
+        raise TypeError(f"unknown training option(s): {sorted(unknown)}")
+    with run_lock(Path(out_dir), int(os.environ.get("RANK", "0")) == 0):
+        return train_locked(dataset_dir, out_dir, target, resume, show_progress, command, **options)
+
+
+def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | None, resume: bool,
+                 show_progress: bool, command: str, **options: Any) -> TrainSummary:
+    """`train` with the run folder's lock held."""
     from tqdm import tqdm
 
     from eaglet.target import default_layer_ids, load_target, parse_dtype, pick_device, resolve_target
 
-    unknown = set(options) - {f.name for f in fields(TrainConfig)}
-    if unknown:
-        raise TypeError(f"unknown training option(s): {sorted(unknown)}")
     out = Path(out_dir)
     ckpt_root = out / CHECKPOINTS_DIR
     if resume:  # the run's own settings, then the options given now (a differing trajectory one is refused below)
@@ -1038,6 +1138,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
 
         ref = prepared_target(dataset_dir, pconfig, target)
         tmodel = load_target(ref, parse_dtype(cfg.target_dtype, device), device)
+        formats.check_prepared_token_ids(dataset_dir, samples, tmodel.config.vocab_size)  # else an IndexError at step N
         n = tmodel.config.num_hidden_layers
         aux_ids = cfg.aux_layer_ids or default_layer_ids(n)[:-1]
         check_aux_layer_ids(aux_ids, n)
@@ -1047,7 +1148,9 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         tmodel = load_target(ref, torch.float32, torch.device("cpu"))
         check_target_matches(ds.config, tmodel.config, ref.revision, ref.name)
         check_aux_layer_ids(ds.aux_layer_ids, tmodel.config.num_hidden_layers)
+        refuse_wrong_layer_ids(ds, tmodel)
         src = offline_source(ds, cfg.max_length)
+    refuse_beyond_positions(src, cfg.max_length, tmodel)
     draft = build_drafter(tmodel, src.aux_layer_ids, src.token_freq, cfg).to(device)
     teacher_head = make_teacher_head(tmodel, src.last_hidden_state).to(device)
     dcfg = draft.config
@@ -1075,10 +1178,12 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
     step, best = 0, {"step": None, "tau": None}
     done = {"tokens": 0, "seconds": 0.0}  # training tokens and seconds so far (held-out evals and saves excluded)
     trajectory = {**cfg.trajectory(d.world), **src.identity()}
+    data_fingerprint = src.fingerprint()
+    refuse_too_short(src.lengths, train_idx, cfg)
 
     latest = read_pointer(ckpt_root, LATEST_FILE)
     if resume and latest:
-        step, best, saved = restore(ckpt_root / latest["path"], draft, opt, sched, trajectory)
+        step, best, saved = restore(ckpt_root / latest["path"], draft, opt, sched, trajectory, data_fingerprint)
         if "plan" in saved:
             plan = Plan(**saved["plan"])
         done = saved.get("done", done)
@@ -1115,12 +1220,15 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         state = {"step": step, "micro_position": step * micro_per_step, "optimizer": opt.state_dict(),
                  "scheduler": sched.state_dict(), "rng": rng, "best": best, "trajectory": trajectory,
-                 "plan": asdict(plan), "done": dict(done)}
+                 "plan": asdict(plan), "done": dict(done), "data": data_fingerprint}
         extra = {"step": step, "dataset": str(src.path.resolve()), "online": cfg.online, "target": ref.name,
                  "target_revision": ref.revision, "eval": last_eval}
         folder = save_checkpoint(ckpt_root, step, draft, export_config(dcfg, extra), state)
+        # the pointers only after the folder they name is complete: a kill in between leaves the old ones
         formats.write_json_atomic(ckpt_root / LATEST_FILE, {"step": step, "path": folder.name})
-        protect = {folder.name} | ({f"step_{best['step']:08d}"} if best["step"] is not None else set())
+        if best["step"] == step:
+            formats.write_json_atomic(ckpt_root / BEST_FILE, {**best, "path": folder.name})
+        protect = {folder.name} | ({checkpoint_name(best["step"])} if best["step"] is not None else set())
         prune_checkpoints(ckpt_root, cfg.keep_checkpoints, protect)
 
     def eval_and_track() -> dict[str, Any] | None:
@@ -1130,11 +1238,10 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
             return None
         metrics.write({"step": step, "split": "eval", "train_tokens": done["tokens"],
                        "train_seconds": round(done["seconds"], 3), **result})
-        improved = best["tau"] is None or result["tau"] > best["tau"]
+        # an evaluation over no position measures nothing: it can never be the best
+        improved = result["positions"][0] > 0 and (best["tau"] is None or result["tau"] > best["tau"])
         if improved:
-            best = {"step": step, "tau": result["tau"]}
-            if d.main:
-                formats.write_json_atomic(ckpt_root / BEST_FILE, {**best, "path": f"step_{step:08d}"})
+            best = {"step": step, "tau": result["tau"]}  # best.json follows once its checkpoint is saved
         return result
 
     window = torch.zeros(STAT_ROWS, cfg.ttt_steps, device=device)
@@ -1163,6 +1270,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
                 sync = a == cfg.grad_accum - 1 or d.world == 1
                 with (contextlib.nullcontext() if sync else model.no_sync()):
                     loss, sums = forward_stats(model, teachers, batch, cfg, device, steps, cfg.loss_on)
+                    refuse_non_finite(loss, step + 1, batch)
                     (loss / cfg.grad_accum).backward()
                 step_sums += sums
                 step_tokens += batch.tokens
@@ -1198,7 +1306,7 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
                                "grad_norm": float(grad_norm), "tokens": tokens, "elapsed": time.time() - t0,
                                "train_tokens": done["tokens"], "train_seconds": round(done["seconds"], 3),
                                "ttt_steps": steps, **summary})
-                bar.set_postfix(loss=f"{summary['loss'][0]:.3f}", acc=f"{summary['acc'][0]:.3f}",
+                bar.set_postfix(loss=f"{summary['loss'][0] or 0:.3f}", acc=f"{summary['acc'][0]:.3f}",
                                 tau=f"{summary['tau']:.2f}", tok_s=f"{done['tokens'] / max(done['seconds'], 1e-9):.0f}")
                 window.zero_()
                 window_tokens = 0
@@ -1225,6 +1333,54 @@ def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = Non
         gc.collect()
         dist.destroy_process_group()
     return summary
+
+
+def refuse_too_short(lengths: dict[int, int], train_idx: list[int], cfg: TrainConfig) -> None:
+    """Training samples that give no TTT step a position would train on nothing and log NaN."""
+    need = min_sample_tokens(1)
+    if not any(min(lengths[i], cfg.max_length or lengths[i]) >= need for i in train_idx):
+        raise ValueError(f"no training sample has {need} tokens or more (after --max-length "
+                         f"{cfg.max_length}): step 0 predicts token t+2 from position t, so there is no position to "
+                         "train on; use longer samples or a larger --max-length")
+
+
+def refuse_beyond_positions(src: Source, max_length: int | None, model: nn.Module) -> None:
+    """A sample longer than the target's positions holds states the target never makes in use
+    (RoPE beyond its range): refuse it, naming the longest, rather than train on it."""
+    from eaglet.decode import max_positions
+
+    limit = max_positions(model)
+    longest = max(src.lengths, key=lambda i: src.lengths[i])
+    n = min(src.lengths[longest], max_length or src.lengths[longest])
+    if n > limit:
+        over = sum(min(v, max_length or v) > limit for v in src.lengths.values())
+        raise ValueError(f"{src.path}: sample {longest} has {n} tokens and {over} sample(s) in all are longer than the "
+                         f"target's {limit} positions (max_position_embeddings); pass --max-length {limit} or less, "
+                         "or prepare the data again with such a --max-length")
+
+
+def refuse_non_finite(loss: torch.Tensor, step: int, batch: Batch) -> None:
+    """A NaN or infinite loss would poison the weights and every checkpoint after it: stop at once."""
+    if not torch.isfinite(loss.detach()).all():
+        raise FloatingPointError(f"step {step}: the loss is {loss.item()} on samples {batch.indices}; the weights "
+                                 "before this step are in the last checkpoint: lower --lr or --max-grad-norm, and "
+                                 "`eaglet check` the dataset for NaN/Inf states")
+
+
+def refuse_wrong_layer_ids(ds: Dataset, model: nn.Module) -> None:
+    """The check `eaglet check --target` makes of layer identity, on the dataset's first file:
+    recorded layer ids that the stored states do not match are refused before any training."""
+    from eaglet.check import layer_identity_problems
+
+    n = model.config.num_hidden_layers
+    first = ds.files[min(ds.files)]
+    problems = layer_identity_problems(ds.root, ds.layout, first, model, [*ds.aux_layer_ids, n],
+                                       ds.last_hidden_state)
+    if problems:
+        raise ValueError(f"{ds.root / formats.DATA_CONFIG_FILE}: layer_ids {[*ds.aux_layer_ids, n]} do not match "
+                         f"the stored states ({'; '.join(p.message for p in problems[:3])}); an edited or wrong "
+                         f"layer_ids trains a drafter that engines feed other layers: `eaglet check {ds.root} "
+                         "--target T` for the full report, then re-extract or restore data_config.json")
 
 
 def evaluate_heldout(drafter: str | Path, dataset_dir: str | Path, eval_fraction: float = 0.05, seed: int = 0,

@@ -1,0 +1,239 @@
+"""A train run folder has one writer, its pointers always name complete checkpoints, and a run
+never continues on other data, layer ids the states do not match, or positions it cannot train;
+eval and check say so when the target is not the one the drafter or data came from."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama, write_jsonl
+from eaglet import check as C
+from eaglet import formats
+from eaglet.cli import main as cli_main
+from eaglet.data import prepare
+from eaglet.extract import extract
+from eaglet.train import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, RunFolderBusy, train
+from test_train import chat_records
+
+QUICK = dict(total_steps=4, ttt_steps=2, eval_every=2, log_every=1, batch_size=2, eval_fraction=0.2)
+
+
+@pytest.fixture(scope="module")
+def data(tiny_target, tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("run_folder")
+    prepare(str(tiny_target), str(write_jsonl(work / "chats.jsonl", chat_records(12))), work / "prep", max_length=256)
+    extract(work / "prep", work / "v1", str(tiny_target), show_progress=False)
+    return work
+
+
+@pytest.fixture(scope="module")
+def other_target(tiny_target, tmp_path_factory) -> Path:
+    """The tiny target's architecture and tokenizer with other random weights: same shapes, other revision."""
+    folder = tmp_path_factory.mktemp("other_target")
+    for f in tiny_target.iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, folder / f.name)
+    make_tiny_llama(folder, formats.read_json(tiny_target / "config.json")["vocab_size"], seed=1)
+    return folder
+
+
+def pointers_name_complete_checkpoints(run: Path) -> bool:
+    root = run / CHECKPOINTS_DIR
+    named = [formats.read_json(root / p)["path"] for p in (BEST_FILE, LATEST_FILE) if (root / p).exists()]
+    return all((root / name / formats.DRAFTER_WEIGHTS_FILE).exists() for name in named)
+
+
+def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(data, tmp_path):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from eaglet.train import run_lock\n"
+                               f"with run_lock(Path({str(run)!r})):\n    print('held', flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunFolderBusy, match=rf"{run}: another `eaglet train` \(pid {holder.pid} on .*\) is "
+                                                r"writing this run folder; wait for it to end, or train into"):
+            train(data / "v1", run, show_progress=False, **QUICK)
+        assert not (run / CHECKPOINTS_DIR).exists()  # refused before touching anything
+    finally:
+        holder.kill()  # SIGKILL: no cleanup code runs, the kernel drops the lock
+        holder.wait()
+    summary = train(data / "v1", run, show_progress=False, **QUICK)
+    assert summary.step == 4 and pointers_name_complete_checkpoints(run)
+
+
+def test_interrupt_while_saving_leaves_pointers_to_complete_checkpoints(data, tmp_path, monkeypatch):
+    import eaglet.train as T
+    from eaglet.export import export_drafter
+
+    real, calls = T.save_checkpoint, []
+
+    def interrupted_on_second_save(ckpt_root, step, *a, **k):
+        calls.append(step)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C between the held-out eval (a new best) and its checkpoint
+        return real(ckpt_root, step, *a, **k)
+
+    monkeypatch.setattr(T, "save_checkpoint", interrupted_on_second_save)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(data / "v1", run, show_progress=False, **QUICK)
+    assert calls == [2, 4] and pointers_name_complete_checkpoints(run)
+    assert formats.read_json(run / CHECKPOINTS_DIR / BEST_FILE)["step"] == 2  # the new best was never saved
+    export_drafter(run, tmp_path / "export", "eagle")  # export and eval of RUN work as they are
+    monkeypatch.setattr(T, "save_checkpoint", real)
+    assert train(data / "v1", run, resume=True, show_progress=False).step == 4
+
+
+def test_a_pointer_to_a_missing_checkpoint_is_named(data, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(data / "v1", run, show_progress=False, **QUICK)
+    best = formats.read_json(run / CHECKPOINTS_DIR / BEST_FILE)["path"]
+    shutil.rmtree(run / CHECKPOINTS_DIR / best)
+    assert cli_main(["export", str(run), str(tmp_path / "out"), "--format", "eagle"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run / CHECKPOINTS_DIR / BEST_FILE}: names {best}, which is not a complete checkpoint" in err
+    assert "--resume` rewrites the pointers" in err
+
+
+def test_resume_refuses_other_data(data, tiny_target, tmp_path):
+    from eaglet.convert import convert
+
+    run = tmp_path / "run"
+    train(data / "v1", run, show_progress=False, stop_after=2, **QUICK)
+    other = tmp_path / "other"  # the same target, other chats
+    prepare(str(tiny_target), str(write_jsonl(tmp_path / "c.jsonl", chat_records(14)[2:])), tmp_path / "p",
+            max_length=256)
+    extract(tmp_path / "p", other, str(tiny_target), show_progress=False)
+    v1 = formats.FORMAT_V1
+    with pytest.raises(ValueError, match=rf"--resume: .*step_00000002 was trained on {data / 'v1'} \({v1} layout, 12 "
+                                         rf"samples\); {other} is other data \({v1} layout, 12 samples, other samples\)"):
+        train(other, run, resume=True, show_progress=False)
+    convert(data / "v1", tmp_path / "cmp", "compact", stored_top_k=16)  # the same samples, other stored values
+    with pytest.raises(ValueError, match=rf"is other data \({formats.FORMAT_COMPACT} layout, 12 samples\), and the run.s held-out"):
+        train(tmp_path / "cmp", run, resume=True, show_progress=False)
+    moved = Path(shutil.copytree(data / "v1", tmp_path / "moved"))  # a moved copy is the same data
+    assert train(moved, run, resume=True, show_progress=False).step == 4
+
+
+def test_train_refuses_layer_ids_the_states_do_not_match(data, tmp_path):
+    edited = Path(shutil.copytree(data / "v1", tmp_path / "edited"))
+    cfg = formats.read_json(edited / formats.DATA_CONFIG_FILE)
+    cfg["layer_ids"] = [3, 4, 5, 8]  # the files hold 2, 4, 5 (the tiny target's 2, N//2, N-3)
+    formats.write_json_atomic(edited / formats.DATA_CONFIG_FILE, cfg)
+    with pytest.raises(ValueError, match=r"data_config.json: layer_ids \[3, 4, 5, 8\] do not match the stored states "
+                                         r"\(slot 0 matches layer 2.*`eaglet check .* --target T`"):
+        train(edited, tmp_path / "run", show_progress=False, **QUICK)
+    assert not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
+
+
+@pytest.mark.parametrize("max_length", [1, 2, 3])
+def test_max_length_that_leaves_no_position_is_refused(max_length, data, tmp_path, capsys):
+    code = cli_main(["train", str(data / "v1"), "--out", str(tmp_path / "run"), "--ttt-steps", "2",
+                     "--max-length", str(max_length), "--total-steps", "2"])
+    assert code == 2
+    assert (f"--max-length {max_length}: TTT step k at position t predicts token t+k+2, so with --ttt-steps 2 a "
+            "sample needs at least 4 tokens") in capsys.readouterr().err
+    assert not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
+
+
+def test_an_evaluation_over_no_position_is_never_the_best(data, tmp_path, monkeypatch):
+    """Held-out samples whose masks hold nothing to score give acc 0 and no loss (null, not NaN)."""
+    import eaglet.train as T
+
+    real = T.evaluate
+
+    def nothing_scored(*a, **k):
+        r = real(*a, **k)
+        return {**r, "positions": [0.0] * len(r["positions"]), "acc": [0.0] * len(r["acc"]), "tau": 0.0}
+
+    monkeypatch.setattr(T, "evaluate", nothing_scored)
+    run = tmp_path / "run"
+    summary = train(data / "v1", run, show_progress=False, **QUICK)
+    assert summary.best_step is None and not (run / CHECKPOINTS_DIR / BEST_FILE).exists()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert "NaN" not in "".join(lines) and all(json.loads(line) for line in lines)
+
+
+def test_non_finite_loss_stops_the_run(data, tmp_path, monkeypatch):
+    import eaglet.train as T
+
+    real = T.forward_stats
+    monkeypatch.setattr(T, "forward_stats", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    with pytest.raises(FloatingPointError, match=r"step 1: the loss is nan on samples \[.*\]; the weights before"):
+        train(data / "v1", tmp_path / "run", show_progress=False, **QUICK)
+
+
+def test_eval_refuses_a_target_of_other_weights(data, other_target, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(data / "v1", run, show_progress=False, **QUICK)
+    args = ["eval", str(run), "--target", str(other_target), "--methods", "chain", "--prompts",
+            str(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello there"}])), "--max-new-tokens", "4",
+            "--dtype", "fp32", "--no-plot"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "trained for a target of revision" in err and f"--target {other_target.resolve()} has revision" in err
+    assert "--other-target to measure it on this one anyway" in err
+    assert cli_main([*args, "--other-target"]) == 0
+
+
+def test_check_names_the_other_revision_first(data, other_target):
+    report = C.check_dataset(data / "v1", target=str(other_target))
+    assert not report.clean
+    first = next(p for p in report.problems if p.kind == C.LAYER_IDENTITY)
+    assert first.path == formats.DATA_CONFIG_FILE and "is not the revision of the target checked against" in first.message
+    assert C.check_dataset(data / "v1").clean  # its own recorded target
+
+
+def test_both_paths_of_auto_run_on_any_machine(data, tiny_target, tmp_path, monkeypatch, auto_is_bf16):
+    """`auto` as on a CPU with bf16 matrix units: extraction computes in bf16, the check with the
+    target (recomputing in the recorded dtype) is clean, training autocasts to bf16."""
+    extract(data / "prep", tmp_path / "bf16", str(tiny_target), show_progress=False)
+    assert formats.read_json(tmp_path / "bf16" / formats.DATA_CONFIG_FILE)["compute_dtype"] == "bfloat16"
+    report = C.check_dataset(tmp_path / "bf16", target=str(tiny_target))
+    assert report.clean, report.lines()
+    summary = train(tmp_path / "bf16", tmp_path / "run", show_progress=False, **QUICK)
+    assert formats.read_json(tmp_path / "run" / "train_config.json")["bf16"] is True
+    assert summary.last_eval and all(x == x for x in summary.last_eval["acc"])
+    monkeypatch.setenv("EAGLET_CPU_FAST_BF16", "0")
+    extract(data / "prep", tmp_path / "fp32", str(tiny_target), show_progress=False)
+    assert formats.read_json(tmp_path / "fp32" / formats.DATA_CONFIG_FILE)["compute_dtype"] == "float32"
+    train(tmp_path / "fp32", tmp_path / "run32", show_progress=False, **QUICK)
+    assert formats.read_json(tmp_path / "run32" / "train_config.json")["bf16"] is False
+
+
+
+def test_samples_longer_than_the_target_are_refused_by_train_and_check(data):
+    """A prepared --max-length beyond the target's positions gives states the target never makes in use."""
+    from types import SimpleNamespace
+
+    from eaglet.train import Source, refuse_beyond_positions
+
+    short = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=16))
+    src = Source(data / "v1", {0: 10, 1: 40, 2: 20}, {}, [2, 4, 5], "pre_norm", "bfloat16", lambda i: None, True)
+    with pytest.raises(ValueError, match=rf"{data / 'v1'}: sample 1 has 40 tokens and 2 sample\(s\) in all are longer "
+                                         r"than the target's 16 positions \(max_position_embeddings\); pass "
+                                         r"--max-length 16 or less"):
+        refuse_beyond_positions(src, None, short)
+    refuse_beyond_positions(src, 16, short)  # truncated to fit: trains
+    results = [C.FileResult(0, "a.pt", 0, length=10), C.FileResult(1, "b.pt", 0, length=40)]
+    assert [(p.kind, p.path) for p in C.too_long_problems(results, short)] == [(C.TOO_LONG, "b.pt")]
+
+
+def test_online_refuses_token_ids_outside_the_vocabulary(data, tmp_path):
+    prep = Path(shutil.copytree(data / "prep", tmp_path / "prep"))
+    path = prep / formats.PREPARED_FILE
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[3])
+    record["input_ids"][1] = 400  # the tiny target's vocabulary has 400 tokens: ids 0..399
+    lines[3] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=rf"{path}:4.*400"):
+        train(prep, tmp_path / "run", online=True, show_progress=False, **QUICK)
