@@ -20,7 +20,8 @@ import torch
 
 from eaglet import formats
 from eaglet.data import prepare
-from eaglet.extract import extract, length_batches, pad_right
+from eaglet.extract import extract, length_batches
+from eaglet.target import pad_right
 from eaglet.target import base_model, load_target, parse_dtype, pick_device, resolve_target
 
 

@@ -15,7 +15,9 @@ import argparse
 import torch
 
 from eaglet.draft_model import STAT_ROWS, DraftOutput, make_teacher, stats_summary, ttt_loss
-from eaglet.train import (bucketed_batches, iter_metrics, load_batch, open_dataset, split_indices, target_pieces)
+from eaglet.training.checkpoints import iter_metrics
+from eaglet.training.data import bucketed_batches, load_batch, open_dataset, split_indices
+from eaglet.training.teacher import target_pieces
 
 
 def most_frequent_baseline(data: str, eval_fraction: float, seed: int, steps: int, draft_vocab_size: int) -> dict:

@@ -120,7 +120,8 @@ def worker(spec: dict[str, Any]) -> None:
     """Train one variant, then (for other training data) measure it on DATA's held-out split."""
     import logging
 
-    from eaglet.train import evaluate_heldout, train
+    from eaglet.training.heldout import evaluate_heldout
+    from eaglet.training.loop import train
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = dict(spec["options"])
@@ -168,7 +169,7 @@ def run_variant(name: str, options: dict[str, Any], data: Path, out: Path, budge
 
 
 def eval_curve(folder: Path) -> list[dict[str, Any]]:
-    from eaglet.train import iter_metrics
+    from eaglet.training.checkpoints import iter_metrics
 
     return [m for m in iter_metrics(folder) if m["split"] == "eval"]
 
@@ -326,7 +327,7 @@ def checkout(rev: str, into: Path) -> Path:
 def timed_rate(folder: Path) -> tuple[float, int]:
     """Tokens/s between the first and last train log lines (startup and the final evaluation
     excluded), from metrics.jsonl, which every revision writes the same way."""
-    from eaglet.train import iter_metrics
+    from eaglet.training.checkpoints import iter_metrics
 
     lines = [m for m in iter_metrics(folder) if m["split"] == "train"]
     if len(lines) < 2:

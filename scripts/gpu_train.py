@@ -237,7 +237,7 @@ def run(pack_dir: Path, out: Path, time_budget: float, device: str, options: dic
     from eaglet import formats
     from eaglet.export import export_drafter
     from eaglet.target import cache_gguf_model, load_tokenizer, resolve_target
-    from eaglet.train import train
+    from eaglet.training.loop import train
 
     t0 = time.time()
     manifest = find_manifest(pack_dir)
@@ -301,7 +301,7 @@ def finish(device_out: Path, out: Path, heldout: Path | None) -> None:
         record = json.loads(run_json.read_text())
         print(f"GPU run: {record['device']}, torch {record['torch']}: " + " | ".join(record["summary"]))
     if heldout is not None:
-        from eaglet.train import evaluate_heldout
+        from eaglet.training.heldout import evaluate_heldout
 
         r = evaluate_heldout(out, heldout, eval_fraction=0.04, ttt_steps=5)
         print(f"held-out acc per TTT step on {heldout}: {' '.join(f'{a:.3f}' for a in r['acc'])}, sim tau {r['tau']:.3f}")

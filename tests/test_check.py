@@ -369,7 +369,7 @@ def test_data_config_with_two_aux_layers_is_refused(copy, LAYER_IDS):
     cfg["layer_ids"] = [LAYER_IDS[0], LAYER_IDS[2], LAYER_IDS[3]]
     formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
     report = C.check_dataset(ds)
-    assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "EAGLE-3 needs 4 states")
+    assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "expected 4 integer ids: the 3 aux ids")
 
 
 def test_post_norm_last_state_where_pre_norm_recorded(copy, tiny_target, LAYER_IDS):

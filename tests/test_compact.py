@@ -138,7 +138,7 @@ def test_extract_compact_holds_v1s_states_and_teacher(made, tiny_target):
     assert all(p.parent.parent.name == formats.COMPACT_DIR for p in cmp.values())
     from transformers import AutoModelForCausalLM
 
-    from eaglet.train import make_teacher_head
+    from eaglet.training.teacher import make_teacher_head
 
     head = make_teacher_head(AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32), "pre_norm")
     for i in range(10):
@@ -187,7 +187,7 @@ def test_convert_to_compact_equals_extraction(made, tmp_path):
 def test_every_layout_converts_to_compact_and_trains(made, tiny_target, tmp_path, layout):
     from test_train_sources import final_norm, write_foreign
 
-    from eaglet.train import train
+    from eaglet.training.loop import train
 
     foreign = write_foreign(made / "v1", tmp_path / "foreign", layout, final_norm(tiny_target))
     convert(foreign, tmp_path / "cmp", "compact", target=str(tiny_target), aux_layer_ids=LAYER_IDS[:3],
@@ -211,7 +211,8 @@ def test_every_layout_converts_to_compact_and_trains(made, tiny_target, tmp_path
 def test_heldout_accuracy_is_the_same_on_compact_and_v1(made, tmp_path):
     """Held-out acceptance needs only the teacher's argmax and whether it is drafted, which the
     stored top-K holds exactly: a drafter scores the same on v1 and on its compact copy."""
-    from eaglet.train import evaluate_heldout, train
+    from eaglet.training.heldout import evaluate_heldout
+    from eaglet.training.loop import train
 
     # fp32 on every machine: under bf16 autocast the 6-bit aux states' rounding can tip an argmax
     train(made / "v1", tmp_path / "run", total_steps=3, eval_fraction=0.3, batch_size=2, show_progress=False,
@@ -223,7 +224,7 @@ def test_heldout_accuracy_is_the_same_on_compact_and_v1(made, tmp_path):
 
 
 def test_train_on_compact_refuses_what_needs_the_last_state(made, tmp_path):
-    from eaglet.train import train
+    from eaglet.training.loop import train
 
     for options, message in (({"teacher_top_k": 0}, "stores the target's top 8 only"),
                              ({"teacher_top_k": 9}, "stores the target's top 8 only"),

@@ -124,7 +124,8 @@ def test_speculative_greedy_equals_plain_greedy_on_smollm2(smollm2_dir):
     from eaglet.draft_model import DraftConfig, Eagle3Draft, load_embeddings_from
     from eaglet.evaluate import load_prompt_set
     from eaglet.regen import stop_token_ids
-    from eaglet.target import default_layer_ids, load_tokenizer
+    from eaglet.layers import default_layer_ids
+    from eaglet.target import load_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -166,7 +167,7 @@ def test_gpu_train_script_round_trip_on_cpu(smollm2_dir, tmp_path):
     from safetensors.torch import load_file
 
     from eaglet.export import load_drafter
-    from eaglet.train import iter_metrics
+    from eaglet.training.checkpoints import iter_metrics
 
     spec = importlib.util.spec_from_file_location("gpu_train", "scripts/gpu_train.py")
     gpu = importlib.util.module_from_spec(spec)

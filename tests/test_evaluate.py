@@ -13,7 +13,7 @@ from eaglet.decode import DecodeStats
 from eaglet.draft_model import DraftConfig, Eagle3Draft
 from eaglet.evaluate import (DecodeSettings, MethodTotals, Run, evaluate, first_divergence, format_table,
                              load_prompt_set)
-from eaglet.train import export_config, save_checkpoint
+from eaglet.training.checkpoints import export_config, save_checkpoint
 
 from conftest import write_jsonl
 

@@ -15,7 +15,7 @@ from eaglet import formats
 from eaglet.cli import main as cli_main
 from eaglet.draft_model import DraftConfig, Eagle3Draft, build_draft_vocab
 from eaglet.export import export_drafter, import_drafter, load_drafter
-from eaglet.train import export_config, load_checkpoint, save_checkpoint
+from eaglet.training.checkpoints import export_config, load_checkpoint, save_checkpoint
 
 TARGET = "org/tiny-target"
 AUX = [2, 4, 5]
@@ -334,7 +334,7 @@ def test_export_names_a_truncated_or_garbage_weights_file(tmp_path, ckpt, damage
 
 
 @pytest.mark.parametrize("ids,message", [([], "field aux_layer_ids is missing or empty"),
-                                         ([5, 4, 2], "expected 3 increasing integer ids >= 1")])
+                                         ([5, 4, 2], "expected 3 strictly increasing integer ids >= 1")])
 def test_export_refuses_bad_layer_ids(tmp_path, ckpt, ids, message):
     c = config(ckpt)
     c["eaglet"]["draft_config"]["aux_layer_ids"] = ids

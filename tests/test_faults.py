@@ -14,6 +14,7 @@ import torch
 
 from eaglet import formats
 from eaglet.cli import main
+from eaglet.formats import io as formats_io  # where writes look up free space and make their temp files
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
@@ -57,7 +58,7 @@ def test_disk_full_during_extract_names_the_file_and_the_rerun_resumes(tiny_targ
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", save_until_full)
-    monkeypatch.setattr(formats, "disk_nearly_full", lambda folder: len(saves) > 3)
+    monkeypatch.setattr(formats_io, "disk_nearly_full", lambda folder: len(saves) > 3)
     rc, err = run(capsys, "extract", "--prepared", str(prepared), "--out", str(out), "--target", str(tiny_target))
     assert rc == 2
     assert_one_line(err, "could not write", "rows_0-2000/data_", "no space left", "run the same command again")
@@ -85,7 +86,7 @@ def test_read_only_output_folder(tiny_target, chats_jsonl, tmp_path, capsys, mon
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(formats.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(formats_io.tempfile, "mkstemp", read_only)
     rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep"),
                   "--target", str(tiny_target), *FITS)
     assert rc == 2

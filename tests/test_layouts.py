@@ -189,7 +189,7 @@ def test_check_names_faults_of_the_speculators_layout(spec_copy):
     assert "first difference at position 5" in msg and "speculators skips this sample" in msg
     assert any(p.kind == C.MISSING_INDEX and p.message.endswith("have no file: 4") for p in report.problems)
     # train refuses the same dataset with the file named.
-    from eaglet.train import open_dataset
+    from eaglet.training.data import open_dataset
 
     with pytest.raises(ValueError, match=r"table has 7 rows; no file for row\(s\) \[4\], file\(s\) \[9\] beyond"):
         open_dataset(ds)

@@ -39,7 +39,7 @@ from transformers import AutoConfig, LlamaConfig  # noqa: E402
 
 from eaglet.draft_model import DraftConfig, Eagle3Draft, build_draft_vocab  # noqa: E402
 from eaglet.export import export_drafter, import_drafter, load_drafter  # noqa: E402
-from eaglet.train import export_config, save_checkpoint  # noqa: E402
+from eaglet.training.checkpoints import export_config, save_checkpoint  # noqa: E402
 
 # speculators 0.9.0 calls transformers' LlamaAttention with the deprecated `past_key_values` name.
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")

@@ -543,7 +543,7 @@ def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, ca
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("eaglet.train.train", interrupted)
+    monkeypatch.setattr("eaglet.training.loop.train", interrupted)
     train_argv = ["train", str(tmp_path / "data"), "--out", str(tmp_path / "run")]
     assert main(train_argv) == 130
     assert last_line(capsys.readouterr().err) == ("eaglet train: interrupted; checkpoints up to the last save are "

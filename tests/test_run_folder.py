@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import make_tiny_llama, write_jsonl
 from eaglet import check as C
@@ -19,7 +18,8 @@ from eaglet import formats
 from eaglet.cli import main as cli_main
 from eaglet.data import prepare
 from eaglet.extract import extract
-from eaglet.train import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, RunFolderBusy, train
+from eaglet.training.checkpoints import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, RunFolderBusy
+from eaglet.training.loop import train
 from test_train import chat_records
 
 QUICK = dict(total_steps=4, ttt_steps=2, eval_every=2, log_every=1, batch_size=2, eval_fraction=0.2)
@@ -53,7 +53,7 @@ def pointers_name_complete_checkpoints(run: Path) -> bool:
 def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(data, tmp_path):
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from eaglet.train import run_lock\n"
+                               "from eaglet.training.checkpoints import run_lock\n"
                                f"with run_lock(Path({str(run)!r})):\n    print('held', flush=True); time.sleep(120)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -70,7 +70,7 @@ def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(data, tmp_p
 
 
 def test_interrupt_while_saving_leaves_pointers_to_complete_checkpoints(data, tmp_path, monkeypatch):
-    import eaglet.train as T
+    import eaglet.training.checkpoints as T
     from eaglet.export import export_drafter
 
     real, calls = T.save_checkpoint, []
@@ -146,7 +146,7 @@ def test_max_length_that_leaves_no_position_is_refused(max_length, data, tmp_pat
 
 def test_an_evaluation_over_no_position_is_never_the_best(data, tmp_path, monkeypatch):
     """Held-out samples whose masks hold nothing to score give acc 0 and no loss (null, not NaN)."""
-    import eaglet.train as T
+    import eaglet.training.loop as T
 
     real = T.evaluate
 
@@ -163,7 +163,7 @@ def test_an_evaluation_over_no_position_is_never_the_best(data, tmp_path, monkey
 
 
 def test_non_finite_loss_stops_the_run(data, tmp_path, monkeypatch):
-    import eaglet.train as T
+    import eaglet.training.loop as T
 
     real = T.forward_stats
     monkeypatch.setattr(T, "forward_stats", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
@@ -214,7 +214,7 @@ def test_samples_longer_than_the_target_are_refused_by_train_and_check(data):
     """A prepared --max-length beyond the target's positions gives states the target never makes in use."""
     from types import SimpleNamespace
 
-    from eaglet.train import Source, refuse_beyond_positions
+    from eaglet.training.data import Source, refuse_beyond_positions
 
     short = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=16))
     src = Source(data / "v1", {0: 10, 1: 40, 2: 20}, {}, [2, 4, 5], "pre_norm", "bfloat16", lambda i: None, True)

@@ -19,8 +19,10 @@ from eaglet import formats
 from eaglet.cli import main as cli_main
 from eaglet.data import prepare
 from eaglet.extract import extract
-from eaglet.train import (BatchStream, bucketed_batches, iter_metrics, load_checkpoint, lr_lambda, open_dataset,
-                          split_indices, train)
+from eaglet.training.checkpoints import iter_metrics, load_checkpoint
+from eaglet.training.config import lr_lambda
+from eaglet.training.data import BatchStream, bucketed_batches, open_dataset, split_indices
+from eaglet.training.loop import train
 
 FAST = dict(ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4, log_every=2, batch_size=2,
             eval_fraction=0.1)
@@ -183,7 +185,7 @@ def test_teacher_is_the_targets_own_next_token_distribution(dataset, tiny_target
     from transformers import AutoModelForCausalLM
 
     from eaglet.draft_model import build_draft_vocab, make_teacher
-    from eaglet.train import target_pieces
+    from eaglet.training.teacher import target_pieces
 
     ds = open_dataset(dataset)
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
@@ -205,7 +207,7 @@ def test_teacher_is_the_targets_own_next_token_distribution(dataset, tiny_target
 def test_target_shape_mismatch_is_refused(field, value):
     from types import SimpleNamespace
 
-    from eaglet.train import check_target_matches
+    from eaglet.training.data import check_target_matches
 
     data_cfg = {"hidden_size": 64, "vocab_size": 400, "target_revision": "abc", "target": "tiny"}
     target_cfg = SimpleNamespace(**{"hidden_size": 64, "vocab_size": 400, field: value})
@@ -224,7 +226,8 @@ def test_sparse_teacher_is_cached_once_per_sample_and_exact(dataset, tiny_target
     from transformers import AutoModelForCausalLM
 
     from eaglet.draft_model import build_draft_vocab, make_teacher
-    from eaglet.train import TeacherSource, load_batch, make_teacher_head
+    from eaglet.training.data import load_batch
+    from eaglet.training.teacher import TeacherSource, make_teacher_head
 
     ds = open_dataset(dataset)
     head = make_teacher_head(AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32), "pre_norm")
@@ -263,7 +266,7 @@ def test_time_budget_sizes_the_schedule(dataset, tmp_path):
 def test_ttt_ramp_lm_head_init_and_loss_on_all(dataset, tiny_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from eaglet.train import TrainConfig
+    from eaglet.training.config import TrainConfig
 
     cfg = TrainConfig(ttt_steps=3, ttt_ramp=0.5)
     assert [cfg.ttt_steps_at(s, 12) for s in range(0, 12, 2)] == [1, 2, 3, 3, 3, 3]
@@ -283,7 +286,7 @@ def test_ttt_ramp_lm_head_init_and_loss_on_all(dataset, tiny_target, tmp_path):
 
 
 def test_evaluate_heldout_measures_any_drafter_on_a_datasets_split(dataset, tmp_path):
-    from eaglet.train import evaluate_heldout
+    from eaglet.training.heldout import evaluate_heldout
 
     run = tmp_path / "run"
     train(dataset, run, total_steps=4, show_progress=False, **FAST)
@@ -325,7 +328,7 @@ def test_auto_dtype_is_bf16_only_where_fast(monkeypatch):
 def test_train_options_are_validated_in_one_place(options, message):
     """TrainConfig refuses out-of-range numbers itself, so the CLI, recipes and the Python entry
     function all get the same one-line error (instead of a full epoch or a torch traceback)."""
-    from eaglet.train import TrainConfig
+    from eaglet.training.config import TrainConfig
 
     with pytest.raises(ValueError, match=message):
         TrainConfig(**options)

@@ -16,7 +16,9 @@ from eaglet.check import single_threaded_ops
 from eaglet.cli import main as cli_main
 from eaglet.data import prepare
 from eaglet.extract import extract
-from eaglet.train import iter_metrics, open_dataset, train
+from eaglet.training.checkpoints import iter_metrics
+from eaglet.training.data import open_dataset
+from eaglet.training.loop import train
 from test_train import FAST, chat_records
 
 AUX = [2, 4, 5]  # the default aux ids of the tiny 8-layer target, which the fixture's extraction used
@@ -49,7 +51,7 @@ def v1_run(work, tmp_path_factory) -> Path:
 def final_norm(target: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from eaglet.train import target_pieces
+    from eaglet.training.teacher import target_pieces
 
     return target_pieces(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32))[1].final_norm
 

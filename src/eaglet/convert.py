@@ -21,8 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from eaglet import formats
+from eaglet import formats, ranges
+from eaglet.extract import StoredTeacherMaker, ensure_data_config
+from eaglet.target import load_target, resolve_target
+from eaglet.training.data import Dataset, check_target_matches, dataset_target, open_dataset
 
 
 @dataclass
@@ -46,9 +50,7 @@ class ConvertSummary:
 
 def target_fields(target: str, hidden_size: int, aux_layer_ids: list[int]) -> dict[str, Any]:
     """What data_config.json records about the target, for a source that records none."""
-    from transformers import AutoConfig
-
-    from eaglet.target import resolve_target
+    from transformers import AutoConfig  # seconds to import: only where a target is read
 
     ref = resolve_target(target)
     tc = AutoConfig.from_pretrained(ref.path)
@@ -61,7 +63,8 @@ def target_fields(target: str, hidden_size: int, aux_layer_ids: list[int]) -> di
             "aux_layer_ids": list(aux_layer_ids), "layer_id_convention": formats.LAYER_ID_CONVENTION}
 
 
-def converted_config(ds: Any, layout: str, target: str | None, command: str, stored_top_k: int) -> dict[str, Any]:
+def converted_config(ds: Dataset, layout: formats.Layout, target: str | None, command: str,
+                     stored_top_k: int) -> dict[str, Any]:
     """The output's data_config.json: the source's (or, for a source without one, --target's
     fields), with the output layout and the totals of the samples."""
     cfg = {k: v for k, v in ds.config.items() if k not in ("format", "command", "converted_from")}
@@ -73,10 +76,9 @@ def converted_config(ds: Any, layout: str, target: str | None, command: str, sto
         cfg.update(target_fields(target, ds.config["hidden_size"], ds.aux_layer_ids))
     lengths = [ds.lengths[i] for i in sorted(ds.files)]
     cfg.pop("compact", None)
-    if layout == formats.FORMAT_COMPACT:
-        cfg["compact"] = formats.compact_config(min(stored_top_k, cfg.get("vocab_size") or stored_top_k))
+    cfg.update(layout.config_fields(min(stored_top_k, cfg.get("vocab_size") or stored_top_k)))
     cfg.update({
-        "format": layout,
+        "format": layout.name,
         "command": command,
         "converted_from": {"path": str(ds.root), "format": ds.layout},
         "last_hidden_state": ds.last_hidden_state,
@@ -90,17 +92,16 @@ def converted_config(ds: Any, layout: str, target: str | None, command: str, sto
     return cfg
 
 
-def read_rows(ds: Any, show_progress: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def read_rows(ds: Dataset, show_progress: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, loss_mask) of every sample in index order: speculators' table needs them all first."""
-    from tqdm import tqdm
-
     with ThreadPoolExecutor(max_workers=2) as pool:
         return list(tqdm(pool.map(lambda i: formats.read_sample_tokens(ds.files[i], ds.layout), sorted(ds.files)),
                          total=len(ds.files), desc="read token ids", unit="file", file=sys.stderr,
                          dynamic_ncols=True, disable=not show_progress))
 
 
-def copy_sample(ds: Any, out: Path, layout: str, index: int, teacher: Any = None) -> int:
+def copy_sample(ds: Dataset, out: Path, layout: formats.Layout, index: int,
+                teacher: StoredTeacherMaker | None = None) -> int:
     """Read one sample from the source and write it in `layout` (the compact one with the stored
     teacher `teacher` makes from the last state); returns its token count."""
     s = formats.read_training_sample(ds.files[index], ds.layout)
@@ -112,13 +113,9 @@ def copy_sample(ds: Any, out: Path, layout: str, index: int, teacher: Any = None
     return int(s.input_ids.shape[0])
 
 
-def teacher_maker(ds: Any, target: str | None, stored_top_k: int) -> Any:
+def teacher_maker(ds: Dataset, target: str | None, stored_top_k: int) -> StoredTeacherMaker:
     """The compact layout's teacher from each sample's last state: the target's final norm (unless
     the stored state is post-norm) and LM head."""
-    from eaglet.extract import StoredTeacherMaker
-    from eaglet.target import load_target, resolve_target
-    from eaglet.train import check_target_matches, dataset_target
-
     ref = resolve_target(dataset_target(ds, target))
     model = load_target(ref, torch.float32, torch.device("cpu"))
     check_target_matches(ds.config, model.config, ref.revision, ref.name)
@@ -131,19 +128,13 @@ def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | 
     """Write the hidden-state dataset at `src` into `out` in `layout` (a `formats.WRITTEN_LAYOUTS`
     name). `aux_layer_ids` / `last_hidden_state` / `target` describe a source whose
     data_config.json does not (as for `eaglet train`)."""
-    from tqdm import tqdm
-
-    from eaglet import ranges
-    from eaglet.extract import ensure_data_config
-    from eaglet.train import open_dataset
-
     ranges.at_least(1, workers=workers, stored_top_k=stored_top_k)
     fmt = formats.written_layout(layout)
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve():
         raise ValueError(f"--out {out} is the source folder; convert into another folder")
     ds = open_dataset(src, aux_layer_ids, last_hidden_state, show_progress)
-    if ds.layout == formats.FORMAT_COMPACT:
+    if formats.layout(ds.layout).stores_teacher:
         raise ValueError(f"{src} is compact: it keeps no last-layer state and its aux states are rounded to 6 bits, "
                          "so no other layout can be made from it; convert the dataset it was made from")
     indices = sorted(ds.files)
@@ -151,21 +142,20 @@ def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | 
         gaps = sorted(set(range(indices[-1] + 1)) - set(indices))
         raise ValueError(f"{src}: sample indices are not 0..{len(indices) - 1} (no file for {gaps[:10]}); every "
                          f"layout pairs sample i with file i, so fill the gaps first (`eaglet check {src}`)")
-    if fmt == formats.FORMAT_SPECULATORS_ARROW and ds.last_hidden_state != formats.LAST_STATE_PRE_NORM:
+    if fmt.fixed_last_state and ds.last_hidden_state != fmt.last_state:
         raise ValueError(f"{src}: its last state is {ds.last_hidden_state} (after the target's final norm); "
                          "speculators applies that norm itself, and it cannot be undone: extract the states again "
                          "(`eaglet extract --layout speculators`), or convert to v1, which records the convention")
-    if fmt == formats.FORMAT_COMPACT:
-        formats.check_compact_hidden_size(ds.config["hidden_size"], str(src))
+    fmt.check_hidden_size(ds.config["hidden_size"], str(src))
     config = converted_config(ds, fmt, target, command, stored_top_k)
-    teacher = teacher_maker(ds, target, stored_top_k) if fmt == formats.FORMAT_COMPACT else None
+    teacher = teacher_maker(ds, target, stored_top_k) if fmt.stores_teacher else None
     out.mkdir(parents=True, exist_ok=True)
     ensure_data_config(out, config)
     if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
         formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, ds.lengths)
     if not (out / formats.TOKEN_FREQ_FILE).exists():
         formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, ds.token_freq)
-    if fmt == formats.FORMAT_SPECULATORS_ARROW and not (out / formats.ARROW_STATE_FILE).exists():
+    if fmt.table is not None and not fmt.table.exists(out):
         formats.start_dataset(out, fmt, [(ids.numpy(), mask.numpy()) for ids, mask in read_rows(ds, show_progress)])
     formats.remove_stale_temp_files(formats.files_dir(out, fmt))
     num_states = formats.EAGLE3_NUM_STATES

@@ -14,6 +14,7 @@ tokens with the fast tokenizer's offsets. A template where that does not hold fa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sys
@@ -22,13 +23,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from eaglet import embedded, ranges
+import ijson
+from tqdm import tqdm
+
+from eaglet import __version__, embedded, ranges
+from eaglet.decode import max_positions
 from eaglet.formats import PREPARED_FILE, PreparedWriter, TokenizedSample
-
-if TYPE_CHECKING:
-    from eaglet.target import TargetRef
+from eaglet.target import TargetRef, load_tokenizer, resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +92,6 @@ class ReadStats:
 
 def iter_json_array(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
     """Stream `(where, item)` of a JSON array; a file cut off mid-record yields every complete one."""
-    import ijson
-
     with open(path, "rb") as f:
         try:
             for n, item in enumerate(ijson.items(f, "item", use_float=True)):
@@ -293,7 +294,7 @@ TRUNCATED_AWAY = "no assistant token left after truncation to --max-length"
 
 def target_text_config(ref: TargetRef) -> Any:
     """The target's config (its text model's, for a multimodal one), read without the weights."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # seconds to import: only where a target is read
 
     return AutoConfig.from_pretrained(ref.path).get_text_config()
 
@@ -304,8 +305,6 @@ def position_limit(config: Any) -> int:
     That is the real limit, what the model computes: the tokenizer's model_max_length is only a
     hint, a placeholder (1e30) in many tokenizers and smaller than the config in others whose
     models run the config's length."""
-    from eaglet.decode import max_positions
-
     return max_positions(SimpleNamespace(config=config))  # it reads only `.config`: no weights loaded
 
 
@@ -378,8 +377,6 @@ class PrepareSummary:
 
 
 def template_hash(tokenizer) -> str:
-    import hashlib
-
     return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()[:16]
 
 
@@ -389,11 +386,6 @@ def prepare(target: str | None, data: str, out: str | Path, max_length: int | No
     """Tokenize chats with the target's template and write the prepared dataset to `out`; a
     prepared dataset already there is replaced only with `overwrite`. `max_length` (default
     DEFAULT_MAX_LENGTH, or the target's positions where fewer) may not exceed the target's positions."""
-    from tqdm import tqdm
-
-    from eaglet import __version__
-    from eaglet.target import load_tokenizer, resolve_target
-
     ranges.at_least(1, max_length=max_length, num_samples=num_samples)
     ranges.at_least(0, skip=skip)
     existing = Path(out) / PREPARED_FILE

@@ -28,12 +28,17 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from eaglet import embedded, formats, ranges
 from eaglet.data import EMBEDDED_SHAREGPT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
 from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramProposer, Proposer, max_positions,
                            measure_pass_costs, plain_generate, speculative_generate, truncate_at_eos)
 from eaglet.draft_model import Eagle3Draft
+from eaglet.export import load_drafter_for_target
+from eaglet.regen import stop_token_ids
+from eaglet.target import (decoder_layers, generation_config, load_target, load_tokenizer, parse_dtype, pick_device,
+                           resolve_target)
 
 log = logging.getLogger(__name__)
 
@@ -246,8 +251,6 @@ def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids:
                                            temperature=s.temperature, top_p=s.top_p, generator=gen)
         return Run(toks, stats.wall_s, stats.target_forwards, stats)
     if method in HF_METHODS:
-        from eaglet.target import generation_config
-
         if gen is not None:
             torch.manual_seed(s.seed)  # HF samples from the global generator
         device = next(target.parameters()).device
@@ -513,12 +516,6 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
              progress: bool = True, other_target: bool = False) -> EvalResult:
     """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot.
     A target whose revision is not the one the drafter records is refused unless `other_target`."""
-    from tqdm import tqdm
-
-    from eaglet.export import load_drafter_for_target
-    from eaglet.regen import stop_token_ids
-    from eaglet.target import load_target, load_tokenizer, parse_dtype, pick_device, resolve_target
-
     ranges.at_least(1, num_prompts=num_prompts, threads=threads)
     methods = list(dict.fromkeys(methods))
     for m in methods:
@@ -593,8 +590,6 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
 
 def check_drafter_fits(drafter: Eagle3Draft, target: nn.Module) -> None:
     """A drafter for another model would verify fine and accept nothing: refuse it up front."""
-    from eaglet.target import decoder_layers
-
     tc, dc = target.config, drafter.config
     problems = []
     if dc.target_hidden_size != tc.hidden_size:
@@ -640,11 +635,11 @@ def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
 def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) -> None:
     """Left: acceptance rate per draft position (one line per set and mode). Right: speedup
     over plain greedy per set and method, each bar labelled with its tau."""
-    import matplotlib
+    import matplotlib  # slow to import, and only the plot needs it
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+    matplotlib.use("Agg")  # before pyplot: no display is needed to write a PNG
+    import matplotlib.pyplot as plt  # after the backend is chosen
+    import matplotlib.ticker  # the axis locators below
 
     fig, (ax_acc, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, methods in sets.items():

@@ -5,7 +5,7 @@ Entry functions:
 - `export_drafter(ckpt, out, fmt)`: an eaglet checkpoint -> a folder vLLM (`speculators`) or SGLang
   and the official EAGLE-3 code (`eagle`) load (`eaglet export`);
 - `import_drafter(src, out)`: a folder in either format (or an eaglet checkpoint) -> an eaglet
-  checkpoint folder that `train.load_checkpoint` loads (`eaglet import`);
+  checkpoint folder that `training.checkpoints.load_checkpoint` loads (`eaglet import`);
 - `load_drafter(path)`: any of those folders -> a ready `Eagle3Draft`.
 
 Every path goes through `read_drafter`, which checks the drafter before anything is written or
@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors import safe_open
 
-from eaglet import __version__, formats
+from eaglet import __version__, formats, layers
 from eaglet.draft_model import DraftConfig, Eagle3Draft
-from eaglet.target import serving_name
+from eaglet.target import load_target, resolve_target, serving_name
+from eaglet.training.checkpoints import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, export_config
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +71,9 @@ def layer_id_problems(cfg: DraftConfig) -> list[str]:
     if not ids:
         return ["field aux_layer_ids is missing or empty: the engines would capture their default layers, "
                 "not necessarily the ones the drafter was trained on"]
-    ok = (len(ids) == 3 and all(type(i) is int and i >= 1 for i in ids)
-          and all(a < b for a, b in zip(ids, ids[1:])))
-    if not ok:
-        # Engines concatenate the captured states in layer order, so the ids must increase.
-        return [f"field aux_layer_ids {ids}: expected 3 increasing integer ids >= 1 (HF hidden_states indexing; "
-                f"fc takes the three states concatenated in that order)"]
-    return []
+    problem = layers.aux_ids_problem(ids)
+    # Engines concatenate the captured states in layer order, so the ids must increase.
+    return [f"field aux_layer_ids {ids}: {problem}; fc takes the three states concatenated in that order"] if problem else []
 
 
 def kind(t: torch.Tensor) -> str:
@@ -135,8 +133,6 @@ def check_drafter(cfg: DraftConfig, tensors: dict[str, torch.Tensor], config_whe
 def resolve_checkpoint(path: str | Path) -> Path:
     """A folder with config.json as is; a train run folder (or its checkpoints/) -> its best,
     else latest, checkpoint."""
-    from eaglet.train import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE
-
     p = Path(path)
     if (p / formats.DRAFTER_CONFIG_FILE).exists():
         return p
@@ -160,9 +156,7 @@ def eaglet_draft_config(c: dict[str, Any], where: Path) -> DraftConfig:
 
 
 def target_num_layers(target: str) -> int:
-    from transformers import AutoConfig
-
-    from eaglet.target import resolve_target
+    from transformers import AutoConfig  # seconds to import: only where a target is read
 
     c = AutoConfig.from_pretrained(resolve_target(target).path)
     return (getattr(c, "text_config", None) or c).num_hidden_layers
@@ -171,10 +165,6 @@ def target_num_layers(target: str) -> int:
 def target_embeddings(target: str) -> torch.Tensor:
     """The target's input embeddings: read straight from its safetensors when a tensor named
     `*embed_tokens.weight` is there (no model load), else from the loaded model."""
-    from safetensors import safe_open
-
-    from eaglet.target import load_target, resolve_target
-
     ref = resolve_target(target)
     folder = Path(ref.path)
     files = formats.weight_files(folder) if folder.is_dir() else []
@@ -189,12 +179,10 @@ def target_embeddings(target: str) -> torch.Tensor:
 
 def default_aux_layer_ids(target: str | None, where: Path) -> list[int]:
     """What the engines capture when a folder names no ids: [2, N//2, N-3] of an N-layer target."""
-    from eaglet.target import default_layer_ids
-
     if target is None:
         raise ValueError(f"{where}: no eagle_aux_hidden_state_layer_ids; the engines then capture [2, N//2, N-3] "
                          f"of an N-layer target: pass the target so eaglet can read N")
-    return default_layer_ids(target_num_layers(target))[:-1]
+    return layers.default_aux_ids(target_num_layers(target))
 
 
 def drop_ignorable(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
@@ -382,9 +370,7 @@ class ImportSummary:
 
 def import_drafter(src: str | Path, out: str | Path, target: str | None = None) -> ImportSummary:
     """Read a drafter in any format and write it as an eaglet checkpoint folder (the layout of
-    `train.save_checkpoint`, without training state): fp32 weights, int64 d2t, bool t2d."""
-    from eaglet.train import export_config
-
+    `training.checkpoints.save_checkpoint`, without training state): fp32 weights, int64 d2t, bool t2d."""
     d = read_drafter(src, target)
     expected = expected_tensors(d.config)
     tensors = {k: v.to(expected[k].dtype) for k, v in d.tensors.items()}

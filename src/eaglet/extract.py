@@ -16,22 +16,25 @@ machines can fill one output folder.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
-from eaglet import formats, ranges
+from eaglet import __version__, formats, layers, ranges
+from eaglet.data import config_where, position_limit, target_text_config, template_hash
+from eaglet.draft_model import target_top_k
 from eaglet.formats import TokenizedSample
-
-if TYPE_CHECKING:
-    from eaglet.target import TargetRef
+from eaglet.target import (LayerCapture, TargetRef, decoder_layers, dtype_name, load_target,
+                           load_tokenizer, parse_dtype, pick_device, resolve_target, run_batch)
+from eaglet.training.teacher import make_teacher_head
 
 log = logging.getLogger(__name__)
 
@@ -40,41 +43,8 @@ IDENTITY_FIELDS = ("format", "compact", "target_revision", "layer_ids", "hidden_
                    "chat_template_sha256", "max_length", "num_samples", "num_tokens", "prepared_sha256")
 
 
-class LayerCapture:
-    """Forward hooks that keep a reference to the output of chosen decoder layers."""
-
-    def __init__(self, layers: nn.ModuleList, layer_ids: list[int]):
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.handles = [layers[k - 1].register_forward_hook(self._hook(k)) for k in layer_ids]
-        self.layer_ids = layer_ids
-
-    def _hook(self, layer_id: int):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
-
-    def take(self) -> list[torch.Tensor]:
-        missing = [k for k in self.layer_ids if k not in self.outputs]
-        if missing:
-            raise RuntimeError(f"layer ids {missing} produced no output in the forward pass")
-        states = [self.outputs[k] for k in self.layer_ids]
-        self.outputs.clear()
-        return states
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> None:
-    if len(layer_ids) != formats.EAGLE3_NUM_STATES:
-        raise ValueError(f"--layer-ids {layer_ids}: EAGLE-3 fuses exactly {formats.EAGLE3_NUM_STATES - 1} aux "
-                         f"layers; give {formats.EAGLE3_NUM_STATES - 1} aux ids and the last layer id {num_layers}")
-    if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
-        raise ValueError(f"--layer-ids {layer_ids}: must be strictly increasing")
-    if layer_ids[0] < 1 or layer_ids[-1] != num_layers:
-        raise ValueError(f"--layer-ids {layer_ids}: ids count decoder-layer outputs 1..{num_layers} "
-                         f"(id k = output of layer k-1); the last id must be {num_layers}, the teacher's state")
+    layers.check_stored_ids(layer_ids, num_layers, "--layer-ids")
 
 
 def length_batches(indices: list[int], lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
@@ -94,32 +64,7 @@ def length_batches(indices: list[int], lengths: list[int], batch_tokens: int, ma
     return batches
 
 
-def pad_right(batch: list[TokenizedSample]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) [B, longest], padded on the right with 0 / mask 0."""
-    longest = max(len(s.input_ids) for s in batch)
-    ids = torch.zeros(len(batch), longest, dtype=torch.long)
-    attn = torch.zeros(len(batch), longest, dtype=torch.long)
-    for row, s in enumerate(batch):
-        ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
-        attn[row, : len(s.input_ids)] = 1
-    return ids, attn
-
-
-@torch.inference_mode()
-def run_batch(model: nn.Module, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
-              store_dtype: torch.dtype, out_device: torch.device | str = "cpu") -> list[list[torch.Tensor]]:
-    """One padded forward; per sample, the captured states cut to its length, on `out_device`
-    (CPU for writing files; the compute device when `eaglet train --online` consumes them)."""
-    from eaglet.target import base_model
-
-    ids, attn = pad_right(batch)
-    base_model(model)(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
-    states = [h.to(out_device, store_dtype) for h in capture.take()]
-    # .clone(): each stored tensor must own its storage, or torch.save writes the whole batch.
-    return [[h[row, : len(s.input_ids)].clone() for h in states] for row, s in enumerate(batch)]
-
-
-def write_one(out: Path, layout: str, index: int, sample: TokenizedSample, states: list[torch.Tensor],
+def write_one(out: Path, layout: formats.Layout, index: int, sample: TokenizedSample, states: list[torch.Tensor],
               teacher: StoredTeacherMaker | None) -> Path:
     return formats.write_sample(out, layout, index, torch.tensor(sample.input_ids, dtype=torch.long), states,
                                 torch.tensor(sample.loss_mask, dtype=torch.long),
@@ -132,22 +77,16 @@ class StoredTeacherMaker:
     (the stored-dtype state, the final norm and LM head in fp32)."""
 
     def __init__(self, model: nn.Module, top_k: int, last_hidden_state: str = formats.LAST_STATE_PRE_NORM):
-        from eaglet.train import make_teacher_head
-
         self.head = make_teacher_head(model, last_hidden_state)
         self.top_k = min(top_k, self.head.lm_head.weight.shape[0])
 
     def __call__(self, last: torch.Tensor) -> formats.StoredTeacher:
-        from eaglet.draft_model import target_top_k
-
         dev = self.head.lm_head.weight.device
         ids, log_probs = target_top_k(last.to(dev).float(), self.head.final_norm, self.head.lm_head, self.top_k)
         return formats.StoredTeacher(ids.cpu(), log_probs.cpu())
 
 
 def prepared_sha256(samples: list[TokenizedSample]) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     for s in samples:
         h.update(s.to_json().encode())
@@ -156,16 +95,11 @@ def prepared_sha256(samples: list[TokenizedSample]) -> str:
 
 def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfig: dict, samples: list[TokenizedSample],
                       layer_ids: list[int], compute_dtype: torch.dtype, store_dtype: torch.dtype, command: str,
-                      layout: str = formats.FORMAT_V1, stored_top_k: int = 0) -> dict:
-    from eaglet import __version__
-    from eaglet.target import dtype_name
-
+                      layout: formats.Layout = formats.V1_LAYOUT, stored_top_k: int = 0) -> dict:
     cfg = model.config
-    compact = ({"compact": formats.compact_config(min(stored_top_k, cfg.vocab_size))}
-               if layout == formats.FORMAT_COMPACT else {})
     return {
-        "format": layout,
-        **compact,
+        "format": layout.name,
+        **layout.config_fields(min(stored_top_k, cfg.vocab_size)),
         "eaglet_version": __version__,
         "command": command,
         "target": ref.name,
@@ -196,8 +130,6 @@ def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfi
 
 def prepared_target(prepared: str | Path, pconfig: dict, target: str | None) -> TargetRef:
     """The target `prepared` was tokenized with (`target`, else the recorded one); refuse another."""
-    from eaglet.target import resolve_target
-
     ref = resolve_target(target if target is not None else pconfig.get("target_spec"))
     if ref.revision != pconfig["target_revision"]:
         raise ValueError(f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
@@ -209,8 +141,6 @@ def refuse_unrunnable_samples(prepared: str | Path, samples: list[TokenizedSampl
     """Before the target loads and anything is written: refuse a sample the target cannot take, a
     token id outside its vocabulary or more tokens than its positions (the forward would fail, or
     compute states past the positions the target was trained for, without naming the sample)."""
-    from eaglet.data import config_where, position_limit, target_text_config
-
     target_config = target_text_config(ref)
     formats.check_prepared_token_ids(prepared, samples, target_config.vocab_size)
     limit = position_limit(target_config)
@@ -237,8 +167,9 @@ def discard_unused_extraction(out: Path, old: dict) -> None:
     """The side files of an extraction that wrote no sample file: written again from this run's data."""
     for name in (formats.DATA_CONFIG_FILE, formats.SAMPLE_LENGTHS_FILE, formats.TOKEN_FREQ_FILE):
         (out / name).unlink(missing_ok=True)
-    if old.get("format") == formats.FORMAT_SPECULATORS_ARROW:  # its table of the old samples' tokens
-        for p in [out / formats.ARROW_STATE_FILE, out / "dataset_info.json", *out.glob("data-*.arrow")]:
+    old_layout = formats.find_layout(old.get("format"))
+    if old_layout is not None and old_layout.table is not None:  # its table of the old samples' tokens
+        for p in old_layout.table.files(out):
             p.unlink(missing_ok=True)
 
 
@@ -298,11 +229,6 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     """Extract the hidden states of every prepared sample of this shard into `out`, in `layout`
     (a `formats.WRITTEN_LAYOUTS` name); the compact layout stores the target's `stored_top_k`
     most likely next tokens in place of the last state."""
-    from tqdm import tqdm
-
-    from eaglet.data import template_hash
-    from eaglet.target import decoder_layers, default_layer_ids, load_target, load_tokenizer, parse_dtype, pick_device
-
     ranges.at_least(1, num_shards=num_shards, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
                     write_threads=write_threads, stored_top_k=stored_top_k)
     if not 0 <= shard_id < num_shards:
@@ -316,14 +242,13 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     dev = pick_device(device)
     compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
     model = load_target(ref, compute_dtype, dev)
-    if fmt == formats.FORMAT_COMPACT:
-        formats.check_compact_hidden_size(model.config.hidden_size, ref.name)
+    fmt.check_hidden_size(model.config.hidden_size, ref.name)
     num_layers = model.config.num_hidden_layers
-    layer_ids = list(layer_ids) if layer_ids else default_layer_ids(num_layers)
+    layer_ids = list(layer_ids) if layer_ids else layers.default_layer_ids(num_layers)
     validate_layer_ids(layer_ids, num_layers)
     config = build_data_config(ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype, save_dtype, command,
                                fmt, stored_top_k)
-    teacher = StoredTeacherMaker(model, stored_top_k) if fmt == formats.FORMAT_COMPACT else None
+    teacher = StoredTeacherMaker(model, stored_top_k) if fmt.stores_teacher else None
     out.mkdir(parents=True, exist_ok=True)
     ensure_data_config(out, config)
     formats.start_dataset(out, fmt, [(s.input_ids, s.loss_mask) for s in samples])

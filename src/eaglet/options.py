@@ -173,7 +173,8 @@ class Stage:
 
 
 def target_option(default: str = EMBEDDED_TARGET) -> Option:
-    return Option("target", f"Hugging Face model folder or hub id (default: {default})")
+    """--target; a recipe names its target once, in [recipe]."""
+    return Option("target", f"Hugging Face model folder or hub id (default: {default})", recipe=False)
 
 
 def device_option(what: str = "") -> Option:
@@ -185,8 +186,8 @@ LAYOUT_HELP = ("v1: hidden_states/rows_{a}-{b}/data_{i}.pt (speculators v1, vLLM
                "trains from; compact: eaglet's own, a third of v1's bytes (6-bit aux states, the target's top-K in "
                "place of the last state), read by eaglet check and train only")
 STORED_TOP_K = Option("stored_top_k", "compact: how many of the target's most likely next tokens to store per "
-                                      "position (training's --teacher-top-k default; training can use up to this "
-                                      "many)", type=int, default=16)
+                                      "position (as many as training's --teacher-top-k takes unless told otherwise; "
+                                      "training can use up to this many)", type=int, default=16)
 AUX_LAYER_IDS_HELP = ("for a foreign dataset without data_config.json, the layers its stored aux states come from "
                       "(3 hidden_states ids)")
 LAST_HIDDEN_STATE = Option("last_hidden_state", "a foreign dataset's last state, before or after the target's final "
@@ -238,8 +239,8 @@ EXTRACT = Stage(
      device_option(),
      Option("batch_tokens", "padded tokens per forward pass", type=int, default=8192),
      Option("max_batch_size", "samples per forward pass at most", type=int, default=64),
-     Option("num_shards", "split the samples into K shards", type=int, default=1),
-     Option("shard_id", "which shard this process extracts", type=int, default=0),
+     Option("num_shards", "split the samples into K shards", type=int, default=1, recipe=False),
+     Option("shard_id", "which shard this process extracts", type=int, default=0, recipe=False),
      Option("layout", LAYOUT_HELP, default="v1", choices=WRITTEN_LAYOUT_NAMES),
      STORED_TOP_K),
     "eaglet.extract:extract", FILES_KEPT)
@@ -271,7 +272,7 @@ RUN = Stage(
     "the TOML file. Finished stages are recorded in OUT/stages/ and reused; unfinished ones continue where they "
     "stopped. Built-in recipes: demo, smollm2-sharegpt.",
     (Option("recipe", "path to a recipe .toml, or a built-in recipe name", positional=True, param="spec"),
-     Option("out", "output folder (default runs/<recipe name>)"), *RUN_OPTIONS),
+     Option("out", "output folder (default: runs/RECIPE, after the recipe's name)"), *RUN_OPTIONS),
     "eaglet.recipe:run_recipe", STAGES_KEPT)
 
 CHECK = Stage(
@@ -281,7 +282,8 @@ CHECK = Stage(
     "Exit 0 only when clean.",
     (Option("dir", "dataset folder", positional=True, param="path"),
      target_option("data_config.json's target_path"),
-     Option("no_target", "skip the checks that need the target", kind=FLAG, param="use_target", invert=True),
+     Option("no_target", "skip the checks that need the target", kind=FLAG, param="use_target", invert=True,
+            recipe=False),
      Option("identity_samples", "files to recompute with the target", type=int, default=3),
      Option("workers", "reader threads (default: one per core, at most 8)", type=int),
      Option("max_per_kind", "problems shown per kind", type=int, default=10, cli_only=True),
@@ -351,7 +353,8 @@ TRAIN = Stage(
      Option("keep_checkpoints", "newest checkpoints kept besides the best", type=int, default=2),
      Option("seed", "seed of the initialisation, the split and the data order", type=int, default=0),
      device_option()),
-    "eaglet.train:train", "checkpoints up to the last save are kept; {resume} continues from the latest", config="eaglet.train:TrainConfig")
+    "eaglet.training.loop:train", "checkpoints up to the last save are kept; {resume} continues from the latest",
+    config="eaglet.training.config:TrainConfig")
 
 REGEN = Stage(
     "regen", "regenerate the assistant turns of chats with the target",
@@ -430,7 +433,7 @@ EVAL = Stage(
      device_option(),
      Option("threads", "CPU threads (default: torch's)", type=int),
      Option("out", "folder for eval.json and eval.png", recipe=False),
-     Option("no_plot", "skip the PNG plot", kind=FLAG, param="plot", invert=True),
+     Option("no_plot", "skip the PNG plot", kind=FLAG, param="plot", invert=True, recipe=False),
      Option("seed", "sampling seed", type=int, default=0)),
     "eaglet.evaluate:evaluate", f"no results were written; {STARTS_OVER}", config="eaglet.evaluate:DecodeSettings")
 
@@ -445,7 +448,7 @@ EXPORT = Stage(
             choices=EXPORT_FORMAT_NAMES, required=True, param="fmt"),
      Option("dtype", "weight dtype", default="bf16", choices=EXPORT_DTYPE_NAMES),
      Option("verifier", "target name or path recorded as the verifier (default: the checkpoint's target)"),
-     Option("num_speculative_tokens", "speculators: default draft length vLLM reads from the folder", type=int,
+     Option("num_speculative_tokens", "speculators: the draft length vLLM reads from the folder when its config sets none", type=int,
             default=3, param="speculative_tokens")),
     "eaglet.export:export_drafter", FOLDER_NOT_WRITTEN)
 

@@ -4,7 +4,7 @@
 
 A recipe has one table per stage, holding that stage's options (the keyword arguments of its
 entry function: `regen.regenerate`, `data.prepare`, `extract.extract`, `check.check_dataset`,
-`train.train`, `evaluate.evaluate`), plus `[recipe]` (name, target, description) and `[scale]`
+`training.loop.train`, `evaluate.evaluate`), plus `[recipe]` (name, target, description) and `[scale]`
 (the option paths `--scale` multiplies). A stage leaves `OUT/stages/<stage>.json` when it
 finishes, with the options it ran with, its figures and its time; a rerun skips finished stages
 and continues unfinished ones from where they stopped (regen, extract and train resume
@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections.abc
 import difflib
 import functools
-import inspect
 import json
 import logging
 import shutil
@@ -32,16 +31,22 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from eaglet import formats
-
-if TYPE_CHECKING:  # eaglet.target imports torch: loaded only once a recipe runs
-    from eaglet.target import TargetRef
+from eaglet.check import check_dataset
+from eaglet.data import prepare
+from eaglet.evaluate import DecodeSettings, evaluate
+from eaglet.extract import extract
+from eaglet.options import APPEND, BOOL, FLAG, RECIPE_STAGES, Option, parse_duration, parse_layer_ids, parse_list
+from eaglet.options import STAGES as STAGES_DECLARED
+from eaglet.regen import regenerate
+from eaglet.target import TargetRef, resolve_target
+from eaglet.training.loop import train
 
 log = logging.getLogger(__name__)
 
-STAGES = ("regen", "prepare", "extract", "check", "train", "eval")
+STAGES = RECIPE_STAGES
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 STAGE_MARKERS = "stages"
 SUMMARY_FILE = "summary.json"
@@ -171,46 +176,22 @@ class Paths:
                 "train": self.train, "eval": self.eval}[stage]
 
 
-def parameters(fn: Callable[..., Any], exclude: set[str]) -> dict[str, Any]:
-    """A function's keyword arguments and their types (evaluated: the modules use postponed
-    annotations); an unannotated one takes its default's type, or anything."""
-    hints = typing.get_type_hints(fn)
-    return {n: hints.get(n, Any if p.default in (p.empty, None) else type(p.default))
-            for n, p in inspect.signature(fn).parameters.items()
-            if n not in exclude and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-
-
-def field_types(cls: type, exclude: set[str]) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in fields(cls) if f.name not in exclude}
+def option_hint(o: Option) -> Any:
+    """The type a recipe value of this option must have, from its declaration (eaglet.options)."""
+    if o.kind == FLAG:
+        return bool
+    if o.kind == APPEND:
+        return list[str]
+    base = {parse_layer_ids: list[int], parse_list: list[str], parse_duration: float}.get(o.type, o.type)
+    base = bool if o.kind == BOOL else base
+    return base | None if o.default is None else base
 
 
 @functools.cache
 def option_types(stage: str) -> dict[str, Any]:
-    """A stage's recipe options and their types: its entry function's keyword arguments, minus
-    what the recipe wires itself (folders, target, resume, progress); train's and eval's are the
-    fields of the config they forward to."""
-    wired = {"out", "target", "command", "resume", "progress", "progress_bar", "show_progress"}
-    if stage == "regen":
-        from eaglet.regen import regenerate
-        return parameters(regenerate, wired)
-    if stage == "prepare":
-        from eaglet.data import prepare
-        return parameters(prepare, wired)
-    if stage == "extract":
-        from eaglet.extract import extract
-        return parameters(extract, wired | {"prepared", "num_shards", "shard_id", "write_threads"})
-    if stage == "check":
-        from eaglet.check import check_dataset
-        return parameters(check_dataset, wired | {"path", "use_target"})
-    if stage == "train":
-        from eaglet.train import TrainConfig
-        return field_types(TrainConfig, set())
-    if stage == "eval":
-        from eaglet.evaluate import DecodeSettings, evaluate
-        return (parameters(evaluate, wired | {"drafter_path", "settings", "plot"})
-                | field_types(DecodeSettings, {"eos_ids"}))
-    raise ValueError(f"unknown stage {stage!r}")
+    """A stage's recipe options and their types, from the one declaration of its options
+    (eaglet.options): what the recipe wires itself (folders, target, resume) is not among them."""
+    return {key: option_hint(o) for key, o in STAGES_DECLARED[stage].recipe_options().items()}
 
 
 def matches(value: Any, hint: Any) -> bool:
@@ -315,8 +296,6 @@ def validate(recipe: dict[str, Any], source: str | Path = "recipe", set_by: dict
 
 
 def run_regen(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    from eaglet.regen import regenerate
-
     opts = dict(opts)
     data = opts.pop("data", "sharegpt")
     s = regenerate(data, paths.chats, target, resume=True, **opts)
@@ -327,8 +306,6 @@ def run_regen(opts: dict[str, Any], paths: Paths, target: str | None, command: s
 
 def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command: str,
                 has_regen: bool) -> dict[str, Any]:
-    from eaglet.data import prepare
-
     opts = dict(opts)  # `validate` refused 'data' here when the recipe regenerates
     data = str(paths.chats) if has_regen else opts.pop("data", "sharegpt")
     if paths.prepared.exists():  # an unfinished earlier attempt: prepare is quick, redo it whole
@@ -339,8 +316,6 @@ def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command:
 
 
 def run_extract(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    from eaglet.extract import extract
-
     s = extract(paths.prepared, paths.data, target, command=command, **opts)
     log_lines(s.lines())
     return {"samples": s.written + s.already_done, "tokens": s.tokens_on_disk, "bytes": s.bytes_on_disk,
@@ -348,8 +323,6 @@ def run_extract(opts: dict[str, Any], paths: Paths, target: str | None, command:
 
 
 def run_check(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    from eaglet.check import check_dataset
-
     report = check_dataset(paths.data, target, True, **opts)
     log_lines(report.lines())
     if not report.clean:
@@ -360,8 +333,6 @@ def run_check(opts: dict[str, Any], paths: Paths, target: str | None, command: s
 
 
 def run_train(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    from eaglet.train import train
-
     # online training runs the target in the loop on the prepared chats: no extract stage needed
     data = paths.prepared if opts.get("online") else paths.data
     s = train(data, paths.train, target, resume=True, command=command, **opts)
@@ -373,10 +344,6 @@ def run_train(opts: dict[str, Any], paths: Paths, target: str | None, command: s
 
 
 def run_eval(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    from dataclasses import fields
-
-    from eaglet.evaluate import DecodeSettings, evaluate
-
     opts = dict(opts)
     setting_names = {f.name for f in fields(DecodeSettings)} - {"eos_ids"}
     settings = DecodeSettings(**{k: opts.pop(k) for k in list(opts) if k in setting_names})
@@ -408,8 +375,6 @@ def run_recipe(spec: str | Path, out: str | Path | None = None, scale: float = 1
                overrides: list[str] | None = None, only: list[str] | None = None,
                command: str = "") -> RecipeSummary:
     """Run (or continue) every stage of a recipe into `out`; returns the figures of each stage."""
-    from eaglet.target import resolve_target
-
     source, overrides = recipe_path(spec), overrides or []
     set_by = overridden(overrides)
     recipe = apply_overrides(load_recipe(source), overrides)

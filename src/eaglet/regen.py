@@ -39,9 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm import tqdm
+
 from eaglet import ranges
 from eaglet.data import ASSISTANT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
 from eaglet.formats import RegenWriter, errors_path, open_output
+from eaglet.target import (dtype_name, generation_config, load_target, load_tokenizer, parse_dtype, pick_device,
+                           resolve_target)
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +203,6 @@ class LocalGenerator:
     """Batched generation with the target; prompts rendered by its own chat template."""
 
     def __init__(self, model, tokenizer, temperature: float, top_p: float, max_new_tokens: int):
-        from eaglet.target import generation_config
-
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.stop_ids = stop_token_ids(model, tokenizer)
@@ -213,8 +216,6 @@ class LocalGenerator:
         return chat_prompt_ids(self.tokenizer, messages)
 
     def generate(self, prompts: list[list[int]]) -> list[Turn]:
-        import torch
-
         width = max(len(p) for p in prompts)
         # Left padding: every row's last prompt token sits at the same column, where the
         # first new token is predicted; the mask (and positions derived from it) hide the pad.
@@ -256,8 +257,6 @@ def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: in
     conversations leave the pool (and are written) and new ones come in. Out of time, it stops
     after the batch at hand: pooled conversations keep the turns regenerated so far (written
     cut short), those with none are left for a later run."""
-    import torch
-
     pool: list[Conversation] = []
     pool_size = batch_size * 4  # more candidates than one batch, so batches match lengths well
     exhausted = False
@@ -529,8 +528,6 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
                progress_bar: bool = True) -> RegenSummary:
     """Regenerate every assistant turn of the chats in `data` with the target; write `out` (JSONL).
     With `time_budget` (seconds) no new chat starts after that long."""
-    from tqdm import tqdm
-
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     ranges.at_least(0, temperature=temperature, skip=skip, max_retries=max_retries)
@@ -546,10 +543,6 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
     meta: dict[str, Any] = {"backend": backend, "temperature": temperature, "top_p": top_p,
                             "max_new_tokens": max_new_tokens}
     if backend == "local":
-        import torch
-
-        from eaglet.target import dtype_name, load_target, load_tokenizer, parse_dtype, pick_device, resolve_target
-
         ref = resolve_target(target)
         tokenizer = load_tokenizer(ref)
         if not tokenizer.chat_template:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from eaglet import embedded, formats
+from eaglet.formats import TokenizedSample
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def cache_gguf_model(gguf: Path, final: Path, source: str) -> Path:
     The folder is built under a temp name and renamed into place, so a folder at the final
     path is always complete; a killed build leaves only a temp folder that is never used.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # seconds to import: only where a target is read
 
     log.info("caching %s as a safetensors folder (one time, ~20 s)", gguf)
     t0 = time.time()
@@ -191,7 +192,7 @@ def resolve_target(spec: str | None) -> TargetRef:
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{folder / 'config.json'}: no \"model_type\"; not a Hugging Face model config")
         return TargetRef(str(folder), str(folder), folder_fingerprint(folder))
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # seconds to import: only where a target is read
 
     try:
         config = AutoConfig.from_pretrained(spec)
@@ -201,7 +202,7 @@ def resolve_target(spec: str | None) -> TargetRef:
 
 
 def load_tokenizer(ref: TargetRef):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # seconds to import: only where a target is read
 
     tokenizer = AutoTokenizer.from_pretrained(ref.path)
     if not tokenizer.is_fast:
@@ -210,7 +211,7 @@ def load_tokenizer(ref: TargetRef):
 
 
 def load_target(ref: TargetRef, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # seconds to import: only where a target is read
 
     t0 = time.time()
     model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype).to(device).eval()
@@ -239,9 +240,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
-def default_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3 aux ids (low, mid, high) in hidden_states indexing, plus the last layer N."""
-    return [2, num_layers // 2, num_layers - 3, num_layers]
 
 
 def generation_config(temperature: float, top_p: float, max_new_tokens: int, pad_id: int, eos_ids: list[int],
@@ -251,9 +249,62 @@ def generation_config(temperature: float, top_p: float, max_new_tokens: int, pad
     top_k 20, repetition_penalty 1.05). Those would silently change what temperature/top_p mean
     and bend greedy output: this one replaces it, so only these settings and transformers'
     neutral globals apply."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # seconds to import: only where a target is read
 
     sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0
                 else {"do_sample": False})
     return GenerationConfig(**sampling, repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
                             eos_token_id=list(eos_ids), use_cache=True, **extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the target: captured layer outputs of a padded batch (extract, online training, decoding)
+# ---------------------------------------------------------------------------------------------
+
+class LayerCapture:
+    """Forward hooks that keep a reference to the output of chosen decoder layers."""
+
+    def __init__(self, layers: nn.ModuleList, layer_ids: list[int]):
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.handles = [layers[k - 1].register_forward_hook(self._hook(k)) for k in layer_ids]
+        self.layer_ids = layer_ids
+
+    def _hook(self, layer_id: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        missing = [k for k in self.layer_ids if k not in self.outputs]
+        if missing:
+            raise RuntimeError(f"layer ids {missing} produced no output in the forward pass")
+        states = [self.outputs[k] for k in self.layer_ids]
+        self.outputs.clear()
+        return states
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def pad_right(batch: list[TokenizedSample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, longest], padded on the right with 0 / mask 0."""
+    longest = max(len(s.input_ids) for s in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    attn = torch.zeros(len(batch), longest, dtype=torch.long)
+    for row, s in enumerate(batch):
+        ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        attn[row, : len(s.input_ids)] = 1
+    return ids, attn
+
+
+@torch.inference_mode()
+def run_batch(model: nn.Module, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
+              store_dtype: torch.dtype, out_device: torch.device | str = "cpu") -> list[list[torch.Tensor]]:
+    """One padded forward; per sample, the captured states cut to its length, on `out_device`
+    (CPU for writing files; the compute device when `eaglet train --online` consumes them)."""
+    ids, attn = pad_right(batch)
+    base_model(model)(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+    states = [h.to(out_device, store_dtype) for h in capture.take()]
+    # .clone(): each stored tensor must own its storage, or torch.save writes the whole batch.
+    return [[h[row, : len(s.input_ids)].clone() for h in states] for row, s in enumerate(batch)]

@@ -1,0 +1,429 @@
+"""`eaglet check DIR` over a whole dataset: every file is read (never a sample of them), and
+the dataset's side files must agree with its files (data_config.json's totals, sample_lengths.json,
+token_freq.pt), with no duplicate or missing index and the layout's folder naming; with a target,
+the checks of eaglet.check.identity on sampled files and the loss mask against the chat template
+on every file.
+
+Entry point: `check_dataset(path, target=None, ...) -> CheckReport`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglet import formats, layers, ranges
+from eaglet.check.files import Expect, FileResult, check_file, is_unsafe_pickle_error, load_problem
+from eaglet.check.identity import (generation_prompt, identity_check, load_target_for_check, pick_identity_files,
+                                   target_revision_problem, too_long_problems)
+from eaglet.check.report import (BROKEN_LINK, DATA_CONFIG, DUPLICATE_INDEX, ERROR, FOLDER_NAMING, LAYER_IDENTITY,
+                                 MASK_TEMPLATE, MISSING_INDEX, NO_FILES, NOT_CHECKED, RMS_BOUNDS, SAMPLE_LENGTHS,
+                                 STRAY_FILE, TOKEN_FREQ, UNREADABLE, WARNING, CheckReport, Problem, SlotStats)
+from eaglet.data import special_token_ids, template_hash
+from eaglet.formats import fmt_rows
+
+# A file whose median row RMS in a slot is this far from the dataset's median for that slot is
+# an outlier (a different layer or a different model). Median rows, not the plain RMS: the
+# first token's "attention sink" row is hundreds of times larger than the rest, so the plain
+# RMS of a short file is dominated by it and would flag every short file.
+RMS_OUTLIER_FACTOR = 10.0
+
+
+# ---------------------------------------------------------------------------------------------
+# data_config.json and what it makes every file expected to be
+# ---------------------------------------------------------------------------------------------
+
+def read_config(root: Path, layout: formats.Layout) -> tuple[dict | None, list[Problem]]:
+    path = root / formats.DATA_CONFIG_FILE
+    if not path.exists():
+        # eaglet's own layouts always have one; foreign layouts may not (then files set the bar).
+        sev = ERROR if layout.side_files else WARNING
+        return None, [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, "missing: expectations are inferred from the "
+                                                                      "first file", sev)]
+    try:
+        cfg = formats.read_json(path)
+        if not isinstance(cfg, dict):
+            raise ValueError(f"a JSON {type(cfg).__name__}, not an object")
+    except Exception as e:
+        return None, [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"unreadable: {e}")]
+    probs = layer_ids_problems(cfg)
+    version_problem = layout.config_problem(cfg)
+    if version_problem:
+        probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, version_problem))
+    version_warning = layout.config_warning(cfg)
+    if version_warning:
+        probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, version_warning, WARNING))
+    for key in ("hidden_size", "vocab_size"):
+        if key in cfg and not isinstance(cfg[key], int):
+            probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} {cfg[key]!r}: expected an int"))
+    return cfg, probs
+
+
+def layer_ids_problems(cfg: dict) -> list[Problem]:
+    """layer_ids: EAGLE-3's count of strictly increasing ints, ending at the target's last layer."""
+    ids, n = cfg.get("layer_ids"), cfg.get("num_hidden_layers")
+    problem = layers.stored_ids_problem(ids, n if isinstance(n, int) else None)
+    return [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"layer_ids {ids!r}: {problem}")] if problem else []
+
+
+def expect_from_config(cfg: dict, layout: formats.Layout) -> Expect:
+    ids = cfg.get("layer_ids")
+    teacher = layout.stores_teacher  # its files hold the aux states and, in place of the last, a teacher
+    return Expect(layout, cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None,
+                  len(ids) - teacher if isinstance(ids, list) else None,
+                  None if layout.dequantized else cfg.get("hidden_states_dtype"),
+                  cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None,
+                  teacher_top_k=layout.stored_top_k(cfg), config=cfg)
+
+
+def expect_from_file(first: FileResult, layout: formats.Layout, vocab_size: int | None) -> Expect:
+    return Expect(layout, first.hidden_size, first.num_states, first.dtype, vocab_size,
+                  source=f"as in the first file, {first.path}")
+
+
+def expectations(root: Path, files: list[tuple[int, Path]], cfg: dict | None, layout: formats.Layout,
+                 vocab: int | None) -> Expect:
+    """From data_config.json; without one, the first readable file sets the bar for all others."""
+    if cfg is not None:
+        return expect_from_config(cfg, layout)
+    probe = Expect(layout, vocab_size=vocab)
+    first = next((r for r in (check_file(i, p, root, probe) for i, p in files[:20]) if r.num_states), None)
+    return expect_from_file(first, layout, vocab) if first else probe
+
+
+def rows_per_folder(root: Path) -> int:
+    """data_config.json's rows_per_folder (read_config reports an unreadable config, later)."""
+    if (root / formats.DATA_CONFIG_FILE).exists():
+        with contextlib.suppress(Exception):
+            return int(formats.read_json(root / formats.DATA_CONFIG_FILE).get("rows_per_folder",
+                                                                               formats.ROWS_PER_FOLDER))
+    return formats.ROWS_PER_FOLDER
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset level
+# ---------------------------------------------------------------------------------------------
+
+def index_problems(listing: formats.DatasetFiles, expected_count: int | None) -> list[Problem]:
+    out = []
+    by_index: dict[int, list[Path]] = defaultdict(list)
+    for i, p in listing.files:
+        by_index[i].append(p)
+    for i, paths in sorted(by_index.items()):
+        if len(paths) > 1:
+            out.append(Problem(DUPLICATE_INDEX, str(paths[1]), f"index {i} appears {len(paths)} times: "
+                                                               + ", ".join(str(p) for p in paths)))
+    n = expected_count if expected_count is not None else (max(by_index) + 1 if by_index else 0)
+    missing = [i for i in range(n) if i not in by_index]
+    if missing:
+        out.append(Problem(MISSING_INDEX, "", f"{len(missing)} of {n} indices have no file: {fmt_rows(missing, 10)}"))
+    extra = sorted(i for i in by_index if i >= n)
+    if extra:
+        out.append(Problem(MISSING_INDEX, "", f"indices {fmt_rows(extra, 10)} beyond the {n} samples recorded"))
+    return out + placement_problems(listing)
+
+
+def placement_problems(listing: formats.DatasetFiles) -> list[Problem]:
+    """Files where the layout does not put them, files of no layout, links that lead nowhere."""
+    out = [Problem(FOLDER_NAMING, str(p), why) for _, p, why in listing.misplaced]
+    out += [Problem(STRAY_FILE, str(p), "not a hidden-state file of this layout (a killed writer's temp file?)",
+                    WARNING) for p in listing.stray]
+    out += [Problem(BROKEN_LINK, str(p), f"{why}; replace it with the file or remove it")
+            for p, why in listing.broken_links]
+    out += [Problem(BROKEN_LINK, str(p), why, WARNING) for p, why in listing.unfollowed_links]
+    return out
+
+
+def config_totals_problems(cfg: dict, results: list[FileResult]) -> list[Problem]:
+    """data_config.json's counts against the files (only meaningful when every file read)."""
+    out = []
+    lengths = [r.length for r in results if r.length is not None]
+    facts = {"num_samples": len(results), "num_tokens": sum(lengths),
+             "num_masked_tokens": sum(r.masked for r in results), "seq_length": max(lengths, default=0)}
+    for key, actual in facts.items():
+        if key in cfg and cfg[key] != actual:
+            out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} is {cfg[key]}, the files hold {actual}"))
+    return out
+
+
+def sample_lengths_problems(root: Path, results: list[FileResult], required: bool) -> list[Problem]:
+    path = root / formats.SAMPLE_LENGTHS_FILE
+    name = formats.SAMPLE_LENGTHS_FILE
+    if not path.exists():
+        return [Problem(SAMPLE_LENGTHS, name, "missing", ERROR if required else WARNING)] if required else []
+    try:
+        recorded = formats.read_sample_lengths(path)
+    except Exception as e:
+        return [Problem(SAMPLE_LENGTHS, name, f"unreadable: {type(e).__name__}: {e}")]
+    actual = {r.index: r.length for r in results if r.length is not None}
+    out = []
+    wrong = [(i, recorded[i], n) for i, n in sorted(actual.items()) if i in recorded and recorded[i] != n]
+    for i, rec, n in wrong[:3]:
+        out.append(Problem(SAMPLE_LENGTHS, name, f"sample {i}: recorded length {rec}, file has {n}"
+                                                 + (f" ({len(wrong)} samples disagree)" if len(wrong) > 1 else "")))
+    files = {r.index for r in results}
+    only_rec, only_files = sorted(set(recorded) - files), sorted(files - set(recorded))
+    if only_rec:
+        out.append(Problem(SAMPLE_LENGTHS, name, f"lists {len(only_rec)} samples with no file: {fmt_rows(only_rec)}"))
+    if only_files:
+        out.append(Problem(SAMPLE_LENGTHS, name, f"misses {len(only_files)} samples that have files: {fmt_rows(only_files)}"))
+    return out
+
+
+def load_token_freq(root: Path, required: bool) -> tuple[dict[int, int] | None, list[Problem]]:
+    """The recorded counts, or why there are none. A 50k-entry dict takes ~0.3 s through the
+    weights-only unpickler (pure Python), so check_dataset reads it beside the file scan."""
+    path = root / formats.TOKEN_FREQ_FILE
+    name = formats.TOKEN_FREQ_FILE
+    if not path.exists():
+        return None, [Problem(TOKEN_FREQ, name, "missing")] if required else []
+    try:
+        return formats.read_token_freq(path), []
+    except Exception as e:
+        return None, [load_problem(e, name)] if is_unsafe_pickle_error(e) else \
+            [Problem(TOKEN_FREQ, name, f"unreadable: {type(e).__name__}: {str(e)[:160]}")]
+
+
+def token_freq_problems(recorded: dict[int, int], results: list[FileResult]) -> list[Problem]:
+    actual: Counter = Counter()
+    for r in results:
+        for t, c in zip(*r.masked_tokens):
+            actual[t] += c
+    diff = sorted(t for t in set(recorded) | set(actual) if recorded.get(t, 0) != actual.get(t, 0))
+    if not diff:
+        return []
+    t = diff[0]
+    return [Problem(TOKEN_FREQ, formats.TOKEN_FREQ_FILE,
+                    f"disagrees with the files' masked tokens on {len(diff)} token ids "
+                    f"(e.g. id {t}: recorded {recorded.get(t, 0)}, files have {actual.get(t, 0)}; "
+                    f"recorded total {sum(recorded.values())}, files {sum(actual.values())})")]
+
+
+def rms_outlier_problems(results: list[FileResult]) -> list[Problem]:
+    out = []
+    num = max((len(r.slot_median_row_rms) for r in results), default=0)
+    for j in range(num):
+        vals = [(r, r.slot_median_row_rms[j]) for r in results
+                if len(r.slot_median_row_rms) > j and math.isfinite(r.slot_median_row_rms[j]) and r.slot_median_row_rms[j] > 0]
+        if len(vals) < 3:
+            continue
+        med = sorted(v for _, v in vals)[len(vals) // 2]
+        for r, v in vals:
+            if v > med * RMS_OUTLIER_FACTOR or v < med / RMS_OUTLIER_FACTOR:
+                out.append(Problem(RMS_BOUNDS, r.path, f"slot {j} median row RMS {v:.3g} is {v / med:.3g}x the dataset's "
+                                                       f"median {med:.3g} for this slot"))
+    return out
+
+
+def slot_stats(results: list[FileResult], layer_names: list[str]) -> list[SlotStats]:
+    out = []
+    num = max((len(r.slot_sumsq) for r in results), default=0)
+    for j in range(num):
+        rs = [r for r in results if len(r.slot_elems) > j and r.slot_elems[j]]
+        if not rs:
+            continue
+        sumsq, elems = sum(r.slot_sumsq[j] for r in rs), sum(r.slot_elems[j] for r in rs)
+        meds = [r.slot_median_row_rms[j] for r in rs]
+        out.append(SlotStats(j, layer_names[j] if j < len(layer_names) else "?", math.sqrt(sumsq / elems),
+                             sum(meds) / len(meds), min(meds), max(meds), max(r.slot_max_row_rms[j] for r in rs)))
+    return out
+
+
+def length_histogram(lengths: list[int]) -> dict[str, int]:
+    """Power-of-two buckets: the shape that decides padding waste and batch sizes."""
+    hist: Counter = Counter()
+    for n in lengths:
+        lo = 0 if n < 64 else 1 << (n.bit_length() - 1)
+        hist[lo] += 1
+    return {(f"{lo}-{max(lo * 2, 64) - 1}"): hist[lo] for lo in sorted(hist)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry function and its steps
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def single_threaded_ops() -> Iterator[None]:
+    """One intra-op thread per torch op while files are checked in parallel: the per-file ops
+    are small (a few MB), and OpenMP teams on top of the reader threads made the scan 3-10x
+    slower and erratic on 2 cores (measured). Process-wide, so restored right after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_target(report: CheckReport, cfg: dict | None, target: str | None, use_target: bool) -> tuple[Any, Any, Any]:
+    """(tokenizer, model, device) of the target checked against, all None when there is none."""
+    spec = target or (cfg or {}).get("target_path")
+    if not use_target:
+        report.problems.append(Problem(NOT_CHECKED, "", "layer identity and mask vs template skipped (--no-target)",
+                                       WARNING))
+    elif not spec:
+        report.problems.append(Problem(NOT_CHECKED, "", "layer identity and mask vs template skipped: no --target and "
+                                                        "no target_path in data_config.json", WARNING))
+    else:
+        try:
+            ref, tokenizer, model, device = load_target_for_check(spec, cfg)
+        except Exception as e:
+            # --target asks for these checks: one that cannot run is not a pass. A target merely
+            # recorded in data_config.json may live on another machine: then a warning.
+            asked = target is not None
+            report.problems.append(Problem(NOT_CHECKED, str(spec), f"layer identity and mask vs template "
+                                                                   f"{'could not run' if asked else 'skipped'}: "
+                                                                   f"target not loadable ({type(e).__name__}: {e})",
+                                           ERROR if asked else WARNING))
+            return None, None, None
+        report.target = ref.name
+        report.problems += [p for p in [target_revision_problem(cfg, ref)] if p]
+        return tokenizer, model, device
+    return None, None, None
+
+
+def expect_template(report: CheckReport, exp: Expect, tokenizer: Any, cfg: dict | None) -> None:
+    """The chat template's generation prompt and end-of-turn tokens, for every file's mask check."""
+    gp = generation_prompt(tokenizer)
+    if not gp:
+        report.problems.append(Problem(NOT_CHECKED, "", "mask vs template skipped: the chat template has no "
+                                                        "separable generation prompt", WARNING))
+        return
+    exp.gen_prompt_ids, report.generation_prompt = gp
+    exp.eot_ids = frozenset(special_token_ids(tokenizer))
+    recorded = (cfg or {}).get("chat_template_sha256")
+    if recorded and recorded != template_hash(tokenizer):
+        report.problems.append(Problem(MASK_TEMPLATE, formats.DATA_CONFIG_FILE,
+                                       f"chat_template_sha256 {recorded} is not the target tokenizer's "
+                                       f"({template_hash(tokenizer)}): the data was prepared with another template"))
+
+
+def scan_files(root: Path, files: list[tuple[int, Path]], exp: Expect, workers: int,
+               required: bool) -> tuple[list[FileResult], dict[int, int] | None, list[Problem]]:
+    """Every file checked, in threads, with token_freq.pt read beside them: (results, recorded
+    frequencies, their problems). Threads, not processes: torch.load reads and every tensor op
+    here release the GIL, and threads avoid pickling tensors back from workers (measured faster
+    on 2 cores)."""
+    with ThreadPoolExecutor(max_workers=workers) as pool, single_threaded_ops():
+        freq_future = pool.submit(load_token_freq, root, required)
+        results = list(pool.map(lambda ip: check_file(ip[0], ip[1], root, exp), files))
+        recorded_freq, freq_problems = freq_future.result()
+    return results, recorded_freq, freq_problems
+
+
+def side_file_problems(root: Path, listing: formats.DatasetFiles, cfg: dict | None, table_rows: int | None,
+                       unique: list[FileResult], required: bool) -> list[Problem]:
+    """The indices, sample_lengths.json and data_config.json's totals against the files."""
+    out = []
+    recorded = (cfg or {}).get("num_samples") if isinstance((cfg or {}).get("num_samples"), int) else None
+    if recorded is not None and table_rows is not None and recorded != table_rows:
+        out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"num_samples is {recorded}, the Arrow table has "
+                                                                  f"{table_rows} rows"))
+    out += index_problems(listing, table_rows if table_rows is not None else recorded)
+    out += sample_lengths_problems(root, unique, required)
+    return out
+
+
+def fill_totals(report: CheckReport, results: list[FileResult], unique: list[FileResult],
+                layer_ids: Any) -> None:
+    names = [f"layer {k}" for k in layer_ids] if isinstance(layer_ids, list) else []
+    report.slots = slot_stats(results, names)
+    report.files = len(results)
+    report.samples = len(unique)
+    lengths = [r.length for r in unique if r.length is not None]
+    report.tokens, report.masked_tokens = sum(lengths), sum(r.masked for r in unique)
+    report.bytes = sum(r.nbytes for r in results)
+    report.length_histogram = length_histogram(lengths)
+
+
+def check_identity(report: CheckReport, root: Path, exp: Expect, model: Any, device: Any, results: list[FileResult],
+                   cfg: dict | None, layer_ids: list[int], identity_samples: int) -> None:
+    """Layer identity on sampled files, unless the recorded shape already rules the target out."""
+    n = model.config.num_hidden_layers
+    last_conv = (cfg or {}).get("last_hidden_state") or exp.layout.last_state
+    if exp.hidden_size is not None and exp.hidden_size != model.config.hidden_size:
+        report.problems.append(Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
+                                       f"hidden size {exp.hidden_size} is not the target's {model.config.hidden_size}"))
+    elif any(not 0 <= k <= n for k in layer_ids):
+        report.problems.append(Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
+                                       f"layer_ids {layer_ids} are not all in 0..{n} for this {n}-layer target"))
+    else:
+        identity_check(report, root, exp, model, pick_identity_files(results, identity_samples), layer_ids,
+                       last_conv, device)
+
+
+def check_dataset(path: str | os.PathLike, target: str | None = None, use_target: bool = True,
+                  identity_samples: int = 3, workers: int | None = None) -> CheckReport:
+    """Check every file of the hidden-state dataset at `path`; with a target (`target`, else
+    data_config's `target_path`), also layer identity and mask-vs-template on sampled files."""
+    ranges.at_least(0, identity_samples=identity_samples)
+    ranges.at_least(1, workers=workers)
+    root = Path(path)
+    report = CheckReport(str(root))
+    if not root.is_dir():
+        report.problems.append(Problem(NO_FILES, str(root), "not a folder"))
+        return report
+    listing = formats.list_dataset_files(root, rows_per_folder(root))
+    report.format = listing.format
+    layout = listing.layout
+    if layout is None:
+        report.problems.append(Problem(NO_FILES, str(root), "no v1 (hidden_states/rows_*/data_*.pt), compact, "
+                                                            "speculators (Arrow table + hidden_states/hs_*.safetensors), flat "
+                                                            "data_*.pt, SpecForge *.ckpt[.gz] or hs_*.safetensors "
+                                                            "files found"))
+        return report
+    cfg, cfg_problems = read_config(root, layout)
+    report.problems += cfg_problems
+    table_rows = None
+    if layout.table is not None:
+        try:
+            table_rows = layout.table.count(root)
+        except ValueError as e:
+            report.problems.append(Problem(UNREADABLE, layout.table.state_file, str(e)))
+            return report
+
+    # The target (and its tokenizer) first: the tokenizer lets every file's mask be checked.
+    tokenizer, model, device = check_target(report, cfg, target, use_target)
+    files = sorted(listing.files, key=lambda ip: (ip[0], str(ip[1])))
+    vocab = (cfg or {}).get("vocab_size") if isinstance((cfg or {}).get("vocab_size"), int) else None
+    if vocab is None and model is not None:
+        vocab = model.config.vocab_size
+    t0 = time.time()
+    exp = expectations(root, files, cfg, layout, vocab)
+    if tokenizer is not None:
+        expect_template(report, exp, tokenizer, cfg)
+    report.workers = workers or min(8, os.cpu_count() or 1)
+    required = layout.side_files  # side files eaglet always writes
+    results, recorded_freq, freq_problems = scan_files(root, files, exp, report.workers, required)
+    report.seconds = time.time() - t0
+    for r in results:
+        report.problems += r.problems
+    report.template_checked_files = sum(r.template_checked for r in results)
+
+    unique = list({r.index: r for r in results}.values())
+    report.problems += side_file_problems(root, listing, cfg, table_rows, unique, required)
+    report.problems += freq_problems
+    if recorded_freq is not None:
+        report.problems += token_freq_problems(recorded_freq, unique)
+    if cfg is not None:
+        report.problems += config_totals_problems(cfg, unique)
+    if model is not None:
+        report.problems += too_long_problems(unique, model)
+    report.problems += rms_outlier_problems(results)
+
+    layer_ids = (cfg or {}).get("layer_ids")
+    if model is not None and not isinstance(layer_ids, list):
+        layer_ids = layers.default_layer_ids(model.config.num_hidden_layers)
+    fill_totals(report, results, unique, layer_ids)
+    if model is not None and isinstance(layer_ids, list):
+        check_identity(report, root, exp, model, device, results, cfg, layer_ids, identity_samples)
+    return report

@@ -1,0 +1,132 @@
+"""The target side of decoding: `TargetRunner` (the HF target with its KV cache and hooks on the
+aux layers), and the entry points that run a target: `plain_generate` (the reference) and
+`speculative_generate` (the core's `decode_loop` with a `TargetRunner` and a proposer).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from eaglet.decode.core import (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, DecodeStats, TokenIds, as_id_list,
+                                decode_loop, keep_cache_entries, max_positions, process_probs, sample_from,
+                                token_budget, tree_limits)
+from eaglet.decode.proposers import Eagle3Proposer, Proposer
+from eaglet.target import LayerCapture, decoder_layers
+
+
+# ---------------------------------------------------------------------------------------------
+# The target
+# ---------------------------------------------------------------------------------------------
+
+class TargetRunner:
+    """The HF target with its DynamicCache and (optionally) hooks on the aux layers."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None):
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in (None, "sdpa", "eager"):
+            raise ValueError(f"tree verification needs a custom 4D attention mask: load the target with "
+                             f"attn_implementation 'sdpa' or 'eager', not {impl!r}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_positions = max_positions(model)
+        self.cache = DynamicCache(config=model.config)
+        self.capture = LayerCapture(decoder_layers(model), aux_layer_ids) if aux_layer_ids else None
+        self.forwards = 0
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def forward(self, token_ids: list[int], positions: list[int] | None = None,
+                mask: torch.Tensor | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [q or 1, V] (fp32) and the aux states [q, sum H] of the fed tokens."""
+        t0 = time.perf_counter()
+        ids = torch.tensor([token_ids], device=self.device)
+        pos = None if positions is None else torch.tensor([positions], device=self.device)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True,
+                         logits_to_keep=1 if last_only else 0)
+        aux = torch.cat(self.capture.take(), dim=-1)[0] if self.capture is not None else None
+        self.forwards += 1
+        self.seconds += time.perf_counter() - t0
+        return out.logits[0].float(), aux
+
+    def keep(self, start: int, rel: list[int]) -> None:
+        """Keep cache entries [0, start) + start + rel (rel sorted): see `keep_cache_entries`."""
+        keep_cache_entries(self.cache, start, rel, self.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain decoding (the reference)
+# ---------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def plain_generate(target: nn.Module, input_ids: TokenIds, max_new_tokens: int, eos_ids: Sequence[int] = (),
+                   temperature: float = 0.0, top_p: float = 1.0,
+                   generator: torch.Generator | None = None) -> tuple[list[int], dict[str, Any]]:
+    """Token by token with the KV cache: greedy at temperature 0, else sampling from
+    `process_probs`. Returns the new tokens (ending at the first EOS, if any) and stats."""
+    prompt = as_id_list(input_ids)
+    runner = TargetRunner(target)
+    budget = token_budget(len(prompt), max_new_tokens, runner.max_positions)
+    eos = set(eos_ids)
+    out: list[int] = []
+    t0 = time.perf_counter()
+    feed = prompt
+    while len(out) < budget:
+        logits, _ = runner.forward(feed, last_only=True)
+        tok = (int(logits[-1].argmax()) if temperature <= 0
+               else sample_from(process_probs(logits[-1], temperature, top_p), generator))
+        out.append(tok)
+        if tok in eos:
+            break
+        feed = [tok]
+    wall = time.perf_counter() - t0
+    return out, {"new_tokens": len(out), "target_forwards": runner.forwards, "wall_s": wall,
+                 "tokens_per_s": len(out) / wall if wall > 0 else 0.0}
+
+
+def plain_greedy(target: nn.Module, input_ids: TokenIds, max_new_tokens: int,
+                 eos_ids: Sequence[int] = ()) -> list[int]:
+    return plain_generate(target, input_ids, max_new_tokens, eos_ids)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input_ids: TokenIds,
+                         max_new_tokens: int, eos_ids: Sequence[int] = (), mode: str = "tree",
+                         depth: int = DEFAULT_DEPTH, top_k: int = DEFAULT_TOP_K,
+                         total_tokens: int = DEFAULT_TOTAL_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
+                         generator: torch.Generator | None = None, min_prob: float = 0.0) -> tuple[list[int], DecodeStats]:
+    """Generate like `plain_generate` (token for token at T=0, in distribution at T>0) with
+    drafts verified by the target. `drafter` is an `Eagle3Draft` or any `Proposer`; an
+    `Eagle3Draft` proposes only tokens whose path probability is >= `min_prob`."""
+    limits = tree_limits(mode, depth, top_k, total_tokens)
+    if hasattr(drafter, "propose"):
+        if min_prob > 0:
+            raise ValueError("min_prob applies to an Eagle3Draft; give a Proposer its own threshold")
+        proposer: Proposer = drafter
+    else:
+        proposer = Eagle3Proposer(drafter, min_prob)
+    if hasattr(proposer, "reset"):
+        proposer.reset()
+    prompt = as_id_list(input_ids)
+    runner = TargetRunner(target, proposer.aux_layer_ids)
+    try:
+        return decode_loop(runner, proposer, prompt, max_new_tokens, eos_ids, limits, temperature, top_p, generator)
+    finally:
+        runner.close()

@@ -1,0 +1,292 @@
+"""Drafter folders for the serving engines (`eaglet export` writes them, `eaglet import` reads
+them): eaglet's own training checkpoints, the official EAGLE-3 / SGLang layout and speculators'
+(vLLM), each a `config.json` plus weights, written as one folder atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from eaglet import layers
+from eaglet.formats.io import atomic_dir, read_json, read_safetensors, torch_load_safe
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# eaglet's own tensor names (draft_model.py) already are the official EAGLE-3 / SGLang names, so
+# the maps below only list what differs. Matched against:
+#   vLLM  vllm/model_executor/models/llama_eagle3.py @ 00bd149 (Eagle3LlamaForCausalLM.load_weights:
+#         `midlayer.` -> `layers.0.`, `d2t` -> draft_id_to_target_id, `t2d` skipped, `embed_tokens`
+#         loaded when present (v1/spec_decode shares the target's when absent or identical), q/k/v and
+#         gate/up stacked into qkv_proj / gate_up_proj); vllm/transformers_utils/configs/speculators/
+#         base.py + algos.py @ cfb173a (update_eagle3: draft_vocab_size, target_hidden_size,
+#         `norm_before_residual` defaulting to TRUE when absent, eagle_aux_hidden_state_layer_ids);
+#         vllm/v1/worker/gpu_model_runner.py `_get_eagle3_aux_layers_from_config` (top-level
+#         `eagle_aux_hidden_state_layer_ids` first, then `eagle_config[...]`, ids in HF
+#         hidden_states indexing: the target captures *before* decoder layer id).
+#   SGLang python/sglang/srt/models/llama_eagle3.py @ 03d5a77 (LlamaForCausalLMEagle3: names as
+#         eaglet's, optional `model.` prefix, unknown names skipped silently, `d2t` -> hot_token_id,
+#         lm_head tied to embed_tokens when `tie_word_embeddings`); models/llama.py @ 0023954
+#         (set_eagle3_layers_to_capture adds 1 to `eagle_config.eagle_aux_hidden_state_layer_ids`:
+#         SGLang ids name the *output* of decoder layer id, i.e. HF id - 1; sgl-project/sglang#25454
+#         keeps the +1 only when the first id is 1); speculative/eagle_worker.py (`eagle_config`).
+#   speculators src/speculators/models/eagle3/config.py @ 27ec382 (Eagle3SpeculatorConfig),
+#         src/speculators/config.py (SpeculatorsConfig, VerifierConfig), proposals/greedy.py,
+#         convert/eagle/eagle3_converter.py @ ef8d232 (`midlayer.` -> `layers.0.`, embeddings kept);
+#         `norm_before_fc` is one RMSNorm over the 3H concat with weight `input_norm.weight`
+#         (vllm-project/speculators#337, vllm-project/vllm#36545), which is eaglet's `fc_norm`.
+# ---------------------------------------------------------------------------------------------
+
+DRAFTER_CONFIG_FILE = "config.json"
+DRAFTER_WEIGHTS_FILE = "model.safetensors"
+FORMAT_EAGLET = "eaglet"  # a training checkpoint: config.json with an "eaglet" section
+FORMAT_EAGLE = "eagle"  # official EAGLE-3 / SGLang `LlamaForCausalLMEagle3`
+FORMAT_SPECULATORS = "speculators"  # vLLM / speculators `Eagle3Speculator`
+EXPORT_FORMATS = (FORMAT_SPECULATORS, FORMAT_EAGLE)
+EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+# eaglet name prefix -> name prefix in the format. `fc_norm` is eaglet's single RMSNorm over the
+# 3H concat; the engines call that `norm_before_fc` / `input_norm` (their `fc_norm` is per layer).
+FORMAT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    FORMAT_EAGLET: (),
+    FORMAT_EAGLE: (("fc_norm.", "input_norm."),),
+    FORMAT_SPECULATORS: (("midlayer.", "layers.0."), ("fc_norm.", "input_norm.")),
+}
+# Buffers some older checkpoints carry that hold no learned state (RoPE is recomputed).
+IGNORABLE_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+
+
+def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def format_name(name: str, fmt: str) -> str:
+    """An eaglet tensor name as `fmt` stores it."""
+    return _rename(name, FORMAT_RENAMES[fmt])
+
+
+def to_format_names(tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    return {format_name(k, fmt): v for k, v in tensors.items()}
+
+
+def from_format_names(tensors: dict[str, torch.Tensor], fmt: str, where: str) -> dict[str, torch.Tensor]:
+    """Names as stored in `fmt` -> eaglet names. SGLang also accepts each name with a `model.`
+    prefix (its params live under `model.`), so an eagle folder may use either spelling."""
+    back = tuple((new, old) for old, new in FORMAT_RENAMES[fmt])
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        plain = name[len("model."):] if fmt == FORMAT_EAGLE and name.startswith("model.") else name
+        ours = _rename(plain, back)
+        if ours in out:
+            raise ValueError(f"{where}: two tensors map to {ours!r} (one is {name!r})")
+        out[ours] = t
+    return out
+
+
+def _llama_block(cfg: Any) -> dict[str, Any]:
+    """The Llama keys of the one decoder layer, as a LlamaConfig dict (eagle: top level;
+    speculators: `transformer_layer_config`). `vocab_size` is the target's vocabulary."""
+    return {
+        "model_type": "llama", "num_hidden_layers": 1, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.target_vocab_size,
+        "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False,  # SGLang would make lm_head the embedding matrix otherwise
+        **({"sliding_window": cfg.sliding_window, "layer_types": ["sliding_attention"]}
+           if cfg.sliding_window is not None else {}),
+    }
+
+
+def _sliding_window(block: dict[str, Any], where: str) -> int | None:
+    """The one layer's window, read as speculators does: sliding only when `layer_types` says so
+    (a `sliding_window` without `layer_types` is full attention there)."""
+    layer_types = block.get("layer_types") or []
+    if not layer_types or layer_types[0] != "sliding_attention":
+        return None
+    window = block.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"{where}: layer_types says sliding_attention but sliding_window is {window!r}")
+    return window
+
+
+def _refuse(where: str, field: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{where}: field {field} = {value!r}: {why}")
+
+
+def _llama_fields(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """DraftConfig fields from a Llama block; variants eaglet's drafter cannot run are refused."""
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if not isinstance(block.get(key), int):
+            raise ValueError(f"{where}: field {key} missing or not an integer")
+    if block.get("num_hidden_layers", 1) != 1:
+        raise _refuse(where, "num_hidden_layers", block["num_hidden_layers"], "eaglet drafters have one decoder layer")
+    if block.get("hidden_act", "silu") != "silu":
+        raise _refuse(where, "hidden_act", block["hidden_act"], "eaglet's MLP is SwiGLU (silu)")
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        if block.get(key):
+            raise _refuse(where, key, block[key], "not supported by eaglet's drafter")
+    rope = block.get("rope_parameters") or block.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise _refuse(where, "rope_parameters.rope_type", rope_type, "eaglet's drafter uses plain RoPE")
+    heads, hidden = block["num_attention_heads"], block["hidden_size"]
+    return dict(hidden_size=hidden, num_heads=heads, num_kv_heads=int(block.get("num_key_value_heads") or heads),
+                head_dim=int(block.get("head_dim") or hidden // heads), intermediate_size=block["intermediate_size"],
+                rms_norm_eps=float(block.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(block.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                max_position_embeddings=int(block.get("max_position_embeddings", 2048)),
+                target_vocab_size=block["vocab_size"], sliding_window=_sliding_window(block, where))
+
+
+def _draft_fields(c: dict[str, Any], fields: dict[str, Any], where: str, norm_before_residual: Any,
+                  norm_before_fc: Any, per_layer_fc_norm: Any, norm_output: Any) -> dict[str, Any]:
+    """The EAGLE-3 fields both formats share, on top of the Llama block's."""
+    if per_layer_fc_norm:
+        raise _refuse(where, "fc_norm", per_layer_fc_norm, "per-layer norms before fc are not eaglet's "
+                      "fc_norm (one RMSNorm over the concat, `norm_before_fc`)")
+    draft_vocab = c.get("draft_vocab_size")
+    if not isinstance(draft_vocab, int):
+        raise ValueError(f"{where}: field draft_vocab_size missing or not an integer (engines disagree on the default)")
+    return {**fields, "draft_vocab_size": draft_vocab,
+            "target_hidden_size": int(c.get("target_hidden_size") or fields["hidden_size"]),
+            "fc_norm": bool(norm_before_fc), "norm_output": bool(norm_output),
+            "norm_before_residual": bool(norm_before_residual)}
+
+
+def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any] | None) -> dict[str, Any]:
+    """config.json of an EAGLE-3 / SGLang folder (`LlamaForCausalLMEagle3`); `provenance`
+    (eaglet version, source, target) is recorded under `eaglet_export` when given."""
+    config = {
+        "architectures": [EAGLE_ARCHITECTURES[0]], **_llama_block(cfg), "torch_dtype": torch_dtype,
+        "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+        # vLLM reads the top-level ids first (HF indexing); SGLang reads only eagle_config's, as
+        # output-of-layer ids (it adds 1), so the two lists differ by one on purpose.
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers.to_sglang(cfg.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+        "norm_before_residual": cfg.norm_before_residual, "norm_output": cfg.norm_output,
+    }
+    return {**config, "eaglet_export": provenance} if provenance is not None else config
+
+
+def parse_eagle_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
+    """(DraftConfig fields, aux ids in HF indexing or None when the folder names none)."""
+    if not any(a in EAGLE_ARCHITECTURES for a in c.get("architectures") or []):
+        raise _refuse(where, "architectures", c.get("architectures"), f"expected one of {list(EAGLE_ARCHITECTURES)}")
+    eagle = c.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state") is False:
+        raise _refuse(where, "eagle_config.use_aux_hidden_state", False, "not an EAGLE-3 drafter (no fused aux states)")
+    fields = _draft_fields(c, _llama_fields(c, where), where, c.get("norm_before_residual"),
+                           eagle.get("norm_before_fc", c.get("norm_before_fc")), c.get("fc_norm") or eagle.get("fc_norm"),
+                           c.get("norm_output", eagle.get("norm_output")))
+    top, nested = c.get("eagle_aux_hidden_state_layer_ids"), eagle.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        if nested and list(nested) not in (list(top), layers.to_sglang(list(top))):
+            raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {top} and eagle_config."
+                             f"eagle_aux_hidden_state_layer_ids {nested} name different layers")
+        return fields, list(top)
+    if nested:
+        if nested[0] != 1:
+            log.warning("%s: eagle_config.eagle_aux_hidden_state_layer_ids %s: read as capture-before-layer ids "
+                        "(as SGLang >= #25454 does; older SGLang adds 1)", where, nested)
+        return fields, layers.from_sglang(list(nested))
+    return fields, None
+
+
+def build_speculators_config(cfg: Any, torch_dtype: str, verifier_name: str, verifier_architectures: list[str],
+                             speculative_tokens: int, provenance: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a speculators `Eagle3Speculator` folder (what vLLM's SpeculatorsConfig reads)."""
+    return {
+        "architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": "eagle3",
+        "transformer_layer_config": _llama_block(cfg),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures)},
+        },
+        "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        # Written even when false: vLLM's update_eagle3 defaults a missing norm_before_residual to true.
+        "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.fc_norm, "fc_norm": False,
+        "norm_output": cfg.norm_output, "torch_dtype": torch_dtype,
+        "eaglet_export": provenance,
+    }
+
+
+def parse_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
+    """(DraftConfig fields, aux ids in HF indexing or None) of a speculators eagle3 config."""
+    if c.get("speculators_model_type") != "eagle3":
+        raise _refuse(where, "speculators_model_type", c.get("speculators_model_type"), "expected 'eagle3'")
+    block = c.get("transformer_layer_config")
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: field transformer_layer_config missing or not a dict")
+    if "norm_before_residual" not in c:
+        raise ValueError(f"{where}: field norm_before_residual missing (vLLM then assumes true, speculators false)")
+    fields = _draft_fields(c, _llama_fields(block, f"{where} transformer_layer_config"), where,
+                           c["norm_before_residual"], c.get("norm_before_fc"), c.get("fc_norm"), c.get("norm_output"))
+    ids = c.get("eagle_aux_hidden_state_layer_ids")
+    return fields, (list(ids) if ids else None)
+
+
+def detect_drafter_format(c: dict[str, Any], where: str) -> str:
+    if "eaglet" in c:
+        return FORMAT_EAGLET
+    if "speculators_model_type" in c:
+        return FORMAT_SPECULATORS
+    if any(a in EAGLE_ARCHITECTURES for a in c.get("architectures") or []):
+        return FORMAT_EAGLE
+    raise ValueError(f"{where}: not a drafter config (no 'eaglet' section, no speculators_model_type, "
+                     f"architectures {c.get('architectures')} not in {list(EAGLE_ARCHITECTURES)})")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a model folder: an index's shards, or model.safetensors, or pytorch_model.bin."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).exists():
+            return [folder / f for f in sorted(set(read_json(folder / index)["weight_map"].values()))]
+    for name in (DRAFTER_WEIGHTS_FILE, "pytorch_model.bin"):
+        if (folder / name).exists():
+            return [folder / name]
+    raise FileNotFoundError(f"{folder}: no {DRAFTER_WEIGHTS_FILE}, pytorch_model.bin or weight index")
+
+
+def read_weight_files(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a model folder; `.bin` files load with weights_only=True (no pickled code runs)."""
+    out: dict[str, torch.Tensor] = {}
+    for path in weight_files(Path(folder)):
+        part = read_safetensors(path) if path.suffix == ".safetensors" else torch_load_safe(path)
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise ValueError(f"{path}: expected a flat dict of tensors")
+        for name in part.keys() & out.keys():
+            raise ValueError(f"{path}: tensor {name!r} appears in two weight files")
+        out.update(part)
+    return out
+
+
+def write_drafter_files(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """config.json + model.safetensors into `folder` (a temp folder of `atomic_dir`)."""
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(folder / DRAFTER_WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    (folder / DRAFTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def write_drafter_folder(out: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """config.json + model.safetensors, written as one atomic folder."""
+    with atomic_dir(out) as tmp:
+        write_drafter_files(tmp, config, tensors)
+    return Path(out)

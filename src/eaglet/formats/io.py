@@ -1,0 +1,273 @@
+"""How eaglet writes and reads any file: atomically, naming the file when it fails, and never
+running code stored in one.
+
+Every write is atomic (temp file in the same folder, then `os.replace`), so a reader sees a
+complete file or none, whatever moment a writer is killed at; the temp files a killed writer
+leaves carry TMP_MARK in their name, and `remove_stale_temp_files` clears them. `.pt` / `.bin`
+files load with torch's weights-only unpickler, safetensors files hold raw tensors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+TMP_MARK = ".tmp-"  # every temp file eaglet writes has this in its name
+
+
+# ---------------------------------------------------------------------------------------------
+# Failed writes, said in one line
+# ---------------------------------------------------------------------------------------------
+
+class WriteFailed(OSError):
+    """A write that failed, said in one line that names the file, why, and what to do."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+# Below this much free space a failed write is taken to be a full disk: torch.save reports one as
+# "[enforce fail at inline_container.cc] unexpected pos", with neither errno nor file name.
+LOW_SPACE_BYTES = 64 << 20
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
+                errno.ENOTDIR, errno.EEXIST}
+
+
+def free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def disk_nearly_full(folder: Path) -> bool:
+    free = free_bytes(folder)
+    return free is not None and free < LOW_SPACE_BYTES
+
+
+def os_error_reason(error: BaseException, path: Path) -> str:
+    """Why a file operation on `path` failed, with the recovery step for the kinds a user can fix."""
+    folder = path.parent if path.parent.exists() else Path.cwd()  # where free space is measured
+    code = getattr(error, "errno", None)
+    if code == errno.ENOSPC or disk_nearly_full(folder):
+        return (f"no space left on the device ({(free_bytes(folder) or 0) >> 20} MiB free); free some space and "
+                "run the same command again: finished files are kept and the stage resumes where it stopped")
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{os.strerror(code).lower()}; use another folder (--out) or fix its permissions"
+    return getattr(error, "strerror", None) or str(error)
+
+
+def write_failure(path: Path, error: BaseException) -> WriteFailed:
+    """A failed write of `path` as one line: the file, why, what to do (every eaglet stage resumes)."""
+    code = getattr(error, "errno", None) or errno.EIO
+    return WriteFailed(code, f"could not write {path}: {os_error_reason(error, path)}")
+
+
+@contextlib.contextmanager
+def failures_named(path: Path) -> Iterator[None]:
+    """Turn a failed write inside the block into a WriteFailed naming `path` (other errors pass)."""
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except (OSError, RuntimeError) as e:
+        # Only what a write can fail with: the block may also read (prepare streams its input
+        # inside one), and a missing input file is not a failed write.
+        if getattr(e, "errno", None) in WRITE_ERRNOS or disk_nearly_full(path.parent):
+            raise write_failure(path, e) from e
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic writes: files and folders
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temp path beside `path`; on success rename it onto `path`, else delete it.
+
+    A failed write (full disk, read-only folder) is a WriteFailed naming `path`."""
+    path = Path(path)
+    with failures_named(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+        os.close(fd)
+        tmp_path = Path(tmp)
+        try:
+            yield tmp_path
+            if fsync:
+                with open(tmp_path, "rb+") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp_path, path)
+        finally:
+            tmp_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp folder beside `final`; on success fsync its files and rename it onto `final`
+    (which may not exist yet, or be empty), else delete it: a folder that exists is complete."""
+    final = Path(final)
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise ValueError(f"{final} exists and is not empty; remove it or choose another folder")
+    with failures_named(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP_MARK}", dir=final.parent))
+        try:
+            yield tmp
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            if final.exists():
+                final.rmdir()
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = None) -> int:
+    """Delete temp files and folders (atomic_dir's) a killed writer left behind; `owned` limits it to
+    these final names. A folder that does not exist (yet) has none."""
+    def stale(name: str) -> bool:
+        return name.startswith(".") and TMP_MARK in name and (owned is None or name[1:].split(TMP_MARK, 1)[0] in owned)
+
+    removed = 0
+    for root, dirs, files in os.walk(folder):
+        for name in [d for d in dirs if stale(d)]:
+            shutil.rmtree(Path(root, name), ignore_errors=True)
+            dirs.remove(name)
+            removed += 1
+        for name in filter(stale, files):
+            Path(root, name).unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON
+# ---------------------------------------------------------------------------------------------
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The parsed file; a malformed one is a ValueError that names it (and line/column)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e}); the file is damaged or cut off") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# torch files, loaded without running pickled code
+# ---------------------------------------------------------------------------------------------
+
+def torch_save_atomic(obj: Any, path: str | os.PathLike, fsync: bool = True) -> None:
+    with atomic_path(path, fsync=fsync) as tmp:
+        torch.save(obj, tmp)
+
+
+# What torch's weights-only unpickler says when a file asks for an object outside its allow-list
+# (a class, a function to call); garbage bytes fail the same loader with "Unsupported operand".
+PICKLED_CODE_MARKERS = ("Unsupported global", "unsupported GLOBAL", "Can only create new object",
+                        "Can only build Tensor")
+
+
+class TorchFileRefused(pickle.UnpicklingError, ValueError):
+    """A `.pt` / `.bin` file the weights-only loader refused, said in one line that names the file.
+
+    Still an UnpicklingError, so callers that classify torch's own error keep working; a
+    ValueError, so the command line prints it as the one line it is."""
+
+
+def weights_only_detail(message: str) -> str:
+    """The weights-only unpickler's own diagnosis in torch's message, without the advice around it
+    (torch suggests weights_only=False or allow-listing the class: running the file's code)."""
+    if "WeightsUnpickler error:" not in message:
+        return "refused by the weights-only loader"
+    detail = message.split("WeightsUnpickler error:", 1)[1].strip().splitlines() or [""]
+    return detail[0].split(". Please", 1)[0].strip().rstrip(".")
+
+
+def torch_load_safe(path: str | os.PathLike) -> Any:
+    """Load a `.pt` / `.bin` file without executing pickled code (the only way eaglet loads them).
+
+    A file that needs more than tensors and plain containers is refused with what to do instead."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        if "Weights only load failed" not in text:
+            raise
+        detail = weights_only_detail(text)
+        if any(m in text for m in PICKLED_CODE_MARKERS):
+            raise TorchFileRefused(
+                f"{path}: holds Python objects beyond tensors ({detail}), which eaglet will not execute (it loads "
+                ".pt/.bin files with weights_only=True); in an environment you trust, load it and re-save its "
+                "tensors as safetensors, or torch.save them as a plain dict of tensors") from e
+        raise TorchFileRefused(f"{path}: not a readable torch file ({detail}); it is damaged or was not written "
+                               "by torch.save: restore it or write it again") from e
+
+
+def torch_load_safe_mmap(path: str | os.PathLike) -> Any:
+    """`torch_load_safe`, with tensors memory-mapped from the file instead of copied: a reader
+    that looks at every byte once (eaglet check) skips an allocation and a copy per tensor.
+    Still weights_only. Files in torch's legacy (non-zip) format cannot be mapped: plain load."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e) and "zipfile" not in str(e):
+            raise
+        return torch_load_safe(path)
+
+
+def torch_load_safe_bytes(data: bytes) -> Any:
+    """`torch_load_safe` for an in-memory file (a decompressed `.ckpt.gz`); never runs pickled code."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors files
+# ---------------------------------------------------------------------------------------------
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (raw tensors only: reading one never runs code); a
+    truncated or damaged file is a ValueError that names it."""
+    try:
+        return load_file(str(path), device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file, truncated or damaged ({e})") from e
+
+
+def write_safetensors_atomic(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                             metadata: dict[str, str] | None = None) -> Path:
+    """`tensors` (contiguous) as one safetensors file at `path`, atomically."""
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+    return Path(path)
+
+
+def header_shapes(path: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, list[int]]:
+    """The shapes of these tensors of a safetensors file, from its header alone."""
+    with safe_open(str(path), framework="pt") as h:
+        return {k: h.get_slice(k).get_shape() for k in keys}

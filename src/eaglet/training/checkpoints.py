@@ -1,0 +1,307 @@
+"""The run folder of `eaglet train`: its layout, checkpoints and pointers, metrics, lock and resume.
+
+Layout of `out_dir`: `metrics.jsonl`, `train_config.json`, `checkpoints/step_XXXXXXXX/{model.safetensors,
+config.json, training_state.pt}`, `checkpoints/latest.json`, `checkpoints/best.json`, `.lock`.
+
+A checkpoint folder is written under a temporary name and renamed, so one that exists is
+complete, and the pointers move only after the folder they name exists: a kill at any moment
+leaves pointers to complete checkpoints. A checkpoint records the position in the data order, the
+optimizer, scheduler and RNG states, so `resume=True` continues exactly; it also records the
+options that define the trajectory and a fingerprint of the data, and a resume refuses others.
+The folder has one writer at a time (`run_lock`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import random
+import shutil
+import socket
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from eaglet import formats
+from eaglet.draft_model import DraftConfig, Eagle3Draft
+from eaglet.training.config import Plan, TrainConfig
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+MODEL_FILE = formats.DRAFTER_WEIGHTS_FILE
+STATE_FILE = "training_state.pt"
+LATEST_FILE = "latest.json"
+BEST_FILE = "best.json"
+TRAIN_CONFIG_FILE = "train_config.json"
+LOCK_FILE = ".lock"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    """The EAGLE-3 / SGLang `LlamaForCausalLMEagle3` config (the same as `eaglet export
+    --format eagle` writes, so a checkpoint is also a valid eagle folder in fp32), plus
+    eaglet's own record, which `load_checkpoint` reads."""
+    return {**formats.build_eagle_config(cfg, "float32", None), "eaglet": {"draft_config": cfg.to_dict(), **extra}}
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder of the checkpoint at `step`, under checkpoints/."""
+    return f"step_{step:08d}"
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model: Eagle3Draft, config_json: dict[str, Any],
+                    state: dict[str, Any]) -> Path:
+    """Write a checkpoint folder under a temp name, then rename: a folder that exists is complete."""
+    final = ckpt_root / checkpoint_name(step)
+    if final.exists():  # the same step saved twice (an eval right at the end): replace it
+        shutil.rmtree(final)
+    with formats.atomic_dir(final) as tmp:
+        formats.write_drafter_files(tmp, config_json, model.state_dict())
+        torch.save(state, tmp / STATE_FILE)
+    return final
+
+
+def prune_checkpoints(ckpt_root: Path, keep: int, protect: set[str]) -> None:
+    steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    for p in steps[:-keep] if keep > 0 else steps:
+        if p.name not in protect:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:
+    path = ckpt_root / name
+    return formats.read_json(path) if path.exists() else None
+
+
+def load_draft_weights(model: Eagle3Draft, folder: Path) -> None:
+    model.load_state_dict(formats.read_safetensors(folder / MODEL_FILE))
+
+
+def load_checkpoint(folder: str | Path) -> Eagle3Draft:
+    """A trained drafter from a checkpoint folder (config.json + model.safetensors), in eval mode."""
+    folder = Path(folder)
+    config = formats.read_json(folder / "config.json")
+    if "eaglet" not in config:
+        raise ValueError(f"{folder}/config.json: not an eaglet checkpoint (no 'eaglet' section)")
+    draft = Eagle3Draft(DraftConfig(**config["eaglet"]["draft_config"]))
+    load_draft_weights(draft, folder)
+    return draft.eval()
+
+
+
+@dataclass
+class Checkpointer:
+    """Saves the run's checkpoints and moves its pointers, and restores the latest one on --resume.
+    `trajectory` (the options and what the batches hold) and `data` (`Source.fingerprint`) are
+    what a resume must match; `record` is what each checkpoint's config.json says of the run."""
+
+    out: Path
+    keep: int  # newest step checkpoints kept, besides the best one
+    trajectory: dict[str, Any]
+    data: dict[str, Any]
+    record: dict[str, Any]  # dataset, online, target, target_revision
+
+    @property
+    def root(self) -> Path:
+        return self.out / CHECKPOINTS_DIR
+
+    def restore_latest(self, resume: bool, draft: Eagle3Draft, opt: torch.optim.Optimizer,
+                       sched: Any) -> dict[str, Any] | None:
+        """With --resume, the training state of the latest checkpoint, its weights, optimizer,
+        scheduler and RNG restored; None to start from scratch. Without --resume a folder that
+        holds a run is refused."""
+        latest = read_pointer(self.root, LATEST_FILE)
+        if resume and latest:
+            return restore(self.root / latest["path"], draft, opt, sched, self.trajectory, self.data)[2]
+        if resume:
+            log.info("--resume: no checkpoint in %s; starting from scratch", self.root)
+        elif latest:
+            raise ValueError(f"{self.out} already holds a training run (checkpoint {latest['path']}); pass --resume "
+                             "to continue it, or use another --out")
+        return None
+
+    def save(self, step: int, micro_position: int, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched: Any,
+             best: dict[str, Any], plan: Plan, done: dict[str, Any], last_eval: dict[str, Any] | None) -> Path:
+        """Write the checkpoint at `step` with everything a resume needs, point latest.json (and
+        best.json, when `step` is the best) at it, and prune older ones."""
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        state = {"step": step, "micro_position": micro_position, "optimizer": opt.state_dict(),
+                 "scheduler": sched.state_dict(), "rng": rng, "best": best, "trajectory": self.trajectory,
+                 "plan": asdict(plan), "done": dict(done), "data": self.data}
+        extra = {"step": step, **self.record, "eval": last_eval}
+        folder = save_checkpoint(self.root, step, draft, export_config(draft.config, extra), state)
+        # the pointers only after the folder they name is complete: a kill in between leaves the old ones
+        formats.write_json_atomic(self.root / LATEST_FILE, {"step": step, "path": folder.name})
+        if best["step"] == step:
+            formats.write_json_atomic(self.root / BEST_FILE, {**best, "path": folder.name})
+        protect = {folder.name} | ({checkpoint_name(best["step"])} if best["step"] is not None else set())
+        prune_checkpoints(self.root, self.keep, protect)
+        return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume
+# ---------------------------------------------------------------------------------------------
+
+def other_data_message(folder: Path, then: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
+    """Why a resume on `now` would continue on other data than the run's, or None when it is the
+    same (a checkpoint from before fingerprints were recorded has nothing to compare)."""
+    if then is None or all(then.get(k) == now[k] for k in ("layout", "samples", "digest")):
+        return None
+    return (f"--resume: {folder} was trained on {then['path']} ({then['layout']} layout, {then['samples']} samples); "
+            f"{now['path']} is other data ({now['layout']} layout, {now['samples']} samples"
+            f"{', other samples' if then['layout'] == now['layout'] else ''}), and the run's held-out split and best "
+            "step would mix both: resume on the run's own dataset, or train into another --out")
+
+
+def restore(folder: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched: Any,
+            trajectory: dict[str, Any], data: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """Load weights, optimizer, scheduler and RNG from a checkpoint; (step, best, the saved
+    training state) to continue from. Refuses other data (`data`: Source.fingerprint) or settings."""
+    if not (folder / STATE_FILE).exists():
+        raise FileNotFoundError(f"{folder.parent / LATEST_FILE}: names {folder.name}, which has no {STATE_FILE}; the "
+                                "run folder was changed by hand: restore the checkpoint, or train into another --out")
+    state = formats.torch_load_safe(folder / STATE_FILE)
+    other = other_data_message(folder, state.get("data"), data)
+    if other:
+        raise ValueError(other)
+    then = state["trajectory"]
+    # A key an older checkpoint lacks was not recorded then: nothing to compare it with.
+    diff = {k: (then[k], v) for k, v in trajectory.items() if k in then and then[k] != v}
+    if diff:
+        raise ValueError(f"--resume: {folder} was trained with other settings {{option: (then, now)}}: {diff}; "
+                         "leave these options out (a resume takes the run's own) or train into another --out")
+    load_draft_weights(draft, folder)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    log.info("resumed from %s (step %d)", folder, state["step"])
+    return state["step"], state["best"], state
+
+
+# Options that belong to one invocation, not to the run: a resume does not take them from it.
+PER_INVOCATION = ("stop_after", "device")
+
+
+def resumed_options(out: Path) -> dict[str, Any]:
+    """The TrainConfig options the run in `out` was started with ({} when it has no checkpoint yet).
+
+    train_config.json holds every option (its total_steps and warmup_steps as the schedule sized them);
+    the checkpoint's trajectory holds the trajectory options exactly as given."""
+    ckpt_root = out / CHECKPOINTS_DIR
+    latest = read_pointer(ckpt_root, LATEST_FILE)
+    if latest is None or not (out / TRAIN_CONFIG_FILE).exists():
+        return {}
+    names = {f.name for f in fields(TrainConfig)} - set(PER_INVOCATION)
+    saved = formats.read_json(out / TRAIN_CONFIG_FILE)
+    trajectory = formats.torch_load_safe(ckpt_root / latest["path"] / STATE_FILE)["trajectory"]
+    return {k: v for k, v in {**saved, **trajectory}.items() if k in names}
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines a killed run wrote after the checkpoint we resume from."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    formats.write_text_atomic(path, "".join(line + "\n" for line in keep))
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------
+
+class MetricsLog:
+    """metrics.jsonl (always) and TensorBoard (only when the `tensorboard` package is present)."""
+
+    def __init__(self, out: Path, enabled: bool):
+        self.path, self.enabled, self.tb = out / METRICS_FILE, enabled, None
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # optional: needs the `tensorboard` package
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        except ImportError:
+            log.info("tensorboard is not installed; metrics go to %s only", self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            split, step = record["split"], record["step"]
+            for k, (loss, acc) in enumerate(zip(record["loss"], record["acc"])):
+                if loss is not None:
+                    self.tb.add_scalar(f"{split}/loss_{k}", loss, step)
+                self.tb.add_scalar(f"{split}/acc_{k}", acc, step)
+            self.tb.add_scalar(f"{split}/tau", record["tau"], step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def iter_metrics(out_dir: str | Path) -> Iterator[dict[str, Any]]:
+    path = Path(out_dir) / METRICS_FILE
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+# ---------------------------------------------------------------------------------------------
+# One writer per run folder
+# ---------------------------------------------------------------------------------------------
+
+class RunFolderBusy(RuntimeError):
+    """Another process holds the run folder's lock."""
+
+
+@contextlib.contextmanager
+def run_lock(out: Path, enabled: bool = True) -> Iterator[None]:
+    """One writer per run folder: an exclusive lock on OUT/.lock for the whole run. The kernel
+    drops it when the process ends, however it ends, so a killed run never leaves it stuck (a
+    lock file that merely exists would). Only rank 0 writes, so only rank 0 takes it."""
+    if not enabled:
+        yield
+        return
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with locked_file(out / LOCK_FILE):
+            yield
+    finally:
+        if created and [p.name for p in out.iterdir()] == [LOCK_FILE]:  # a run refused before writing anything
+            shutil.rmtree(out, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def locked_file(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path`, which records the holder for the message of the next one."""
+    out = path.parent
+    with open(path, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise RunFolderBusy(f"{out}: another `eaglet train` ({holder}) is writing this run folder; wait for it "
+                                "to end, or train into another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield  # closing the file at the end releases the lock
+

@@ -1,0 +1,199 @@
+"""What a training run is asked to do and how long it runs: `TrainConfig` (the options, checked
+once), the `Plan` (schedule length and cadence), the learning-rate schedule and the
+--time-budget calibration that sizes the plan from the first steps' measured tokens/s.
+
+No torch here: the options can be read and checked without loading it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from eaglet import ranges
+from eaglet.options import LM_HEAD_INITS, LOSS_ON
+
+DEFAULT_EVALS = 10  # held-out evaluations over a schedule when --eval-every is not given
+BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
+CALIBRATION_STEPS = 20  # under --time-budget, steps timed before the schedule is sized (fewer if the budget is short)
+CALIBRATION_SKIP = 2  # first steps left out of the timing (one-time allocations and kernel setup)
+UNSIZED_STEPS = 1 << 40  # the schedule's length before --time-budget has sized it
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 1.0  # length of the schedule when `total_steps` is not given
+    total_steps: int | None = None  # optimizer steps of the schedule (overrides epochs)
+    stop_after: int | None = None  # end this run at this step (the schedule is unchanged; resume later)
+    lr: float = 2e-3  # batch 1; bench/train_efficiency.py "learning"
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int | None = None  # default: 2% of the schedule, at least 1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    batch_size: int = 1  # samples per micro-batch, per process
+    grad_accum: int = 1  # micro-batches per optimizer step, per process
+    max_length: int | None = None  # truncate samples to this many tokens
+    # draft_model.DEFAULT_TTT_STEPS (the chain of 2 a CPU drafts), written out: draft_model imports torch
+    ttt_steps: int = 2
+    ttt_ramp: float = 0.0  # over this fraction of the schedule the unroll grows from 1 step to ttt_steps
+    draft_vocab_size: int | None = None  # default min(8192, target vocab)
+    teacher_top_k: int | None = 16  # keep the teacher's top-k draft ids, computed once per sample (0/None: dense)
+    loss_on: str = "all"  # positions the loss uses: every real token, or assistant tokens only
+    feature_loss_weight: float = 0.0  # EAGLE-1 regression of the target's next last-layer state
+    lm_head_init: str = "random"  # or "target": the target's LM head rows and final norm
+    freeze_lm_head: bool = False  # keep the LM head (and final norm) as initialised
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False  # speculators' default drafter layout (residual = hidden_norm(g))
+    sliding_window: int | None = None  # the drafter attends to the last W positions (speculators' default 2048)
+    bf16: bool | None = None  # autocast the drafter's forward to bf16 (None: where fast, see target.fast_bf16)
+    time_budget: float | None = None  # seconds of training: the schedule is sized to fit, measured on the fly
+    eval_fraction: float = 0.05
+    eval_every: int | None = None  # default: `evals` evaluations over the schedule
+    evals: int = DEFAULT_EVALS  # held-out evaluations over the schedule when eval_every is not given
+    save_every: int | None = None  # default: with every evaluation
+    log_every: int = 10
+    keep_checkpoints: int = 2  # newest step checkpoints kept, besides the best one
+    seed: int = 0
+    device: str | None = None
+    # Where the hidden states come from. Offline (default): a stored dataset in any layout `eaglet
+    # check` accepts. Online: the target runs inside the loop on an `eaglet prepare` output.
+    online: bool = False
+    target_dtype: str = "auto"  # online: compute dtype of the target (its states are used in it as is)
+    aux_layer_ids: list[int] | None = None  # online: layers to capture; offline: what a foreign dataset holds
+    last_hidden_state: str | None = None  # a foreign dataset's last state, pre_norm or post_norm
+
+    # Options that define the trajectory: a resumed run must use the same ones.
+    TRAJECTORY = ("epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
+                  "batch_size", "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size", "teacher_top_k", "loss_on",
+                  "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm", "norm_output",
+                  "norm_before_residual", "sliding_window", "bf16",
+                  "time_budget", "eval_fraction", "seed")
+
+    # Numeric options and what they may be (None: the option's default applies).
+    AT_LEAST_ONE = ("total_steps", "stop_after", "batch_size", "grad_accum", "max_length", "ttt_steps",
+                    "draft_vocab_size", "sliding_window", "eval_every", "evals", "save_every", "log_every")
+    AT_LEAST_ZERO = ("warmup_steps", "keep_checkpoints", "weight_decay", "feature_loss_weight")
+    ABOVE_ZERO = ("epochs", "lr", "max_grad_norm")
+
+    def __post_init__(self) -> None:
+        ranges.at_least(1, **{k: getattr(self, k) for k in self.AT_LEAST_ONE})
+        ranges.at_least(0, **{k: getattr(self, k) for k in self.AT_LEAST_ZERO})
+        ranges.above(0, **{k: getattr(self, k) for k in self.ABOVE_ZERO}, time_budget=self.time_budget)
+        ranges.within(0, 1, "the share of samples held out", high_open=True, eval_fraction=self.eval_fraction)
+        ranges.within(0, 1, min_lr_ratio=self.min_lr_ratio)
+        ranges.within(0, 1, "a fraction of the schedule", high_open=True, ttt_ramp=self.ttt_ramp)
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"--loss-on {self.loss_on!r}: choose one of {list(LOSS_ON)}")
+        if self.lm_head_init not in LM_HEAD_INITS:
+            raise ValueError(f"--lm-head-init {self.lm_head_init!r}: choose one of {list(LM_HEAD_INITS)}")
+        if self.freeze_lm_head and self.lm_head_init != "target":
+            raise ValueError("--freeze-lm-head keeps the LM head as initialised: it needs --lm-head-init target")
+        if self.teacher_top_k is not None and self.teacher_top_k < 0:
+            raise ValueError(f"--teacher-top-k {self.teacher_top_k}: must be >= 1, or 0 for the dense teacher")
+        if self.teacher_top_k == 0:
+            self.teacher_top_k = None  # one spelling of "dense" in train_config.json
+        if self.time_budget is not None and self.total_steps is not None:
+            raise ValueError("--time-budget sizes the schedule itself: give it or --total-steps, not both")
+        if self.max_length is not None and self.max_length < min_sample_tokens(self.ttt_steps):
+            raise ValueError(f"--max-length {self.max_length}: TTT step k at position t predicts token t+k+2, so "
+                             f"with --ttt-steps {self.ttt_steps} a sample needs at least "
+                             f"{min_sample_tokens(self.ttt_steps)} tokens for every step to train on one position; "
+                             f"use --max-length {min_sample_tokens(self.ttt_steps)} or more")
+
+    def ttt_steps_at(self, step: int, total_steps: int) -> int:
+        """The unroll length at this optimizer step: ttt_steps, or growing 1..ttt_steps over the ramp."""
+        ramp = self.ttt_ramp * total_steps
+        if ramp <= 0 or step >= ramp:
+            return self.ttt_steps
+        return min(self.ttt_steps, 1 + int(self.ttt_steps * step / ramp))
+
+    def trajectory(self, world: int) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.TRAJECTORY}
+        d["global_accum"] = self.grad_accum * world  # W processes x A equals 1 process x A*W
+        return d
+
+
+def min_sample_tokens(ttt_steps: int) -> int:
+    """The shortest sample that gives every TTT step a position: step k at t predicts t+k+2."""
+    return ttt_steps + 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """The schedule's length and cadence. Fixed from the options, or under --time-budget sized
+    after the first steps from the measured tokens/s (recorded in checkpoints, so a resumed
+    run keeps it)."""
+
+    total_steps: int
+    warmup: int
+    eval_every: int
+    save_every: int
+    calibrated: bool = True
+
+    @classmethod
+    def make(cls, cfg: TrainConfig, total_steps: int, calibrated: bool) -> Plan:
+        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else (
+            max(1, total_steps // 50) if cfg.time_budget is None else BUDGET_WARMUP_STEPS)
+        eval_every = cfg.eval_every or max(1, total_steps // max(1, cfg.evals))
+        return cls(total_steps, warmup, eval_every, cfg.save_every or eval_every, calibrated)
+
+    @classmethod
+    def first(cls, cfg: TrainConfig, epoch_steps: int) -> Plan:
+        """The plan a run starts with: from the options, or open-ended until --time-budget has timed the first steps."""
+        if cfg.time_budget is None:
+            return cls.make(cfg, cfg.total_steps or epoch_steps, calibrated=True)
+        return cls.make(cfg, UNSIZED_STEPS, calibrated=False)
+
+    @classmethod
+    def sized(cls, cfg: TrainConfig, total_steps: int, step: int) -> Plan:
+        """The plan --time-budget sizes at `step`, once the first steps are timed."""
+        plan = cls.make(cfg, total_steps, calibrated=True)
+        if cfg.warmup_steps is None:  # a short budget: warm up over at most 5% of it, never undoing steps done
+            plan.warmup = max(step, min(BUDGET_WARMUP_STEPS, total_steps // 20))
+        return plan
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# --time-budget: the schedule sized from the first steps' tokens/s
+# ---------------------------------------------------------------------------------------------
+
+def budget_steps(budget: float, step: int, seconds_done: float, rate: float, tokens_per_step: float) -> int:
+    """Total optimizer steps that fit `budget` seconds of training, `seconds_done` of them spent
+    reaching `step`, at `rate` tokens/s."""
+    left = max(0.0, budget - seconds_done)
+    return step + max(1, int(left * rate / max(tokens_per_step, 1.0)))
+
+
+@dataclass
+class Calibration:
+    """The training tokens and seconds done when the timing starts, at step `start` (the first
+    CALIBRATION_SKIP steps of this invocation are left out)."""
+
+    start: int
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def rate(self, step: int, tokens_done: int, seconds_done: float, budget: float) -> tuple[float, int] | None:
+        """(tokens/s, steps timed) once enough steps are timed to size the schedule, else None.
+        Call it after every step: at `start` it records where the timing begins."""
+        if step == self.start:
+            self.tokens, self.seconds = tokens_done, seconds_done
+        steps, tokens, seconds = step - self.start, tokens_done - self.tokens, seconds_done - self.seconds
+        if steps > 0 and (steps >= CALIBRATION_STEPS or seconds >= 0.05 * budget):
+            return tokens / max(seconds, 1e-9), steps
+        return None

@@ -1,0 +1,535 @@
+"""Opening any hidden-state dataset for training, and the micro-batches the loop trains on.
+
+`open_dataset` reads a dataset in any layout `eaglet check` accepts (eaglet's v1 and compact,
+speculators' flat v1 and hs_*.safetensors, SpecForge .ckpt[.gz]) and refuses one that is
+incomplete or inconsistent; `open_prepared` reads an `eaglet prepare` output for --online.
+Either becomes one `Source`. The split and the order of micro-batches are pure functions of the
+seed (and the epoch), so a resumed run continues on the same batches. The `refuse_*` checks run
+before any training step, so a run never spends time on data it cannot train on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from eaglet import formats, layers
+from eaglet.check import check_dataset, default_last_convention, layer_identity_problems, problem_lines
+from eaglet.decode import max_positions
+from eaglet.target import LayerCapture, decoder_layers, dtype_name, run_batch
+from eaglet.training.config import TrainConfig, min_sample_tokens
+
+log = logging.getLogger(__name__)
+
+BUCKET_BATCHES = 64  # length-sorting window, in batches: near-uniform padding, still shuffled
+REQUIRED_DATA_FIELDS = ("hidden_size", "vocab_size", "layer_ids", "last_hidden_state", "target_revision")
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening a dataset, checking it and its target
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Dataset:
+    """A hidden-state dataset on disk, in any layout `eaglet check` accepts, ready to train on."""
+
+    root: Path
+    config: dict[str, Any]  # data_config.json (empty for a foreign dataset without one) + the inferred hidden_size
+    files: dict[int, Path]
+    lengths: dict[int, int]
+    token_freq: dict[int, int]
+    layout: str = formats.FORMAT_V1
+    aux_layer_ids: list[int] = field(default_factory=list)  # hidden_states ids of the three aux states
+    last_hidden_state: str = formats.LAST_STATE_PRE_NORM  # whether the stored last state is before the final norm
+    hidden_dtype: str = "bfloat16"  # dtype of the stored aux states
+    stored_top_k: int | None = None  # a compact dataset's teacher: the target's top-K it stores
+
+
+def data_config(root: Path) -> dict[str, Any]:
+    path = root / formats.DATA_CONFIG_FILE
+    return formats.read_json(path) if path.exists() else {}
+
+
+def no_files_message(root: Path) -> str:
+    hint = ("; this is an `eaglet prepare` output: train on it with --online, or run `eaglet extract` on it first"
+            if (root / formats.PREPARE_CONFIG_FILE).exists() else "")
+    return (f"{root}: no hidden-state files (hidden_states/rows_*/data_*.pt, data_*.pt, rows_*/data_*.ckpt[.gz] or "
+            f"hs_*.safetensors) and no {formats.DATA_CONFIG_FILE}; not an `eaglet extract`, speculators or "
+            f"SpecForge dataset{hint}")
+
+
+def check_v1_config(root: Path, cfg: dict[str, Any]) -> None:
+    """eaglet's own layout always has a complete data_config.json: refuse one that is missing or short."""
+    if not cfg:
+        raise FileNotFoundError(f"{root}: no {formats.DATA_CONFIG_FILE}; not an `eaglet extract` dataset "
+                                "(or extraction has not started)")
+    missing = [k for k in REQUIRED_DATA_FIELDS if k not in cfg]
+    if missing:
+        raise ValueError(f"{root / formats.DATA_CONFIG_FILE}: missing field(s) {missing}")
+
+
+def resolve_aux_layer_ids(root: Path, cfg: dict[str, Any], given: list[int] | None) -> list[int]:
+    """The aux ids from data_config.json's layer_ids, else from --aux-layer-ids. Never guessed:
+    an off-by-one layer id trains a drafter that silently never gets accepted."""
+    where = root / formats.DATA_CONFIG_FILE
+    recorded = cfg.get("layer_ids")
+    if recorded is not None:
+        layers.check_stored_ids(recorded, cfg.get("num_hidden_layers"), f"{where}: layer_ids")
+        if given is not None and list(given) != recorded[:-1]:
+            raise ValueError(f"--aux-layer-ids {list(given)}: {where} records aux ids {recorded[:-1]}")
+        return list(recorded[:-1])
+    if given is None:
+        raise ValueError(f"{root}: no {formats.DATA_CONFIG_FILE} with layer_ids, so which target layers the three "
+                         "stored aux states come from is not recorded; pass --aux-layer-ids (EAGLE-3's default for "
+                         "an N-layer target is 2,N//2,N-3 in hidden_states ids, which SpecForge's hooks on layers "
+                         "1,N//2-1,N-4 also produce; `eaglet check DIR --target T` names the layer of each slot)")
+    return layers.check_aux_ids(given, where="--aux-layer-ids")
+
+
+def resolve_last_state(root: Path, cfg: dict[str, Any], given: str | None, layout: str) -> str:
+    """pre_norm or post_norm: recorded in data_config.json, else --last-hidden-state, else the
+    layout's convention (the one `eaglet check` assumes: post-norm for SpecForge, else pre-norm)."""
+    recorded = cfg.get("last_hidden_state")
+    if recorded is not None and given is not None and recorded != given:
+        raise ValueError(f"--last-hidden-state {given}: {root / formats.DATA_CONFIG_FILE} records {recorded!r}")
+    value = recorded or given or default_last_convention(layout)
+    if value not in formats.LAST_STATE_CONVENTIONS:
+        raise ValueError(f"{root}: last_hidden_state is {value!r}; training knows "
+                         f"{list(formats.LAST_STATE_CONVENTIONS)} (with {formats.LAST_STATE_PRE_NORM!r} it applies the target's final norm itself)")
+    return value
+
+
+def scan_tokens(root: Path, files: dict[int, Path], layout: str,
+                show_progress: bool) -> tuple[dict[int, int], dict[int, int]]:
+    """(lengths, masked-token frequencies) read from the files themselves, for a dataset that has
+    no sample_lengths.json / token_freq.pt. Reads input_ids and loss_mask only."""
+    def read(i: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """(index, length, masked token ids, their counts) of one file."""
+        try:
+            ids, mask = formats.read_sample_tokens(files[i], layout)
+            return (i, len(ids), *ids[mask.bool()].unique(return_counts=True))
+        except ValueError:
+            raise  # the format readers' own messages already name the file and the field
+        except Exception as e:  # a corrupt file: point at the full report rather than a bare traceback
+            raise ValueError(f"{files[i]}: cannot read input_ids / loss_mask ({type(e).__name__}: {e}); "
+                             f"`eaglet check {root}` reports every problem") from e
+
+    lengths: dict[int, int] = {}
+    freq: dict[int, int] = {}
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for i, n, toks, counts in tqdm(pool.map(read, sorted(files)), total=len(files), desc="read token ids",
+                                       unit="file", file=sys.stderr, dynamic_ncols=True, disable=not show_progress):
+            lengths[i] = n
+            for tok, c in zip(toks.tolist(), counts.tolist()):
+                freq[tok] = freq.get(tok, 0) + c
+    return lengths, freq
+
+
+def side_data(root: Path, files: dict[int, Path], layout: str,
+              show_progress: bool) -> tuple[dict[int, int], dict[int, int]]:
+    """Sample lengths and token frequencies from sample_lengths.json / token_freq.pt. eaglet's own
+    layout must have both; a foreign dataset may lack them, and then they are computed from its files."""
+    lengths_path, freq_path = root / formats.SAMPLE_LENGTHS_FILE, root / formats.TOKEN_FREQ_FILE
+    lengths = formats.read_sample_lengths(lengths_path) if lengths_path.exists() else None
+    freq = formats.read_token_freq(freq_path) if freq_path.exists() else None
+    own = formats.layout(layout).side_files  # eaglet's layouts always have both
+    if own and freq is None:
+        raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE}; the draft vocabulary is built from it")
+    if own and lengths is None:
+        lengths = {}  # reported below as lengths missing for every sample
+    if lengths is None or freq is None:
+        missing = [p.name for p, v in ((lengths_path, lengths), (freq_path, freq)) if v is None]
+        log.info("%s has no %s: reading the token ids and loss masks of its %d files to compute them "
+                 "(the draft vocabulary comes from masked-token frequencies, length bucketing from lengths)",
+                 root, " / ".join(missing), len(files))
+        scanned_lengths, scanned_freq = scan_tokens(root, files, layout, show_progress)
+        lengths = scanned_lengths if lengths is None else lengths
+        freq = scanned_freq if freq is None else freq
+    if not set(files) <= set(lengths):
+        raise ValueError(f"{lengths_path}: lengths missing for {len(set(files) - set(lengths))} sample(s)")
+    return {i: lengths[i] for i in files}, freq
+
+
+def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_hidden_state: str | None = None,
+                 show_progress: bool = False) -> Dataset:
+    """Open a hidden-state dataset in any layout `eaglet check` accepts, cross-check what it records
+    against its files, and refuse one that is incomplete or inconsistent. eaglet's v1 layout must
+    have all its side files; a foreign one (flat v1, SpecForge, hs_*.safetensors) may lack them."""
+    root = Path(root)
+    cfg = data_config(root)
+    listing = formats.list_dataset_files(root, int(cfg.get("rows_per_folder", formats.ROWS_PER_FOLDER)))
+    if listing.layout is None and not cfg:
+        raise FileNotFoundError(no_files_message(root))
+    lay = listing.layout or formats.V1_LAYOUT  # a config and no file yet: eaglet's own, not started
+    layout = lay.name
+    if lay.side_files:
+        check_v1_config(root, cfg)
+    if lay is formats.V1_LAYOUT:  # v1 lists by its rows_* folders, which name where each file belongs
+        files = formats.list_v1_files(root)
+        if not files:
+            raise FileNotFoundError(f"{root}: no {formats.HIDDEN_STATES_DIR}/rows_*/data_*.pt files")
+    else:
+        files = dict(listing.files)
+        if len(files) != len(listing.files):
+            raise ValueError(f"{root}: {len(listing.files) - len(files)} duplicate sample indices; "
+                             f"`eaglet check {root}` lists them")
+    version_problem = lay.config_problem(cfg)
+    if version_problem:
+        raise ValueError(f"{root / formats.DATA_CONFIG_FILE}: {version_problem}")
+    if lay.table:  # a file per row of its table, and no other
+        rows = lay.table.count(root)
+        unpaired = [f"no file for row(s) {gaps[:10]}" for gaps in [sorted(set(range(rows)) - set(files))] if gaps]
+        unpaired += [f"file(s) {extra[:10]} beyond them" for extra in [sorted(set(files) - set(range(rows)))] if extra]
+        if unpaired:
+            raise ValueError(f"{root}: its Arrow table has {rows} rows; {', '.join(unpaired)}: finish `eaglet "
+                             f"extract`, or `eaglet check {root}` for the full report")
+    expected = cfg.get("num_samples")
+    if expected is not None and len(files) != expected:
+        raise ValueError(f"{root}: {len(files)} sample files, {formats.DATA_CONFIG_FILE} says {expected}; "
+                         "finish (or rerun) `eaglet extract` first")
+    aux_ids = resolve_aux_layer_ids(root, cfg, aux_layer_ids)
+    last_state = resolve_last_state(root, cfg, last_hidden_state, layout)
+    lengths, freq = side_data(root, files, layout, show_progress)
+    first_path = files[min(files)]
+    first = formats.read_training_sample(first_path, layout)
+    hidden = cfg.get("hidden_size", first.aux_hidden.shape[-1] // 3)
+    last = first.last_hidden if first.last_hidden is not None else first.teacher.ids  # the teacher's rows: [T, K]
+    shapes = (tuple(first.aux_hidden.shape), tuple(last.shape))
+    want = ((lengths[min(files)], 3 * hidden), (lengths[min(files)], hidden if first.teacher is None else last.shape[1]))
+    if shapes != want:
+        raise ValueError(f"{first_path}: hidden_states shapes aux {shapes[0]}, last {shapes[1]}; "
+                         f"{formats.DATA_CONFIG_FILE} / sample lengths imply {want[0]}, {want[1]}")
+    dtype = cfg.get("hidden_states_dtype") if lay.dequantized else dtype_name(first.aux_hidden.dtype)
+    return Dataset(root, {**cfg, "hidden_size": hidden}, files, lengths, freq, layout, aux_ids, last_state, dtype,
+                   first.teacher.ids.shape[1] if first.teacher is not None else None)
+
+
+def check_stored_teacher(ds: Dataset, cfg: TrainConfig) -> None:
+    """A compact dataset keeps the target's top-K instead of the last state: what needs the last
+    state, or more of the teacher than K, cannot train on it."""
+    if ds.stored_top_k is None:
+        return
+    if cfg.teacher_top_k is None or cfg.teacher_top_k > ds.stored_top_k:
+        raise ValueError(f"--teacher-top-k {cfg.teacher_top_k or 0}: {ds.root} stores the target's top "
+                         f"{ds.stored_top_k} only (compact layout); use --teacher-top-k 1..{ds.stored_top_k}, or "
+                         "train on a v1 copy for the dense teacher")
+    if cfg.feature_loss_weight:
+        raise ValueError(f"--feature-loss-weight: {ds.root} is compact and keeps no last-layer state to regress")
+
+
+def refuse_unclean_dataset(root: str | Path) -> None:
+    """Run `eaglet check` on every file (no target: schema, values, side files) and refuse to
+    spend training time on a dataset it rejects, with the check's own messages."""
+    report = check_dataset(root, use_target=False)
+    if not report.clean:
+        raise ValueError(f"{root}: `eaglet check` rejects this dataset:\n" + "\n".join(problem_lines(report.errors, 5)))
+
+
+def check_target_matches(data_cfg: dict[str, Any], target_cfg: Any, revision: str, name: str) -> None:
+    """Refuse a target unlike the one the data came from (only what the dataset records is compared)."""
+    for key, theirs in (("hidden_size", target_cfg.hidden_size), ("vocab_size", target_cfg.vocab_size),
+                        ("target_revision", revision)):
+        if key in data_cfg and data_cfg[key] != theirs:
+            raise ValueError(f"target {name} has {key}={theirs!r}, the dataset was extracted with "
+                             f"{data_cfg[key]!r} ({data_cfg.get('target', '?')}); pass the same --target")
+
+
+def dataset_target(ds: Dataset, target: str | None) -> str | None:
+    """--target, else the recorded target_path. eaglet's own layout falls back to the embedded default
+    as every stage does; a foreign dataset that records no target must be told which one it is."""
+    if target is not None or "target_path" in ds.config or formats.layout(ds.layout).side_files:
+        return target if target is not None else ds.config.get("target_path")
+    raise ValueError(f"{ds.root}: no {formats.DATA_CONFIG_FILE} with target_path records which model these hidden "
+                     "states came from; pass --target (the model folder or hub id)")
+
+
+def check_aux_layer_ids(aux: list[int], num_layers: int) -> None:
+    """Three increasing ids of decoder-layer outputs, below the last layer (which feeds the teacher)."""
+    layers.check_aux_ids(aux, num_layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# The split and the micro-batches
+# ---------------------------------------------------------------------------------------------
+
+def split_indices(indices: list[int], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, held-out) split: a seeded shuffle of the sorted indices."""
+    order = sorted(indices)
+    random.Random(seed).shuffle(order)
+    n_eval = min(max(1, round(eval_fraction * len(order))), len(order) - 1) if eval_fraction > 0 and len(order) > 1 else 0
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def bucketed_batches(indices: list[int], lengths: dict[int, int], batch_size: int,
+                     rng: random.Random | None) -> list[list[int]]:
+    """Batches of similar length: shuffle, sort within windows of BUCKET_BATCHES batches, shuffle
+    the batches. The number of batches depends only on len(indices), never on the shuffle."""
+    order = list(indices)
+    if rng is not None:
+        rng.shuffle(order)
+    window = batch_size * BUCKET_BATCHES
+    batches = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w:w + window], key=lambda i: (-lengths[i], i))
+        batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
+    if rng is not None:
+        rng.shuffle(batches)
+    return batches
+
+
+class BatchStream:
+    """The global sequence of micro-batches across epochs; micro-batch m is a pure function of m."""
+
+    def __init__(self, indices: list[int], lengths: dict[int, int], batch_size: int, seed: int):
+        self.indices, self.lengths, self.batch_size, self.seed = indices, lengths, batch_size, seed
+        self.per_epoch = len(bucketed_batches(indices, lengths, batch_size, None))
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def epoch(self, e: int) -> list[list[int]]:
+        if self._cache is None or self._cache[0] != e:
+            self._cache = (e, bucketed_batches(self.indices, self.lengths, self.batch_size,
+                                               random.Random(self.seed * 1_000_003 + e)))
+        return self._cache[1]
+
+    def __getitem__(self, m: int) -> list[int]:
+        return self.epoch(m // self.per_epoch)[m % self.per_epoch]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L] int64, right padded with 0
+    aux_hidden: torch.Tensor  # [B, L, 3H]
+    last_hidden: torch.Tensor | None  # [B, L, H] pre-norm (None: a compact dataset's stored teacher instead)
+    loss_mask: torch.Tensor  # [B, L], 0 on padding
+    lengths: list[int]  # real tokens per row
+    indices: list[int] = field(default_factory=list)  # sample index per row
+    teacher_ids: torch.Tensor | None = None  # [B, L, K] a compact dataset's stored top-K target ids
+    teacher_log_probs: torch.Tensor | None = None  # [B, L, K] their log-probabilities
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def real(self) -> torch.Tensor:
+        """[B, L] bool: True on real tokens, False on padding."""
+        L = self.input_ids.shape[1]
+        return torch.arange(L, device=self.input_ids.device)[None, :] < torch.tensor(self.lengths,
+                                                                                     device=self.input_ids.device)[:, None]
+
+    def to(self, device: torch.device) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return Batch(self.input_ids.to(device), self.aux_hidden.to(device), move(self.last_hidden),
+                     self.loss_mask.to(device), self.lengths, self.indices, move(self.teacher_ids),
+                     move(self.teacher_log_probs))
+
+
+class Prefetcher:
+    """Loads micro-batches in a background thread, one ahead, so disk reads overlap compute.
+    With `background=False` it loads on the caller's thread: an online batch runs the target on
+    the training device, where loading ahead would only hold one more batch of activations."""
+
+    def __init__(self, load: Any, background: bool = True):
+        self.load, self.pending = load, {}
+        self.pool = ThreadPoolExecutor(max_workers=1) if background else None
+
+    def get(self, key: int, next_key: int | None) -> Any:
+        if self.pool is None:
+            return self.load(key)
+        fut = self.pending.pop(key, None) or self.pool.submit(self.load, key)
+        if next_key is not None and next_key not in self.pending:
+            self.pending[next_key] = self.pool.submit(self.load, next_key)
+        return fut.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def collate(samples: list[formats.TrainingSample], max_length: int | None, indices: list[int] | None = None) -> Batch:
+    """Right-padded batch, zeros past each sample's end, on the samples' device. Under causal
+    attention a real token never sees padding on its right."""
+    lens = [min(len(s.input_ids), max_length or len(s.input_ids)) for s in samples]
+    first = samples[0]
+    B, L, dev = len(samples), max(lens), first.aux_hidden.device
+
+    def padded(get: Callable[[formats.TrainingSample], torch.Tensor | None]) -> torch.Tensor | None:
+        """[B, L, ...] of one field, zeros past each sample's end (None when the samples lack it)."""
+        if get(first) is None:
+            return None
+        out = torch.zeros(B, L, *get(first).shape[1:], dtype=get(first).dtype, device=dev)
+        for row, (s, n) in enumerate(zip(samples, lens)):
+            out[row, :n] = get(s)[:n]
+        return out
+
+    return Batch(padded(lambda s: s.input_ids).long(), padded(lambda s: s.aux_hidden),
+                 padded(lambda s: s.last_hidden), padded(lambda s: s.loss_mask).long(), lens, list(indices or []),
+                 padded(lambda s: s.teacher and s.teacher.ids), padded(lambda s: s.teacher and s.teacher.log_probs))
+
+
+def load_batch(files: dict[int, Path], indices: list[int], max_length: int | None,
+               layout: str = formats.FORMAT_V1) -> Batch:
+    """The micro-batch of these samples, read from files of a dataset in `layout`."""
+    return collate([formats.read_training_sample(files[i], layout) for i in indices], max_length, indices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources of micro-batches: stored hidden states (offline) or the target run in the loop (online)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Source:
+    """What the training loop needs from its data, wherever the hidden states come from."""
+
+    path: Path
+    lengths: dict[int, int]  # sample index -> tokens (for the split and length bucketing)
+    token_freq: dict[int, int]  # masked-token counts (for the draft vocabulary)
+    aux_layer_ids: list[int]
+    last_hidden_state: str
+    hidden_dtype: str
+    load: Callable[[list[int]], Batch]  # the right-padded micro-batch of these sample indices
+    background: bool  # whether loads may run in a background thread (disk reads: yes; the target: no)
+    stored_top_k: int | None = None  # a compact dataset: the teacher is its stored top-K, the aux states 6-bit
+    layout: str = formats.FORMAT_V1  # the dataset's layout; "prepared" online
+
+    def identity(self) -> dict[str, Any]:
+        """What the batches hold; a resumed run must get the same (offline or online alike)."""
+        return {"aux_layer_ids": self.aux_layer_ids, "last_hidden_state": self.last_hidden_state,
+                "hidden_dtype": self.hidden_dtype, "stored_top_k": self.stored_top_k}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Which data this is: its layout, sample count and a digest of every sample's length and
+        of the masked-token counts. The path is kept for messages only: a moved copy of the same
+        samples is the same data, a compact copy of them is not (other stored values)."""
+        h = hashlib.sha256(json.dumps([sorted(self.lengths.items()), sorted(self.token_freq.items())]).encode())
+        return {"path": str(self.path.resolve()), "layout": self.layout, "samples": len(self.lengths),
+                "digest": h.hexdigest()[:16]}
+
+
+PREPARED_LAYOUT = "prepared"  # an online source: an `eaglet prepare` output, the target run in the loop
+
+
+def offline_source(ds: Dataset, max_length: int | None) -> Source:
+    return Source(ds.root, ds.lengths, ds.token_freq, ds.aux_layer_ids, ds.last_hidden_state, ds.hidden_dtype,
+                  lambda indices: load_batch(ds.files, indices, max_length, ds.layout), background=True,
+                  stored_top_k=ds.stored_top_k, layout=ds.layout)
+
+
+@dataclass
+class Prepared:
+    """An `eaglet prepare` output, for --online: the target runs on its samples inside the loop."""
+
+    root: Path
+    samples: list[formats.TokenizedSample]
+    config: dict[str, Any]  # prepare_config.json
+    token_freq: dict[int, int]  # masked-token counts (for the draft vocabulary)
+
+
+def open_prepared(root: str | Path) -> Prepared:
+    """The samples, prepare config and token frequencies of an `eaglet prepare` output, for --online."""
+    root = Path(root)
+    if not (root / formats.PREPARE_CONFIG_FILE).exists():
+        stored = (root / formats.DATA_CONFIG_FILE).exists() or formats.list_dataset_files(root).format is not None
+        hint = "; it holds stored hidden states: train on it without --online" if stored else ""
+        raise FileNotFoundError(f"{root}: no {formats.PREPARE_CONFIG_FILE}; --online trains on a finished "
+                                f"`eaglet prepare` output{hint}")
+    samples, pconfig = formats.read_prepared(root)
+    freq_path = root / formats.TOKEN_FREQ_FILE
+    if not freq_path.exists():
+        raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE} (the draft vocabulary is built from it); "
+                                "rerun `eaglet prepare`, which writes it")
+    return Prepared(root, samples, pconfig, formats.read_token_freq(freq_path))
+
+
+def open_training_data(root: str | Path, cfg: TrainConfig, show_progress: bool) -> Dataset | Prepared:
+    """What `eaglet train` reads, checked before any target is loaded: with --online an `eaglet
+    prepare` output, else a stored dataset that `eaglet check` passes and whose teacher fits the options."""
+    if cfg.online:
+        if cfg.last_hidden_state not in (None, formats.LAST_STATE_PRE_NORM):
+            raise ValueError("--last-hidden-state: online, the last state is captured before the final norm (pre_norm)")
+        return open_prepared(root)
+    ds = open_dataset(root, cfg.aux_layer_ids, cfg.last_hidden_state, show_progress)
+    refuse_unclean_dataset(root)
+    check_stored_teacher(ds, cfg)
+    return ds
+
+
+def truncate(sample: formats.TokenizedSample, max_length: int | None) -> formats.TokenizedSample:
+    if max_length is None or len(sample.input_ids) <= max_length:
+        return sample
+    return formats.TokenizedSample(sample.sample_id, sample.input_ids[:max_length], sample.loss_mask[:max_length])
+
+
+def online_source(prepared: Prepared, model: nn.Module, layer_ids: list[int], device: torch.device,
+                  max_length: int | None) -> Source:
+    """Batches whose hidden states the target computes on the fly, with extract.py's own capture
+    code (hooks, padding, per-sample cut), so they hold what `eaglet extract` would have stored
+    with this compute dtype; only the copy to disk and back is skipped."""
+    capture = LayerCapture(decoder_layers(model), layer_ids)
+    dtype = next(model.parameters()).dtype
+    samples = prepared.samples
+
+    def load(indices: list[int]) -> Batch:
+        batch = [truncate(samples[i], max_length) for i in indices]
+        states = run_batch(model, capture, batch, device, dtype, out_device=device)
+        return collate([formats.TrainingSample(torch.tensor(s.input_ids), torch.cat(h[:-1], dim=-1), h[-1],
+                                               torch.tensor(s.loss_mask)) for s, h in zip(batch, states)], None,
+                       indices)
+
+    return Source(prepared.root, {i: len(s.input_ids) for i, s in enumerate(samples)}, prepared.token_freq,
+                  layer_ids[:-1], formats.LAST_STATE_PRE_NORM, dtype_name(dtype), load, background=False,
+                  layout=PREPARED_LAYOUT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals before the first step
+# ---------------------------------------------------------------------------------------------
+
+def refuse_too_short(lengths: dict[int, int], train_idx: list[int], cfg: TrainConfig) -> None:
+    """Training samples that give no TTT step a position would train on nothing and log NaN."""
+    need = min_sample_tokens(1)
+    if not any(min(lengths[i], cfg.max_length or lengths[i]) >= need for i in train_idx):
+        raise ValueError(f"no training sample has {need} tokens or more (after --max-length "
+                         f"{cfg.max_length}): step 0 predicts token t+2 from position t, so there is no position to "
+                         "train on; use longer samples or a larger --max-length")
+
+
+def refuse_beyond_positions(src: Source, max_length: int | None, model: nn.Module) -> None:
+    """A sample longer than the target's positions holds states the target never makes in use
+    (RoPE beyond its range): refuse it, naming the longest, rather than train on it."""
+    limit = max_positions(model)
+    longest = max(src.lengths, key=lambda i: src.lengths[i])
+    n = min(src.lengths[longest], max_length or src.lengths[longest])
+    if n > limit:
+        over = sum(min(v, max_length or v) > limit for v in src.lengths.values())
+        raise ValueError(f"{src.path}: sample {longest} has {n} tokens and {over} sample(s) in all are longer than the "
+                         f"target's {limit} positions (max_position_embeddings); pass --max-length {limit} or less, "
+                         "or prepare the data again with such a --max-length")
+
+
+def refuse_wrong_layer_ids(ds: Dataset, model: nn.Module) -> None:
+    """The check `eaglet check --target` makes of layer identity, on the dataset's first file:
+    recorded layer ids that the stored states do not match are refused before any training."""
+    n = model.config.num_hidden_layers
+    first = ds.files[min(ds.files)]
+    problems = layer_identity_problems(ds.root, ds.layout, first, model, [*ds.aux_layer_ids, n],
+                                       ds.last_hidden_state)
+    if problems:
+        raise ValueError(f"{ds.root / formats.DATA_CONFIG_FILE}: layer_ids {[*ds.aux_layer_ids, n]} do not match "
+                         f"the stored states ({'; '.join(p.message for p in problems[:3])}); an edited or wrong "
+                         f"layer_ids trains a drafter that engines feed other layers: `eaglet check {ds.root} "
+                         "--target T` for the full report, then re-extract or restore data_config.json")
+

@@ -1,0 +1,451 @@
+"""Train an EAGLE-3 drafter (`eaglet train`): the entry `train` and its loop.
+
+One entry, `train(dataset_dir, out_dir, target=None, ...)`. Offline (the default) it reads stored
+hidden states in any layout `eaglet check` accepts (eaglet's v1, speculators' flat v1 and
+hs_*.safetensors, SpecForge .ckpt[.gz]); online (`online=True`) it reads an `eaglet prepare`
+output and runs the target inside the loop, with extract.py's capture code, to make the same
+hidden states on the fly. Either way the loop sees one `Source`. It checks that the data and the
+target agree, builds the draft vocabulary from the data's token frequencies, and trains with
+AdamW (fp32 master weights, optional bf16 autocast), warmup + cosine, grad clipping and
+accumulation, over length-bucketed batches. Every `eval_every` steps it measures per-TTT-step
+accuracy on a held-out split and keeps the checkpoint with the best simulated acceptance length.
+
+Data order is a pure function of (seed, epoch), and a checkpoint records the position in it, so
+`resume=True` continues exactly. Under `torchrun` each process takes every W-th micro-batch of
+the same global order (DDP averages the gradients), so W processes with accumulation A match
+one process with accumulation A*W.
+
+Layout of `out_dir`: `metrics.jsonl`, `checkpoints/step_XXXXXXXX/{model.safetensors,
+config.json, training_state.pt}`, `checkpoints/latest.json`, `checkpoints/best.json`
+(checkpoints.py owns it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+
+from eaglet import formats, layers
+from eaglet.draft_model import STAT_ROWS, Eagle3Draft, num_parameters, stats_summary
+from eaglet.extract import prepared_target
+from eaglet.target import TargetRef, fast_bf16, load_target, parse_dtype, resolve_target
+from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
+                                         checkpoint_name, resumed_options, run_lock, truncate_metrics)
+from eaglet.training.config import CALIBRATION_SKIP, Calibration, Plan, TrainConfig, budget_steps, lr_lambda
+from eaglet.training.data import (BatchStream, Dataset, Prefetcher, Prepared, Source, bucketed_batches,
+                                  check_aux_layer_ids, check_target_matches, dataset_target, offline_source,
+                                  online_source, open_training_data, refuse_beyond_positions, refuse_too_short,
+                                  refuse_wrong_layer_ids, split_indices)
+from eaglet.training.distributed import Dist, env_rank, init_distributed, process_device, teardown, wrap
+from eaglet.training.heldout import evaluate
+from eaglet.training.loss import forward_stats, refuse_non_finite
+from eaglet.training.teacher import TeacherSource, build_drafter, make_teacher_head
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSummary:
+    out: Path
+    step: int
+    total_steps: int
+    best_step: int | None
+    best_tau: float | None
+    last_eval: dict[str, Any] | None
+    train_tokens: int
+    seconds: float
+    trainable_parameters: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        rate = self.train_tokens / self.seconds if self.seconds > 0 else 0.0
+        out = [f"trained {self.step}/{self.total_steps} steps ({self.trainable_parameters:,} trainable parameters), "
+               f"{self.train_tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
+        if self.last_eval:
+            acc = " ".join(f"{a:.3f}" for a in self.last_eval["acc"])
+            out.append(f"held-out: acc per TTT step [{acc}], simulated acceptance length {self.last_eval['tau']:.3f}")
+        if self.best_step is not None:
+            out.append(f"best checkpoint: step {self.best_step} (tau {self.best_tau:.3f}) in "
+                       f"{self.out / CHECKPOINTS_DIR / checkpoint_name(self.best_step)}")
+        return out
+
+
+@dataclass
+class Split:
+    """The run's samples: the training order, the held-out batches, and the sizes the plan needs."""
+
+    train_idx: list[int]
+    eval_idx: list[int]
+    stream: BatchStream
+    eval_batches: list[list[int]]
+    micro_per_step: int  # micro-batches per optimizer step, all processes together
+    epoch_steps: int  # optimizer steps of --epochs
+    tokens_per_step: float  # of an average optimizer step, to turn a measured tokens/s into steps
+
+
+@dataclass
+class Run:
+    """What the steps of a run read: set up once, before the first step."""
+
+    cfg: TrainConfig
+    out: Path
+    d: Dist
+    device: torch.device
+    src: Source
+    draft: Eagle3Draft
+    model: nn.Module  # the drafter, or its DDP wrapper under torchrun
+    teachers: TeacherSource
+    split: Split
+    params: list[nn.Parameter]
+    opt: torch.optim.Optimizer
+    sched: LambdaLR
+    saver: Checkpointer
+    metrics: MetricsLog
+
+
+@dataclass
+class RunState:
+    """What the steps change, and a checkpoint saves: where the run is, its plan and best so far."""
+
+    plan: Plan
+    stop_after: int | None
+    step: int = 0
+    best: dict[str, Any] = field(default_factory=lambda: {"step": None, "tau": None})
+    # training tokens and seconds so far (held-out evals and saves excluded)
+    done: dict[str, Any] = field(default_factory=lambda: {"tokens": 0, "seconds": 0.0})
+    last_eval: dict[str, Any] | None = None
+
+    @property
+    def stop(self) -> int:
+        """The step this invocation ends at."""
+        return min(self.plan.total_steps, self.stop_after) if self.stop_after is not None else self.plan.total_steps
+
+
+def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = None, resume: bool = False,
+          show_progress: bool = True, command: str = "", **options: Any) -> TrainSummary:
+    """Train a drafter on `dataset_dir` into `out_dir`; `options` are TrainConfig fields.
+    `dataset_dir` holds stored hidden states, or with `online=True` an `eaglet prepare` output.
+    The run folder has one writer at a time (`run_lock`)."""
+    unknown = set(options) - {f.name for f in fields(TrainConfig)}
+    if unknown:
+        raise TypeError(f"unknown training option(s): {sorted(unknown)}")
+    with run_lock(Path(out_dir), env_rank() == 0):
+        return train_locked(dataset_dir, out_dir, target, resume, show_progress, command, **options)
+
+
+def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | None, resume: bool,
+                 show_progress: bool, command: str, **options: Any) -> TrainSummary:
+    """`train` with the run folder's lock held."""
+    out = Path(out_dir)
+    cfg = run_config(out, resume, options)
+    data = open_training_data(dataset_dir, cfg, show_progress and env_rank() == 0)
+    device = process_device(cfg.device)  # under torchrun, one device per process
+    d = init_distributed(device)
+    if cfg.bf16 is None:  # resolved here, so train_config.json and a resume see what ran
+        cfg = replace(cfg, bf16=fast_bf16(device))
+    src, ref, draft, teachers = setup_model(dataset_dir, data, target, cfg, device)
+    split = setup_data(src, cfg, d)
+    state = RunState(Plan.first(cfg, split.epoch_steps), cfg.stop_after)
+    params, opt, sched = setup_optimizer(draft, cfg, state)
+    record = {"dataset": str(src.path.resolve()), "online": cfg.online, "target": ref.name,
+              "target_revision": ref.revision}
+    saver = Checkpointer(out, cfg.keep_checkpoints, {**cfg.trajectory(d.world), **src.identity()}, src.fingerprint(),
+                         record)
+    refuse_too_short(src.lengths, split.train_idx, cfg)
+    restore_or_start(saver, resume, state, draft, opt, sched)
+    if d.main:  # drop lines a killed run wrote after the checkpoint we start from (all, when from scratch)
+        truncate_metrics(out / METRICS_FILE, state.step)
+    d.barrier()
+
+    model = wrap(draft, device, d)
+    if d.main:
+        write_run_config(out, {**asdict(cfg), "world_size": d.world, "total_steps": state.plan.total_steps,
+                               "warmup_steps": state.plan.warmup, "dataset": record["dataset"], "target": ref.name,
+                               "target_revision": ref.revision, "train_samples": len(split.train_idx),
+                               "eval_samples": len(split.eval_idx), "command": command})
+    run = Run(cfg, out, d, device, src, draft, model, teachers, split, params, opt, sched, saver,
+              MetricsLog(out, d.main))
+    log_start(run, state)
+    run_steps(run, state, show_progress)
+    summary = finish(run, state)
+    del run, model  # the DDP wrapper goes before the process group does (see distributed.teardown)
+    teardown(d)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup: options, target and drafter, data, optimizer, resume
+# ---------------------------------------------------------------------------------------------
+
+def run_config(out: Path, resume: bool, options: dict[str, Any]) -> TrainConfig:
+    """The options of this invocation, checked; with --resume the run's own, then those given now."""
+    if resume:  # the run's own settings, then the options given now (a differing trajectory one is refused at restore)
+        options = {**resumed_options(out), **options}
+    cfg = TrainConfig(**options)
+    if env_rank() == 0:
+        formats.remove_stale_temp_files(out / CHECKPOINTS_DIR)  # checkpoint folders a kill left half-written
+    return cfg
+
+
+def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str | None, cfg: TrainConfig,
+                device: torch.device) -> tuple[Source, TargetRef, Eagle3Draft, TeacherSource]:
+    """The source of batches, the target it was checked against, the drafter built from the target
+    and the teacher. Offline nothing else of the target is kept; online the source holds it."""
+    if isinstance(data, Prepared):
+        src, ref, tmodel = online_target(dataset_dir, data, target, cfg, device)
+    else:
+        src, ref, tmodel = offline_target(data, target, cfg)
+    refuse_beyond_positions(src, cfg.max_length, tmodel)
+    draft = build_drafter(tmodel, src.aux_layer_ids, src.token_freq, cfg).to(device)
+    teacher_head = make_teacher_head(tmodel, src.last_hidden_state).to(device)
+    teachers = TeacherSource(teacher_head, draft.d2t, draft.t2d, cfg.teacher_top_k, cfg.feature_loss_weight > 0,
+                             cfg.bf16)
+    return src, ref, draft, teachers
+
+
+def online_target(dataset_dir: str | Path, prepared: Prepared, target: str | None, cfg: TrainConfig,
+                  device: torch.device) -> tuple[Source, TargetRef, nn.Module]:
+    """The target `eaglet prepare` used, on this process's device (under torchrun every process
+    runs its own copy), and the source that runs it on the prepared samples."""
+    ref = prepared_target(dataset_dir, prepared.config, target)
+    tmodel = load_target(ref, parse_dtype(cfg.target_dtype, device), device)
+    # a token id outside the vocabulary: refused now, else an IndexError at step N
+    formats.check_prepared_token_ids(dataset_dir, prepared.samples, tmodel.config.vocab_size)
+    n = tmodel.config.num_hidden_layers
+    aux_ids = cfg.aux_layer_ids or layers.default_aux_ids(n)
+    check_aux_layer_ids(aux_ids, n)
+    return online_source(prepared, tmodel, [*aux_ids, n], device, cfg.max_length), ref, tmodel
+
+
+def offline_target(ds: Dataset, target: str | None, cfg: TrainConfig) -> tuple[Source, TargetRef, nn.Module]:
+    """The target the dataset came from, in fp32 on the CPU (the drafter takes its embeddings, the
+    teacher its final norm and LM head), refused unless it matches what the dataset records."""
+    ref = resolve_target(dataset_target(ds, target))
+    tmodel = load_target(ref, torch.float32, torch.device("cpu"))
+    check_target_matches(ds.config, tmodel.config, ref.revision, ref.name)
+    check_aux_layer_ids(ds.aux_layer_ids, tmodel.config.num_hidden_layers)
+    refuse_wrong_layer_ids(ds, tmodel)
+    return offline_source(ds, cfg.max_length), ref, tmodel
+
+
+def setup_data(src: Source, cfg: TrainConfig, d: Dist) -> Split:
+    """The seeded split, the global order of micro-batches, and the sizes of a step and an epoch."""
+    train_idx, eval_idx = split_indices(list(src.lengths), cfg.eval_fraction, cfg.seed)
+    stream = BatchStream(train_idx, src.lengths, cfg.batch_size, cfg.seed)
+    micro_per_step = cfg.grad_accum * d.world
+    epoch_steps = max(1, int(cfg.epochs * stream.per_epoch) // micro_per_step)
+    tokens_per_step = micro_per_step * cfg.batch_size * sum(
+        min(src.lengths[i], cfg.max_length or src.lengths[i]) for i in train_idx) / max(1, len(train_idx))
+    return Split(train_idx, eval_idx, stream, bucketed_batches(eval_idx, src.lengths, cfg.batch_size, None),
+                 micro_per_step, epoch_steps, tokens_per_step)
+
+
+def setup_optimizer(draft: Eagle3Draft, cfg: TrainConfig,
+                    state: RunState) -> tuple[list[nn.Parameter], torch.optim.Optimizer, LambdaLR]:
+    """AdamW over the trainable parameters, warmup + cosine over the plan."""
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    # the schedule reads the plan at every step: one that --time-budget sizes, or a resume restores, applies at once
+    sched = LambdaLR(opt, lambda s: lr_lambda(state.plan.warmup, state.plan.total_steps, cfg.min_lr_ratio)(s))
+    return params, opt, sched
+
+
+def restore_or_start(saver: Checkpointer, resume: bool, state: RunState, draft: Eagle3Draft,
+                     opt: torch.optim.Optimizer, sched: LambdaLR) -> None:
+    """With --resume, continue from the latest checkpoint: its step, best, plan and time done."""
+    saved = saver.restore_latest(resume, draft, opt, sched)
+    if saved is None:
+        return
+    state.step, state.best = saved["step"], saved["best"]
+    if "plan" in saved:
+        state.plan = Plan(**saved["plan"])
+    state.done = saved.get("done", state.done)
+
+
+def write_run_config(out: Path, config: dict[str, Any]) -> None:
+    """train_config.json: every option as this run uses it, its schedule, data and target."""
+    out.mkdir(parents=True, exist_ok=True)
+    formats.write_json_atomic(out / TRAIN_CONFIG_FILE, config)
+
+
+def log_start(run: Run, state: RunState) -> None:
+    cfg, plan = run.cfg, state.plan
+    log.info("drafter: %s trainable parameters; %d train / %d held-out samples; %s (%d micro-batches of %d "
+             "per step)", f"{num_parameters(run.draft):,}", len(run.split.train_idx), len(run.split.eval_idx),
+             f"{plan.total_steps} steps" if plan.calibrated else f"steps sized to a {cfg.time_budget:.0f} s budget",
+             run.split.micro_per_step, cfg.batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class StepResult:
+    sums: torch.Tensor  # [STAT_ROWS, ttt_steps] over this process's micro-batches
+    tokens: int  # this process's real tokens
+    grad_norm: torch.Tensor
+    ttt_steps: int  # the unroll this step trained
+
+
+@dataclass
+class Progress:
+    """What one invocation's loop keeps besides the run state, none of it saved: the train stats
+    since the last metrics line, the --time-budget timing and the progress bar."""
+
+    sums: torch.Tensor
+    t0: float  # wall clock at the loop's start ("elapsed" in metrics lines)
+    calibration: Calibration
+    bar: tqdm
+    tokens: int = 0
+
+    def add(self, result: StepResult) -> None:
+        self.sums += result.sums
+        self.tokens += result.tokens
+
+
+def start_progress(run: Run, state: RunState, show_progress: bool) -> Progress:
+    sums = torch.zeros(STAT_ROWS, run.cfg.ttt_steps, device=run.device)
+    t0 = time.time()
+    calibration = Calibration(state.step + CALIBRATION_SKIP)  # --time-budget: timing starts here
+    bar = tqdm(total=state.stop if state.plan.calibrated else None, initial=state.step, desc="train", unit="step",
+               file=sys.stderr, dynamic_ncols=True, disable=not (show_progress and run.d.main))
+    return Progress(sums, t0, calibration, bar)
+
+
+def run_steps(run: Run, state: RunState, show_progress: bool) -> None:
+    """Train up to state.stop: each step, then its metrics line, held-out evaluation and checkpoint
+    when due; under --time-budget the plan is sized once the first steps are timed."""
+    progress = start_progress(run, state, show_progress)
+    prefetch = Prefetcher(lambda m: run.src.load(run.split.stream[m]), background=run.src.background)
+    run.draft.train()
+    try:
+        while state.step < state.stop:
+            t_step = time.perf_counter()
+            result = train_step(run, state, prefetch)
+            progress.bar.update(1)
+            progress.add(result)
+            state.done["tokens"] += int(run.d.all_sum(torch.tensor([result.tokens], device=run.device)).item())
+            state.done["seconds"] += time.perf_counter() - t_step
+            calibrate_budget(run, state, progress)
+            maybe_log(run, state, progress, result)
+            maybe_save(run, state, maybe_evaluate(run, state))
+    finally:
+        prefetch.close()
+        progress.bar.close()
+        run.metrics.close()
+
+
+def train_step(run: Run, state: RunState, prefetch: Prefetcher) -> StepResult:
+    """One optimizer step over this process's grad_accum micro-batches; under DDP the gradients
+    are averaged on the last one only."""
+    cfg, d = run.cfg, run.d
+    # the full unroll while --time-budget times the first steps: they set the schedule's length
+    steps = cfg.ttt_steps_at(state.step, state.plan.total_steps) if state.plan.calibrated else cfg.ttt_steps
+    step_sums = torch.zeros(STAT_ROWS, cfg.ttt_steps, device=run.device)
+    step_tokens = 0
+    for a in range(cfg.grad_accum):
+        m = state.step * run.split.micro_per_step + a * d.world + d.rank  # every W-th micro-batch of the global order
+        last_micro = state.step + 1 == state.stop and a == cfg.grad_accum - 1
+        batch = prefetch.get(m, None if last_micro else m + d.world).to(run.device)
+        sync = a == cfg.grad_accum - 1 or d.world == 1
+        with (contextlib.nullcontext() if sync else run.model.no_sync()):
+            loss, sums = forward_stats(run.model, run.teachers, batch, cfg, run.device, steps, cfg.loss_on)
+            refuse_non_finite(loss, state.step + 1, batch)
+            (loss / cfg.grad_accum).backward()
+        step_sums += sums
+        step_tokens += batch.tokens
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    state.step += 1
+    return StepResult(step_sums, step_tokens, grad_norm, steps)
+
+
+def calibrate_budget(run: Run, state: RunState, progress: Progress) -> None:
+    """Under --time-budget, once the first steps are timed: the plan that fits the budget at the
+    measured tokens/s, rank 0's on every rank (each process times its own steps)."""
+    cfg = run.cfg
+    if state.plan.calibrated:
+        return
+    measured = progress.calibration.rate(state.step, state.done["tokens"], state.done["seconds"], cfg.time_budget)
+    # Rank 0's timing decides when, as it decides how many steps: ranks that timed their steps
+    # differently would otherwise wait forever on each other's broadcast.
+    if not run.d.from_main(int(measured is not None)):
+        return
+    rate, timed = measured or (0.0, 0)  # another rank's figures: only rank 0's are broadcast
+    total = run.d.from_main(budget_steps(cfg.time_budget, state.step, state.done["seconds"], rate,
+                                         run.split.tokens_per_step))
+    state.plan = Plan.sized(cfg, total, state.step)  # the same schedule on every rank
+    progress.bar.reset(total=state.stop)
+    progress.bar.update(state.step)
+    if run.d.main:
+        log.info("--time-budget %.0f s: %.0f tok/s over %d steps -> %d steps in all", cfg.time_budget, rate, timed,
+                 state.plan.total_steps)
+
+
+def maybe_log(run: Run, state: RunState, progress: Progress, result: StepResult) -> None:
+    """Every log_every steps and at the last: a train metrics line over the steps since the last one."""
+    if state.step % run.cfg.log_every != 0 and state.step != state.stop:
+        return
+    d, done = run.d, state.done
+    tokens = int(d.all_sum(torch.tensor([progress.tokens], device=run.device)).item())
+    summary = stats_summary(d.all_sum(progress.sums).cpu())
+    run.metrics.write({"step": state.step, "split": "train", "lr": run.sched.get_last_lr()[0],
+                       "grad_norm": float(result.grad_norm), "tokens": tokens, "elapsed": time.time() - progress.t0,
+                       "train_tokens": done["tokens"], "train_seconds": round(done["seconds"], 3),
+                       "ttt_steps": result.ttt_steps, **summary})
+    progress.bar.set_postfix(loss=f"{summary['loss'][0] or 0:.3f}", acc=f"{summary['acc'][0]:.3f}",
+                             tau=f"{summary['tau']:.2f}", tok_s=f"{done['tokens'] / max(done['seconds'], 1e-9):.0f}")
+    progress.sums.zero_()
+    progress.tokens = 0
+
+
+def maybe_evaluate(run: Run, state: RunState) -> bool:
+    """Every eval_every steps and at the last: the held-out evaluation, its metrics line and the
+    best so far. True when this step is a new best, whose checkpoint is then due."""
+    plan = state.plan
+    if not (plan.calibrated and (state.step % plan.eval_every == 0 or state.step == state.stop)):
+        return False
+    result = evaluate(run.draft, run.teachers, run.src.load, run.split.eval_batches, run.cfg, run.device, run.d)
+    if result is None:
+        return False
+    run.metrics.write({"step": state.step, "split": "eval", "train_tokens": state.done["tokens"],
+                       "train_seconds": round(state.done["seconds"], 3), **result})
+    state.last_eval = result
+    # an evaluation over no position measures nothing: it can never be the best
+    improved = result["positions"][0] > 0 and (state.best["tau"] is None or result["tau"] > state.best["tau"])
+    if improved:
+        state.best = {"step": state.step, "tau": result["tau"]}  # best.json follows once its checkpoint is saved
+    return improved
+
+
+def maybe_save(run: Run, state: RunState, new_best: bool) -> None:
+    """Every save_every steps, at the last and at a new best: a checkpoint (rank 0 writes it)."""
+    plan = state.plan
+    if not (plan.calibrated and (state.step % plan.save_every == 0 or state.step == state.stop or new_best)):
+        return
+    if run.d.main:
+        run.saver.save(state.step, state.step * run.split.micro_per_step, run.draft, run.opt, run.sched, state.best,
+                       plan, state.done, state.last_eval)
+    run.d.barrier()
+
+
+def finish(run: Run, state: RunState) -> TrainSummary:
+    """The summary, with a held-out evaluation of the last weights if the loop made none."""
+    if state.last_eval is None and run.split.eval_batches:
+        state.last_eval = evaluate(run.draft, run.teachers, run.src.load, run.split.eval_batches, run.cfg,
+                                   run.device, run.d)
+    return TrainSummary(run.out, state.step, state.plan.total_steps, state.best["step"], state.best["tau"],
+                        state.last_eval, state.done["tokens"], state.done["seconds"], num_parameters(run.draft))

@@ -1,0 +1,143 @@
+"""The target's part in training: the teacher (its final norm and LM head, in fp32), the teacher
+of each micro-batch (dense, or its top-k cached per sample), and the drafter built from the
+target (its embeddings, a draft vocabulary from the data, optionally its LM head rows).
+
+`make_teacher_head` is also what `eaglet extract --layout compact` stores its top-K with, so a
+compact dataset holds exactly the teacher training would compute.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from eaglet import formats
+from eaglet.draft_model import (DraftConfig, Eagle3Draft, Teacher, build_draft_vocab, load_embeddings_from,
+                                make_teacher, teacher_from_top_k)
+from eaglet.target import base_model
+from eaglet.training.config import TrainConfig
+from eaglet.training.data import Batch
+
+TEACHER_CACHE_MAX_BYTES = 4 << 30  # past this, sparse teachers are recomputed instead of kept
+
+
+class TeacherHead(nn.Module):
+    """The frozen target's final norm and LM head; nothing else of the target is kept."""
+
+    def __init__(self, final_norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.final_norm, self.lm_head = final_norm, lm_head
+        self.requires_grad_(False)
+
+
+def target_pieces(model: nn.Module) -> tuple[torch.Tensor, TeacherHead]:
+    """(input embeddings, teacher head) of a Hugging Face causal LM."""
+    inner = base_model(model)
+    norm = next((getattr(inner, n) for n in ("norm", "final_layernorm", "ln_f") if hasattr(inner, n)), None)
+    if norm is None:
+        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+    return model.get_input_embeddings().weight.detach(), TeacherHead(norm, model.get_output_embeddings())
+
+
+def fp32(module: nn.Module) -> nn.Module:
+    """`module` itself when it is fp32 already (no second copy of a large LM head), else an fp32
+    copy: the target running online in bf16 must stay bf16."""
+    if all(p.dtype == torch.float32 for p in module.parameters()):
+        return module
+    return copy.deepcopy(module).float()
+
+
+def make_teacher_head(model: nn.Module, last_hidden_state: str) -> TeacherHead:
+    """The teacher in fp32 whatever the target's dtype; without the final norm when the stored
+    last state is already normed (SpecForge stores it after the norm)."""
+    _, head = target_pieces(model)
+    norm = head.final_norm if last_hidden_state == formats.LAST_STATE_PRE_NORM else nn.Identity()
+    return TeacherHead(fp32(norm), fp32(head.lm_head))
+
+
+def autocast(device: torch.device, enabled: bool) -> torch.autocast:
+    """The drafter's compute dtype: bf16 autocast over fp32 master weights, or none. Here, with
+    the teacher, because the dense teacher computes in it too."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+class TeacherSource:
+    """The teacher of each micro-batch. Dense (top_k None): recomputed from the last state every
+    time, as EAGLE-3 trains. Sparse: the target's top-k draft ids and their renormalised
+    log-probabilities, computed once per sample (in fp32, one sample at a time, so a value never
+    depends on what it was batched with and a resumed run sees the same numbers) and kept in
+    memory: (4 + 4) * k + 1 bytes per token, where every later epoch would otherwise redo the
+    target's full-vocabulary head (vocab x H multiply-adds per token)."""
+
+    def __init__(self, head: TeacherHead, d2t: torch.Tensor, t2d: torch.Tensor, top_k: int | None,
+                 features: bool, bf16: bool):
+        self.head, self.d2t, self.t2d, self.top_k, self.features, self.bf16 = head, d2t, t2d, top_k, features, bf16
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.cached_bytes = 0
+
+    def __call__(self, batch: Batch) -> Teacher:
+        device = batch.input_ids.device
+        if batch.teacher_ids is not None:  # a compact dataset stores the target's top-K: nothing to compute
+            return teacher_from_top_k(batch.teacher_ids, batch.teacher_log_probs, self.d2t, self.t2d,
+                                      self.top_k or batch.teacher_ids.shape[-1])
+        if self.top_k is None:
+            with autocast(device, self.bf16):  # the dense teacher runs in the drafter's compute dtype
+                return make_teacher(batch.last_hidden, self.head.final_norm, self.head.lm_head, self.d2t, self.t2d,
+                                    features=self.features)
+        B, L = batch.input_ids.shape
+        log_probs = torch.zeros(B, L, self.top_k, device=device)
+        ids = torch.zeros(B, L, self.top_k, dtype=torch.long, device=device)
+        in_draft = torch.zeros(B, L, dtype=torch.bool, device=device)
+        for row, n in enumerate(batch.lengths):
+            lp, top_ids, drafted = self.sample(batch, row)
+            log_probs[row, :n], ids[row, :n], in_draft[row, :n] = lp, top_ids, drafted
+        feats = self.head.final_norm(batch.last_hidden.float()) if self.features else None
+        return Teacher(log_probs, ids[..., 0], in_draft, ids, feats)
+
+    def sample(self, batch: Batch, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        index, n = (batch.indices[row] if batch.indices else None), batch.lengths[row]
+        hit = self.cache.get(index) if index is not None else None
+        if hit is not None and hit[0].shape[0] == n:
+            return hit
+        t = make_teacher(batch.last_hidden[row:row + 1, :n].float(), self.head.final_norm, self.head.lm_head,
+                         self.d2t, self.t2d, top_k=self.top_k)
+        hit = (t.log_probs[0], t.ids[0].to(torch.int32), t.in_draft[0])
+        size = sum(x.numel() * x.element_size() for x in hit)
+        if index is not None and self.cached_bytes + size <= TEACHER_CACHE_MAX_BYTES:
+            self.cache[index] = hit
+            self.cached_bytes += size
+        return hit
+
+
+def init_lm_head_from_target(draft: Eagle3Draft, head: TeacherHead, freeze: bool) -> None:
+    """The target's LM head rows of the draft ids and its final norm (optionally frozen), so the
+    drafter starts out speaking the target's output space."""
+    norm_weight = getattr(head.final_norm, "weight", None)
+    if norm_weight is None or tuple(norm_weight.shape) != tuple(draft.norm.weight.shape):
+        raise ValueError(f"--lm-head-init target: the target's final norm ({type(head.final_norm).__name__}) has no "
+                         f"weight of shape {tuple(draft.norm.weight.shape)} to copy")
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(head.lm_head.weight[draft.draft_to_target_ids()].to(draft.lm_head.weight.dtype))
+        draft.norm.weight.copy_(norm_weight.to(draft.norm.weight.dtype))
+    if freeze:
+        draft.lm_head.weight.requires_grad_(False)
+        draft.norm.weight.requires_grad_(False)
+
+
+def build_drafter(target_model: nn.Module, aux_layer_ids: list[int], token_freq: dict[int, int],
+                  cfg: TrainConfig) -> Eagle3Draft:
+    """A drafter shaped like the target's layers, with its embeddings (frozen), a draft vocab from
+    the data and, with --lm-head-init target, the target's LM head rows and final norm."""
+    torch.manual_seed(cfg.seed)
+    dcfg = DraftConfig.from_target(target_model.config, aux_layer_ids, cfg.draft_vocab_size,
+                                   fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
+                                   norm_before_residual=cfg.norm_before_residual, sliding_window=cfg.sliding_window)
+    draft = Eagle3Draft(dcfg)
+    load_embeddings_from(draft, target_model.get_input_embeddings().weight)
+    draft.set_draft_vocab(*build_draft_vocab(token_freq, dcfg.target_vocab_size, dcfg.draft_vocab_size))
+    if cfg.lm_head_init == "target":
+        init_lm_head_from_target(draft, target_pieces(target_model)[1], cfg.freeze_lm_head)
+    return draft
+

@@ -1,0 +1,150 @@
+"""One declaration per option (eaglet.options): the command line, recipe validation, the docs'
+option tables and the stages' entry functions must all agree with it; `--help` imports no torch;
+every eaglet command shown in README.md and docs/ parses."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eaglet import options as O
+from eaglet.cli import build_parser, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+# Keywords of entry functions that are not options: how a caller drives the stage, not what it does.
+NOT_OPTIONS = {"command", "show_progress", "progress", "progress_bar", "write_threads", "backoff", "settings",
+               "workers_per_file"}
+# The eval keywords that DecodeSettings fills in itself rather than the user.
+NOT_SETTINGS = {"eos_ids", "pass_costs"}
+NOT_OPTIONS_OF = {"convert": {"workers"}}  # writer threads: sized by convert itself
+DEMO_OUT = ("demo", "out")  # the demo's own folder, where `run` names it after the recipe
+
+
+def entry_defaults(stage: O.Stage) -> dict[str, object]:
+    """Keyword -> default of the stage's entry function and of the config it forwards options to."""
+    skip = NOT_OPTIONS | NOT_OPTIONS_OF.get(stage.name, set())
+    params = {n: p.default for n, p in inspect.signature(resolve(stage.entry)).parameters.items()
+              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n not in skip}
+    if stage.config:
+        fields = dataclasses.fields(resolve(stage.config))
+        params |= {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                   for f in fields if f.name not in NOT_SETTINGS}
+    return params
+
+
+@pytest.mark.parametrize("name", list(O.STAGES))
+def test_declarations_match_the_entry_functions(name):
+    stage = O.STAGES[name]
+    params = entry_defaults(stage)
+    declared = {o.key: o for o in stage.options if not o.cli_only}
+    fixed = {"spec"} if name == "demo" else set()  # demo is `run` of the built-in recipe "demo"
+    assert set(declared) == set(params) - fixed, (
+        f"{name}: declared but not taken {sorted(set(declared) - set(params))}; "
+        f"taken but not declared {sorted(set(params) - set(declared) - fixed)}")
+    for key, o in declared.items():
+        want = params[key]
+        if want is inspect.Parameter.empty or o.required or (name, key) == DEMO_OUT:
+            continue  # the command line always passes it
+        if o.invert:
+            assert want is True, f"{name} {key}: an inverted flag's keyword defaults to True"
+            continue
+        if isinstance(want, tuple):
+            want = list(want)
+        same = o.default == want or (o.kind == O.FLAG and want is False) or (o.kind == O.BOOL and want is None) or (
+            o.kind == O.APPEND and want is None)
+        assert same, (
+            f"{name} --{o.name}: declared default {o.default!r}, the entry function's {want!r}")
+
+
+def test_help_never_types_a_default():
+    """The default is said by help_text() from the declaration, so the two cannot drift."""
+    for stage in O.STAGES.values():
+        for o in stage.options:
+            if o.default not in (None, False, []):
+                assert "default" not in o.help, f"{stage.name} --{o.name}: '(default ...)' typed into the help"
+
+
+def test_the_parser_is_the_declarations():
+    parser = build_parser()
+    for name, sub in parser.stage_parsers.items():
+        stage = O.STAGES[name]
+        dests = {a.dest: a for a in sub._actions if a.dest != "help"}
+        assert set(dests) == {o.name for o in stage.options}
+        for o in stage.options:
+            a = dests[o.name]
+            if o.kind == O.VALUE and not o.positional:
+                assert a.default == o.default and tuple(a.choices or ()) == tuple(o.choices or ())
+                assert a.option_strings == [o.flag] and a.required == o.required
+
+
+def test_recipe_validation_uses_the_declarations():
+    from eaglet.recipe import option_types
+
+    for name in O.RECIPE_STAGES:
+        assert set(option_types(name)) == set(O.STAGES[name].recipe_options())
+
+
+def test_help_imports_no_torch():
+    code = ("import sys\nfrom eaglet.cli import main\n"
+            f"for argv in [['--help']] + [[s, '--help'] for s in {list(O.STAGES)!r}]:\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
+            "assert 'torch' not in sys.modules, 'torch imported by --help'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def docs_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+TABLE = re.compile(r"<!-- options: (\w+) -->\n(.*?)\n<!-- /options -->", re.S)
+
+
+def test_docs_option_tables_are_generated_from_the_declarations():
+    """`python scripts/update_docs.py` rewrites them; a hand edit or a new option fails here."""
+    seen = set()
+    for page in docs_pages():
+        for name, table in TABLE.findall(page.read_text()):
+            assert table == O.markdown_table(O.STAGES[name]), f"{page}: the option table of {name} is stale"
+            seen.add(name)
+    assert seen == set(O.STAGES), f"stages without an option table in docs/: {sorted(set(O.STAGES) - seen)}"
+
+
+def shown_commands(text: str) -> list[list[str]]:
+    """The argument lists of every `eaglet ...` (or `-m eaglet.cli ...`) command in a page's code blocks."""
+    commands = []
+    for lang, block in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+        if lang not in ("", "bash", "sh", "console"):
+            continue
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.split(" #")[0].strip()
+            for part in re.split(r"&&|;|\|", line):
+                words = shlex.split(part)
+                for i, w in enumerate(words):
+                    if w in ("eaglet", ".venv/bin/eaglet", "./.venv/bin/eaglet") or (
+                            w == "eaglet.cli" and i and words[i - 1] == "-m"):
+                        commands.append(words[i + 1:])
+                        break
+    return commands
+
+
+def test_every_command_shown_in_the_docs_parses():
+    parser = build_parser()
+    count = 0
+    for page in docs_pages():
+        for argv in shown_commands(page.read_text()):
+            try:
+                parser.parse_args(argv)
+            except SystemExit as e:
+                pytest.fail(f"{page.relative_to(ROOT)}: `eaglet {shlex.join(argv)}` does not parse (exit {e.code})")
+            count += 1
+    assert count >= 20  # the pages do show commands
