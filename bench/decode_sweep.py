@@ -8,9 +8,9 @@ hybrids of the drafter's chain with prompt lookup, side by side.
 Runs `eaglet eval`'s own loop (`evaluate.evaluate_set`) with one variant per shape: for every
 prompt, plain greedy and every configuration decode the same prompt in a rotating order (machine
 drift spreads evenly); prints tau, acceptance per draft position, tokens/s, speedup over plain
-greedy and its ceiling, all measured in this one run. The defaults of `eaglet eval`
-(`evaluate.CPU_TREE`, `evaluate.CPU_CHAIN_DEPTH`, `evaluate.CPU_MIN_DRAFT_PROB`,
-`evaluate.HYBRID_LOOKUP_TOKENS`) were chosen with it. With several drafters (for one target), every
+greedy and its ceiling, all measured in this one run. The cpu preset of `eaglet eval`
+(src/eaglet/presets.toml: tree and chain shapes, the draft-probability floor) and
+`evaluate.HYBRID_LOOKUP_TOKENS` were chosen with it. With several drafters (for one target), every
 shape that uses one runs once per drafter, labelled "[1]", "[2]", ..., in the same run. `--min-draft-probs` crosses every shape with each draft-probability floor
 (`eaglet eval --min-draft-prob`): drafts the drafter itself finds unlikely are not verified.
 """

@@ -148,3 +148,18 @@ def test_every_command_shown_in_the_docs_parses():
                 pytest.fail(f"{page.relative_to(ROOT)}: `eaglet {shlex.join(argv)}` does not parse (exit {e.code})")
             count += 1
     assert count >= 20  # the pages do show commands
+
+
+def test_device_presets_fill_what_is_not_given():
+    """The draft shapes are choices per kind of device (presets.toml); an option given wins."""
+    from eaglet.evaluate import DecodeSettings
+
+    cpu, cuda = DecodeSettings(), DecodeSettings(preset="cuda")
+    assert (cpu.depth, cpu.top_k, cpu.total_tokens, cpu.chain_depth) == (4, 2, 6, 2)
+    assert (cuda.depth, cuda.top_k, cuda.total_tokens, cuda.chain_depth) == (7, 10, 60, 3)
+    assert DecodeSettings(preset="cuda", chain_depth=2).chain_depth == 2
+    assert set(O.PRESETS) == {"cpu", "cuda"} and all(set(p) == {"eval"} for p in O.PRESETS.values())
+    with pytest.raises(ValueError, match=r"--preset 'tpu': choose one of cpu, cuda \(presets.toml\)"):
+        DecodeSettings(preset="tpu")
+    args = build_parser().parse_args(["eval", "RUN", "--preset", "cuda", "--depth", "5"])
+    assert (args.preset, args.depth, args.top_k) == ("cuda", 5, None)

@@ -37,35 +37,29 @@ from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramPro
 from eaglet.draft_model import Eagle3Draft
 from eaglet.export import load_drafter_for_target
 from eaglet.regen import stop_token_ids
+from eaglet.options import (ADMISSIONS, BASELINE, DEFAULT_METHODS, DEFAULT_PRESET, ENGINE_METHODS, HF_METHODS,
+                            HYBRID_DRAFTS, METHODS, PRESETS, PROMPT_SETS)
 from eaglet.target import (decoder_layers, generation_config, load_target, load_tokenizer, parse_dtype, pick_device,
                            resolve_target)
 
 log = logging.getLogger(__name__)
 
-PROMPT_SETS = ("mtbench", "mtbench-2turn", "humaneval", "sharegpt")
 SPEC_METHODS = ("chain", "tree", "hybrid")  # eaglet's engine with the drafter
-ENGINE_METHODS = SPEC_METHODS + ("ngram",)  # eaglet's engine (ngram: prompt lookup alone, no drafter)
-HF_METHODS = ("prompt-lookup", "hf-greedy")
-METHODS = ENGINE_METHODS + HF_METHODS
-BASELINE = "plain"
-DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
-# Chosen with bench/decode_sweep.py on 2 CPU cores, SmolLM2-135M and a drafter from `eaglet train`
-# (4 MT-bench prompts, bf16, 1 thread): chain 2 / 3 / 4 / 5 ran at 1.14x / 1.02x / 0.96x / 0.86x of
-# plain greedy, trees 4/2/6, 5/4/12, 6/8/30 at 0.95x / 0.87x / 0.77x although their tau was higher
-# (1.59 / 1.68 / 1.87 vs 1.41): on a CPU every drafted token costs verification time, so short
-# drafts win until the drafter is strong. On a GPU use EAGLE-2's 60/7/10.
-CPU_TREE = {"depth": 4, "top_k": 2, "total_tokens": 6}
-CPU_CHAIN_DEPTH = 2
-CPU_MIN_DRAFT_PROB = 0.0  # drafts below this path probability are not proposed (decode.Eagle3Proposer)
+assert set(SPEC_METHODS) < set(ENGINE_METHODS)  # ngram: eaglet's engine with prompt lookup alone, no drafter
+# The tree and chain shapes and the draft-probability floor are the device's preset (presets.toml).
+# The cpu preset was chosen with bench/decode_sweep.py on 2 CPU cores, SmolLM2-135M and a drafter
+# from `eaglet train` (4 MT-bench prompts, bf16, 1 thread): chain 2 / 3 / 4 / 5 ran at 1.14x / 1.02x /
+# 0.96x / 0.86x of plain greedy, trees 4/2/6, 5/4/12, 6/8/30 at 0.95x / 0.87x / 0.77x although their
+# tau was higher (1.59 / 1.68 / 1.87 vs 1.41): on a CPU every drafted token costs verification time,
+# so short drafts win until the drafter is strong. The cuda preset is EAGLE-2's 60/7/10.
 PROMPT_LOOKUP_TOKENS = 10  # HF's own example value, and what the baseline figure was measured with
 # hybrid / ngram: the n-gram sizes looked up and the tokens the lookup adds to a cycle's tree
 HYBRID_MAX_NGRAM = 3
 HYBRID_LOOKUP_TOKENS = 4
-HYBRID_DRAFTS = ("chain", "tree")
 HYBRID_CHAIN_DEPTH = 1
-# hybrid / ngram: "cost" verifies a node only where its calibrated acceptance pays for the longer
-# pass (pass times measured on this machine before decoding); "all" verifies every proposed node
-ADMISSIONS = ("cost", "all")
+# hybrid / ngram admission (ADMISSIONS): "cost" verifies a node only where its calibrated acceptance
+# pays for the longer pass (pass times measured on this machine before decoding); "all" verifies
+# every proposed node
 LOOKUP_METHODS = ("hybrid", "ngram")
 # The embedded ShareGPT's first records feed `eaglet prepare` / `eaglet regen` by default; the
 # held-out prompts come from far behind them.
@@ -192,11 +186,12 @@ class Run:
 class DecodeSettings:
     max_new_tokens: int = 128
     eos_ids: tuple[int, ...] = ()
-    depth: int = CPU_TREE["depth"]
-    top_k: int = CPU_TREE["top_k"]
-    total_tokens: int = CPU_TREE["total_tokens"]
-    chain_depth: int = CPU_CHAIN_DEPTH
-    min_draft_prob: float = CPU_MIN_DRAFT_PROB
+    preset: str = DEFAULT_PRESET  # fills the four shapes below and min_draft_prob where None (presets.toml)
+    depth: int | None = None
+    top_k: int | None = None
+    total_tokens: int | None = None
+    chain_depth: int | None = None
+    min_draft_prob: float | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
@@ -209,6 +204,11 @@ class DecodeSettings:
     pass_costs: tuple[float, ...] = ()  # seconds of a target pass over 1, 2, ... tokens (measured: with_pass_costs)
 
     def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r}: choose one of {', '.join(PRESETS)} (presets.toml)")
+        for key, value in PRESETS[self.preset]["eval"].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         ranges.at_least(1, max_new_tokens=self.max_new_tokens, depth=self.depth, top_k=self.top_k,
                         total_tokens=self.total_tokens, chain_depth=self.chain_depth,
                         lookup_tokens=self.lookup_tokens, max_ngram=self.max_ngram,

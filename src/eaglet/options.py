@@ -14,7 +14,9 @@ stages import them from here.
 from __future__ import annotations
 
 import argparse
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 # ---------------------------------------------------------------------------------------------
@@ -37,6 +39,14 @@ DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
 HYBRID_DRAFTS = ("chain", "tree")
 ADMISSIONS = ("cost", "all")
 EMBEDDED_TARGET = "the embedded SmolLM2-135M-Instruct"
+# Per kind of device, the settings that are choices there (presets.toml): {preset: {stage: {key: value}}}
+PRESETS: dict[str, dict[str, dict[str, Any]]] = tomllib.loads((Path(__file__).parent / "presets.toml").read_text())
+DEFAULT_PRESET = "cpu"  # the embedded default's device
+
+
+def preset_text(stage: str, key: str) -> str:
+    """How the presets set an option, for its help: 'cpu 4, cuda 7'."""
+    return ", ".join(f"{name} {p[stage][key]}" for name, p in PRESETS.items() if key in p.get(stage, {}))
 DEMO_OUT = "runs/demo"
 
 
@@ -408,13 +418,17 @@ EVAL = Stage(
      Option("methods", f"besides plain greedy, comma-separated from {', '.join(METHODS)}", type=parse_list,
             default=list(DEFAULT_METHODS)),
      Option("max_new_tokens", "tokens per answer at most", type=int, default=128),
-     Option("depth", "tree depth", type=int, default=4),
-     Option("top_k", "tree branching per node", type=int, default=2),
-     Option("total_tokens", "tree draft tokens verified per pass (EAGLE-2's GPU setting is 60 with depth 7, top-k "
-                            "10)", type=int, default=6),
-     Option("chain_depth", "draft tokens per pass in chain mode", type=int, default=2),
+     Option("preset", "the settings below that are choices for a kind of device (presets.toml); an option given "
+                      "wins over its preset", default=DEFAULT_PRESET, choices=tuple(PRESETS)),
+     Option("depth", f"tree depth (default: the preset's: {preset_text('eval', 'depth')})", type=int),
+     Option("top_k", f"tree branching per node (default: the preset's: {preset_text('eval', 'top_k')})", type=int),
+     Option("total_tokens", "tree draft tokens verified per pass (default: the preset's: "
+                            f"{preset_text('eval', 'total_tokens')})", type=int),
+     Option("chain_depth", f"draft tokens per pass in chain mode (default: the preset's: "
+                           f"{preset_text('eval', 'chain_depth')})", type=int),
      Option("min_draft_prob", "propose only draft tokens whose path probability under the drafter is at least this; "
-                              "a cycle with none left is a plain one-token pass", type=float, default=0.0),
+                              "a cycle with none left is a plain one-token pass (default: the preset's: "
+                              f"{preset_text('eval', 'min_draft_prob')})", type=float),
      Option("hybrid_draft", "hybrid: the drafter's part of each cycle, a chain or its tree", default="chain",
             choices=HYBRID_DRAFTS),
      Option("hybrid_chain_depth", "hybrid: the depth of the drafter's chain", type=int, default=1),
