@@ -237,3 +237,12 @@ def test_online_refuses_token_ids_outside_the_vocabulary(data, tmp_path):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=rf"{path}:4.*400"):
         train(prep, tmp_path / "run", online=True, show_progress=False, **QUICK)
+
+
+def test_the_optimizer_is_fused_and_a_resume_keeps_it(data, tmp_path):
+    """AdamW's fused kernel (one pass over every parameter); the checkpoint records it for the resume."""
+    run = tmp_path / "run"
+    train(data / "v1", run, show_progress=False, stop_after=2, **QUICK)
+    state = formats.torch_load_safe(run / CHECKPOINTS_DIR / "step_00000002" / "training_state.pt")
+    assert state["optimizer"]["param_groups"][0]["fused"] is True
+    assert train(data / "v1", run, resume=True, show_progress=False).step == 4

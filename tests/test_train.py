@@ -334,3 +334,4 @@ def test_train_options_are_validated_in_one_place(options, message):
         TrainConfig(**options)
     with pytest.raises(ValueError, match=message):
         train("no-such-dataset", "no-such-run", show_progress=False, **options)
+

@@ -254,7 +254,11 @@ def setup_optimizer(draft: Eagle3Draft, cfg: TrainConfig,
                     state: RunState) -> tuple[list[nn.Parameter], torch.optim.Optimizer, LambdaLR]:
     """AdamW over the trainable parameters, warmup + cosine over the plan."""
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    # The fused kernel updates every parameter in one pass (CPU and CUDA): 11 vs 30 ms a step for
+    # the foreach default on the drafter's 9.4 M parameters (2 AMX cores, bench/train_step_profile.py),
+    # a sixth of a 400-token step. A resumed run keeps the kind its checkpoint was saved with.
+    fused = next(iter(params)).device.type in ("cpu", "cuda")
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
     # the schedule reads the plan at every step: one that --time-budget sizes, or a resume restores, applies at once
     sched = LambdaLR(opt, lambda s: lr_lambda(state.plan.warmup, state.plan.total_steps, cfg.min_lr_ratio)(s))
     return params, opt, sched
