@@ -292,7 +292,7 @@ def speculators_drafter(tiny_target: Path, flags: dict, layer: dict, seed: int =
 
 
 def eaglet_name(name: str) -> str:
-    """speculators' tensor name -> eaglet's (written here from the two models, not eaglet's formats.py)."""
+    """speculators' tensor name -> eaglet's (written here from the two models, not eaglet's formats package)."""
     for old, new in (("layers.0.", "midlayer."), ("input_norm.", "fc_norm.")):
         if name.startswith(old):
             return new + name[len(old):]

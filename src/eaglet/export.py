@@ -12,7 +12,7 @@ Every path goes through `read_drafter`, which checks the drafter before anything
 used: tensor names and shapes against the config, `d2t`/`t2d` against each other and the draft
 vocabulary, the aux layer ids. A drafter that would load in an engine but draft garbage (no `d2t`,
 a vocabulary size that disagrees with `lm_head`) is refused with the file and field named. The
-on-disk layouts themselves (config keys, weight names) are defined in `formats.py`.
+on-disk layouts themselves (config keys, weight names) are defined in `formats/drafters.py`.
 """
 
 from __future__ import annotations
