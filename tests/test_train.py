@@ -335,3 +335,39 @@ def test_train_options_are_validated_in_one_place(options, message):
     with pytest.raises(ValueError, match=message):
         train("no-such-dataset", "no-such-run", show_progress=False, **options)
 
+
+
+class FakeRank:
+    """A non-main rank of a 2-process group whose collectives answer with rank 0's values."""
+
+    world, main = 2, False
+
+    def __init__(self, rank0_values: list[int]):
+        self.rank0_values, self.calls = list(rank0_values), 0
+
+    def from_main(self, value: int) -> int:
+        self.calls += 1
+        return self.rank0_values.pop(0)
+
+
+def test_time_budget_calibration_follows_rank_0_on_every_rank():
+    """Each process times its own steps; when rank 0 sizes the schedule, another rank that has not
+    timed enough yet must take part in the same broadcasts (else both wait forever) and adopt rank
+    0's plan; while rank 0 is not ready, no rank sizes anything."""
+    from types import SimpleNamespace
+
+    from eaglet.training.config import Calibration, Plan, TrainConfig
+    from eaglet.training.loop import RunState, calibrate_budget
+
+    cfg = TrainConfig(time_budget=600)
+    bar = SimpleNamespace(reset=lambda total: None, update=lambda n: None)
+    progress = SimpleNamespace(calibration=Calibration(start=10 ** 9), bar=bar)  # this rank never timed enough
+    state = RunState(Plan.first(cfg, 100), None, step=5)
+    run = SimpleNamespace(cfg=cfg, d=FakeRank([0]), split=SimpleNamespace(tokens_per_step=100.0))
+    calibrate_budget(run, state, progress)  # rank 0 not ready: one broadcast, the plan stays open
+    assert run.d.calls == 1 and not state.plan.calibrated
+    run.d = FakeRank([1, 321])  # rank 0 is ready and sized 321 steps
+    calibrate_budget(run, state, progress)
+    assert run.d.calls == 2 and state.plan.calibrated and state.plan.total_steps == 321
+    calibrate_budget(run, state, progress)  # sized once: no more collectives
+    assert run.d.calls == 2
