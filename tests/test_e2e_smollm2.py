@@ -62,7 +62,7 @@ def test_stored_aux_states_equal_output_hidden_states(smollm2_dir, tmp_path):
 def test_demo_command(smollm2_dir, tmp_path, capsys):
     """The README's main job at a tiny scale: every stage runs on SmolLM2 and real data, the
     summary table comes out, and a second run reuses every stage."""
-    tiny = ["--scale", "0.025", "--set", "regen.max_new_tokens=24", "--set", "train.time_budget=10",
+    tiny = ["--set", "regen.num_samples=3", "--set", "regen.max_new_tokens=24", "--set", "train.time_budget=10",
             "--set", "train.eval_fraction=0.34", "--set", "eval.num_prompts=1",
             "--set", "eval.max_new_tokens=12"]
     threads = torch.get_num_threads()
@@ -73,7 +73,7 @@ def test_demo_command(smollm2_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "bytes/token" in text and "result: CLEAN" in text
     assert "slot 1 = layer 15" in text  # layer identity was checked against the target
-    assert len(formats.list_v1_files(tmp_path / "demo" / "data")) == 3  # 120 chats x 0.025
+    assert len(formats.list_v1_files(tmp_path / "demo" / "data")) == 3  # regen.num_samples=3
     for stage in ("regen", "prepare", "extract", "check", "train", "eval"):
         assert f"\n{stage} " in text, stage  # one summary row per stage
     assert "mtbench chain: tau" in text and (tmp_path / "demo" / "eval" / "eval.png").exists()

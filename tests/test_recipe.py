@@ -39,7 +39,7 @@ def test_overrides_and_scale():
     scaled = apply_scale(recipe, 2.5)
     assert scaled["regen"]["num_samples"] == round(recipe["regen"]["num_samples"] * 2.5)
     assert scaled["train"] == recipe["train"]  # only what [scale] names grows
-    assert apply_scale(recipe, 0.001)["regen"]["num_samples"] == 1
+    assert apply_scale(recipe, 1e-6)["regen"]["num_samples"] == 1  # never below one chat
     assert recipe["regen"]["num_samples"] == load_recipe("demo")["regen"]["num_samples"]  # input untouched
     with pytest.raises(ValueError, match="unknown stage 'trian'"):
         apply_overrides(recipe, ["trian.lr=1"])
