@@ -285,7 +285,7 @@ def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: in
             pending.append((conv, ids))
         pool = [conv for conv, _ in pending]
         for batch in length_batches(pending, lambda item: len(item[1]), batch_size):
-            for conv, turn in zip((c for c, _ in batch), generate_or_split(gen, [ids for _, ids in batch], torch)):
+            for conv, turn in zip((c for c, _ in batch), generate_or_split(gen, [ids for _, ids in batch])):
                 reason = turn if isinstance(turn, str) else empty_answer(turn)
                 if reason is not None:
                     fail(conv, f"turn {conv.done}: {reason}")
@@ -304,7 +304,7 @@ def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: in
                 return
 
 
-def generate_or_split(gen: LocalGenerator, prompts: list[list[int]], torch) -> list[Turn | str]:
+def generate_or_split(gen: LocalGenerator, prompts: list[list[int]]) -> list[Turn | str]:
     """Generate a batch; when it runs out of memory, halve it, down to single prompts (whose
     failure becomes that conversation's error) instead of stopping the whole run."""
     try:
@@ -315,7 +315,7 @@ def generate_or_split(gen: LocalGenerator, prompts: list[list[int]], torch) -> l
         if len(prompts) == 1:
             return [f"out of memory generating from a prompt of {len(prompts[0])} tokens"]
         half = len(prompts) // 2
-        return generate_or_split(gen, prompts[:half], torch) + generate_or_split(gen, prompts[half:], torch)
+        return generate_or_split(gen, prompts[:half]) + generate_or_split(gen, prompts[half:])
 
 
 # ---------------------------------------------------------------------------------------------
