@@ -22,14 +22,13 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import ijson
 from tqdm import tqdm
 
 from eaglet import __version__, embedded, ranges
-from eaglet.decode import max_positions
+from eaglet.decode import config_positions
 from eaglet.formats import PREPARED_FILE, PreparedWriter, TokenizedSample
 from eaglet.target import TargetRef, load_tokenizer, resolve_target
 
@@ -299,15 +298,6 @@ def target_text_config(ref: TargetRef) -> Any:
     return AutoConfig.from_pretrained(ref.path).get_text_config()
 
 
-def position_limit(config: Any) -> int:
-    """How many positions the target holds: max_position_embeddings of its config.
-
-    That is the real limit, what the model computes: the tokenizer's model_max_length is only a
-    hint, a placeholder (1e30) in many tokenizers and smaller than the config in others whose
-    models run the config's length."""
-    return max_positions(SimpleNamespace(config=config))  # it reads only `.config`: no weights loaded
-
-
 def config_where(ref: TargetRef) -> str:
     """Where the target's config lives, for a message."""
     folder = Path(ref.path)
@@ -393,7 +383,7 @@ def prepare(target: str | None, data: str, out: str | Path, max_length: int | No
         raise FileExistsError(f"--out {out} already holds a prepared dataset ({existing.name}); choose another "
                               f"folder, or pass --overwrite to replace it")
     ref = resolve_target(target)
-    max_length = checked_max_length(max_length, position_limit(target_text_config(ref)), ref)
+    max_length = checked_max_length(max_length, config_positions(target_text_config(ref)), ref)
     tokenizer = load_tokenizer(ref)
     if not tokenizer.chat_template:
         raise TemplateSpanError(f"target {ref.name}: tokenizer has no chat template")

@@ -29,7 +29,8 @@ from torch import nn
 from tqdm import tqdm
 
 from eaglet import __version__, formats, layers, ranges
-from eaglet.data import config_where, position_limit, target_text_config, template_hash
+from eaglet.data import config_where, target_text_config, template_hash
+from eaglet.decode import config_positions
 from eaglet.draft_model import target_top_k
 from eaglet.formats import TokenizedSample
 from eaglet.target import (LayerCapture, TargetRef, decoder_layers, dtype_name, load_target,
@@ -143,7 +144,7 @@ def refuse_unrunnable_samples(prepared: str | Path, samples: list[TokenizedSampl
     compute states past the positions the target was trained for, without naming the sample)."""
     target_config = target_text_config(ref)
     formats.check_prepared_token_ids(prepared, samples, target_config.vocab_size)
-    limit = position_limit(target_config)
+    limit = config_positions(target_config)
     longer = [n for n, s in enumerate(samples) if len(s.input_ids) > limit]
     if longer:
         n = longer[0]

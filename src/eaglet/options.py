@@ -125,44 +125,6 @@ class Option:
             shown = ",".join(map(str, shown))
         return f"{self.help} (default {shown})"
 
-    def value_types(self) -> tuple[type, ...]:
-        """The Python types a recipe value may have (None always passes where the default is None)."""
-        if self.kind in (FLAG, BOOL):
-            return (bool,)
-        if self.type in (parse_layer_ids, parse_list) or self.kind == APPEND:
-            return (list,)
-        if self.type in (float, parse_duration):
-            return (int, float)
-        return (self.type,) if isinstance(self.type, type) else (str,)
-
-    def item_type(self) -> type | None:
-        """The type of a list's items."""
-        return int if self.type is parse_layer_ids else str if self.value_types() == (list,) else None
-
-    def check_value(self, value: Any) -> str | None:
-        """Why `value` is not a value of this option (a recipe's, before anything runs), or None."""
-        if value is None and (self.default is None or self.kind == BOOL):
-            return None
-        types = self.value_types()
-        if isinstance(value, bool) and bool not in types:
-            return f"expected {type_words(self)}, got {value!r}"
-        if not isinstance(value, types):
-            return f"expected {type_words(self)}, got {type(value).__name__} {value!r}"
-        item = self.item_type()
-        if item is not None and not all(isinstance(x, item) and not isinstance(x, bool) for x in value):
-            return f"expected {type_words(self)}, got {value!r}"
-        if self.choices and value not in self.choices:
-            return f"{value!r} is not one of {', '.join(self.choices)}"
-        return None
-
-
-def type_words(o: Option) -> str:
-    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    if o.value_types() == (list,):
-        return f"a list of {'integers' if o.item_type() is int else 'strings'}"
-    t = o.value_types()
-    return "a number" if t == (int, float) else words.get(t[0], t[0].__name__)
-
 
 @dataclass(frozen=True)
 class Stage:

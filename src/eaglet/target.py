@@ -53,8 +53,9 @@ def fast_bf16(device: torch.device | str | None = None) -> bool:
     GFLOP/s per core), so compute-bound work (prefill, batched generation, training) must run
     in fp32 there. On a CPU, EAGLET_CPU_FAST_BF16 (0 or 1) overrides the detection."""
     device = torch.device(device) if device is not None else pick_device(None)
-    if device.type == "cpu" and cpu_fast_bf16_override() is not None:
-        return bool(cpu_fast_bf16_override())
+    override = cpu_fast_bf16_override() if device.type == "cpu" else None
+    if override is not None:
+        return override
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":

@@ -18,7 +18,7 @@ Importers take these names from `eaglet.decode`.
 """
 
 from eaglet.decode.core import (BOTH, DRAFTER, NGRAM, DecodeStats, DraftTree, accept_greedy, accept_sampling,
-                                ancestor_matrix, max_positions, process_probs, token_budget, tree_attention_mask,
+                                ancestor_matrix, config_positions, max_positions, process_probs, token_budget, tree_attention_mask,
                                 truncate_at_eos)
 from eaglet.decode.hybrid import (Calibration, HybridProposer, admit_by_cost, drop_rivals, expected_acceptance,
                                   keep_nodes, measure_pass_costs, merge_chain, path_nodes)
@@ -28,7 +28,7 @@ from eaglet.decode.runner import TargetRunner, plain_generate, plain_greedy, spe
 __all__ = [
     # core
     "BOTH", "DRAFTER", "NGRAM", "DecodeStats", "DraftTree", "accept_greedy", "accept_sampling", "ancestor_matrix",
-    "max_positions", "process_probs", "token_budget", "tree_attention_mask", "truncate_at_eos",
+    "config_positions", "max_positions", "process_probs", "token_budget", "tree_attention_mask", "truncate_at_eos",
     # proposers
     "Eagle3Proposer", "NgramProposer", "Proposer",
     # runner

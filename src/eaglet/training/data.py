@@ -255,11 +255,6 @@ def dataset_target(ds: Dataset, target: str | None) -> str | None:
                      "states came from; pass --target (the model folder or hub id)")
 
 
-def check_aux_layer_ids(aux: list[int], num_layers: int) -> None:
-    """Three increasing ids of decoder-layer outputs, below the last layer (which feeds the teacher)."""
-    layers.check_aux_ids(aux, num_layers)
-
-
 # ---------------------------------------------------------------------------------------------
 # The split and the micro-batches
 # ---------------------------------------------------------------------------------------------

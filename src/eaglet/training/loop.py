@@ -43,7 +43,7 @@ from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CO
                                          checkpoint_name, resumed_options, run_lock, truncate_metrics)
 from eaglet.training.config import CALIBRATION_SKIP, Calibration, Plan, TrainConfig, budget_steps, lr_lambda
 from eaglet.training.data import (BatchStream, Dataset, Prefetcher, Prepared, Source, bucketed_batches,
-                                  check_aux_layer_ids, check_target_matches, dataset_target, offline_source,
+                                  check_target_matches, dataset_target, offline_source,
                                   online_source, open_training_data, refuse_beyond_positions, refuse_too_short,
                                   refuse_wrong_layer_ids, split_indices)
 from eaglet.training.distributed import Dist, env_rank, init_distributed, process_device, teardown, wrap
@@ -223,7 +223,7 @@ def online_target(dataset_dir: str | Path, prepared: Prepared, target: str | Non
     formats.check_prepared_token_ids(dataset_dir, prepared.samples, tmodel.config.vocab_size)
     n = tmodel.config.num_hidden_layers
     aux_ids = cfg.aux_layer_ids or layers.default_aux_ids(n)
-    check_aux_layer_ids(aux_ids, n)
+    layers.check_aux_ids(aux_ids, n)
     return online_source(prepared, tmodel, [*aux_ids, n], device, cfg.max_length), ref, tmodel
 
 
@@ -233,7 +233,7 @@ def offline_target(ds: Dataset, target: str | None, cfg: TrainConfig) -> tuple[S
     ref = resolve_target(dataset_target(ds, target))
     tmodel = load_target(ref, torch.float32, torch.device("cpu"))
     check_target_matches(ds.config, tmodel.config, ref.revision, ref.name)
-    check_aux_layer_ids(ds.aux_layer_ids, tmodel.config.num_hidden_layers)
+    layers.check_aux_ids(ds.aux_layer_ids, tmodel.config.num_hidden_layers)
     refuse_wrong_layer_ids(ds, tmodel)
     return offline_source(ds, cfg.max_length), ref, tmodel
 
