@@ -34,7 +34,7 @@ from eaglet.target import fast_bf16
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
 from eaglet.training.config import Plan
-from eaglet.training.loop import RunState, setup_optimizer
+from eaglet.training.loop import RunState, compiled, setup_optimizer
 from eaglet.training.loss import forward_stats
 from eaglet.training.teacher import TeacherHead, TeacherSource
 
@@ -75,27 +75,34 @@ def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 2.0
     return 2 * m * k * n / best / 1e9
 
 
-def make_step(tokens: int, batch: int, ttt: int, draft_vocab: int, bf16: bool, compiled: bool = False):
-    """A closure running one training step of `eaglet train` on random data, and the batch's tokens."""
+def make_step(tokens: int, batch: int, ttt: int, draft_vocab: int, bf16: bool, compiled_step: bool = False,
+              docs: int = 1):
+    """A closure running one training step of `eaglet train` on random data, and the batch's tokens.
+    `docs` > 1: each row is a pack of that many samples of equal length (`eaglet train --pack-tokens`)."""
     torch.manual_seed(0)
     cfg = TrainConfig(ttt_steps=ttt, draft_vocab_size=draft_vocab, bf16=bf16, batch_size=batch)
     dcfg = DraftConfig(**SMOLLM2, draft_vocab_size=draft_vocab)
     draft = Eagle3Draft(dcfg).train()
-    if compiled:
-        compile_forward(draft)
+    model = compiled(draft, compiled_step)  # as `eaglet train` runs its steps
     H, V = dcfg.hidden_size, dcfg.target_vocab_size
     head = TeacherHead(torch.nn.RMSNorm(H), torch.nn.Linear(H, V, bias=False))
     teachers = TeacherSource(head, draft.d2t, draft.t2d, cfg.teacher_top_k, False, bf16)
     b = Batch(torch.randint(0, V, (batch, tokens)), torch.randn(batch, tokens, 3 * H, dtype=torch.bfloat16),
               torch.randn(batch, tokens, H, dtype=torch.bfloat16), torch.ones(batch, tokens, dtype=torch.long),
               [tokens] * batch, list(range(batch)))
+    if docs > 1:
+        part = tokens // docs
+        b.docs = [[part] * (docs - 1) + [tokens - part * (docs - 1)]] * batch
+        b.documents = (torch.arange(tokens) // part).clamp(max=docs - 1).expand(batch, -1).contiguous()
+        b.positions = torch.arange(tokens) - b.documents * part
+        b.indices = list(range(batch * docs))
     teachers(b)  # cached once per sample, as training caches it across epochs
     params, opt, _ = setup_optimizer(draft, cfg, RunState(Plan.first(cfg, 1000), None))  # eaglet train's own
 
     def step() -> dict[str, float]:
         """One step; wall seconds of its phases (the CPU runs them in order, so these add up)."""
         t0 = time.perf_counter()
-        loss, _ = forward_stats(draft, teachers, b, cfg, torch.device("cpu"), ttt, cfg.loss_on)
+        loss, _ = forward_stats(model, teachers, b, cfg, torch.device("cpu"), ttt, cfg.loss_on)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -105,15 +112,6 @@ def make_step(tokens: int, batch: int, ttt: int, draft_vocab: int, bf16: bool, c
         return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": time.perf_counter() - t2}
 
     return step, batch * tokens
-
-
-def compile_forward(draft: Eagle3Draft) -> None:
-    """torch.compile (inductor) the drafter's forward in place (its state_dict keys unchanged).
-    Not in `eaglet train`: the TTT attention's chunk loop depends on the sequence length, so every
-    new length compiles again (measured on the demo's data: 905 vs 1,172 tok/s eager). With
-    batches packed to a fixed token budget one graph would serve every step; this bench shows
-    what that reaches."""
-    draft.forward = torch.compile(draft.forward, dynamic=True)
 
 
 def count_flops(step) -> int:
@@ -155,6 +153,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the drafter's forward (the warm-up steps compile; one shape throughout)")
+    ap.add_argument("--docs", type=int, default=1, help="samples packed in each row (eaglet train --pack-tokens)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,10 +166,11 @@ def main() -> None:
               f"{'% shape':>7} | wall seconds per step by phase; then by kind of op")
     print(header)
     for tokens in args.tokens:
-        step, n = make_step(tokens, args.batch, args.ttt, args.draft_vocab, bf16, args.compile)
+        step, n = make_step(tokens, args.batch, args.ttt, args.draft_vocab, bf16, args.compile, args.docs)
         step()  # warm-up: optimizer state, kernel choice (and compiling)
         step()
-        flops = count_flops(make_step(tokens, args.batch, args.ttt, args.draft_vocab, bf16)[0])  # eager: countable
+        flops = count_flops(make_step(tokens, args.batch, args.ttt, args.draft_vocab, bf16,
+                                      docs=args.docs)[0])  # eager: countable
         phases: dict[str, float] = defaultdict(float)
         for _ in range(args.iters):
             for k, v in step().items():

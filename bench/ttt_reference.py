@@ -26,6 +26,7 @@ class NaiveTTTAttention:
 
     def __init__(self) -> None:
         self.window: int | None = None
+        self.documents: torch.Tensor | None = None  # [B, L] packed rows: step-0 keys of the own document only
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -34,5 +35,9 @@ class NaiveTTTAttention:
         self.values.append(v)
         step = len(self.keys) - 1
         mask = ttt_mask(q.shape[2], step, q.device, self.window)
+        if self.documents is not None:
+            L = q.shape[2]
+            same = self.documents[:, :, None] == self.documents[:, None, :]
+            mask = torch.cat([mask[None, :, :L] & same, mask[None, :, L:].expand(len(same), -1, -1)], dim=2)[:, None]
         return F.scaled_dot_product_attention(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2),
                                               attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

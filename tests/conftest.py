@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from eaglet.target import FAST_BF16_ENV
+from eaglet.training.config import COMPILE_ENV
 
 # `--dtype auto` (and train's bf16 default) follow the CPU: bf16 on one with AMX / AVX512-BF16,
 # fp32 elsewhere. No test may depend on the machine: the suite runs the fp32 path of `auto` by
 # default, in this process and in every subprocess it starts; tests of the bf16 path ask for it
 # with the `auto_is_bf16` fixture.
 os.environ[FAST_BF16_ENV] = "0"
+os.environ[COMPILE_ENV] = "0"  # packed runs train eager unless a test asks for --compile
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"

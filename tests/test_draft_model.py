@@ -233,6 +233,57 @@ def test_causal_logsumexp_gradients(window):
     torch.testing.assert_close(CausalLogSumExp.apply(q, k, 3, window), ref)
 
 
+@pytest.mark.parametrize("window", [None, 2])
+def test_causal_logsumexp_gradients_within_documents(window):
+    """Packed rows: the log-sum-exp runs over the query's own document only (its mask built here
+    by hand), and its gradients pass finite differences; every row has its own documents."""
+    from eaglet.draft_model import CausalLogSumExp
+
+    q = torch.randn(2, 4, 7, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 7, 8, dtype=torch.float64, requires_grad=True)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, -1], [0, 0, 0, 0, 0, 1, 1]])
+    assert torch.autograd.gradcheck(lambda a, b: CausalLogSumExp.apply(a, b, 3, window, docs), (q, k))
+    scores = torch.einsum("bhld,bhsd->bhls", q, k.repeat_interleave(2, dim=1)) / 8 ** 0.5
+    t = torch.arange(7)
+    allowed = (t[None, :] <= t[:, None])[None] & (docs[:, :, None] == docs[:, None, :])
+    if window:
+        allowed &= (t[None, :] > t[:, None] - window)[None]
+    ref = torch.logsumexp(scores.masked_fill(~allowed[:, None], float("-inf")), -1)
+    torch.testing.assert_close(CausalLogSumExp.apply(q, k, 3, window, docs), ref)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_packed_rows_train_as_the_samples_alone(window):
+    """Samples packed into rows (`training.data.pack`) give, at every counted position, the loss
+    and accuracy sums each sample gives alone, with the efficient TTT attention and with the
+    naive full-mask reference: no attention, RoPE position or target crosses a sample's end."""
+    from eaglet import formats
+    from eaglet.training.data import collate, pack
+
+    torch.manual_seed(0)
+    draft = Eagle3Draft(tiny_config(sliding_window=window)).double()
+    head, norm = torch.nn.Linear(32, 50, bias=False).double(), torch.nn.RMSNorm(32).double()
+    samples = [formats.TrainingSample(torch.randint(0, 50, (n,)), torch.randn(n, 96, dtype=torch.float64),
+                                      torch.randn(n, 32, dtype=torch.float64), torch.randint(0, 2, (n,)))
+               for n in (7, 12, 5, 9)]
+
+    def sums(batch, attention=DiagonalTTTAttention):
+        out = draft(batch.input_ids, batch.aux_hidden, steps=3, attention=attention, documents=batch.documents,
+                    positions=batch.positions)
+        teacher = make_teacher(batch.last_hidden, norm, head, draft.d2t, draft.t2d)
+        return ttt_loss(out, teacher, batch.loss_mask, documents=batch.documents)[1].as_tensor()
+
+    packed = pack([samples[:2], samples[2:]], 20, [0, 1, 2, 3])
+    assert packed.input_ids.shape == (2, 20) and packed.docs == [[7, 12], [5, 9]]
+    alone = sum(sums(collate([s], None)) for s in samples)
+    torch.testing.assert_close(sums(packed), alone)
+    torch.testing.assert_close(sums(packed, NaiveTTTAttention), alone)
+    unmasked = ttt_loss(draft(packed.input_ids, packed.aux_hidden, steps=3, documents=packed.documents,
+                              positions=packed.positions),
+                        make_teacher(packed.last_hidden, norm, head, draft.d2t, draft.t2d), packed.loss_mask)[1]
+    assert (unmasked.count > alone[2]).all()  # without `documents` the loss would count targets of the next sample
+
+
 def test_norm_before_residual_takes_the_normalised_state_as_residual():
     """speculators' default layout: h = hidden_norm(g) + attention(...), checked against the
     plain layer run on a pre-normalised g with a unit-weight hidden_norm (RMSNorm is idempotent)."""
@@ -251,3 +302,29 @@ def test_norm_before_residual_takes_the_normalised_state_as_residual():
         torch.testing.assert_close(ml_variant(g, embeds, cos, sin, DiagonalTTTAttention()), expected,
                                    rtol=1e-4, atol=1e-4)
         assert not torch.allclose(ml_plain(g, embeds, cos, sin, DiagonalTTTAttention()), expected, atol=1e-2)
+
+
+def test_lk_objectives_against_their_definitions():
+    """-log(overlap) and the KL/TV blend, computed here from full softmaxes: dense and sparse
+    teachers agree with them, a one-hot teacher makes LK the cross-entropy, gradients are finite."""
+    from eaglet.draft_model import objective_loss
+
+    torch.manual_seed(0)
+    z = torch.randn(6, 30, dtype=torch.float32, requires_grad=True)
+    p = torch.softmax(torch.randn(6, 30, dtype=torch.float32) * 2, -1)
+    q = torch.softmax(z, -1)
+    overlap = torch.minimum(p, q).sum(-1)
+    kl = (p * (p.log() - q.log())).sum(-1)
+    weight = torch.exp(-3 * overlap.detach())
+    torch.testing.assert_close(objective_loss(z, p.log(), None, "lk"), -overlap.log())
+    torch.testing.assert_close(objective_loss(z, p.log(), None, "lk-hybrid"), weight * kl + (1 - weight) * (1 - overlap))
+    torch.testing.assert_close(objective_loss(z, p.log(), None, "ce"), -(p * q.log()).sum(-1))
+    top, ids = p.log().topk(5, -1)  # sparse: mass only on the k ids
+    sparse_p = torch.zeros_like(p).scatter(-1, ids, (top - top.logsumexp(-1, keepdim=True)).exp())
+    sparse_overlap = torch.minimum(sparse_p, q).sum(-1)
+    torch.testing.assert_close(objective_loss(z, top - top.logsumexp(-1, keepdim=True), ids, "lk"),
+                               -sparse_overlap.log())
+    hard = torch.zeros(6, 1, dtype=torch.float32)
+    torch.testing.assert_close(objective_loss(z, hard, ids[:, :1], "lk"), objective_loss(z, hard, ids[:, :1], "ce"))
+    objective_loss(z, p.log(), None, "lk-hybrid").sum().backward()
+    assert torch.isfinite(z.grad).all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from eaglet.data import prepare
 from eaglet.extract import extract
 from eaglet.training.checkpoints import iter_metrics, load_checkpoint
 from eaglet.training.config import lr_lambda
-from eaglet.training.data import BatchStream, bucketed_batches, open_dataset, split_indices
+from eaglet.training.data import BatchStream, bucketed_batches, open_dataset, pack, read_samples, split_indices
 from eaglet.training.loop import train
 
 FAST = dict(ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4, log_every=2, batch_size=2,
@@ -233,8 +234,8 @@ def test_sparse_teacher_is_cached_once_per_sample_and_exact(dataset, tiny_target
     head = make_teacher_head(AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32), "pre_norm")
     d2t, t2d = build_draft_vocab(ds.token_freq, 400, 100)
     calls = []
-    head.lm_head.register_forward_hook(lambda *a: calls.append(1))
     source = TeacherSource(head, d2t, t2d, top_k=4, features=False, bf16=False)
+    source.lm_head.register_forward_hook(lambda *a: calls.append(1))  # the target's head, its rows reordered
     pair, single = load_batch(ds.files, [3, 5], None), load_batch(ds.files, [5], None)
     first = source(pair)
     assert len(calls) == 2 and set(source.cache) == {3, 5}
@@ -247,6 +248,53 @@ def test_sparse_teacher_is_cached_once_per_sample_and_exact(dataset, tiny_target
         r = row if t is first else 0
         assert torch.equal(t.ids[r, :n], fresh.ids[0]) and torch.equal(t.log_probs[r, :n], fresh.log_probs[0])
         assert torch.equal(t.in_draft[r, :n], fresh.in_draft[0]) and not t.in_draft[r, n:].any()
+    packed, before = pack([read_samples(ds.files, [3, 5])], 512, [3, 5]), len(calls)
+    in_pack = source(packed)
+    assert len(calls) == before  # the same samples, packed: from the cache, at their offsets
+    a = ds.lengths[3]
+    assert torch.equal(in_pack.ids[0, a:a + n], fresh.ids[0]) and not in_pack.in_draft[0, a + n:].any()
+
+
+def test_packs_hold_every_sample_once_within_the_budget():
+    """Packs per epoch: every sample exactly once, none over the budget (a longer sample is cut
+    to it), little padding, a seeded order; the stream counts each epoch's packs, so micro-batch
+    m is the same whatever was asked before it."""
+    from eaglet.training.data import packed_batches
+
+    idx = list(range(300))
+    lengths = {i: (i * 37) % 700 + 3 for i in idx}
+    packs = packed_batches(idx, lengths, 1024, random.Random(1))
+    assert sorted(i for p in packs for i in p) == idx
+    assert all(sum(min(lengths[i], 1024) for i in p) <= 1024 for p in packs)
+    assert sum(lengths.values()) / (len(packs) * 1024) > 0.9  # first-fit decreasing: under 10 % padding
+    assert packs == packed_batches(idx, lengths, 1024, random.Random(1))
+    assert packed_batches(idx, {**lengths, 0: 5000}, 1024, None)[0] == [0]  # cut to the budget, alone in its pack
+    s1, s2 = BatchStream(idx, lengths, 2, 0, pack_tokens=1024), BatchStream(idx, lengths, 2, 0, pack_tokens=1024)
+    far = [s1[m] for m in range(3 * s1.per_epoch)]
+    assert s2[len(far) - 1] == far[-1] and all(len(b) <= 2 for b in far)  # rows of 2 packs
+    epoch_0 = far[:s1.per_epoch]
+    assert sorted(i for b in epoch_0 for row in b for i in row) == idx
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_packed_training_resumes_exactly(dataset, tmp_path, compile):
+    """--pack-tokens: a run stopped and resumed ends with the weights of the uninterrupted run (the
+    packs follow the seed); compiled, its steps follow the eager run's loss."""
+    opts = {**FAST, "batch_size": 1, "pack_tokens": 160, "compile": compile}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(dataset, straight, total_steps=6, show_progress=False, **opts)
+    if compile:
+        eager = tmp_path / "eager"
+        train(dataset, eager, total_steps=6, show_progress=False, **{**opts, "compile": False})
+        loss = [[r["loss"][0] for r in iter_metrics(run) if r["split"] == "train"] for run in (straight, eager)]
+        assert loss[0] == pytest.approx(loss[1], rel=2e-3)
+        return
+    train(dataset, resumed, total_steps=6, stop_after=2, show_progress=False, **opts)
+    train(dataset, resumed, total_steps=6, resume=True, show_progress=False, **opts)
+    a, b = weights(straight, 6), weights(resumed, 6)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((straight / "train_config.json").read_text())
+    assert config["pack_tokens"] == 160 and config["compile"] is False
 
 
 def test_time_budget_sizes_the_schedule(dataset, tmp_path):

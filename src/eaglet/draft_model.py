@@ -135,9 +135,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [L, head_dim] for the given positions (Llama's half-rotation layout)."""
+    """cos/sin tables [..., head_dim] for positions of any shape ([L], or [B, L] packed), Llama's
+    half-rotation layout."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -152,9 +153,12 @@ class TTTAttentionCore(Protocol):
     """Holds the keys/values of earlier TTT steps of one unroll; returns attention outputs.
 
     Called once per step with roped q [B, heads, L, d] and k, v [B, kv_heads, L, d]. `window`
-    (set by the drafter from its config) limits the step-0 keys to the last `window` positions."""
+    (set by the drafter from its config) limits the step-0 keys to the last `window` positions;
+    `documents` ([B, L] document number of each position, set by the drafter for packed rows)
+    limits them to the query's own document."""
 
     window: int | None
+    documents: torch.Tensor | None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
@@ -170,10 +174,22 @@ def allowed_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None) 
     return allowed
 
 
+def document_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None,
+                  documents: torch.Tensor | None) -> torch.Tensor:
+    """`allowed_keys`, and in packed rows ([B, L] `documents`) only keys of the query's own
+    document: [q, k], or [B, q, k] packed. Documents are contiguous, so a window counted in row
+    positions is the same window within the document."""
+    allowed = allowed_keys(queries, keys, window)
+    if documents is None:
+        return allowed
+    return allowed[None] & (documents[:, queries, None] == documents[:, None, keys])
+
+
 @torch.no_grad()
 def causal_lse(q: torch.Tensor, k: torch.Tensor, chunk_size: int = DEFAULT_QUERY_CHUNK,
-               window: int | None = None) -> torch.Tensor:
-    """log sum_{s<=t} exp(scale q_t.k_s) per query, [B, heads, L], at least fp32; (chunk x L) scores at a time."""
+               window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """log sum_{s<=t} exp(scale q_t.k_s) per query, [B, heads, L], at least fp32; (chunk x L) scores at a time.
+    Packed rows (`documents`): over the keys of the query's own document only."""
     B, nh, L, d = q.shape
     nkv = k.shape[1]
     work = torch.promote_types(q.dtype, torch.float32)  # at least fp32
@@ -182,7 +198,10 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, chunk_size: int = DEFAULT_QUERY
     for s in range(0, L, chunk_size):
         e = min(L, s + chunk_size)
         scores = torch.einsum("bhgcd,bhsd->bhgcs", qg[:, :, :, s:e], kf[:, :, :e]) * d ** -0.5
-        allowed = allowed_keys(torch.arange(s, e, device=q.device), torch.arange(e, device=q.device), window)
+        allowed = document_keys(torch.arange(s, e, device=q.device), torch.arange(e, device=q.device), window,
+                                documents)
+        if documents is not None:  # [B, c, e] -> over kv heads and their query groups
+            allowed = allowed[:, None, None]
         out.append(torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1))
     return torch.cat(out, dim=-1).reshape(B, nh, L)
 
@@ -193,10 +212,11 @@ class CausalLogSumExp(torch.autograd.Function):
     d lse_t / d k_s = scale * p_ts q_t, i.e. the value-gradient of SDPA(q, k, .) for grad g*q."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, chunk_size: int, window: int | None) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, chunk_size: int, window: int | None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         ctx.save_for_backward(q, k)
-        ctx.window = window
-        return causal_lse(q, k, chunk_size, window)
+        ctx.window, ctx.documents = window, documents
+        return causal_lse(q, k, chunk_size, window, documents)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
@@ -204,24 +224,27 @@ class CausalLogSumExp(torch.autograd.Function):
         scale = q.shape[-1] ** -0.5
         with torch.enable_grad():
             values = k.detach().requires_grad_(True)
-            pk = causal_attention(q.detach(), k.detach(), values, ctx.window)
+            pk = causal_attention(q.detach(), k.detach(), values, ctx.window, ctx.documents)
             (dk,) = torch.autograd.grad(pk, values, grad_outputs=grad.unsqueeze(-1).to(q.dtype) * q)
-        return scale * grad.unsqueeze(-1) * pk.detach(), scale * dk, None, None
+        return scale * grad.unsqueeze(-1) * pk.detach(), scale * dk, None, None, None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
-    """SDPA over step-0 keys: causal, or causal within a sliding window (a boolean band mask)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                     documents: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA over step-0 keys: causal, or causal within a sliding window (a boolean band mask);
+    packed rows (`documents`) within each document (a block-diagonal mask per row)."""
     gqa = q.shape[1] != k.shape[1]
-    if window is None or window >= k.shape[2]:
+    if documents is None and (window is None or window >= k.shape[2]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     positions = torch.arange(k.shape[2], device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(positions, positions, window),
+    mask = document_keys(positions, positions, window, documents)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if documents is None else mask[:, None],
                                           enable_gqa=gqa)
 
 
 def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
                            diag_v: list[torch.Tensor], chunk_size: int = DEFAULT_QUERY_CHUNK,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over step-0 keys plus one same-position key per later step, jointly softmaxed.
 
     The causal block is fused SDPA (its output o_c) plus its log-sum-exp lse_c (`CausalLogSumExp`,
@@ -229,15 +252,21 @@ def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, 
     element-wise dot products s_j. One softmax over all of them:
         out = exp(lse_c - lse) o_c + sum_j exp(s_j - lse) v_j,  lse = logsumexp(lse_c, s_1..s_k).
     Nothing of size (L x L) is kept for backward, let alone (L x L*K). GQA: query heads are
-    grouped over their kv head. `window`: the causal block sees only the last `window` positions.
+    grouped over their kv head. `window`: the causal block sees only the last `window` positions;
+    `documents` [B, L] (packed rows): only its own document's.
     """
-    o_c = causal_attention(q, k0, v0, window)
+    if diag_k and q.device.type == "cpu":  # the CPU's flash kernel gives the log-sum-exp with the output
+        mask = None if documents is None and window is None else step0_mask(q.shape[2], window, documents, q.device)
+        with torch.autocast(q.device.type, enabled=False):
+            return FlashDiagonalAttention.apply(q, k0, v0, torch.stack(diag_k), torch.stack(diag_v), mask)
+    o_c = causal_attention(q, k0, v0, window, documents)
     if not diag_k:  # step 0 (or TTT 1): plain causal attention
         return o_c
     B, nh, L, d = q.shape
     nkv = k0.shape[1]
     with torch.autocast(q.device.type, enabled=False):  # the merge stays fp32 under bf16 autocast
-        lse_c = CausalLogSumExp.apply(q.float(), k0.float(), chunk_size, window).view(B, nkv, nh // nkv, L, 1)
+        lse_c = CausalLogSumExp.apply(q.float(), k0.float(), chunk_size, window, documents).view(
+            B, nkv, nh // nkv, L, 1)
         qg = q.float().view(B, nkv, nh // nkv, L, d)
         dk, dv = torch.stack(diag_k).float(), torch.stack(diag_v).float()  # [k, B, kv, L, d]
         diag = torch.einsum("bhgld,kbhld->bhglk", qg, dk) * d ** -0.5  # one dot product per position and step
@@ -247,11 +276,70 @@ def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, 
     return out.reshape(B, nh, L, d).to(q.dtype)
 
 
+def step0_mask(L: int, window: int | None, documents: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Bool [L, L] or [B, 1, L, L]: the step-0 keys each query sees (causal, window, own document)."""
+    positions = torch.arange(L, device=device)
+    mask = document_keys(positions, positions, window, documents)
+    return mask if documents is None else mask[:, None]
+
+
+class FlashDiagonalAttention(torch.autograd.Function):
+    """`diagonal_ttt_attention` on the CPU in one flash-attention pass each way.
+
+    Forward: the flash kernel's causal output o_c and its log-sum-exp lse_c (one fused call),
+    the diagonal scores s_j, and out = a o_c + sum_j b_j v_j with a = exp(lse_c - lse),
+    b_j = exp(s_j - lse). Backward: the whole softmax's score gradient on the causal block is
+    a p_c (dO.v_s - dO.out); the kernel's backward computes exactly that when given the gradient
+    a dO and the *merged* output (its row term is rowsum(grad * out) = a dO.out). The diagonal
+    keys' gradients are element-wise. So no second attention pass, no (L x L) scores kept, where
+    the log-sum-exp's own backward (`CausalLogSumExp`) needs two more in fp32."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        B, nh, L, d = q.shape
+        nkv = k0.shape[1]
+        g = nh // nkv
+        k0, v0 = k0.repeat_interleave(g, dim=1), v0.repeat_interleave(g, dim=1)  # the kernel wants equal heads
+        if mask is not None:  # the kernel takes an additive mask of the query's dtype
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        o_c, lse_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k0, v0, 0.0, mask is None,
+                                                                               attn_mask=mask)
+        qg = q.float().view(B, nkv, g, L, d)
+        diag = torch.einsum("bhgld,kbhld->bhglk", qg, dk.float()) * d ** -0.5
+        lse_c = lse_c.float().view(B, nkv, g, L, 1)
+        lse = torch.logsumexp(torch.cat([lse_c, diag], dim=-1), dim=-1, keepdim=True)
+        a, b = torch.exp(lse_c - lse), torch.exp(diag - lse)
+        out = a * o_c.float().view(B, nkv, g, L, d) + torch.einsum("bhglk,kbhld->bhgld", b, dv.float())
+        result = out.reshape(B, nh, L, d).to(q.dtype)
+        ctx.save_for_backward(q, k0, v0, dk, dv, result, lse_c.view(B, nh, L), a, b, mask)
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        q, k0, v0, dk, dv, out, lse_c, a, b, mask = ctx.saved_tensors
+        B, nh, L, d = q.shape
+        nkv, g, scale = dk.shape[2], nh // dk.shape[2], q.shape[-1] ** -0.5
+        gf = grad.float().view(B, nkv, g, L, d)
+        grad_c = (a * gf).reshape(B, nh, L, d).to(q.dtype)
+        dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_c, q, k0, v0, out, lse_c.to(torch.float32), 0.0, mask is None, attn_mask=mask)
+        row = (gf * out.float().view(B, nkv, g, L, d)).sum(-1, keepdim=True)  # dO.out per query
+        ds = b * (torch.einsum("bhgld,kbhld->bhglk", gf, dv.float()) - row)  # the diagonal scores' gradients
+        dq = dq.float().view(B, nkv, g, L, d) + scale * torch.einsum("bhglk,kbhld->bhgld", ds, dk.float())
+        qg = q.float().view(B, nkv, g, L, d)
+        ddk = scale * torch.einsum("bhglk,bhgld->kbhld", ds, qg)
+        ddv = torch.einsum("bhglk,bhgld->kbhld", b, gf)
+        return (dq.reshape(B, nh, L, d).to(q.dtype), dk0.view(B, nkv, g, L, d).sum(2).to(k0.dtype),
+                dv0.view(B, nkv, g, L, d).sum(2).to(v0.dtype), ddk.to(dk.dtype), ddv.to(dv.dtype), None)
+
+
 class DiagonalTTTAttention:
     """The efficient TTT attention core: keeps step-0 keys and the per-step diagonal keys."""
 
-    def __init__(self, chunk_size: int = DEFAULT_QUERY_CHUNK, window: int | None = None) -> None:
-        self.chunk_size, self.window = chunk_size, window
+    def __init__(self, chunk_size: int = DEFAULT_QUERY_CHUNK, window: int | None = None,
+                 documents: torch.Tensor | None = None) -> None:
+        self.chunk_size, self.window, self.documents = chunk_size, window, documents
         self.k0: torch.Tensor | None = None
         self.v0: torch.Tensor | None = None
         self.diag_k: list[torch.Tensor] = []
@@ -263,7 +351,8 @@ class DiagonalTTTAttention:
         else:
             self.diag_k.append(k)
             self.diag_v.append(v)
-        return diagonal_ttt_attention(q, self.k0, self.v0, self.diag_k, self.diag_v, self.chunk_size, self.window)
+        return diagonal_ttt_attention(q, self.k0, self.v0, self.diag_k, self.diag_v, self.chunk_size, self.window,
+                                      self.documents)
 
 
 class Attention(nn.Module):
@@ -386,22 +475,30 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int = DEFAULT_TTT_STEPS,
-                attention: Callable[[], TTTAttentionCore] = DiagonalTTTAttention) -> DraftOutput:
-        """Unroll `steps` TTT steps over right-padded sequences.
+                attention: Callable[[], TTTAttentionCore] = DiagonalTTTAttention,
+                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> DraftOutput:
+        """Unroll `steps` TTT steps over right-padded sequences, or over packed rows.
 
         input_ids [B, L] are the sample's tokens; aux_hidden [B, L, 3H] the target's aux states at
         the same positions. At step k, position t gets token t+1+k and RoPE position t+k, and
-        predicts token t+k+2.
+        predicts token t+k+2. Packed rows hold several samples one after another: `documents`
+        [B, L] numbers each position's sample (attention stays within it) and `positions` [B, L]
+        counts from 0 at each sample's start (its RoPE positions, as if it were alone). Positions
+        whose shifted token comes from the next sample are garbage that no counted position sees
+        (they are the last of their sample, whose targets lie past its end: the loss skips them).
         """
         L = input_ids.shape[1]
         core = attention()
-        core.window = self.config.sliding_window
+        core.window, core.documents = self.config.sliding_window, documents
+        if positions is None:
+            positions = torch.arange(L, device=input_ids.device)
         hidden = self.fuse(aux_hidden)
         outputs = []
         for k in range(steps):
             embeds = self.embed_tokens(shift_left(input_ids, 1 + k))
-            cos, sin = rope_cos_sin(torch.arange(k, k + L, device=input_ids.device), self.config.head_dim,
-                                    self.config.rope_theta)
+            cos, sin = rope_cos_sin(positions + k, self.config.head_dim, self.config.rope_theta)
+            if cos.dim() == 3:  # per-row positions [B, L, d]: broadcast over heads
+                cos, sin = cos[:, None], sin[:, None]
             out = self.midlayer(hidden, embeds.to(hidden.dtype), cos, sin, core)
             normed = self.norm(out)
             outputs.append(normed)
@@ -437,18 +534,43 @@ class Teacher:
         return None if self.ids is None else self.ids.shape[-1]
 
 
+class DraftFirstHead(nn.Module):
+    """The target's LM head with its rows reordered, the draft ids first: one product gives the
+    draft-vocabulary logits as a contiguous block and the rest's maximum, which says whether the
+    target's argmax is drafted, without gathering draft columns out of a [T, vocab] tensor or an
+    argmax over all of it (on a CPU those took more time than the product). Build it once."""
+
+    def __init__(self, lm_head: nn.Module, d2t: torch.Tensor, t2d: torch.Tensor, dtype: torch.dtype | None = None):
+        super().__init__()
+        weight = lm_head.weight.detach()
+        draft_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+        rest = (~t2d).nonzero().squeeze(-1)
+        self.register_buffer("weight", torch.cat([weight[draft_ids], weight[rest]]).to(dtype or weight.dtype))
+        self.draft_size = d2t.shape[0]
+
+    def forward(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft logits fp32 [..., Vd], max logit over the other ids [...] (-inf when none))."""
+        logits = F.linear(normed.to(self.weight.dtype), self.weight)
+        draft = logits[..., :self.draft_size].float()
+        if logits.shape[-1] == self.draft_size:
+            return draft, torch.full(draft.shape[:-1], float("-inf"), device=draft.device)
+        return draft, logits[..., self.draft_size:].amax(-1).float()
+
+
 @torch.no_grad()
 def make_teacher(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.Module, d2t: torch.Tensor,
                  t2d: torch.Tensor, top_k: int | None = None, features: bool = False) -> Teacher:
     """`lm_head(final_norm(h_N))` of the frozen target from the stored pre-norm last state;
-    dense, or sparse with the `top_k` most likely draft ids."""
-    dtype = lm_head.weight.dtype
-    normed = final_norm(last_hidden.to(dtype))
-    full = lm_head(normed).float()
-    draft_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
-    in_draft = t2d[full.argmax(-1)]
-    log_probs = torch.log_softmax(full[..., draft_ids], dim=-1)
-    del full
+    dense, or sparse with the `top_k` most likely draft ids. `lm_head` is the target's head, or
+    its `DraftFirstHead` made once (the same numbers, faster). The target's argmax counts as
+    drafted when the best draft logit is at least every other one (an exact tie, vanishingly
+    rare, counts as drafted)."""
+    head = lm_head if isinstance(lm_head, DraftFirstHead) else DraftFirstHead(lm_head, d2t, t2d)
+    normed = final_norm(last_hidden.to(head.weight.dtype))
+    draft, rest_max = head(normed)
+    in_draft = draft.amax(-1) >= rest_max
+    log_probs = torch.log_softmax(draft, dim=-1)
+    del draft
     feats = normed if features else None
     if top_k is None or top_k >= d2t.shape[0]:
         return Teacher(log_probs, log_probs.argmax(-1), in_draft, features=feats)
@@ -536,8 +658,36 @@ def soft_cross_entropy(logits: torch.Tensor, log_probs: torch.Tensor, ids: torch
     return torch.logsumexp(z, dim=-1) - (log_probs.float().exp() * picked).sum(-1)
 
 
+LK_HYBRID_ETA = 3.0  # the LK paper's best hybrid setting: the blend leaves KL for TV as the overlap grows
+OVERLAP_FLOOR = 1e-5  # -log(overlap) stays finite where the drafter and the target do not overlap
+
+
+def objective_loss(logits: torch.Tensor, log_probs: torch.Tensor, ids: torch.Tensor | None,
+                   objective: str) -> torch.Tensor:
+    """Per-row loss of draft logits [N, Vd] against the teacher's log-probabilities (dense [N, Vd],
+    or sparse [N, k] over draft ids `ids`):
+    - "ce": soft cross-entropy -sum p log q (KL(p || q) plus the teacher's entropy);
+    - "lk": -log alpha, alpha = sum_v min(p_v, q_v) the acceptance rate of sampled speculative
+      decoding (LK losses, Samarin et al. 2026: its gradient is TV's, scaled by 1 / alpha, so it
+      learns from a cold start);
+    - "lk-hybrid": lambda KL(p || q) + (1 - lambda) (1 - alpha), lambda = exp(-3 sg(alpha)).
+    A sparse teacher puts no mass outside its k ids, so alpha and KL are sums over those k."""
+    if objective == "ce":
+        return soft_cross_entropy(logits, log_probs, ids)
+    z = logits.float()
+    log_q = (z if ids is None else z.gather(-1, ids.long())) - torch.logsumexp(z, dim=-1, keepdim=True)
+    p = log_probs.float().exp()
+    overlap = torch.minimum(p, log_q.exp()).sum(-1)
+    if objective == "lk":
+        return -torch.log(overlap.clamp_min(OVERLAP_FLOOR))
+    kl = torch.where(p > 0, p * (log_probs.float() - log_q), 0.0).sum(-1)
+    weight = torch.exp(-LK_HYBRID_ETA * overlap.detach())
+    return weight * kl + (1 - weight) * (1 - overlap)
+
+
 def ttt_loss(out: DraftOutput, teacher: Teacher, positions: torch.Tensor, decay: float = STEP_WEIGHT_DECAY,
-             feature_weight: float = 0.0) -> tuple[torch.Tensor, StepStats]:
+             feature_weight: float = 0.0, documents: torch.Tensor | None = None,
+             objective: str = "ce") -> tuple[torch.Tensor, StepStats]:
     """Sum over steps of decay^k * mean soft cross-entropy vs the target, and per-step sums.
 
     Step k at position t predicts token t+k+2 from the target's distribution at position t+k+1.
@@ -545,6 +695,8 @@ def ttt_loss(out: DraftOutput, teacher: Teacher, positions: torch.Tensor, decay:
     real token); the loss uses it when the target's argmax is drafted. The LM head runs on
     counted positions only. `feature_weight` adds EAGLE-1's regression of the target's next
     last-layer state: smooth L1 between the drafter's normed output and final_norm(h_N) at t+k+1.
+    In packed rows (`documents` [B, L]) a position counts only when t+k+2 is in its own sample.
+    `objective` is what each position minimises (`objective_loss`); accuracy is counted alike.
     """
     total = positions.new_zeros((), dtype=torch.float32)
     loss_sum, correct, count, loss_count = [], [], [], []
@@ -552,6 +704,8 @@ def ttt_loss(out: DraftOutput, teacher: Teacher, positions: torch.Tensor, decay:
     for k, hidden in enumerate(out.hidden):
         n_pos = max(0, L - k - 2)  # positions whose predicted token (t+k+2) is inside the sequence
         sel = positions[:, k + 2:].bool()  # [B, n_pos]
+        if documents is not None:  # the predicted token must be of the same sample
+            sel = sel & (documents[:, k + 2:] == documents[:, :n_pos])
         h = hidden[:, :n_pos][sel]  # [N, H] the counted positions only
 
         def teacher_at(x: torch.Tensor) -> torch.Tensor:  # the teacher's rows for them (t+k+1)
@@ -559,8 +713,8 @@ def ttt_loss(out: DraftOutput, teacher: Teacher, positions: torch.Tensor, decay:
 
         drafted = teacher_at(teacher.in_draft)
         logits = out.head(h)
-        ce = soft_cross_entropy(logits, teacher_at(teacher.log_probs),
-                                None if teacher.ids is None else teacher_at(teacher.ids))
+        ce = objective_loss(logits, teacher_at(teacher.log_probs),
+                            None if teacher.ids is None else teacher_at(teacher.ids), objective)
         n = drafted.sum()
         step_sum = (ce * drafted).sum()
         step_loss = step_sum / n.clamp(min=1)

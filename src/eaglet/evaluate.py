@@ -39,8 +39,9 @@ from eaglet.export import load_drafter_for_target
 from eaglet.regen import stop_token_ids
 from eaglet.options import (ADMISSIONS, BASELINE, DEFAULT_METHODS, DEFAULT_PRESET, ENGINE_METHODS, HF_METHODS,
                             HYBRID_DRAFTS, METHODS, PRESETS, PROMPT_SETS)
-from eaglet.target import (decoder_layers, generation_config, load_target, load_tokenizer, parse_dtype, pick_device,
-                           resolve_target)
+from eaglet.placement import placement_from_options
+from eaglet.target import (decoder_layers, generation_config, input_device, load_target, load_tokenizer, parse_dtype,
+                           pick_device, resolve_target)
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +254,7 @@ def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids:
     if method in HF_METHODS:
         if gen is not None:
             torch.manual_seed(s.seed)  # HF samples from the global generator
-        device = next(target.parameters()).device
-        x = torch.tensor([ids], device=device)
+        x = torch.tensor([ids], device=input_device(target))
         config = generation_config(s.temperature, s.top_p, s.max_new_tokens, s.eos_ids[0], list(s.eos_ids),
                                    prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS if method == "prompt-lookup" else None)
         counter = ForwardCounter(target)
@@ -513,10 +513,13 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
              num_prompts: int | None = None, methods: Sequence[str] = DEFAULT_METHODS,
              settings: DecodeSettings | None = None, dtype: str = "bf16", device: str | None = None,
              threads: int | None = None, out: str | Path | None = None, plot: bool = True,
-             progress: bool = True, other_target: bool = False) -> EvalResult:
+             progress: bool = True, other_target: bool = False, device_map: str | None = None,
+             max_memory: str | None = None, offload_folder: str | None = None) -> EvalResult:
     """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot.
-    A target whose revision is not the one the drafter records is refused unless `other_target`."""
+    A target whose revision is not the one the drafter records is refused unless `other_target`.
+    With `device_map` the target spans devices and the drafter runs where its inputs go."""
     ranges.at_least(1, num_prompts=num_prompts, threads=threads)
+    placed = placement_from_options(device_map, max_memory, offload_folder, device)
     methods = list(dict.fromkeys(methods))
     for m in methods:
         if m not in METHODS:
@@ -535,7 +538,8 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
                              "on its own target; pass the drafter's own target, or --other-target to measure it on "
                              "this one anyway")
         tokenizer = load_tokenizer(ref)
-        model = load_target(ref, torch_dtype, dev)
+        model = load_target(ref, torch_dtype, dev, placed)
+        dev = input_device(model)  # the drafter drafts where the target's inputs (and its aux states) go
         if drafter is not None:
             check_drafter_fits(drafter, model)
             drafter = drafter.to(device=dev, dtype=torch_dtype).eval()
@@ -571,7 +575,7 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
 
         config = {"drafter": str(drafter_path), "target": ref.name, "target_revision": ref.revision,
                   "drafter_target_revision": trained_for,
-                  "dtype": dtype, "device": str(dev), "threads": torch.get_num_threads(),
+                  "dtype": dtype, "device": str(dev), "device_map": device_map, "threads": torch.get_num_threads(),
                   "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
                   "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                   "tree": {"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens},

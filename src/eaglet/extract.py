@@ -33,6 +33,7 @@ from eaglet.data import config_where, target_text_config, template_hash
 from eaglet.decode import config_positions
 from eaglet.draft_model import target_top_k
 from eaglet.formats import TokenizedSample
+from eaglet.placement import placement_from_options
 from eaglet.target import (LayerCapture, TargetRef, decoder_layers, dtype_name, load_target,
                            load_tokenizer, parse_dtype, pick_device, resolve_target, run_batch)
 from eaglet.training.teacher import make_teacher_head
@@ -226,15 +227,19 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
             dtype: str = "auto", store_dtype: str = "bf16", device: str | None = None, batch_tokens: int = 8192,
             max_batch_size: int = 64, num_shards: int = 1, shard_id: int = 0, command: str = "",
             write_threads: int = 2, show_progress: bool = True, layout: str = "v1",
-            stored_top_k: int = 16) -> ExtractSummary:
+            stored_top_k: int = 16, device_map: str | None = None, max_memory: str | None = None,
+            offload_folder: str | None = None) -> ExtractSummary:
     """Extract the hidden states of every prepared sample of this shard into `out`, in `layout`
     (a `formats.WRITTEN_LAYOUTS` name); the compact layout stores the target's `stored_top_k`
-    most likely next tokens in place of the last state."""
+    most likely next tokens in place of the last state. With `device_map` the target is placed
+    across devices (`eaglet.placement`); the stored states are the same, computed layer by layer
+    where each layer lives."""
     ranges.at_least(1, num_shards=num_shards, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
                     write_threads=write_threads, stored_top_k=stored_top_k)
     if not 0 <= shard_id < num_shards:
         raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
     fmt = formats.written_layout(layout)
+    placed = placement_from_options(device_map, max_memory, offload_folder, device)
     out = Path(out)
     samples, pconfig = formats.read_prepared(prepared)
     ref = prepared_target(prepared, pconfig, target)
@@ -242,7 +247,7 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     template_sha = template_hash(load_tokenizer(ref))
     dev = pick_device(device)
     compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
-    model = load_target(ref, compute_dtype, dev)
+    model = load_target(ref, compute_dtype, dev, placed)
     fmt.check_hidden_size(model.config.hidden_size, ref.name)
     num_layers = model.config.num_hidden_layers
     layer_ids = list(layer_ids) if layer_ids else layers.default_layer_ids(num_layers)

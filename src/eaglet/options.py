@@ -13,6 +13,8 @@ stages import them from here.
 
 from __future__ import annotations
 
+import os
+
 import argparse
 import tomllib
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from typing import Any, Callable
 WRITTEN_LAYOUT_NAMES = ("v1", "speculators", "compact")  # --layout of extract and convert
 LAST_STATE_CHOICES = ("pre_norm", "post_norm")  # a stored last state, before or after the final norm
 LOSS_ON = ("assistant", "all")
+OBJECTIVES = ("ce", "lk", "lk-hybrid")  # draft_model.objective_loss
 LM_HEAD_INITS = ("random", "target")
 REGEN_BACKENDS = ("local", "openai")
 EXPORT_FORMAT_NAMES = ("speculators", "eagle")
@@ -39,6 +42,7 @@ DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
 HYBRID_DRAFTS = ("chain", "tree")
 ADMISSIONS = ("cost", "all")
 EMBEDDED_TARGET = "the embedded SmolLM2-135M-Instruct"
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "sequential")  # accelerate's; or a JSON file {module: device}
 # Per kind of device, the settings that are choices there (presets.toml): {preset: {stage: {key: value}}}
 PRESETS: dict[str, dict[str, dict[str, Any]]] = tomllib.loads((Path(__file__).parent / "presets.toml").read_text())
 DEFAULT_PRESET = "cpu"  # the embedded default's device
@@ -83,6 +87,17 @@ def parse_list(text: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 VALUE, FLAG, BOOL, APPEND = "value", "flag", "bool", "append"  # how an option is given on the command line
+
+
+def env_switch(name: str, on: str, off: str) -> bool | None:
+    """An environment variable that pins a default, as a bool ("1" / "0"), or None when unset;
+    any other value is refused, saying what each value means."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r}: set it to 1 ({on}) or 0 ({off}), or unset it")
+    return raw == "1"
 
 
 @dataclass(frozen=True)
@@ -153,6 +168,20 @@ def device_option(what: str = "") -> Option:
     return Option("device", f"{what}cpu or cuda[:i] (default: cuda if available)")
 
 
+def placement_options(what: str = "") -> tuple[Option, ...]:
+    """--device-map, --max-memory, --offload-folder: a target larger than one device (eaglet.placement)."""
+    return (
+        Option("device_map", f"{what}place the target across devices: {', '.join(DEVICE_MAP_STRATEGIES)} "
+                             "(accelerate: fill the GPUs evenly or in order, then the CPU, then disk) or a JSON file "
+                             "{module: 0 / \"cuda:1\" / \"cpu\" / \"disk\"}; refused with --device, and before "
+                             "loading when the weights do not fit (docs/large-targets.md)", metavar="MAP"),
+        Option("max_memory", f"{what}with --device-map, bytes each device may hold, e.g. 0=70GiB,1=70GiB,cpu=200GiB "
+                             "(default: what is free now)", metavar="DEV=SIZE,..."),
+        Option("offload_folder", f"{what}with --device-map, where \"disk\" weights go (default: a temporary folder, "
+                                 "removed at exit)"),
+    )
+
+
 LAYOUT_HELP = ("v1: hidden_states/rows_{a}-{b}/data_{i}.pt (speculators v1, vLLM tooling); speculators: the Arrow "
                "table (input_ids, loss_mask, seq_len) + hidden_states/hs_{i}.safetensors that speculators >= 0.6 "
                "trains from; compact: eaglet's own, a third of v1's bytes (6-bit aux states, the target's top-K in "
@@ -208,7 +237,7 @@ EXTRACT = Stage(
      Option("dtype", "compute dtype of the target: auto (bf16 where the device computes it fast, on CUDA and CPUs "
                      "with AMX/AVX512-BF16, else fp32), bf16, fp16, fp32", default="auto"),
      Option("store_dtype", "dtype of stored hidden states", default="bf16"),
-     device_option(),
+     device_option(), *placement_options(),
      Option("batch_tokens", "padded tokens per forward pass", type=int, default=8192),
      Option("max_batch_size", "samples per forward pass at most", type=int, default=64),
      Option("num_shards", "split the samples into K shards", type=int, default=1, recipe=False),
@@ -257,6 +286,7 @@ CHECK = Stage(
      Option("no_target", "skip the checks that need the target", kind=FLAG, param="use_target", invert=True,
             recipe=False),
      Option("identity_samples", "files to recompute with the target", type=int, default=3),
+     *placement_options(),
      Option("workers", "reader threads (default: one per core, at most 8)", type=int),
      Option("max_per_kind", "problems shown per kind", type=int, default=10, cli_only=True),
      Option("json", "print the report as JSON", kind=FLAG, cli_only=True)),
@@ -277,6 +307,7 @@ TRAIN = Stage(
                       "folder", kind=FLAG),
      Option("target_dtype", "--online: compute dtype of the target (auto: bf16 where fast, else fp32)",
             default="auto"),
+     *placement_options("--online: "),
      Option("aux_layer_ids", "--online: the layers to capture (default 2,N//2,N-3); otherwise " + AUX_LAYER_IDS_HELP,
             type=parse_layer_ids),
      LAST_HIDDEN_STATE,
@@ -288,8 +319,14 @@ TRAIN = Stage(
      Option("warmup_steps", "linear warmup steps (default 2% of the schedule)", type=int),
      Option("weight_decay", "AdamW weight decay", type=float, default=0.0),
      Option("max_grad_norm", "gradient clipping norm", type=float, default=0.5),
-     Option("batch_size", "samples per micro-batch per process", type=int, default=1),
+     Option("batch_size", "samples (with --pack-tokens: packs) per micro-batch per process", type=int, default=1),
      Option("grad_accum", "micro-batches per optimizer step per process", type=int, default=1),
+     Option("pack_tokens", "pack samples into rows of exactly N tokens, one after another, each kept apart in "
+                           "attention, RoPE and the loss: one shape for every step, no padding between samples "
+                           "(default: the longest sample rounded up to 256, at least 1024; 0: one sample per row)",
+            type=int),
+     Option("compile", "torch.compile the drafter's training steps (default: when packed, so one graph serves every "
+                       "step; EAGLET_COMPILE=0 makes the default off; held-out evaluation stays eager)", kind=BOOL),
      Option("max_length", "truncate samples to this many tokens", type=int),
      Option("ttt_steps", "training-time-test unroll length (2: the CPU's chain of 2; EAGLE-3 on GPUs: 7)", type=int,
             default=2),
@@ -301,6 +338,9 @@ TRAIN = Stage(
             type=int, default=16),
      Option("loss_on", "positions the loss trains on: every token or assistant tokens only; held-out accuracy is "
                        "always on assistant tokens", default="all", choices=LOSS_ON),
+     Option("objective", "what each position minimises: ce (soft cross-entropy against the target), lk (-log of "
+                         "the drafter/target overlap, the sampled acceptance rate) or lk-hybrid (KL blended into TV "
+                         "as the overlap grows); LK losses, Samarin et al. 2026", default="ce", choices=OBJECTIVES),
      Option("feature_loss_weight", "weight of a smooth-L1 regression of the target's next last-layer state "
                                    "(EAGLE-1)", type=float, default=0.0),
      Option("lm_head_init", "initial LM head and final norm: random or the target's rows", default="random",
@@ -356,7 +396,7 @@ REGEN = Stage(
      Option("time_budget", "start no new chat after this long (e.g. 30m); chats under way keep their finished turns",
             type=parse_duration),
      Option("dtype", "local: compute dtype auto (bf16 where fast, else fp32), bf16, fp16, fp32", default="auto"),
-     device_option("local: "),
+     device_option("local: "), *placement_options("local: "),
      Option("seed", "local sampling seed", type=int, default=0)),
     "eaglet.regen:regenerate", "every finished chat in --out is kept; {resume} skips them and continues")
 
@@ -406,7 +446,7 @@ EVAL = Stage(
      Option("temperature", "0 = greedy", type=float, default=0.0),
      Option("top_p", "nucleus sampling mass", type=float, default=1.0),
      Option("dtype", "target and drafter dtype: bf16, fp16, fp32", default="bf16"),
-     device_option(),
+     device_option(), *placement_options(),
      Option("threads", "CPU threads (default: torch's)", type=int),
      Option("out", "folder for eval.json and eval.png", recipe=False),
      Option("no_plot", "skip the PNG plot", kind=FLAG, param="plot", invert=True, recipe=False),

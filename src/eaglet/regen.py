@@ -45,8 +45,9 @@ from tqdm import tqdm
 from eaglet import ranges
 from eaglet.data import ASSISTANT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
 from eaglet.formats import RegenWriter, errors_path, open_output
-from eaglet.target import (dtype_name, generation_config, load_target, load_tokenizer, parse_dtype, pick_device,
-                           resolve_target)
+from eaglet.placement import placement_from_options
+from eaglet.target import (dtype_name, generation_config, input_device, load_target, load_tokenizer, parse_dtype,
+                           pick_device, resolve_target)
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class LocalGenerator:
 
     def __init__(self, model, tokenizer, temperature: float, top_p: float, max_new_tokens: int):
         self.model, self.tokenizer = model, tokenizer
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids)
         self.config = generation_config(temperature, top_p, max_new_tokens, self.pad_id, sorted(self.stop_ids))
@@ -525,11 +526,17 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
                resume: bool = False, num_samples: int | None = None, skip: int = 0, dtype: str = "auto",
                device: str | None = None, seed: int = 0, max_prompt_tokens: int | None = None,
                max_turns: int | None = None, time_budget: float | None = None,
+               device_map: str | None = None, max_memory: str | None = None, offload_folder: str | None = None,
                progress_bar: bool = True) -> RegenSummary:
     """Regenerate every assistant turn of the chats in `data` with the target; write `out` (JSONL).
-    With `time_budget` (seconds) no new chat starts after that long."""
+    With `time_budget` (seconds) no new chat starts after that long. The local backend places the
+    target with `device_map` (`eaglet.placement`) or on `device`."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    placed = placement_from_options(device_map, max_memory, offload_folder, device)
+    if placed is not None and backend != "local":
+        raise ValueError(f"--device-map {device_map}: places the target of --backend local; the {backend} "
+                         "endpoint's server places its own")
     ranges.at_least(0, temperature=temperature, skip=skip, max_retries=max_retries)
     ranges.within(0, 1, low_open=True, top_p=top_p)
     ranges.at_least(1, max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency,
@@ -549,7 +556,7 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
             raise ValueError(f"target {ref.name}: tokenizer has no chat template")
         torch.manual_seed(seed)
         dev = pick_device(device)
-        gen = LocalGenerator(load_target(ref, parse_dtype(dtype, dev), dev), tokenizer,
+        gen = LocalGenerator(load_target(ref, parse_dtype(dtype, dev), dev, placed), tokenizer,
                              temperature, top_p, max_new_tokens)
         max_prompt_tokens = max_prompt_tokens or gen.max_prompt_tokens
         meta = {"target": ref.name, "target_revision": ref.revision, **meta,

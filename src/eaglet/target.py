@@ -7,6 +7,7 @@ a plain safetensors model folder under `$EAGLET_HOME`, so later loads take well 
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -20,8 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from eaglet import embedded, formats
+from eaglet import embedded, formats, placement
+from eaglet.options import env_switch
 from eaglet.formats import TokenizedSample
+from eaglet.placement import Device, Placement
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +41,7 @@ FAST_BF16_ENV = "EAGLET_CPU_FAST_BF16"
 
 def cpu_fast_bf16_override() -> bool | None:
     """EAGLET_CPU_FAST_BF16 as a bool, or None when unset; any other value is refused."""
-    raw = os.environ.get(FAST_BF16_ENV)
-    if raw is None or raw == "":
-        return None
-    if raw not in ("0", "1"):
-        raise ValueError(f"{FAST_BF16_ENV}={raw!r}: set it to 1 (auto = bf16 on CPU) or 0 (auto = fp32), or unset it")
-    return raw == "1"
+    return env_switch(FAST_BF16_ENV, "auto = bf16 on CPU", "auto = fp32")
 
 
 def fast_bf16(device: torch.device | str | None = None) -> bool:
@@ -211,14 +209,150 @@ def load_tokenizer(ref: TargetRef):
     return tokenizer
 
 
-def load_target(ref: TargetRef, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_target(ref: TargetRef, dtype: torch.dtype, device: torch.device,
+                placed: Placement | None = None) -> nn.Module:
+    """The target in eval mode without gradients: on `device`, or with `placed` across the devices
+    of its device map (accelerate hooks move each layer's inputs to it; "disk" layers are read
+    from the offload folder for each forward), refused before loading when it cannot fit."""
     from transformers import AutoModelForCausalLM  # seconds to import: only where a target is read
 
     t0 = time.time()
-    model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype).to(device).eval()
-    model.requires_grad_(False)
-    log.info("loaded target %s (%s, %s) in %.2f s", ref.name, dtype_name(dtype), device, time.time() - t0)
+    if placed is None:
+        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype).to(device)
+        where = str(device)
+    else:
+        device_map, folder = plan_device_map(ref, dtype, placed)
+        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype, device_map=device_map,
+                                                     offload_folder=folder)
+        where = f"{placed.source}: " + ", ".join(
+            f"{placement.device_name(d)} {n}" for d, n in module_counts(device_map).items())
+    model.eval().requires_grad_(False)
+    log.info("loaded target %s (%s, %s) in %.2f s", ref.name, dtype_name(dtype), where, time.time() - t0)
     return model
+
+
+def module_counts(device_map: dict[str, Device]) -> dict[Device, int]:
+    """How many of the map's entries each device holds (for the log line)."""
+    counts: dict[Device, int] = {}
+    for dev in device_map.values():
+        counts[dev] = counts.get(dev, 0) + 1
+    return counts
+
+
+def empty_target(ref: TargetRef, dtype: torch.dtype) -> nn.Module:
+    """The target's modules with weights of `dtype` on the meta device: sizes and names, no bytes."""
+    from accelerate import init_empty_weights  # seconds to import: only where a target is placed
+    from transformers import AutoConfig, AutoModelForCausalLM  # seconds to import: only where a target is read
+
+    config = AutoConfig.from_pretrained(ref.path)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # a tied LM head is the embeddings' tensor: counted, and placed, once
+    return model
+
+
+def module_children(model: nn.Module) -> dict[str, list[str]]:
+    """Each module's name -> the names of its direct submodules and tensors (to split a map's key)."""
+    def full(prefix: str, name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    return {prefix: [full(prefix, n) for n, _ in module.named_children()]
+            + [full(prefix, n) for n, _ in module.named_parameters(recurse=False)]
+            + [full(prefix, n) for n, _ in module.named_buffers(recurse=False)]
+            for prefix, module in model.named_modules()}
+
+
+def read_pieces(model: nn.Module) -> dict[str, str]:
+    """{module name: what it is} of the modules whose weights eaglet reads itself, outside forward."""
+    wanted = {id(model.get_input_embeddings()): "the input embeddings",
+              id(model.get_output_embeddings()): "the LM head",
+              id(getattr(base_model(model), "norm", None)): "the final norm"}
+    return {name: wanted[id(m)] for name, m in model.named_modules() if id(m) in wanted}
+
+
+def tensor_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of each parameter and buffer, a tied weight counted once (under its first name)."""
+    sizes: dict[str, int] = {}
+    seen: set[int] = set()
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            sizes[name] = t.numel() * t.element_size()
+    return sizes
+
+
+def strategy_device_map(model: nn.Module, placed: Placement) -> dict[str, Device]:
+    """The map `from_pretrained(device_map=<strategy>)` would make, made here so it can be checked
+    and its disk entries known before loading (transformers' own resolution, the same limits)."""
+    from transformers.integrations.accelerate import _get_device_map  # seconds to import: only where placed
+
+    return dict(_get_device_map(model, placed.strategy, available_memory(placed), None))
+
+
+def available_memory(placed: Placement) -> dict[Device, int]:
+    """Bytes each device may hold: --max-memory where given, else what is free now (GPU memory,
+    the CPU's available RAM)."""
+    from accelerate.utils import get_max_memory  # seconds to import: only where a target is placed
+
+    measured = {k: int(v) for k, v in get_max_memory().items() if k != "disk"}
+    return {**measured, **(placed.max_memory or {})}
+
+
+def offload_folder(placed: Placement, device_map: dict[str, Device]) -> str | None:
+    """Where "disk" weights go: --offload-folder, else a temporary folder removed at exit; None
+    when nothing is offloaded."""
+    if placement.DISK not in device_map.values():
+        return None
+    if placed.offload_folder:
+        Path(placed.offload_folder).mkdir(parents=True, exist_ok=True)
+        return placed.offload_folder
+    folder = tempfile.mkdtemp(prefix="eaglet-offload-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def plan_device_map(ref: TargetRef, dtype: torch.dtype, placed: Placement) -> tuple[dict[str, Device], str | None]:
+    """(the per-module device map, the offload folder) for loading `ref` as `placed` asks, checked
+    on a weightless copy: every tensor placed, the weights eaglet reads never on disk, and the
+    bytes on each device (disk: the offload folder's free space) within what it has."""
+    model = empty_target(ref, dtype)
+    pieces = read_pieces(model)
+    if placed.strategy:
+        device_map = placement.pieces_to_cpu(strategy_device_map(model, placed), pieces, module_children(model))
+    else:
+        device_map = dict(placed.device_map)
+        names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()} | {
+            n for n, _ in model.named_buffers()}
+        unknown = placement.unknown_keys(device_map, names)
+        missing = placement.unplaced(sorted(tensor_bytes(model)), device_map)
+        if unknown or missing:
+            raise ValueError(f"{placed.source}: " + "; ".join(
+                ([f"names no module of {ref.name}: {', '.join(unknown[:5])}"] if unknown else [])
+                + ([f"places none of {len(missing)} tensors, e.g. {', '.join(missing[:5])} (name their modules, "
+                    "or \"\" for the rest)"] if missing else [])))
+    on_disk = placement.pieces_on_disk(device_map, pieces)
+    if on_disk:
+        raise ValueError(f"{placed.source}: puts {', '.join(on_disk)} on disk; eaglet reads those "
+                         "weights itself (the drafter's embeddings, the teacher's norm and head), so place them on a "
+                         "GPU or \"cpu\"")
+    folder = offload_folder(placed, device_map)
+    available = available_memory(placed)
+    if folder is not None:
+        available[placement.DISK] = shutil.disk_usage(folder).free
+    needed = placement.bytes_per_device(device_map, tensor_bytes(model))
+    placement.refuse_unfit(placed, needed, available, torch.cuda.device_count(), ref.name)
+    return device_map, folder
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where a forward's input ids go: the device the input embeddings run on. Under a device map
+    that is their accelerate hook's execution device (their weights may be offloaded); for a
+    target on one device, its device. Not `model.device`, which is the first parameter's."""
+    embeddings = model.get_input_embeddings()
+    hooked = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
+    if hooked is not None:
+        return torch.device(f"cuda:{hooked}" if isinstance(hooked, int) else hooked)
+    return embeddings.weight.device
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -275,11 +409,13 @@ class LayerCapture:
             self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
         return hook
 
-    def take(self) -> list[torch.Tensor]:
+    def take(self, device: torch.device | str | None = None) -> list[torch.Tensor]:
+        """The captured outputs in layer-id order, moved to `device` when given (under a device
+        map each comes from its own layer's device)."""
         missing = [k for k in self.layer_ids if k not in self.outputs]
         if missing:
             raise RuntimeError(f"layer ids {missing} produced no output in the forward pass")
-        states = [self.outputs[k] for k in self.layer_ids]
+        states = [self.outputs[k] if device is None else self.outputs[k].to(device) for k in self.layer_ids]
         self.outputs.clear()
         return states
 
@@ -303,9 +439,12 @@ def pad_right(batch: list[TokenizedSample]) -> tuple[torch.Tensor, torch.Tensor]
 def run_batch(model: nn.Module, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
               store_dtype: torch.dtype, out_device: torch.device | str = "cpu") -> list[list[torch.Tensor]]:
     """One padded forward; per sample, the captured states cut to its length, on `out_device`
-    (CPU for writing files; the compute device when `eaglet train --online` consumes them)."""
+    (CPU for writing files; the compute device when `eaglet train --online` consumes them). The
+    inputs go to `device`, or where the embeddings run (`input_device`) when a device map placed
+    the target."""
     ids, attn = pad_right(batch)
-    base_model(model)(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+    first = input_device(model) if hasattr(model, "hf_device_map") else device
+    base_model(model)(input_ids=ids.to(first), attention_mask=attn.to(first), use_cache=False)
     states = [h.to(out_device, store_dtype) for h in capture.take()]
     # .clone(): each stored tensor must own its storage, or torch.save writes the whole batch.
     return [[h[row, : len(s.input_ids)].clone() for h in states] for row, s in enumerate(batch)]

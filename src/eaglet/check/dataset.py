@@ -30,6 +30,7 @@ from eaglet.check.report import (BROKEN_LINK, DATA_CONFIG, DUPLICATE_INDEX, ERRO
                                  STRAY_FILE, TOKEN_FREQ, UNREADABLE, WARNING, CheckReport, Problem, SlotStats)
 from eaglet.data import special_token_ids, template_hash
 from eaglet.formats import fmt_rows
+from eaglet.placement import Placement, placement_from_options
 
 # A file whose median row RMS in a slot is this far from the dataset's median for that slot is
 # an outlier (a different layer or a different model). Median rows, not the plain RMS: the
@@ -264,8 +265,9 @@ def single_threaded_ops() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def check_target(report: CheckReport, cfg: dict | None, target: str | None, use_target: bool) -> tuple[Any, Any, Any]:
-    """(tokenizer, model, device) of the target checked against, all None when there is none."""
+def check_target(report: CheckReport, cfg: dict | None, target: str | None, use_target: bool,
+                 placed: Placement | None = None) -> tuple[Any, Any, Any]:
+    """(tokenizer, model, input device) of the target checked against, all None when there is none."""
     spec = target or (cfg or {}).get("target_path")
     if not use_target:
         report.problems.append(Problem(NOT_CHECKED, "", "layer identity and mask vs template skipped (--no-target)",
@@ -275,7 +277,7 @@ def check_target(report: CheckReport, cfg: dict | None, target: str | None, use_
                                                         "no target_path in data_config.json", WARNING))
     else:
         try:
-            ref, tokenizer, model, device = load_target_for_check(spec, cfg)
+            ref, tokenizer, model, device = load_target_for_check(spec, cfg, placed)
         except Exception as e:
             # --target asks for these checks: one that cannot run is not a pass. A target merely
             # recorded in data_config.json may live on another machine: then a warning.
@@ -362,11 +364,16 @@ def check_identity(report: CheckReport, root: Path, exp: Expect, model: Any, dev
 
 
 def check_dataset(path: str | os.PathLike, target: str | None = None, use_target: bool = True,
-                  identity_samples: int = 3, workers: int | None = None) -> CheckReport:
+                  identity_samples: int = 3, workers: int | None = None, device_map: str | None = None,
+                  max_memory: str | None = None, offload_folder: str | None = None) -> CheckReport:
     """Check every file of the hidden-state dataset at `path`; with a target (`target`, else
-    data_config's `target_path`), also layer identity and mask-vs-template on sampled files."""
+    data_config's `target_path`, placed by `device_map` when given), also layer identity and
+    mask-vs-template on sampled files."""
     ranges.at_least(0, identity_samples=identity_samples)
     ranges.at_least(1, workers=workers)
+    placed = placement_from_options(device_map, max_memory, offload_folder)
+    if placed is not None and not use_target:
+        raise ValueError(f"--device-map {device_map} places the target, and --no-target skips it: give one")
     root = Path(path)
     report = CheckReport(str(root))
     if not root.is_dir():
@@ -392,7 +399,7 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
             return report
 
     # The target (and its tokenizer) first: the tokenizer lets every file's mask be checked.
-    tokenizer, model, device = check_target(report, cfg, target, use_target)
+    tokenizer, model, device = check_target(report, cfg, target, use_target, placed)
     files = sorted(listing.files, key=lambda ip: (ip[0], str(ip[1])))
     vocab = (cfg or {}).get("vocab_size") if isinstance((cfg or {}).get("vocab_size"), int) else None
     if vocab is None and model is not None:

@@ -15,8 +15,9 @@ from eaglet import formats
 from eaglet.check.files import Expect, FileResult
 from eaglet.check.report import ERROR, LAYER_IDENTITY, STORED_TEACHER, TOO_LONG, CheckReport, Problem, SlotIdentity
 from eaglet.decode import max_positions
-from eaglet.target import (base_model, decoder_layers, load_target, load_tokenizer, parse_dtype, pick_device,
-                           resolve_target)
+from eaglet.placement import Placement
+from eaglet.target import (base_model, decoder_layers, input_device, load_target, load_tokenizer, parse_dtype,
+                           pick_device, resolve_target)
 
 # Layer identity: a stored slot "is" a recomputed state when it is this close. bf16 storage
 # alone gives rel err ~0.004; a recompute on other hardware / kernels adds a little.
@@ -50,13 +51,15 @@ def generation_prompt(tokenizer: Any) -> tuple[list[int], str] | None:
     return (list(ids), text) if ids else None
 
 
-def load_target_for_check(spec: str, cfg: dict | None) -> tuple[Any, Any, torch.nn.Module, torch.device]:
-    """(ref, tokenizer, model, device). Recompute in the recorded compute dtype, as extraction did."""
+def load_target_for_check(spec: str, cfg: dict | None, placed: Placement | None = None
+                          ) -> tuple[Any, Any, torch.nn.Module, torch.device]:
+    """(ref, tokenizer, model, input device). Recompute in the recorded compute dtype, as
+    extraction did; on the default device, or across the devices `placed` maps."""
     ref = resolve_target(spec)
     tokenizer = load_tokenizer(ref)
     dtype = parse_dtype((cfg or {}).get("compute_dtype") or "fp32")
-    device = pick_device(None)
-    return ref, tokenizer, load_target(ref, dtype, device), device
+    model = load_target(ref, dtype, pick_device(None), placed)
+    return ref, tokenizer, model, input_device(model)
 
 
 def target_revision_problem(cfg: dict | None, ref: Any) -> Problem | None:

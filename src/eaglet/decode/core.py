@@ -269,7 +269,8 @@ def keep_cache_entries(cache: DynamicCache, start: int, rel: list[int], device: 
     """Keep cache entries [0, start) + start + rel (rel sorted), dropping rejected tree nodes.
 
     Per layer on `.layers[i].keys/.values` (DynamicLayer, transformers 5): a slice when the
-    kept entries are a prefix (chains), an index-select otherwise."""
+    kept entries are a prefix (chains), an index-select otherwise, with the index on each layer's
+    own device (under a device map a layer's cache lives where the layer runs)."""
     contiguous = rel == list(range(len(rel)))
     idx = None if contiguous else torch.tensor(list(range(start)) + [start + r for r in rel], device=device)
     for layer in cache.layers:
@@ -279,8 +280,8 @@ def keep_cache_entries(cache: DynamicCache, start: int, rel: list[int], device: 
             layer.keys = layer.keys[..., : start + len(rel), :]
             layer.values = layer.values[..., : start + len(rel), :]
         else:
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
+            layer.keys = layer.keys.index_select(-2, idx.to(layer.keys.device))
+            layer.values = layer.values.index_select(-2, idx.to(layer.values.device))
 
 
 # ---------------------------------------------------------------------------------------------

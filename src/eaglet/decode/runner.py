@@ -16,7 +16,7 @@ from eaglet.decode.core import (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKE
                                 decode_loop, keep_cache_entries, max_positions, process_probs, sample_from,
                                 token_budget, tree_limits)
 from eaglet.decode.proposers import Eagle3Proposer, Proposer
-from eaglet.target import LayerCapture, decoder_layers
+from eaglet.target import LayerCapture, decoder_layers, input_device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -32,7 +32,7 @@ class TargetRunner:
             raise ValueError(f"tree verification needs a custom 4D attention mask: load the target with "
                              f"attn_implementation 'sdpa' or 'eager', not {impl!r}")
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)  # under a device map, the first layer's; each layer's KV cache is its own
         self.dtype = next(model.parameters()).dtype
         self.max_positions = max_positions(model)
         self.cache = DynamicCache(config=model.config)
@@ -57,10 +57,10 @@ class TargetRunner:
         pos = None if positions is None else torch.tensor([positions], device=self.device)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache, use_cache=True,
                          logits_to_keep=1 if last_only else 0)
-        aux = torch.cat(self.capture.take(), dim=-1)[0] if self.capture is not None else None
+        aux = torch.cat(self.capture.take(self.device), dim=-1)[0] if self.capture is not None else None
         self.forwards += 1
         self.seconds += time.perf_counter() - t0
-        return out.logits[0].float(), aux
+        return out.logits[0].float().to(self.device), aux
 
     def keep(self, start: int, rel: list[int]) -> None:
         """Keep cache entries [0, start) + start + rel (rel sorted): see `keep_cache_entries`."""

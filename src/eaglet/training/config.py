@@ -8,11 +8,12 @@ No torch here: the options can be read and checked without loading it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from eaglet import ranges
-from eaglet.options import LM_HEAD_INITS, LOSS_ON
+from eaglet.options import LM_HEAD_INITS, LOSS_ON, OBJECTIVES, env_switch
+from eaglet.placement import Placement, placement_from_options
 
 DEFAULT_EVALS = 10  # held-out evaluations over a schedule when --eval-every is not given
 BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
@@ -31,8 +32,10 @@ class TrainConfig:
     warmup_steps: int | None = None  # default: 2% of the schedule, at least 1
     weight_decay: float = 0.0
     max_grad_norm: float = 0.5
-    batch_size: int = 1  # samples per micro-batch, per process
+    batch_size: int = 1  # samples (packed: packs) per micro-batch, per process
     grad_accum: int = 1  # micro-batches per optimizer step, per process
+    pack_tokens: int | None = None  # rows of exactly this many tokens, samples packed (None: `pack_budget`; 0: unpacked)
+    compile: bool | None = None  # torch.compile the training forward (None: when packed)
     max_length: int | None = None  # truncate samples to this many tokens
     # draft_model.DEFAULT_TTT_STEPS (the chain of 2 a CPU drafts), written out: draft_model imports torch
     ttt_steps: int = 2
@@ -40,6 +43,7 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # default min(8192, target vocab)
     teacher_top_k: int | None = 16  # keep the teacher's top-k draft ids, computed once per sample (0/None: dense)
     loss_on: str = "all"  # positions the loss uses: every real token, or assistant tokens only
+    objective: str = "ce"  # what each position minimises (draft_model.objective_loss)
     feature_loss_weight: float = 0.0  # EAGLE-1 regression of the target's next last-layer state
     lm_head_init: str = "random"  # or "target": the target's LM head rows and final norm
     freeze_lm_head: bool = False  # keep the LM head (and final norm) as initialised
@@ -63,13 +67,17 @@ class TrainConfig:
     target_dtype: str = "auto"  # online: compute dtype of the target (its states are used in it as is)
     aux_layer_ids: list[int] | None = None  # online: layers to capture; offline: what a foreign dataset holds
     last_hidden_state: str | None = None  # a foreign dataset's last state, pre_norm or post_norm
+    # online: the target across devices (eaglet.placement); the drafter trains on `device`'s default
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
 
     # Options that define the trajectory: a resumed run must use the same ones.
     TRAJECTORY = ("epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
-                  "batch_size", "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size", "teacher_top_k", "loss_on",
-                  "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm", "norm_output",
-                  "norm_before_residual", "sliding_window", "bf16",
-                  "time_budget", "eval_fraction", "seed")
+                  "batch_size", "pack_tokens", "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size",
+                  "teacher_top_k", "loss_on", "objective", "feature_loss_weight", "lm_head_init", "freeze_lm_head",
+                  "fc_norm", "norm_output", "norm_before_residual", "sliding_window", "bf16", "time_budget",
+                  "eval_fraction", "seed")
 
     # Numeric options and what they may be (None: the option's default applies).
     AT_LEAST_ONE = ("total_steps", "stop_after", "batch_size", "grad_accum", "max_length", "ttt_steps",
@@ -86,21 +94,37 @@ class TrainConfig:
         ranges.within(0, 1, "a fraction of the schedule", high_open=True, ttt_ramp=self.ttt_ramp)
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"--loss-on {self.loss_on!r}: choose one of {list(LOSS_ON)}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--objective {self.objective!r}: choose one of {list(OBJECTIVES)}")
         if self.lm_head_init not in LM_HEAD_INITS:
             raise ValueError(f"--lm-head-init {self.lm_head_init!r}: choose one of {list(LM_HEAD_INITS)}")
         if self.freeze_lm_head and self.lm_head_init != "target":
             raise ValueError("--freeze-lm-head keeps the LM head as initialised: it needs --lm-head-init target")
         if self.teacher_top_k is not None and self.teacher_top_k < 0:
             raise ValueError(f"--teacher-top-k {self.teacher_top_k}: must be >= 1, or 0 for the dense teacher")
+        if self.pack_tokens is not None and self.pack_tokens < 0:
+            raise ValueError(f"--pack-tokens {self.pack_tokens}: must be >= 1, or 0 for one sample per row")
+        if self.pack_tokens and self.pack_tokens < min_sample_tokens(self.ttt_steps):
+            raise ValueError(f"--pack-tokens {self.pack_tokens}: a pack must hold a sample of at least "
+                             f"{min_sample_tokens(self.ttt_steps)} tokens (--ttt-steps {self.ttt_steps})")
         if self.teacher_top_k == 0:
             self.teacher_top_k = None  # one spelling of "dense" in train_config.json
         if self.time_budget is not None and self.total_steps is not None:
             raise ValueError("--time-budget sizes the schedule itself: give it or --total-steps, not both")
+        self.placement()  # a wrong --device-map, --max-memory or pairing with --device: refused now
+        if self.device_map is not None and not self.online:
+            raise ValueError(f"--device-map {self.device_map} places the target that --online runs; offline training "
+                             "reads stored hidden states and takes only the target's embeddings and LM head (fp32, "
+                             "on the CPU): add --online, or leave out --device-map")
         if self.max_length is not None and self.max_length < min_sample_tokens(self.ttt_steps):
             raise ValueError(f"--max-length {self.max_length}: TTT step k at position t predicts token t+k+2, so "
                              f"with --ttt-steps {self.ttt_steps} a sample needs at least "
                              f"{min_sample_tokens(self.ttt_steps)} tokens for every step to train on one position; "
                              f"use --max-length {min_sample_tokens(self.ttt_steps)} or more")
+
+    def placement(self) -> Placement | None:
+        """Where --online loads the target: a device map, or None for one device."""
+        return placement_from_options(self.device_map, self.max_memory, self.offload_folder, self.device)
 
     def ttt_steps_at(self, step: int, total_steps: int) -> int:
         """The unroll length at this optimizer step: ttt_steps, or growing 1..ttt_steps over the ramp."""
@@ -113,6 +137,29 @@ class TrainConfig:
         d = {k: getattr(self, k) for k in self.TRAJECTORY}
         d["global_accum"] = self.grad_accum * world  # W processes x A equals 1 process x A*W
         return d
+
+
+# "0": --compile is off unless asked for (the test suite sets it: compiling every tiny run would
+# dominate its time); "1" or unset: on where the steps are packed.
+COMPILE_ENV = "EAGLET_COMPILE"
+PACK_MIN_TOKENS = 1024  # the default pack: at least this many tokens a row
+PACK_ROUND_TOKENS = 256
+
+
+def pack_budget(longest: int) -> int:
+    """The default --pack-tokens: the longest training sample (after --max-length) rounded up to
+    a multiple of 256, at least 1,024, so that no sample is cut by packing and a row holds a
+    few short ones (attention costs grow with the square of a row's length)."""
+    return max(PACK_MIN_TOKENS, -(-longest // PACK_ROUND_TOKENS) * PACK_ROUND_TOKENS)
+
+
+def resolve_packing(cfg: TrainConfig, longest: int) -> TrainConfig:
+    """`cfg` with --pack-tokens and --compile decided: the default pack for this data, and
+    compiling where the steps are packed (one shape: one graph)."""
+    pack = pack_budget(longest) if cfg.pack_tokens is None else cfg.pack_tokens
+    default = env_switch(COMPILE_ENV, "compile packed steps", "never compile by default")
+    compile_steps = bool(pack) and default is not False if cfg.compile is None else cfg.compile
+    return replace(cfg, pack_tokens=pack, compile=compile_steps)
 
 
 def min_sample_tokens(ttt_steps: int) -> int:

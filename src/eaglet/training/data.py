@@ -34,6 +34,7 @@ from eaglet.training.config import TrainConfig, min_sample_tokens
 log = logging.getLogger(__name__)
 
 BUCKET_BATCHES = 64  # length-sorting window, in batches: near-uniform padding, still shuffled
+PACK_WINDOW = 256  # samples sorted and packed together: little padding, still shuffled
 REQUIRED_DATA_FIELDS = ("hidden_size", "vocab_size", "layer_ids", "last_hidden_state", "target_revision")
 
 
@@ -284,22 +285,63 @@ def bucketed_batches(indices: list[int], lengths: dict[int, int], batch_size: in
     return batches
 
 
+def packed_batches(indices: list[int], lengths: dict[int, int], budget: int,
+                   rng: random.Random | None) -> list[list[int]]:
+    """Packs of samples whose tokens (each cut to `budget`) add up to at most `budget`: shuffle,
+    then first-fit decreasing within windows of PACK_WINDOW samples (a few percent of padding),
+    then shuffle the packs. Unlike `bucketed_batches`, how many packs an epoch makes depends on
+    its shuffle (`BatchStream` counts them per epoch)."""
+    order = list(indices)
+    if rng is not None:
+        rng.shuffle(order)
+    packs: list[list[int]] = []
+    for w in range(0, len(order), PACK_WINDOW):
+        room: list[int] = []
+        window_packs: list[list[int]] = []
+        for i in sorted(order[w:w + PACK_WINDOW], key=lambda i: (-lengths[i], i)):
+            n = min(lengths[i], budget)
+            slot = next((j for j, r in enumerate(room) if r >= n), None)
+            if slot is None:
+                window_packs.append([])
+                room.append(budget)
+                slot = len(room) - 1
+            window_packs[slot].append(i)
+            room[slot] -= n
+        packs += window_packs
+    if rng is not None:
+        rng.shuffle(packs)
+    return packs
+
+
 class BatchStream:
-    """The global sequence of micro-batches across epochs; micro-batch m is a pure function of m."""
+    """The global sequence of micro-batches across epochs; micro-batch m is a pure function of m.
+    With `pack_tokens`, a micro-batch is `batch_size` packs of samples (`packed_batches`; a list
+    of rows of sample indices), else a bucket of `batch_size` samples of similar length."""
 
-    def __init__(self, indices: list[int], lengths: dict[int, int], batch_size: int, seed: int):
+    def __init__(self, indices: list[int], lengths: dict[int, int], batch_size: int, seed: int,
+                 pack_tokens: int | None = None):
         self.indices, self.lengths, self.batch_size, self.seed = indices, lengths, batch_size, seed
-        self.per_epoch = len(bucketed_batches(indices, lengths, batch_size, None))
-        self._cache: tuple[int, list[list[int]]] | None = None
+        self.pack_tokens = pack_tokens
+        self._cache: tuple[int, list[Any]] | None = None
+        self.starts = [0]  # micro-batch number where each epoch starts, as far as counted
+        self.per_epoch = len(self.epoch(0))  # the first epoch's micro-batches (the schedule's unit)
 
-    def epoch(self, e: int) -> list[list[int]]:
+    def make(self, rng: random.Random | None) -> list[Any]:
+        if self.pack_tokens is not None:
+            packs = packed_batches(self.indices, self.lengths, self.pack_tokens, rng)
+            return [packs[b:b + self.batch_size] for b in range(0, len(packs), self.batch_size)]
+        return bucketed_batches(self.indices, self.lengths, self.batch_size, rng)
+
+    def epoch(self, e: int) -> list[Any]:
         if self._cache is None or self._cache[0] != e:
-            self._cache = (e, bucketed_batches(self.indices, self.lengths, self.batch_size,
-                                               random.Random(self.seed * 1_000_003 + e)))
+            self._cache = (e, self.make(random.Random(self.seed * 1_000_003 + e)))
         return self._cache[1]
 
-    def __getitem__(self, m: int) -> list[int]:
-        return self.epoch(m // self.per_epoch)[m % self.per_epoch]
+    def __getitem__(self, m: int) -> Any:
+        while self.starts[-1] <= m:  # count epochs up to the one holding m (packs vary per epoch)
+            self.starts.append(self.starts[-1] + len(self.epoch(len(self.starts) - 1)))
+        e = next(e for e in range(len(self.starts) - 1) if m < self.starts[e + 1])
+        return self.epoch(e)[m - self.starts[e]]
 
 
 @dataclass
@@ -312,10 +354,25 @@ class Batch:
     indices: list[int] = field(default_factory=list)  # sample index per row
     teacher_ids: torch.Tensor | None = None  # [B, L, K] a compact dataset's stored top-K target ids
     teacher_log_probs: torch.Tensor | None = None  # [B, L, K] their log-probabilities
+    # Packed rows (`pack`): several samples one after another in each row.
+    docs: list[list[int]] | None = None  # tokens of each sample of each row (None: one sample per row)
+    documents: torch.Tensor | None = None  # [B, L] the sample's number within its row, -1 on padding
+    positions: torch.Tensor | None = None  # [B, L] position within its sample (its RoPE position)
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
+
+    def segments(self) -> list[tuple[int, int, int, int | None]]:
+        """(row, start, tokens, sample index) of every sample in the batch, in row order."""
+        docs = self.docs if self.docs is not None else [[n] for n in self.lengths]
+        out, k = [], 0
+        for row, row_docs in enumerate(docs):
+            start = 0
+            for n in row_docs:
+                out.append((row, start, n, self.indices[k] if self.indices else None))
+                start, k = start + n, k + 1
+        return out
 
     def real(self) -> torch.Tensor:
         """[B, L] bool: True on real tokens, False on padding."""
@@ -329,7 +386,7 @@ class Batch:
 
         return Batch(self.input_ids.to(device), self.aux_hidden.to(device), move(self.last_hidden),
                      self.loss_mask.to(device), self.lengths, self.indices, move(self.teacher_ids),
-                     move(self.teacher_log_probs))
+                     move(self.teacher_log_probs), self.docs, move(self.documents), move(self.positions))
 
 
 class Prefetcher:
@@ -354,31 +411,69 @@ class Prefetcher:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def collate(samples: list[formats.TrainingSample], max_length: int | None, indices: list[int] | None = None) -> Batch:
-    """Right-padded batch, zeros past each sample's end, on the samples' device. Under causal
-    attention a real token never sees padding on its right."""
-    lens = [min(len(s.input_ids), max_length or len(s.input_ids)) for s in samples]
+def assemble(samples: list[formats.TrainingSample], spans: list[tuple[int, int, int]], shape: tuple[int, int],
+             indices: list[int] | None) -> Batch:
+    """A [rows, length] batch with sample j's first n tokens at (row, start) for its span
+    (row, start, n), zeros elsewhere, on the samples' device."""
     first = samples[0]
-    B, L, dev = len(samples), max(lens), first.aux_hidden.device
+    rows, length = shape
 
-    def padded(get: Callable[[formats.TrainingSample], torch.Tensor | None]) -> torch.Tensor | None:
-        """[B, L, ...] of one field, zeros past each sample's end (None when the samples lack it)."""
+    def placed(get: Callable[[formats.TrainingSample], torch.Tensor | None]) -> torch.Tensor | None:
+        """[rows, length, ...] of one field (None when the samples lack it)."""
         if get(first) is None:
             return None
-        out = torch.zeros(B, L, *get(first).shape[1:], dtype=get(first).dtype, device=dev)
-        for row, (s, n) in enumerate(zip(samples, lens)):
-            out[row, :n] = get(s)[:n]
+        out = torch.zeros(rows, length, *get(first).shape[1:], dtype=get(first).dtype, device=first.aux_hidden.device)
+        for s, (row, start, n) in zip(samples, spans):
+            out[row, start:start + n] = get(s)[:n]
         return out
 
-    return Batch(padded(lambda s: s.input_ids).long(), padded(lambda s: s.aux_hidden),
-                 padded(lambda s: s.last_hidden), padded(lambda s: s.loss_mask).long(), lens, list(indices or []),
-                 padded(lambda s: s.teacher and s.teacher.ids), padded(lambda s: s.teacher and s.teacher.log_probs))
+    lengths = [0] * rows
+    for row, start, n in spans:
+        lengths[row] = max(lengths[row], start + n)
+    return Batch(placed(lambda s: s.input_ids).long(), placed(lambda s: s.aux_hidden),
+                 placed(lambda s: s.last_hidden), placed(lambda s: s.loss_mask).long(), lengths, list(indices or []),
+                 placed(lambda s: s.teacher and s.teacher.ids), placed(lambda s: s.teacher and s.teacher.log_probs))
+
+
+def collate(samples: list[formats.TrainingSample], max_length: int | None, indices: list[int] | None = None) -> Batch:
+    """Right-padded batch, one sample per row, zeros past each sample's end. Under causal
+    attention a real token never sees padding on its right."""
+    lens = [min(len(s.input_ids), max_length or len(s.input_ids)) for s in samples]
+    return assemble(samples, [(row, 0, n) for row, n in enumerate(lens)], (len(samples), max(lens)), indices)
+
+
+def pack(rows: list[list[formats.TrainingSample]], budget: int, indices: list[int] | None = None,
+         max_length: int | None = None) -> Batch:
+    """Rows of exactly `budget` tokens (one shape for every step, which a compiled step needs):
+    each row's samples, each cut to `max_length` and `budget`, one after another, zeros after the
+    last. `documents` and `positions` keep each sample apart in attention, RoPE and the loss.
+    `indices` are the samples' indices, row after row."""
+    docs = [[min(len(s.input_ids), max_length or budget, budget) for s in row] for row in rows]
+    over = [r for r, d in enumerate(docs) if sum(d) > budget]
+    if over:
+        raise ValueError(f"samples {indices}: row {over[0]} holds {sum(docs[over[0]])} tokens, more than {budget}")
+    spans = [(r, sum(d[:j]), n) for r, d in enumerate(docs) for j, n in enumerate(d)]
+    batch = assemble([s for row in rows for s in row], spans, (len(rows), budget), indices)
+    batch.docs = docs
+    batch.documents = torch.full((len(rows), budget), -1, dtype=torch.long)
+    batch.positions = torch.zeros(len(rows), budget, dtype=torch.long)
+    number = [j for d in docs for j in range(len(d))]
+    for (r, a, n), j in zip(spans, number):
+        batch.documents[r, a:a + n] = j
+        batch.positions[r, a:a + n] = torch.arange(n)
+    return batch
+
+
+def read_samples(files: dict[int, Path], indices: list[int],
+                 layout: str = formats.FORMAT_V1) -> list[formats.TrainingSample]:
+    """These samples, read from files of a dataset in `layout`."""
+    return [formats.read_training_sample(files[i], layout) for i in indices]
 
 
 def load_batch(files: dict[int, Path], indices: list[int], max_length: int | None,
                layout: str = formats.FORMAT_V1) -> Batch:
     """The micro-batch of these samples, read from files of a dataset in `layout`."""
-    return collate([formats.read_training_sample(files[i], layout) for i in indices], max_length, indices)
+    return collate(read_samples(files, indices, layout), max_length, indices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,10 +490,25 @@ class Source:
     aux_layer_ids: list[int]
     last_hidden_state: str
     hidden_dtype: str
-    load: Callable[[list[int]], Batch]  # the right-padded micro-batch of these sample indices
+    read: Callable[[list[int]], list[formats.TrainingSample]]  # these samples, with their hidden states
     background: bool  # whether loads may run in a background thread (disk reads: yes; the target: no)
+    max_length: int | None = None  # samples are cut to this many tokens
     stored_top_k: int | None = None  # a compact dataset: the teacher is its stored top-K, the aux states 6-bit
     layout: str = formats.FORMAT_V1  # the dataset's layout; "prepared" online
+
+    def load(self, indices: list[int]) -> Batch:
+        """The right-padded micro-batch of these samples, one per row."""
+        return collate(self.read(indices), self.max_length, indices)
+
+    def load_pack(self, rows: list[list[int]], budget: int) -> Batch:
+        """These packs of samples, a row of `budget` tokens each (`pack`)."""
+        flat = [i for row in rows for i in row]
+        samples = iter(self.read(flat))
+        return pack([[next(samples) for _ in row] for row in rows], budget, flat, self.max_length)
+
+    def cut_lengths(self) -> dict[int, int]:
+        """Tokens of each sample once cut to max_length."""
+        return {i: min(n, self.max_length or n) for i, n in self.lengths.items()}
 
     def identity(self) -> dict[str, Any]:
         """What the batches hold; a resumed run must get the same (offline or online alike)."""
@@ -419,7 +529,7 @@ PREPARED_LAYOUT = "prepared"  # an online source: an `eaglet prepare` output, th
 
 def offline_source(ds: Dataset, max_length: int | None) -> Source:
     return Source(ds.root, ds.lengths, ds.token_freq, ds.aux_layer_ids, ds.last_hidden_state, ds.hidden_dtype,
-                  lambda indices: load_batch(ds.files, indices, max_length, ds.layout), background=True,
+                  lambda indices: read_samples(ds.files, indices, ds.layout), background=True, max_length=max_length,
                   stored_top_k=ds.stored_top_k, layout=ds.layout)
 
 
@@ -477,16 +587,15 @@ def online_source(prepared: Prepared, model: nn.Module, layer_ids: list[int], de
     dtype = next(model.parameters()).dtype
     samples = prepared.samples
 
-    def load(indices: list[int]) -> Batch:
+    def read(indices: list[int]) -> list[formats.TrainingSample]:
         batch = [truncate(samples[i], max_length) for i in indices]
         states = run_batch(model, capture, batch, device, dtype, out_device=device)
-        return collate([formats.TrainingSample(torch.tensor(s.input_ids), torch.cat(h[:-1], dim=-1), h[-1],
-                                               torch.tensor(s.loss_mask)) for s, h in zip(batch, states)], None,
-                       indices)
+        return [formats.TrainingSample(torch.tensor(s.input_ids, device=device), torch.cat(h[:-1], dim=-1), h[-1],
+                                       torch.tensor(s.loss_mask, device=device)) for s, h in zip(batch, states)]
 
     return Source(prepared.root, {i: len(s.input_ids) for i, s in enumerate(samples)}, prepared.token_freq,
-                  layer_ids[:-1], formats.LAST_STATE_PRE_NORM, dtype_name(dtype), load, background=False,
-                  layout=PREPARED_LAYOUT)
+                  layer_ids[:-1], formats.LAST_STATE_PRE_NORM, dtype_name(dtype), read, background=False,
+                  max_length=max_length, layout=PREPARED_LAYOUT)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -41,8 +43,9 @@ from eaglet.extract import prepared_target
 from eaglet.target import TargetRef, fast_bf16, load_target, parse_dtype, resolve_target
 from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
                                          checkpoint_name, resumed_options, run_lock, truncate_metrics)
-from eaglet.training.config import CALIBRATION_SKIP, Calibration, Plan, TrainConfig, budget_steps, lr_lambda
-from eaglet.training.data import (BatchStream, Dataset, Prefetcher, Prepared, Source, bucketed_batches,
+from eaglet.training.config import (CALIBRATION_SKIP, Calibration, Plan, TrainConfig, budget_steps, lr_lambda,
+                                    resolve_packing)
+from eaglet.training.data import (Batch, BatchStream, Dataset, Prefetcher, Prepared, Source, bucketed_batches,
                                   check_target_matches, dataset_target, offline_source,
                                   online_source, open_training_data, refuse_beyond_positions, refuse_too_short,
                                   refuse_wrong_layer_ids, split_indices)
@@ -154,6 +157,7 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
     if cfg.bf16 is None:  # resolved here, so train_config.json and a resume see what ran
         cfg = replace(cfg, bf16=fast_bf16(device))
     src, ref, draft, teachers = setup_model(dataset_dir, data, target, cfg, device)
+    cfg = resolve_packing(cfg, max(src.cut_lengths().values()))  # before the trajectory is recorded
     split = setup_data(src, cfg, d)
     state = RunState(Plan.first(cfg, split.epoch_steps), cfg.stop_after)
     params, opt, sched = setup_optimizer(draft, cfg, state)
@@ -167,7 +171,7 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
         truncate_metrics(out / METRICS_FILE, state.step)
     d.barrier()
 
-    model = wrap(draft, device, d)
+    model = compiled(wrap(draft, device, d), cfg.compile)
     if d.main:
         write_run_config(out, {**asdict(cfg), "world_size": d.world, "total_steps": state.plan.total_steps,
                                "warmup_steps": state.plan.warmup, "dataset": record["dataset"], "target": ref.name,
@@ -218,7 +222,7 @@ def online_target(dataset_dir: str | Path, prepared: Prepared, target: str | Non
     """The target `eaglet prepare` used, on this process's device (under torchrun every process
     runs its own copy), and the source that runs it on the prepared samples."""
     ref = prepared_target(dataset_dir, prepared.config, target)
-    tmodel = load_target(ref, parse_dtype(cfg.target_dtype, device), device)
+    tmodel = load_target(ref, parse_dtype(cfg.target_dtype, device), device, cfg.placement())
     # a token id outside the vocabulary: refused now, else an IndexError at step N
     formats.check_prepared_token_ids(dataset_dir, prepared.samples, tmodel.config.vocab_size)
     n = tmodel.config.num_hidden_layers
@@ -241,13 +245,33 @@ def offline_target(ds: Dataset, target: str | None, cfg: TrainConfig) -> tuple[S
 def setup_data(src: Source, cfg: TrainConfig, d: Dist) -> Split:
     """The seeded split, the global order of micro-batches, and the sizes of a step and an epoch."""
     train_idx, eval_idx = split_indices(list(src.lengths), cfg.eval_fraction, cfg.seed)
-    stream = BatchStream(train_idx, src.lengths, cfg.batch_size, cfg.seed)
+    cut = src.cut_lengths()
+    stream = BatchStream(train_idx, cut, cfg.batch_size, cfg.seed, cfg.pack_tokens or None)
     micro_per_step = cfg.grad_accum * d.world
     epoch_steps = max(1, int(cfg.epochs * stream.per_epoch) // micro_per_step)
-    tokens_per_step = micro_per_step * cfg.batch_size * sum(
-        min(src.lengths[i], cfg.max_length or src.lengths[i]) for i in train_idx) / max(1, len(train_idx))
+    tokens_per_step = micro_per_step * sum(cut[i] for i in train_idx) / max(1, stream.per_epoch)
+    # held-out batches stay one sample per row, packed or not: comparable across runs
     return Split(train_idx, eval_idx, stream, bucketed_batches(eval_idx, src.lengths, cfg.batch_size, None),
                  micro_per_step, epoch_steps, tokens_per_step)
+
+
+def compiled(model: nn.Module, enabled: bool) -> nn.Module:
+    """`model` under torch.compile (inductor) for the training steps, or as is. Packed micro-batches
+    have one shape, so one graph serves every step (a TTT ramp adds one per unroll length); the
+    drafter itself stays eager for held-out evaluation, whose batches vary in length. On a CPU
+    inductor builds C++: without a compiler the steps run eager, with a warning."""
+    if not enabled:
+        return model
+    if next(model.parameters()).device.type == "cpu" and not cpp_compiler():
+        log.warning("--compile: no C++ compiler (%s) for torch.compile on the CPU; training eager",
+                    os.environ.get("CXX", "c++"))
+        return model
+    return torch.compile(model, dynamic=False)
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would call on the CPU, if there is one."""
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
 def setup_optimizer(draft: Eagle3Draft, cfg: TrainConfig,
@@ -331,7 +355,7 @@ def run_steps(run: Run, state: RunState, show_progress: bool) -> None:
     """Train up to state.stop: each step, then its metrics line, held-out evaluation and checkpoint
     when due; under --time-budget the plan is sized once the first steps are timed."""
     progress = start_progress(run, state, show_progress)
-    prefetch = Prefetcher(lambda m: run.src.load(run.split.stream[m]), background=run.src.background)
+    prefetch = Prefetcher(lambda m: micro_batch(run, m), background=run.src.background)
     run.draft.train()
     try:
         while state.step < state.stop:
@@ -348,6 +372,12 @@ def run_steps(run: Run, state: RunState, show_progress: bool) -> None:
         prefetch.close()
         progress.bar.close()
         run.metrics.close()
+
+
+def micro_batch(run: Run, m: int) -> Batch:
+    """Micro-batch m of the global order: one pack of --pack-tokens, or --batch-size samples."""
+    indices = run.split.stream[m]
+    return run.src.load_pack(indices, run.cfg.pack_tokens) if run.cfg.pack_tokens else run.src.load(indices)
 
 
 def train_step(run: Run, state: RunState, prefetch: Prefetcher) -> StepResult:

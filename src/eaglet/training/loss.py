@@ -19,8 +19,10 @@ def forward_stats(model: nn.Module, teachers: TeacherSource, batch: Batch, cfg: 
     teacher = teachers(batch)
     positions = batch.loss_mask if loss_on == "assistant" else batch.real()
     with autocast(device, cfg.bf16):
-        out = model(batch.input_ids, batch.aux_hidden.float(), steps=steps)
-        loss, stats = ttt_loss(out, teacher, positions, feature_weight=cfg.feature_loss_weight)
+        out = model(batch.input_ids, batch.aux_hidden.float(), steps=steps, documents=batch.documents,
+                    positions=batch.positions)
+        loss, stats = ttt_loss(out, teacher, positions, feature_weight=cfg.feature_loss_weight,
+                               documents=batch.documents, objective=cfg.objective)
     sums = torch.zeros(STAT_ROWS, cfg.ttt_steps, device=device)
     sums[:, :steps] = stats.as_tensor()
     return loss, sums

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from eaglet import formats
-from eaglet.draft_model import (DraftConfig, Eagle3Draft, Teacher, build_draft_vocab, load_embeddings_from,
-                                make_teacher, teacher_from_top_k)
+from eaglet.draft_model import (DraftConfig, DraftFirstHead, Eagle3Draft, Teacher, build_draft_vocab,
+                                load_embeddings_from, make_teacher, teacher_from_top_k)
 from eaglet.target import base_model
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
@@ -66,16 +66,28 @@ def autocast(device: torch.device, enabled: bool) -> torch.autocast:
 class TeacherSource:
     """The teacher of each micro-batch. Dense (top_k None): recomputed from the last state every
     time, as EAGLE-3 trains. Sparse: the target's top-k draft ids and their renormalised
-    log-probabilities, computed once per sample (in fp32, one sample at a time, so a value never
+    log-probabilities, computed once per sample (one sample at a time, so a value never
     depends on what it was batched with and a resumed run sees the same numbers) and kept in
     memory: (4 + 4) * k + 1 bytes per token, where every later epoch would otherwise redo the
-    target's full-vocabulary head (vocab x H multiply-adds per token)."""
+    target's full-vocabulary head (vocab x H multiply-adds per token). Both run in the drafter's
+    compute dtype (bf16 autocast where it is fast), the softmax in fp32."""
 
     def __init__(self, head: TeacherHead, d2t: torch.Tensor, t2d: torch.Tensor, top_k: int | None,
                  features: bool, bf16: bool):
         self.head, self.d2t, self.t2d, self.top_k, self.features, self.bf16 = head, d2t, t2d, top_k, features, bf16
+        self._lm_head: DraftFirstHead | None = None
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.cached_bytes = 0
+
+    @property
+    def lm_head(self) -> DraftFirstHead:
+        """The head's rows reordered once (on first use: a resumed run has restored the draft
+        vocabulary by then), in the compute dtype: autocast would cast the frozen weights again at
+        every call (it caches casts of trainable weights only)."""
+        if self._lm_head is None:
+            self._lm_head = DraftFirstHead(self.head.lm_head, self.d2t, self.t2d,
+                                           torch.bfloat16 if self.bf16 else None)
+        return self._lm_head
 
     def __call__(self, batch: Batch) -> Teacher:
         device = batch.input_ids.device
@@ -84,25 +96,30 @@ class TeacherSource:
                                       self.top_k or batch.teacher_ids.shape[-1])
         if self.top_k is None:
             with autocast(device, self.bf16):  # the dense teacher runs in the drafter's compute dtype
-                return make_teacher(batch.last_hidden, self.head.final_norm, self.head.lm_head, self.d2t, self.t2d,
+                return make_teacher(batch.last_hidden, self.head.final_norm, self.lm_head, self.d2t, self.t2d,
                                     features=self.features)
         B, L = batch.input_ids.shape
         log_probs = torch.zeros(B, L, self.top_k, device=device)
         ids = torch.zeros(B, L, self.top_k, dtype=torch.long, device=device)
         in_draft = torch.zeros(B, L, dtype=torch.bool, device=device)
-        for row, n in enumerate(batch.lengths):
-            lp, top_ids, drafted = self.sample(batch, row)
-            log_probs[row, :n], ids[row, :n], in_draft[row, :n] = lp, top_ids, drafted
+        # in the drafter's compute dtype: the target's full-vocabulary head is vocab x H multiply-adds
+        # a token, in fp32 on a CPU a quarter of a first-epoch step (bf16 on AMX: a twentieth)
+        with autocast(device, self.bf16):
+            for row, start, n, index in batch.segments():  # one sample at a time, packed or not
+                lp, top_ids, drafted = self.sample(batch.last_hidden[row:row + 1, start:start + n], index)
+                log_probs[row, start:start + n], ids[row, start:start + n], in_draft[row, start:start + n] = (
+                    lp, top_ids, drafted)
         feats = self.head.final_norm(batch.last_hidden.float()) if self.features else None
         return Teacher(log_probs, ids[..., 0], in_draft, ids, feats)
 
-    def sample(self, batch: Batch, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        index, n = (batch.indices[row] if batch.indices else None), batch.lengths[row]
+    def sample(self, last_hidden: torch.Tensor, index: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cached teacher of sample `index` ([1, n, H] its last states), computed on a miss."""
+        n = last_hidden.shape[1]
         hit = self.cache.get(index) if index is not None else None
         if hit is not None and hit[0].shape[0] == n:
             return hit
-        t = make_teacher(batch.last_hidden[row:row + 1, :n].float(), self.head.final_norm, self.head.lm_head,
-                         self.d2t, self.t2d, top_k=self.top_k)
+        t = make_teacher(last_hidden.float(), self.head.final_norm, self.lm_head, self.d2t, self.t2d,
+                         top_k=self.top_k)
         hit = (t.log_probs[0], t.ids[0].to(torch.int32), t.in_draft[0])
         size = sum(x.numel() * x.element_size() for x in hit)
         if index is not None and self.cached_bytes + size <= TEACHER_CACHE_MAX_BYTES:
