@@ -50,6 +50,7 @@ STAGES = RECIPE_STAGES
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 STAGE_MARKERS = "stages"
 SUMMARY_FILE = "summary.json"
+DRAFTER_METHODS = ("chain", "tree", "hybrid")  # the eval methods that use the drafter, in the summary
 CHATS_FILE = "chats.jsonl"
 # The keys of [recipe] and [scale] and their types; `out` is the default of --out.
 RECIPE_KEYS: dict[str, Any] = {"name": str, "target": str, "description": str, "out": str}
@@ -528,7 +529,7 @@ def stage_figures(stage: str, r: dict[str, Any]) -> str:
         parts = []
         for name, methods in r["sets"].items():
             pld = methods.get("prompt-lookup", {}).get("speedup")
-            for m in ("chain", "tree"):
+            for m in DRAFTER_METHODS:
                 if m in methods:
                     x = methods[m]
                     vs_pld = f", {x['speedup'] / pld:.2f}x vs prompt lookup" if pld else ""
