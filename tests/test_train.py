@@ -304,6 +304,8 @@ def test_time_budget_sizes_the_schedule(dataset, tmp_path):
     cfg = json.loads((run / "checkpoints" / "latest.json").read_text())
     state = torch.load(run / "checkpoints" / cfg["path"] / "training_state.pt", weights_only=True)
     assert state["plan"]["calibrated"] and state["plan"]["total_steps"] == summary.total_steps == summary.step
+    written = json.loads((run / "train_config.json").read_text())  # the sized schedule, not the placeholder
+    assert written["total_steps"] == summary.total_steps and written["warmup_steps"] == state["plan"]["warmup"]
     assert 0.5 < summary.seconds < 12  # about the budget (the estimate is made from the first steps)
     evals = [r for r in iter_metrics(run) if r["split"] == "eval"]
     assert evals and evals[-1]["step"] == summary.step and evals[-1]["train_seconds"] > 0

@@ -427,6 +427,10 @@ def calibrate_budget(run: Run, state: RunState, progress: Progress) -> None:
     if run.d.main:
         log.info("--time-budget %.0f s: %.0f tok/s over %d steps -> %d steps in all", cfg.time_budget, rate, timed,
                  state.plan.total_steps)
+        # train_config.json was written before the schedule had a length: give it the sized one
+        config = formats.read_json(run.out / TRAIN_CONFIG_FILE)
+        write_run_config(run.out, {**config, "total_steps": state.plan.total_steps,
+                                   "warmup_steps": state.plan.warmup})
 
 
 def maybe_log(run: Run, state: RunState, progress: Progress, result: StepResult) -> None:
