@@ -229,6 +229,13 @@ class CausalLogSumExp(torch.autograd.Function):
         return scale * grad.unsqueeze(-1) * pk.detach(), scale * dk, None, None, None
 
 
+def step0_mask(L: int, window: int | None, documents: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Bool [L, L] or [B, 1, L, L]: the step-0 keys each query sees (causal, window, own document)."""
+    positions = torch.arange(L, device=device)
+    mask = document_keys(positions, positions, window, documents)
+    return mask if documents is None else mask[:, None]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                      documents: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over step-0 keys: causal, or causal within a sliding window (a boolean band mask);
@@ -236,9 +243,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     gqa = q.shape[1] != k.shape[1]
     if documents is None and (window is None or window >= k.shape[2]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    positions = torch.arange(k.shape[2], device=q.device)
-    mask = document_keys(positions, positions, window, documents)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if documents is None else mask[:, None],
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=step0_mask(k.shape[2], window, documents, q.device),
                                           enable_gqa=gqa)
 
 
@@ -274,13 +279,6 @@ def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, 
         out = torch.exp(lse_c - lse) * o_c.float().view(B, nkv, nh // nkv, L, d)
         out = out + torch.einsum("bhglk,kbhld->bhgld", torch.exp(diag - lse), dv)
     return out.reshape(B, nh, L, d).to(q.dtype)
-
-
-def step0_mask(L: int, window: int | None, documents: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Bool [L, L] or [B, 1, L, L]: the step-0 keys each query sees (causal, window, own document)."""
-    positions = torch.arange(L, device=device)
-    mask = document_keys(positions, positions, window, documents)
-    return mask if documents is None else mask[:, None]
 
 
 class FlashDiagonalAttention(torch.autograd.Function):
@@ -323,7 +321,7 @@ class FlashDiagonalAttention(torch.autograd.Function):
         gf = grad.float().view(B, nkv, g, L, d)
         grad_c = (a * gf).reshape(B, nh, L, d).to(q.dtype)
         dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_c, q, k0, v0, out, lse_c.to(torch.float32), 0.0, mask is None, attn_mask=mask)
+            grad_c, q, k0, v0, out, lse_c, 0.0, mask is None, attn_mask=mask)
         row = (gf * out.float().view(B, nkv, g, L, d)).sum(-1, keepdim=True)  # dO.out per query
         ds = b * (torch.einsum("bhgld,kbhld->bhglk", gf, dv.float()) - row)  # the diagonal scores' gradients
         dq = dq.float().view(B, nkv, g, L, d) + scale * torch.einsum("bhglk,kbhld->bhgld", ds, dk.float())

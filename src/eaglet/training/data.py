@@ -10,6 +10,7 @@ before any training step, so a run never spends time on data it cannot train on.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -340,7 +341,7 @@ class BatchStream:
     def __getitem__(self, m: int) -> Any:
         while self.starts[-1] <= m:  # count epochs up to the one holding m (packs vary per epoch)
             self.starts.append(self.starts[-1] + len(self.epoch(len(self.starts) - 1)))
-        e = next(e for e in range(len(self.starts) - 1) if m < self.starts[e + 1])
+        e = bisect.bisect_right(self.starts, m) - 1
         return self.epoch(e)[m - self.starts[e]]
 
 

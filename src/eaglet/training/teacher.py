@@ -103,7 +103,7 @@ class TeacherSource:
         ids = torch.zeros(B, L, self.top_k, dtype=torch.long, device=device)
         in_draft = torch.zeros(B, L, dtype=torch.bool, device=device)
         # in the drafter's compute dtype: the target's full-vocabulary head is vocab x H multiply-adds
-        # a token, in fp32 on a CPU a quarter of a first-epoch step (bf16 on AMX: a twentieth)
+        # a token, the largest part of a first-epoch step beside the drafter's own (docs/design.md)
         with autocast(device, self.bf16):
             for row, start, n, index in batch.segments():  # one sample at a time, packed or not
                 lp, top_ids, drafted = self.sample(batch.last_hidden[row:row + 1, start:start + n], index)
@@ -118,8 +118,7 @@ class TeacherSource:
         hit = self.cache.get(index) if index is not None else None
         if hit is not None and hit[0].shape[0] == n:
             return hit
-        t = make_teacher(last_hidden.float(), self.head.final_norm, self.lm_head, self.d2t, self.t2d,
-                         top_k=self.top_k)
+        t = make_teacher(last_hidden, self.head.final_norm, self.lm_head, self.d2t, self.t2d, top_k=self.top_k)
         hit = (t.log_probs[0], t.ids[0].to(torch.int32), t.in_draft[0])
         size = sum(x.numel() * x.element_size() for x in hit)
         if index is not None and self.cached_bytes + size <= TEACHER_CACHE_MAX_BYTES:
