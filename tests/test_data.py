@@ -244,9 +244,28 @@ def test_prepare_writes_dataset_with_counts(tiny_target, chats_jsonl, tmp_path):
     assert freq == expected and sum(freq.values()) == config["num_masked_tokens"]
 
 
+def test_prepare_mix_follows_data_with_its_own_skip_and_count(tiny_target, chats_jsonl, tmp_path):
+    """--mix appends a second source's chats after --data's, each with its own skip and count: the
+    recipe's original ShareGPT answers beside the regenerated ones."""
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"id": f"orig{n}", "messages": TEST_CHATS[n % len(TEST_CHATS)]}) + "\n"
+                             for n in range(6)))
+    out = tmp_path / "prep"
+    summary = prepare(str(tiny_target), str(chats_jsonl), out, max_length=512, num_samples=4, skip=1,
+                      mix=str(other), mix_skip=2, mix_samples=3)
+    samples, config = formats.read_prepared(out)
+    assert [s.sample_id for s in samples] == ["chat1", "chat2", "chat3", "chat4", "orig2", "orig3", "orig4"]
+    assert summary.samples == 7 and config["samples_per_source"] == [4, 3] and config["mix"] == str(other)
+    alone = prepare(str(tiny_target), str(other), tmp_path / "alone", max_length=512, skip=2, num_samples=3)
+    assert [s.input_ids for s in samples[4:]] == [s.input_ids for s in formats.read_prepared(alone.out)[0]]
+    with pytest.raises(ValueError, match="--mix-samples / --mix-skip: set, but no --mix source"):
+        prepare(str(tiny_target), str(chats_jsonl), tmp_path / "p2", mix_samples=3)
+
+
 @pytest.mark.parametrize("options, message", [({"max_length": -5}, "--max-length -5: must be >= 1"),
                                               ({"num_samples": 0}, "--num-samples 0: must be >= 1"),
-                                              ({"skip": -1}, "--skip -1: must be >= 0")])
+                                              ({"skip": -1}, "--skip -1: must be >= 0"),
+                                              ({"mix": "sharegpt", "mix_skip": -1}, "--mix-skip -1: must be >= 0")])
 def test_prepare_refuses_out_of_range_numbers(tiny_target, chats_jsonl, tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
         prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prep", **options)

@@ -372,12 +372,19 @@ def template_hash(tokenizer) -> str:
 
 def prepare(target: str | None, data: str, out: str | Path, max_length: int | None = None,
             num_samples: int | None = None, skip: int = 0, command: str = "",
-            overwrite: bool = False) -> PrepareSummary:
+            overwrite: bool = False, mix: str | None = None, mix_samples: int | None = None,
+            mix_skip: int = 0) -> PrepareSummary:
     """Tokenize chats with the target's template and write the prepared dataset to `out`; a
     prepared dataset already there is replaced only with `overwrite`. `max_length` (default
-    DEFAULT_MAX_LENGTH, or the target's positions where fewer) may not exceed the target's positions."""
-    ranges.at_least(1, max_length=max_length, num_samples=num_samples)
-    ranges.at_least(0, skip=skip)
+    DEFAULT_MAX_LENGTH, or the target's positions where fewer) may not exceed the target's positions.
+    `mix`: a second chat source whose chats follow those of `data` (its first `mix_skip` records
+    skipped, at most `mix_samples` kept): e.g. ShareGPT's original answers beside the target's
+    regenerated ones, more unique tokens for the price of extraction rather than of generation."""
+    ranges.at_least(1, max_length=max_length, num_samples=num_samples, mix_samples=mix_samples)
+    ranges.at_least(0, skip=skip, mix_skip=mix_skip)
+    if mix is None and (mix_samples is not None or mix_skip):
+        raise ValueError("--mix-samples / --mix-skip: set, but no --mix source to take them from")
+    sources = [(data, skip, num_samples)] + ([(mix, mix_skip, mix_samples)] if mix is not None else [])
     existing = Path(out) / PREPARED_FILE
     if existing.exists() and not overwrite:
         raise FileExistsError(f"--out {out} already holds a prepared dataset ({existing.name}); choose another "
@@ -392,35 +399,41 @@ def prepare(target: str | None, data: str, out: str | Path, max_length: int | No
     template_failures = Tally()
     first_failure: str | None = None
     missing_eot = 0
-    bar = tqdm(total=num_samples, desc="prepare", unit="chat", file=sys.stderr, dynamic_ncols=True)
+    limits = [limit for _, _, limit in sources]
+    bar = tqdm(total=None if None in limits else sum(limits), desc="prepare", unit="chat", file=sys.stderr,
+               dynamic_ncols=True)
+    per_source: list[int] = []
     with PreparedWriter(out) as writer:
-        for n, (sample_id, record) in enumerate(iter_records(data, stats)):
-            if n < skip:
-                continue
-            if num_samples is not None and writer.samples >= num_samples:
-                break
-            messages = to_messages(record, stats)
-            if isinstance(messages, str):
-                stats.skip(messages)
-                continue
-            try:
-                ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids)
-            except TemplateSpanError as e:
-                first_failure = first_failure or f"{stats.where}: {e}"
-                template_failures.add(str(e).split(" (")[0], stats.where)
-                if not writer.samples and sum(template_failures.values()) >= 20:
-                    raise TemplateSpanError(f"the first 20 chats all failed; {first_failure}") from e
-                continue
-            except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
-                template_failures.add(f"template raised {type(e).__name__}: {str(e)[:80]}", stats.where)
-                continue
-            missing_eot += no_eot
-            ids, mask = ids[:max_length], mask[:max_length]
-            if not any(mask):
-                stats.skip(TRUNCATED_AWAY)
-                continue
-            writer.add(TokenizedSample(sample_id, ids, mask))
-            bar.update(1)
+        for source, first, limit in sources:
+            written_before = writer.samples
+            for n, (sample_id, record) in enumerate(iter_records(source, stats)):
+                if n < first:
+                    continue
+                if limit is not None and writer.samples - written_before >= limit:
+                    break
+                messages = to_messages(record, stats)
+                if isinstance(messages, str):
+                    stats.skip(messages)
+                    continue
+                try:
+                    ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids)
+                except TemplateSpanError as e:
+                    first_failure = first_failure or f"{stats.where}: {e}"
+                    template_failures.add(str(e).split(" (")[0], stats.where)
+                    if not writer.samples and sum(template_failures.values()) >= 20:
+                        raise TemplateSpanError(f"the first 20 chats all failed; {first_failure}") from e
+                    continue
+                except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
+                    template_failures.add(f"template raised {type(e).__name__}: {str(e)[:80]}", stats.where)
+                    continue
+                missing_eot += no_eot
+                ids, mask = ids[:max_length], mask[:max_length]
+                if not any(mask):
+                    stats.skip(TRUNCATED_AWAY)
+                    continue
+                writer.add(TokenizedSample(sample_id, ids, mask))
+                bar.update(1)
+            per_source.append(writer.samples - written_before)
         bar.close()
         if not writer.samples:
             raise no_usable_chat(data, stats, template_failures, first_failure, max_length, skip)
@@ -428,6 +441,7 @@ def prepare(target: str | None, data: str, out: str | Path, max_length: int | No
         "eaglet_version": __version__, "command": command,
         "target": ref.name, "target_spec": target, "target_path": ref.path, "target_revision": ref.revision,
         "chat_template_sha256": template_hash(tokenizer), "data": data, "skip": skip,
+        "mix": mix, "mix_skip": mix_skip, "mix_samples": mix_samples, "samples_per_source": per_source,
         "max_length": max_length, "num_samples": writer.samples, "num_tokens": writer.tokens,
         "num_masked_tokens": writer.masked_tokens, "records_read": stats.records,
         "skipped": dict(stats.skipped), "cut_short": dict(stats.trimmed),

@@ -222,7 +222,11 @@ PREPARE = Stage(
      Option("overwrite", "replace a prepared dataset already in --out", kind=FLAG),
      Option("max_length", "truncate chats to this many tokens (default 2048, or the target's positions where "
                           "fewer)", type=int),
-     SKIP),
+     SKIP,
+     Option("mix", "a second chat source (same formats as --data) whose chats follow --data's, e.g. 'sharegpt' "
+                   "with its original answers beside regenerated ones"),
+     Option("mix_samples", "keep at most this many chats of --mix", type=int),
+     Option("mix_skip", "skip the first N records of --mix (past those --data drew from)", type=int, default=0)),
     "eaglet.data:prepare", f"no new prepared dataset was written; {STARTS_OVER}")
 
 EXTRACT = Stage(
