@@ -17,6 +17,7 @@ on-disk layouts themselves (config keys, weight names) are defined in `formats/d
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,9 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
-from eaglet import __version__, formats, layers
+from eaglet import __version__, embedded, formats, layers
 from eaglet.draft_model import DraftConfig, Eagle3Draft
-from eaglet.target import load_target, resolve_target, serving_name
+from eaglet.target import is_embedded, load_target, resolve_target, serving_name
 from eaglet.training.checkpoints import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, export_config
 
 log = logging.getLogger(__name__)
@@ -304,8 +305,11 @@ class ExportSummary:
         out = [f"exported {self.format} drafter -> {self.out} ({self.num_tensors} tensors, "
                f"{self.num_bytes / 2**20:.1f} MiB, {self.dtype})",
                f"  aux layer ids {c.aux_layer_ids} (HF hidden_states indexing), draft vocab {c.draft_vocab_size} "
-               f"of {c.target_vocab_size}",
-               f"  vLLM:   vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
+               f"of {c.target_vocab_size}"]
+        if self.format == formats.FORMAT_GGUF:  # `target` is the GGUF whose tokenizer it carries
+            return out + [f"  llama.cpp: llama-server -m {target} -md {self.out} --spec-type draft-eagle3 "
+                          f"--spec-draft-n-max {DEFAULT_SPECULATIVE_TOKENS}"]
+        out += [f"  vLLM:   vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
                f"\"{self.out}\", \"num_speculative_tokens\": {DEFAULT_SPECULATIVE_TOKENS}}}'"]
         if self.format == formats.FORMAT_EAGLE:
             out.append(f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
@@ -315,14 +319,19 @@ class ExportSummary:
 
 
 def export_drafter(ckpt: str | Path, out: str | Path, fmt: str, dtype: str = "bf16", verifier: str | None = None,
-                   speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS) -> ExportSummary:
-    """Write `out` (config.json + model.safetensors, atomically) in `fmt` from a checked drafter.
-    `ckpt`: a checkpoint folder or a train run folder (its best checkpoint)."""
+                   speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
+                   target_gguf: str | Path | None = None) -> ExportSummary:
+    """Write `out` (config.json + model.safetensors, atomically; for gguf one file) in `fmt` from
+    a checked drafter. `ckpt`: a checkpoint folder or a train run folder (its best checkpoint)."""
     if fmt not in formats.EXPORT_FORMATS:
         raise ValueError(f"--format {fmt!r}: expected one of {list(formats.EXPORT_FORMATS)}")
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {list(EXPORT_DTYPES)}")
+    if target_gguf is not None and fmt != formats.FORMAT_GGUF:
+        raise ValueError(f"--target-gguf: only --format gguf carries the target's tokenizer (this is --format {fmt})")
     d = read_drafter(ckpt)
+    if fmt == formats.FORMAT_GGUF:
+        return export_gguf(d, Path(out), dtype, target_gguf)
     problems = unservable(d.config, fmt)
     if problems:
         raise ValueError(f"{d.folder}: cannot export as {fmt}: " + "; ".join(problems))
@@ -346,6 +355,41 @@ def export_drafter(ckpt: str | Path, out: str | Path, fmt: str, dtype: str = "bf
     formats.write_drafter_folder(out, config, tensors)
     return ExportSummary(Path(out), fmt, dtype, d.config, len(tensors),
                          sum(t.numel() * t.element_size() for t in tensors.values()), target, notes)
+
+
+def gguf_tokenizer_source(d: Drafter, target_gguf: str | Path | None) -> Path:
+    """The GGUF whose tokenizer the drafter carries: the one given, or the embedded target's own."""
+    if target_gguf is not None:
+        path = Path(target_gguf)
+        if not path.is_file():
+            raise FileNotFoundError(f"--target-gguf {target_gguf}: no such file")
+        return path
+    recorded = recorded_target(d)
+    if is_embedded(recorded):
+        return embedded.smollm2_gguf()
+    raise ValueError(f"{d.folder}: its target is {recorded}, not the embedded one; pass --target-gguf with the "
+                     f"target's GGUF file (the drafter must carry that tokenizer, llama-server checks it)")
+
+
+def export_gguf(d: Drafter, out: Path, dtype: str, target_gguf: str | Path | None) -> ExportSummary:
+    """The drafter as one llama.cpp eagle3 GGUF (formats/gguf_drafter.py): q/k rows in ggml's RoPE
+    order, d2t absolute, no t2d, no embeddings (llama.cpp uses the target's, which the drafter
+    copied frozen)."""
+    if out.suffix != formats.GGUF_SUFFIX:
+        raise ValueError(f"--out {out}: --format gguf writes one file; give a path ending {formats.GGUF_SUFFIX}")
+    if out.exists():
+        raise FileExistsError(f"--out {out} already exists; remove it or choose another path")
+    source = gguf_tokenizer_source(d, target_gguf)
+    tensors = {k: v for k, v in d.tensors.items() if k not in (EMBEDDINGS, "t2d")}
+    recorded = recorded_target(d)
+    provenance = {"eaglet_version": __version__, "source_format": d.format, "target": recorded,
+                  "target_revision": recorded_target_revision(d), "tokenizer_from": source.name,
+                  "step": (d.source.get("eaglet") or {}).get("step")}
+    size = formats.write_gguf_drafter(out, d.config, tensors, source, EXPORT_DTYPES[dtype],
+                                      name=f"eaglet drafter for {recorded or 'its target'}",
+                                      provenance=json.dumps(provenance))
+    return ExportSummary(out, formats.FORMAT_GGUF, dtype, d.config, len(tensors), size,
+                         str(source), [])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ LOSS_ON = ("assistant", "all")
 OBJECTIVES = ("ce", "lk", "lk-hybrid")  # draft_model.objective_loss
 LM_HEAD_INITS = ("random", "target")
 REGEN_BACKENDS = ("local", "openai")
-EXPORT_FORMAT_NAMES = ("speculators", "eagle")
+EXPORT_FORMAT_NAMES = ("speculators", "eagle", "gguf")
 EXPORT_DTYPE_NAMES = ("bf16", "fp32")
 PROMPT_SETS = ("mtbench", "mtbench-2turn", "humaneval", "sharegpt")
 BASELINE = "plain"  # plain greedy decoding, the reference every method is compared with
@@ -458,14 +458,16 @@ EVAL = Stage(
     "eaglet.evaluate:evaluate", f"no results were written; {STARTS_OVER}", config="eaglet.evaluate:DecodeSettings")
 
 EXPORT = Stage(
-    "export", "write a drafter folder that vLLM (speculators) or SGLang (eagle) loads",
-    "Check a trained drafter (shapes, d2t/t2d, layer ids) and write it as a speculators folder (vLLM) or an EAGLE-3 "
-    "/ SGLang folder: config.json + model.safetensors, atomically.",
+    "export", "write a drafter that vLLM (speculators), SGLang (eagle) or llama.cpp (gguf) loads",
+    "Check a trained drafter (shapes, d2t/t2d, layer ids) and write it as a speculators folder (vLLM), an EAGLE-3 "
+    "/ SGLang folder (config.json + model.safetensors) or one llama.cpp GGUF file, atomically.",
     (Option("ckpt", "checkpoint folder (checkpoints/step_N) or train run folder (its best checkpoint)",
             positional=True),
-     Option("out", "output folder (must not exist, or be empty)", positional=True),
-     Option("format", "speculators: vLLM; eagle: SGLang and the official EAGLE-3 code (vLLM loads it too)",
-            choices=EXPORT_FORMAT_NAMES, required=True, param="fmt"),
+     Option("out", "output folder (must not exist, or be empty); --format gguf: a file ending .gguf", positional=True),
+     Option("format", "speculators: vLLM; eagle: SGLang and the official EAGLE-3 code (vLLM loads it too); gguf: "
+                      "llama-server --spec-type draft-eagle3", choices=EXPORT_FORMAT_NAMES, required=True, param="fmt"),
+     Option("target_gguf", "gguf: the target's GGUF file, whose tokenizer the drafter carries (default: the embedded "
+                           "SmolLM2 GGUF, for a drafter of the embedded target)"),
      Option("dtype", "weight dtype", default="bf16", choices=EXPORT_DTYPE_NAMES),
      Option("verifier", "target name or path recorded as the verifier (default: the checkpoint's target)"),
      Option("num_speculative_tokens", "speculators: the draft length vLLM reads from the folder when its config sets none", type=int,

@@ -14,7 +14,8 @@ nowhere else:
   compact one (`compact`: 6-bit aux states and the target's top-K in place of the last state);
   `samples` holds what they share, `listing` how their files are found;
 - `drafters`: drafter folders for the serving engines (`eaglet export` / `eaglet import`): the
-  speculators (vLLM) and EAGLE-3 / SGLang `config.json` layouts and their weight names.
+  speculators (vLLM) and EAGLE-3 / SGLang `config.json` layouts and their weight names;
+  `gguf_drafter`: the one-file GGUF drafter llama.cpp's eagle3 loader reads.
 
 Callers use the names re-exported here (`formats.read_json`, `formats.layout(name)`, ...).
 """
@@ -57,8 +58,11 @@ from eaglet.formats.layouts import (ARROW_STATE_FILE, COMPACT_FILE_RE, COMPACT_L
                                     write_hs_safetensors_sample, write_sample, write_specforge_sample,
                                     write_speculators_rows, write_speculators_sample, write_v1_sample,
                                     written_layout)
+from eaglet.formats.gguf_drafter import (GGUF_ARCH, GGUF_SUFFIX, GGUFDrafter, from_ggml_rope_rows, read_gguf_drafter,
+                                         to_ggml_rope_rows, write_gguf_drafter)
 from eaglet.formats.drafters import (DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE, DTYPE_NAMES, EAGLE_ARCHITECTURES,
-                                     EXPORT_FORMATS, FORMAT_EAGLE, FORMAT_EAGLET, FORMAT_RENAMES, FORMAT_SPECULATORS,
+                                     EXPORT_FORMATS, FORMAT_EAGLE, FORMAT_EAGLET, FORMAT_GGUF, FORMAT_RENAMES,
+                                     FORMAT_SPECULATORS,
                                      IGNORABLE_WEIGHT_SUFFIXES, SPECULATORS_ARCHITECTURE, build_eagle_config,
                                      build_speculators_config, detect_drafter_format, format_name, from_format_names,
                                      parse_eagle_config, parse_speculators_config,

@@ -49,7 +49,8 @@ DRAFTER_WEIGHTS_FILE = "model.safetensors"
 FORMAT_EAGLET = "eaglet"  # a training checkpoint: config.json with an "eaglet" section
 FORMAT_EAGLE = "eagle"  # official EAGLE-3 / SGLang `LlamaForCausalLMEagle3`
 FORMAT_SPECULATORS = "speculators"  # vLLM / speculators `Eagle3Speculator`
-EXPORT_FORMATS = (FORMAT_SPECULATORS, FORMAT_EAGLE)
+FORMAT_GGUF = "gguf"  # one llama.cpp eagle3 GGUF file (formats/gguf_drafter.py)
+EXPORT_FORMATS = (FORMAT_SPECULATORS, FORMAT_EAGLE, FORMAT_GGUF)
 EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 # eaglet name prefix -> name prefix in the format. `fc_norm` is eaglet's single RMSNorm over the
