@@ -188,7 +188,7 @@ def test_cli_exports_gguf(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("variant, options, message", [
-    ({"norm_output": True}, {}, "llama.cpp cannot run this drafter as trained: norm_output"),
+    ({"norm_output": True}, {}, r"cannot export as gguf: norm_output \(EAGLE-3.1's post-norm state"),
     ({"sliding_window": 8}, {}, "sliding_window 8: llama.cpp's eagle3 attention has no window"),
     ({}, {"tokens": 49}, "its tokenizer has 49 tokens, the drafter was trained for a target vocabulary of 50"),
     ({}, {"out": "drafter"}, "give a path ending .gguf"),

@@ -134,6 +134,8 @@ def test_a_killed_server_gives_a_clear_error(tmp_path, monkeypatch, model):
         server.process.wait()
         with pytest.raises(LlamaServerError, match=r"/completion: .*\(server exited with code -9\)"):
             server.complete([1], 2)
+        with pytest.raises(LlamaServerError, match=r"/metrics: .*\(server exited with code -9\)"):
+            server.metrics()
 
 
 def test_a_missing_model_file_is_named(tmp_path, monkeypatch):

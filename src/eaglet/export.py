@@ -252,6 +252,8 @@ def recorded_target(d: Drafter) -> str | None:
 
 def unservable(cfg: DraftConfig, fmt: str) -> list[str]:
     """Variants a format's engine would load and then run wrongly."""
+    if fmt == formats.FORMAT_GGUF:
+        return formats.gguf_unservable(cfg)
     if fmt == formats.FORMAT_EAGLE and cfg.fc_norm:
         return ["fc_norm (one RMSNorm before fc): SGLang's LlamaForCausalLMEagle3 has no such norm and would skip "
                 "input_norm.weight without a word; use --format speculators (vLLM reads norm_before_fc)"]
@@ -330,11 +332,11 @@ def export_drafter(ckpt: str | Path, out: str | Path, fmt: str, dtype: str = "bf
     if target_gguf is not None and fmt != formats.FORMAT_GGUF:
         raise ValueError(f"--target-gguf: only --format gguf carries the target's tokenizer (this is --format {fmt})")
     d = read_drafter(ckpt)
-    if fmt == formats.FORMAT_GGUF:
-        return export_gguf(d, Path(out), dtype, target_gguf)
     problems = unservable(d.config, fmt)
     if problems:
         raise ValueError(f"{d.folder}: cannot export as {fmt}: " + "; ".join(problems))
+    if fmt == formats.FORMAT_GGUF:
+        return export_gguf(d, Path(out), dtype, target_gguf)
     tensors = cast_floats(formats.to_format_names(d.tensors, fmt), EXPORT_DTYPES[dtype])
     torch_dtype = formats.DTYPE_NAMES[EXPORT_DTYPES[dtype]]
     recorded = recorded_target(d)

@@ -127,13 +127,16 @@ class LlamaServer:
             return ""
 
     def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> Any:
-        """GET (no body) or POST JSON; the parsed answer. A dead server or an error status is a
+        """GET (no body) or POST JSON; the parsed answer."""
+        return json.loads(self.fetch(path, None if body is None else json.dumps(body).encode(), timeout) or b"null")
+
+    def fetch(self, path: str, data: bytes | None = None, timeout: float = 600.0) -> bytes:
+        """The raw answer to GET (no data) or POST. A dead server or an error status is a
         LlamaServerError naming the request and the server's last log lines."""
-        data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read() or b"null")
+                return r.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
             raise LlamaServerError(f"{SERVER_NAME} {path}: HTTP {e.code}: {detail}") from e
@@ -150,11 +153,8 @@ class LlamaServer:
 
     def metrics(self) -> dict[str, float]:
         """The Prometheus counters of /metrics (llamacpp:*), by name."""
-        req = urllib.request.Request(self.url + "/metrics")
-        with urllib.request.urlopen(req, timeout=30) as r:
-            text = r.read().decode()
         out = {}
-        for line in text.splitlines():
+        for line in self.fetch("/metrics", timeout=30).decode().splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 with contextlib.suppress(ValueError):

@@ -58,8 +58,8 @@ from eaglet.formats.layouts import (ARROW_STATE_FILE, COMPACT_FILE_RE, COMPACT_L
                                     write_hs_safetensors_sample, write_sample, write_specforge_sample,
                                     write_speculators_rows, write_speculators_sample, write_v1_sample,
                                     written_layout)
-from eaglet.formats.gguf_drafter import (GGUF_ARCH, GGUF_SUFFIX, GGUFDrafter, from_ggml_rope_rows, read_gguf_drafter,
-                                         to_ggml_rope_rows, write_gguf_drafter)
+from eaglet.formats.gguf_drafter import (GGUF_ARCH, GGUF_SUFFIX, GGUFDrafter, from_ggml_rope_rows, gguf_unservable,
+                                         read_gguf_drafter, to_ggml_rope_rows, write_gguf_drafter)
 from eaglet.formats.drafters import (DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE, DTYPE_NAMES, EAGLE_ARCHITECTURES,
                                      EXPORT_FORMATS, FORMAT_EAGLE, FORMAT_EAGLET, FORMAT_GGUF, FORMAT_RENAMES,
                                      FORMAT_SPECULATORS,

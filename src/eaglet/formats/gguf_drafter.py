@@ -119,21 +119,16 @@ def tokenizer_fields(target_gguf: Path) -> list[tuple[str, Any, Any, Any]]:
     return out
 
 
-def target_gguf_vocab_size(target_gguf: Path) -> int:
-    return next(len(v) for name, v, *_ in tokenizer_fields(target_gguf) if name == "tokenizer.ggml.tokens")
-
-
 def write_gguf_drafter(path: str | os.PathLike, cfg: Any, tensors: dict[str, torch.Tensor], target_gguf: Path,
                        dtype: torch.dtype = torch.bfloat16, name: str = "eaglet drafter",
                        provenance: str | None = None) -> int:
-    """Write `tensors` (eaglet names, checked against `cfg`) as llama.cpp's eagle3 GGUF, the
-    tokenizer copied from `target_gguf`, atomically; returns the bytes written."""
+    """Write `tensors` (eaglet names, checked against `cfg`, a variant `gguf_unservable` passes) as
+    llama.cpp's eagle3 GGUF, the tokenizer copied from `target_gguf`, atomically; returns the bytes
+    written."""
     import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
 
-    problems = gguf_unservable(cfg)
-    if problems:
-        raise ValueError("llama.cpp cannot run this drafter as trained: " + "; ".join(problems))
-    vocab = target_gguf_vocab_size(target_gguf)
+    tokenizer = tokenizer_fields(target_gguf)  # parsed once: its 49k-token arrays are most of the work
+    vocab = next(len(v) for k, v, *_ in tokenizer if k == "tokenizer.ggml.tokens")
     if vocab != cfg.target_vocab_size:
         raise ValueError(f"{target_gguf}: its tokenizer has {vocab:,} tokens, the drafter was trained for a target "
                          f"vocabulary of {cfg.target_vocab_size:,}; pass the GGUF of the drafter's own target")
@@ -161,7 +156,7 @@ def write_gguf_drafter(path: str | os.PathLike, cfg: Any, tensors: dict[str, tor
         w.add_bool(key("norm_before_fc"), bool(cfg.fc_norm))
         if provenance is not None:
             w.add_string(PROVENANCE_KEY, provenance)
-        for k, value, vtype, sub in tokenizer_fields(target_gguf):
+        for k, value, vtype, sub in tokenizer:
             w.add_key_value(k, value, vtype, sub)
         for eaglet_name, gguf_name in GGUF_NAMES.items():
             if eaglet_name not in tensors:
@@ -189,19 +184,15 @@ class GGUFDrafter:
     vocab_size: int  # tokens of the tokenizer it carries
 
 
-def field_value(f: Any) -> Any:
-    return f.contents()
-
-
 def read_gguf_drafter(path: str | os.PathLike) -> GGUFDrafter:
     """Read a drafter GGUF written by `write_gguf_drafter` (or llama.cpp's converter)."""
     import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
 
     reader = gguf.GGUFReader(Path(path))
-    arch = field_value(reader.fields["general.architecture"]) if "general.architecture" in reader.fields else None
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     if arch != GGUF_ARCH:
         raise ValueError(f"{path}: general.architecture is {arch!r}, not {GGUF_ARCH!r}; not an EAGLE-3 drafter GGUF")
-    metadata = {k: field_value(f) for k, f in reader.fields.items()
+    metadata = {k: f.contents() for k, f in reader.fields.items()
                 if not k.startswith(TOKENIZER_PREFIX) and not k.startswith("GGUF.")}
     heads = {"num_heads": metadata[key("attention.head_count")], "num_kv_heads": metadata[key("attention.head_count_kv")]}
     by_gguf = {g: e for e, g in GGUF_NAMES.items()}
@@ -222,5 +213,5 @@ def read_gguf_drafter(path: str | os.PathLike) -> GGUFDrafter:
         if name in ROPE_ROWS:
             value = from_ggml_rope_rows(value, heads[ROPE_ROWS[name]])
         tensors[name] = value
-    vocab = len(field_value(reader.fields["tokenizer.ggml.tokens"])) if "tokenizer.ggml.tokens" in reader.fields else 0
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents()) if "tokenizer.ggml.tokens" in reader.fields else 0
     return GGUFDrafter(metadata, tensors, vocab)
