@@ -20,17 +20,15 @@ side by side and measured in this one run:
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from eaglet.draft_model import DraftConfig, Eagle3Draft
-from eaglet.target import fast_bf16
+from eaglet.target import cpu_description, fast_bf16
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
 from eaglet.training.config import Plan
@@ -54,12 +52,7 @@ KINDS = (
 
 def machine() -> str:
     """CPU model and its matrix ISA (what `--dtype auto` and every figure here depend on)."""
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = "AMX bf16" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else (
-        "AVX2" if "avx2" in flags else "unknown ISA")
-    return f"{model} ({isa}), {torch.get_num_threads()} threads"
+    return f"{cpu_description()}, {torch.get_num_threads()} threads"
 
 
 def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 2.0) -> float:

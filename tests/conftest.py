@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,32 @@ def smollm2_dir(eaglet_home) -> Path:
     from eaglet.target import ensure_embedded_target
 
     return ensure_embedded_target()
+
+
+# The start of every llama-server stand-in script (an executable named by $EAGLET_LLAMA_SERVER
+# that speaks llama-server's HTTP API): its --version line, its --port, and a handler base class
+# whose `reply` sends JSON (or bytes of another kind). Each script goes on with `class H(Replies)`.
+LLAMA_STAND_IN_PREAMBLE = '''\
+import json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
+args = sys.argv
+if "--version" in args:
+    sys.exit(print("version: 0 (stand-in)"))
+port = int(args[args.index("--port") + 1])
+class Replies(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def reply(self, body, kind="application/json"):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+'''
+
+
+def llama_server_stand_in(folder: Path, script: str, monkeypatch) -> Path:
+    """Install `script` (LLAMA_STAND_IN_PREAMBLE and the rest) as $EAGLET_LLAMA_SERVER."""
+    body, exe = folder / "llama_stand_in.py", folder / "llama-server"
+    body.write_text(script)
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {body} \"$@\"\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("EAGLET_LLAMA_SERVER", str(exe))
+    return exe

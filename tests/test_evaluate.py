@@ -15,7 +15,7 @@ from eaglet.evaluate import (DecodeSettings, MethodTotals, Run, evaluate, first_
                              load_prompt_set)
 from eaglet.training.checkpoints import export_config, save_checkpoint
 
-from conftest import write_jsonl
+from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +182,101 @@ def test_cost_admission_needs_measured_pass_costs(tiny_target):
     assert isinstance(proposer, HybridProposer) and proposer.drafter is None and limits == (3, 1, 3)
     lookup, _ = engine_proposer("ngram", None, replace(settings, admission="all"))
     assert isinstance(lookup, NgramProposer)
+
+
+ENGINE_STAND_IN = LLAMA_STAND_IN_PREAMBLE + '''\
+spec = args[args.index("--spec-type") + 1] if "--spec-type" in args else "none"
+with open(os.environ["STAND_IN_RUNS"], "a") as f:
+    f.write(json.dumps({"pid": os.getpid(), "spec": spec, "argv": args[1:]}) + "\\n")
+# per request: drafts, accepted at position 0, at position 1; and ms per token
+PER = {"draft-eagle3": (4, 3, 1), "ngram-simple": (2, 1, 0), "none": (0, 0, 0)}[spec]
+MS = {"draft-eagle3": 5.0, "ngram-simple": 8.0, "none": 10.0}[spec]
+counts = [0, 0, 0]
+class H(Replies):
+    def do_GET(self):
+        if self.path != "/metrics":
+            return self.reply({"status": "ok"})
+        text = ""
+        if counts[0]:
+            text = (f"llamacpp:spec_decode_num_drafts_total {counts[0]}\\n"
+                    f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {counts[1]}\\n'
+                    f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} {counts[2]}\\n')
+        self.reply(text.encode(), "text/plain")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n, prompt = body["n_predict"], body["prompt"]
+        for i, c in enumerate(PER):
+            counts[i] += c
+        timings = {"prompt_n": len(prompt), "prompt_ms": 0.0, "predicted_n": n, "predicted_ms": MS * n}
+        if PER[0]:
+            timings.update(draft_n=2 * PER[0], draft_n_accepted=PER[1] + PER[2])
+        tokens = [20 + (sum(prompt) + 3 * i) % 300 for i in range(n)]
+        self.reply({"tokens": tokens, "stop_type": "limit", "timings": timings})
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_eval_runs_llama_cpp_methods_beside_eaglets(tiny_target, drafter_ckpt, tmp_path, one_thread, monkeypatch,
+                                                    caplog):
+    """llama.cpp's methods through stand-in llama-servers (one per method, exported drafter
+    passed to draft-eagle3): speedups over llama.cpp plain, acceptance from the counters, the
+    first-draft line beside eaglet's chain (implied), loud on a gap; every server stopped."""
+    import os
+
+    from test_gguf_export import target_gguf
+
+    runs = tmp_path / "runs.jsonl"
+    llama_server_stand_in(tmp_path, ENGINE_STAND_IN, monkeypatch)
+    monkeypatch.setenv("STAND_IN_RUNS", str(runs))
+    gguf = target_gguf(tmp_path / "target.gguf", 400)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Add two numbers."},
+                                                       {"id": "y", "prompt": "Say hello."}])
+    out = tmp_path / "eval"
+    settings = DecodeSettings(max_new_tokens=6, chain_depth=3)
+    result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
+                      methods=["llama.cpp-eagle3", "llama.cpp-ngram"], settings=settings, dtype="fp32",
+                      device="cpu", out=out, progress=False, target_gguf=gguf)
+    r = result.sets["prompts"]
+    assert list(r) == ["plain", "chain", "llama.cpp", "llama.cpp-eagle3", "llama.cpp-ngram"]
+    eagle3, ngram = r["llama.cpp-eagle3"], r["llama.cpp-ngram"]
+    assert eagle3["speedup_over"] == ngram["speedup_over"] == "llama.cpp" and "speedup_over" not in r["llama.cpp"]
+    assert eagle3["speedup"] == 2.0 and ngram["speedup"] == 1.25  # 10 vs 5 and 8 ms a token
+    assert eagle3["acceptance_rates"] == [0.75, round(1 / 3, 4)] and ngram["acceptance_rates"] == [0.5, 0.0]
+    assert eagle3["tau"] == round(12 / (12 - 8), 4)  # 6 tokens a turn, 4 accepted: 2 passes a turn
+    assert eagle3["identical_share"] == 1.0 and r["llama.cpp"]["identical_share"] in (0.0, 0.5, 1.0)
+    assert eagle3["eaglet_first_acceptance"] == r["chain"]["acceptance_rates"][0]
+    assert eagle3["first_acceptance_gap"] == round(0.75 - r["chain"]["acceptance_rates"][0], 4)
+    assert "llama.cpp-eagle3 first-draft acceptance 0.750 vs eaglet's chain" in result.table()
+    if abs(eagle3["first_acceptance_gap"]) > 0.05:  # a random drafter: eaglet's chain accepts little
+        assert "MISMATCH" in result.table() and "beyond 0.05" in caplog.text
+    started = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert sorted(s["spec"] for s in started) == ["draft-eagle3", "ngram-simple", "none"]
+    eagle3_argv = next(s["argv"] for s in started if s["spec"] == "draft-eagle3")
+    assert eagle3_argv[eagle3_argv.index("-md") + 1] == str(out / "drafter.gguf") and (out / "drafter.gguf").is_file()
+    assert eagle3_argv[eagle3_argv.index("--spec-draft-n-max") + 1] == "3"
+    config = formats.read_json(out / "eval.json")["config"]["llama_cpp"]
+    assert config["server"] == "version: 0 (stand-in)" and config["target_gguf"] == str(gguf)
+    for s in started:  # all stopped
+        with pytest.raises(ProcessLookupError):
+            os.kill(s["pid"], 0)
+
+
+def test_llama_cpp_methods_need_the_target_gguf(tiny_target, drafter_ckpt, tmp_path, one_thread, monkeypatch):
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\nexit 1\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("EAGLET_LLAMA_SERVER", str(exe))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Hi"}])
+    with pytest.raises(ValueError, match="not the embedded one; pass --target-gguf"):
+        evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["llama.cpp"],
+                 dtype="fp32", device="cpu", progress=False)
+
+
+def test_gap_verdict_tells_quantization_from_a_mismatch():
+    from eaglet.evaluate import gap_verdict
+
+    assert gap_verdict({"first_acceptance_gap": -0.03, "engine_target_weights": "Q4_1"}) == "within 0.05"
+    assert "Q4_1" in gap_verdict({"first_acceptance_gap": -0.26, "engine_target_weights": "Q4_1"})
+    assert "--engine-f32" in gap_verdict({"first_acceptance_gap": -0.26, "engine_target_weights": "Q4_1"})
+    for weights in ("F32", "BF16", None):
+        assert gap_verdict({"first_acceptance_gap": 0.2, "engine_target_weights": weights}).startswith("MISMATCH")

@@ -192,7 +192,7 @@ def test_cli_exports_gguf(tmp_path, capsys):
     ({"sliding_window": 8}, {}, "sliding_window 8: llama.cpp's eagle3 attention has no window"),
     ({}, {"tokens": 49}, "its tokenizer has 49 tokens, the drafter was trained for a target vocabulary of 50"),
     ({}, {"out": "drafter"}, "give a path ending .gguf"),
-    ({}, {"target_gguf": None}, "its target is org/tiny-target, not the embedded one; pass --target-gguf"),
+    ({}, {"target_gguf": None}, "the target is org/tiny-target, not the embedded one; pass --target-gguf"),
 ])
 def test_gguf_export_refusals(tmp_path, variant, options, message):
     ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config(**variant)))
@@ -210,3 +210,37 @@ def test_gguf_export_never_overwrites(tmp_path):
     with pytest.raises(FileExistsError, match="already exists"):
         export_drafter(ckpt, out, "gguf", target_gguf=target_gguf(tmp_path / "t.gguf"))
     assert out.read_bytes() == b"keep"
+
+
+def test_the_targets_f32_copy_keeps_its_metadata_and_dequantizes_every_tensor(tmp_path):
+    """formats.write_f32_gguf (what `eval --engine-f32` runs llama.cpp on): every key but the file
+    type unchanged, every tensor f32, a Q8_0 matrix within its quantization step of the values
+    it was made from (ggml's Q8_0: blocks of 32, one f16 scale each: |error| <= scale / 2,
+    plus 127 times the scale's own f16 rounding)."""
+    torch.manual_seed(0)
+    matrix, norm = torch.randn(4, 64), torch.rand(64)
+    src, dst = tmp_path / "target.gguf", tmp_path / "target.f32.gguf"
+    w = gguf.GGUFWriter(src, "llama")
+    w.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_Q8_0))
+    w.add_token_list(TOKENS)
+    w.add_chat_template("{{ messages }}")
+    q8 = gguf.quants.quantize(matrix.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("output_norm.weight", norm.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert formats.weight_type(src) == "Q8_0" and formats.is_quantized(src)
+    formats.write_f32_gguf(src, dst)
+    assert formats.weight_type(dst) == "F32" and not formats.is_quantized(dst)
+    before, after = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    assert after.fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.chat_template", "general.architecture"):
+        assert after.fields[key].contents() == before.fields[key].contents(), key
+    tensors = {t.name: torch.from_numpy(np.array(t.data)) for t in after.tensors}
+    assert torch.equal(tensors["output_norm.weight"], norm)
+    scale = matrix.reshape(4, 2, 32).abs().amax(-1, keepdim=True) / 127
+    error = (tensors["blk.0.attn_q.weight"].reshape(4, 2, 32) - matrix.reshape(4, 2, 32)).abs()
+    assert tensors["blk.0.attn_q.weight"].shape == (4, 64) and bool((error <= scale * (0.5 + 127 * 2 ** -11)).all())
+    assert not list(tmp_path.glob(".*"))  # written atomically: no temp file left

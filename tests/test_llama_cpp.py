@@ -12,29 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in
 from eaglet import llama_cpp
 from eaglet.llama_cpp import LlamaCppMissing, LlamaServerError, llama_server
 
-HEALTHY = textwrap.dedent('''\
-    import json, sys
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-    port = int(sys.argv[sys.argv.index("--port") + 1])
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a): pass
-        def reply(self, body):
-            data = json.dumps(body).encode()
-            self.send_response(200); self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+HEALTHY = LLAMA_STAND_IN_PREAMBLE + textwrap.dedent('''\
+    class H(Replies):
         calls = 0
         def do_GET(self):
             if self.path == "/metrics":
                 n = H.calls
                 text = (f"llamacpp:spec_decode_num_drafts_total {2 * n}\\n"
                         f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {2 * n}\\n'
-                        f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} {n}\\n').encode()
-                self.send_response(200); self.send_header("Content-Length", str(len(text))); self.end_headers()
-                self.wfile.write(text)
-                return
+                        f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} {n}\\n')
+                return self.reply(text.encode(), "text/plain")
             self.reply({"status": "ok"})
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -45,17 +36,6 @@ HEALTHY = textwrap.dedent('''\
     print("listening", flush=True)
     HTTPServer(("127.0.0.1", port), H).serve_forever()
     ''')
-
-
-def stand_in(tmp_path: Path, script: str, monkeypatch) -> Path:
-    """An executable named by $EAGLET_LLAMA_SERVER that runs `script` with the server's arguments."""
-    body = tmp_path / "server.py"
-    body.write_text(script)
-    exe = tmp_path / "llama-server"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {body} \"$@\"\n")
-    exe.chmod(0o755)
-    monkeypatch.setenv(llama_cpp.SERVER_ENV, str(exe))
-    return exe
 
 
 @pytest.fixture
@@ -89,7 +69,7 @@ def test_no_llama_cpp_at_all_says_how_to_install(monkeypatch, model):
 
 
 def test_completion_and_stop(tmp_path, monkeypatch, model):
-    stand_in(tmp_path, HEALTHY, monkeypatch)
+    llama_server_stand_in(tmp_path, HEALTHY, monkeypatch)
     with llama_server(model, log_dir=tmp_path) as server:
         pid = server.process.pid
         c = server.complete([1, 2, 3], 5)
@@ -99,7 +79,7 @@ def test_completion_and_stop(tmp_path, monkeypatch, model):
 
 
 def test_an_error_inside_the_block_still_stops_the_server(tmp_path, monkeypatch, model):
-    stand_in(tmp_path, HEALTHY, monkeypatch)
+    llama_server_stand_in(tmp_path, HEALTHY, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         with llama_server(model, log_dir=tmp_path) as server:
             pid = server.process.pid
@@ -108,27 +88,27 @@ def test_an_error_inside_the_block_still_stops_the_server(tmp_path, monkeypatch,
 
 
 def test_a_server_that_exits_at_start_gives_its_log(tmp_path, monkeypatch, model):
-    stand_in(tmp_path, "import sys\nprint('llama_model_load: error loading model: unknown architecture')\n"
-                       "sys.exit(1)\n", monkeypatch)
+    script = "import sys\nprint('llama_model_load: error loading model: unknown architecture')\nsys.exit(1)\n"
+    llama_server_stand_in(tmp_path, script, monkeypatch)
     with pytest.raises(LlamaServerError, match=r"exited with code 1 while starting(.|\n)*unknown architecture"):
         with llama_server(model, log_dir=tmp_path):
             pass
 
 
 def test_a_server_that_never_gets_healthy_is_killed(tmp_path, monkeypatch, model):
-    stand_in(tmp_path, "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                       "open(__file__ + '.pid', 'w').write(str(__import__('os').getpid()))\ntime.sleep(600)\n",
-             monkeypatch)
+    script = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "open(__file__ + '.pid', 'w').write(str(__import__('os').getpid()))\ntime.sleep(600)\n")
+    llama_server_stand_in(tmp_path, script, monkeypatch)
     monkeypatch.setattr(llama_cpp, "STOP_GRACE_S", 0.5)
     with pytest.raises(LlamaServerError, match="not healthy after 1 s"):
         with llama_server(model, start_timeout=1.0, log_dir=tmp_path):
             pass
-    pid = int((tmp_path / "server.py.pid").read_text())
+    pid = int((tmp_path / "llama_stand_in.py.pid").read_text())
     assert not alive(pid)  # SIGTERM ignored: killed
 
 
 def test_a_killed_server_gives_a_clear_error(tmp_path, monkeypatch, model):
-    stand_in(tmp_path, HEALTHY, monkeypatch)
+    llama_server_stand_in(tmp_path, HEALTHY, monkeypatch)
     with llama_server(model, log_dir=tmp_path) as server:
         server.process.kill()
         server.process.wait()
@@ -139,18 +119,40 @@ def test_a_killed_server_gives_a_clear_error(tmp_path, monkeypatch, model):
 
 
 def test_a_missing_model_file_is_named(tmp_path, monkeypatch):
-    stand_in(tmp_path, HEALTHY, monkeypatch)
+    llama_server_stand_in(tmp_path, HEALTHY, monkeypatch)
     with pytest.raises(FileNotFoundError, match="drafter GGUF .*nope.gguf: no such file"):
         with llama_server(Path(__file__), draft=tmp_path / "nope.gguf"):
             pass
 
 
-def test_run_prompts_sums_timings_and_counter_deltas(tmp_path, monkeypatch, model):
-    stand_in(tmp_path, HEALTHY, monkeypatch)
+def test_counted_completion_gives_the_counters_it_moved(tmp_path, monkeypatch, model):
+    llama_server_stand_in(tmp_path, HEALTHY, monkeypatch)
     with llama_server(model, log_dir=tmp_path) as server:
-        server.complete([1], 1)  # counters from before the run are not this run's
-        run = llama_cpp.run_prompts("eagle3", server, [[1, 2], [3]], 4)
-    assert run.outputs == [[0, 1, 2, 3]] * 2 and run.generated == 8 and run.seconds == 0.08
-    assert run.drafted == 8 and run.accepted == 6 and run.verify_steps == 4
-    assert run.accepted_per_position == [4, 2] and run.first_draft_acceptance == 1.0
-    assert run.tau == 2.5 and run.tokens_per_s == 100.0
+        server.complete([1], 1)  # counters from before the request are not its own
+        done, counts = server.counted_completion([1, 2], 4)
+    assert done.tokens == [0, 1, 2, 3] and done.generated == 4 and done.seconds == 0.04
+    assert counts == llama_cpp.SpecCounts(2, (2, 1))
+    assert counts.accepted == 3 and counts.reached_per_position == [2, 2]
+
+
+def test_spec_counts_read_prometheus_text():
+    metrics = {llama_cpp.DRAFTS: 10.0, f'{llama_cpp.ACCEPTED_PER_POS}{{position="1"}}': 3.0,
+               f'{llama_cpp.ACCEPTED_PER_POS}{{position="0"}}': 7.0, "llamacpp:n_decode_total": 99.0}
+    counts = llama_cpp.SpecCounts.of(metrics)
+    assert counts == llama_cpp.SpecCounts(10, (7, 3)) and counts.reached_per_position == [10, 7]
+    assert llama_cpp.SpecCounts.of({}) == llama_cpp.SpecCounts(0, ())
+    assert counts.minus(llama_cpp.SpecCounts(4, (2,))) == llama_cpp.SpecCounts(6, (5, 3))
+
+
+def test_a_binary_built_for_another_cpu_is_said_at_the_version_check(tmp_path, monkeypatch):
+    """A build with instructions this CPU lacks dies with SIGILL at its first instruction:
+    `server_version` (what bootstrap and every run call first) says so instead of timing out."""
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\nkill -ILL $$\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv(llama_cpp.SERVER_ENV, str(exe))
+    with pytest.raises(LlamaCppMissing, match="killed by signal 4 .illegal instruction"):
+        llama_cpp.server_version()
+    exe.write_text("#!/bin/sh\necho 'error: libggml.so: cannot open shared object file' >&2\nexit 127\n")
+    with pytest.raises(LlamaCppMissing, match="exit status 127: error: libggml.so"):
+        llama_cpp.server_version()

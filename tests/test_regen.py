@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_jsonl
+from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
 from eaglet import regen
 from eaglet.cli import main
 from eaglet.data import prepare
@@ -554,3 +555,145 @@ def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, ca
     # Every stage has its own advice, one line each.
     assert set(cli.INTERRUPTED) == set(cli.build_parser().stage_parsers)
     assert all("\n" not in text for text in cli.INTERRUPTED.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp backend, against a stand-in llama-server ($EAGLET_LLAMA_SERVER): the real one is
+# tested in test_llama_cpp_server.py where llama.cpp is installed
+# ---------------------------------------------------------------------------------------------
+
+LLAMA_STAND_IN = LLAMA_STAND_IN_PREAMBLE + '''\
+log = os.environ["STAND_IN_LOG"]
+delay = float(os.environ.get("STAND_IN_DELAY", "0"))
+lock = threading.Lock()
+class H(Replies):
+    def do_GET(self):
+        self.reply({"status": "ok"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with lock, open(log, "a") as f:
+            f.write(json.dumps({"argv": args[1:], **body}) + "\\n")
+        time.sleep(delay)
+        prompt = body["prompt"]
+        # an answer that depends on the whole prompt; the end-of-turn token is left out of
+        # `tokens` and said by stop_type only (llama.cpp includes it; regen takes either)
+        answer = [10 + (sum(prompt) + 7 * i) % 40 for i in range(2 + len(prompt) % 4)]
+        n = body["n_predict"]
+        self.reply({"tokens": answer[:n], "stop_type": "eos" if len(answer) <= n else "limit",
+                    "timings": {"prompt_n": len(prompt), "predicted_n": min(n, len(answer) + 1)}})
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def llama_stand_in(tmp_path, monkeypatch) -> Path:
+    """A llama-server stand-in; returns the JSONL log of the requests it got."""
+    log = tmp_path / "requests.jsonl"
+    llama_server_stand_in(tmp_path, LLAMA_STAND_IN, monkeypatch)
+    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    return log
+
+
+def running_commands(part: str) -> list[str]:
+    """Command lines of the running processes that contain `part` (Linux's /proc; elsewhere none)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            line = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it exited while we looked
+            continue
+        if part in line:
+            found.append(line)
+    return found
+
+
+def llama_regen(data: Path, out: Path, target: Path, **kw):
+    gguf = out.parent / "target.gguf"
+    gguf.write_bytes(b"GGUF")  # the stand-in does not read it
+    kw = {"target": str(target), "target_gguf": gguf, "concurrency": 3, "threads": 1, "max_new_tokens": 4,
+          "progress_bar": False, **kw}
+    return regen.regenerate(str(data), out, backend="llama.cpp", **kw)
+
+
+def test_llama_cpp_prompts_are_the_targets_template_with_regenerated_history(llama_stand_in, tiny_target, tmp_path):
+    from transformers import AutoTokenizer
+
+    from eaglet.data import chat_prompt_ids
+
+    data = chats_file(tmp_path / "chats.jsonl", 8)
+    s = llama_regen(data, tmp_path / "out.jsonl", tiny_target)
+    assert s.written == 8 and s.failed == 0 and s.turns == 14
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    requests = [json.loads(line) for line in llama_stand_in.read_text().splitlines()]
+    argv = requests[0]["argv"]
+    assert argv[argv.index("--parallel") + 1] == "3" and argv[argv.index("--threads") + 1] == "1"
+    asked = {tuple(r["prompt"]) for r in requests}
+    reasons = set()
+    for rec in read_out(tmp_path / "out.jsonl").values():
+        history = [dict(m) for m in rec["messages"]]
+        for k, idx in enumerate(regen.assistant_indices(history)):
+            prompt = chat_prompt_ids(tokenizer, history[:idx])  # the earlier answers are the regenerated ones
+            assert tuple(prompt) in asked
+            expected = [10 + (sum(prompt) + 7 * i) % 40 for i in range(2 + len(prompt) % 4)]
+            reason = "stop" if len(expected) <= 4 else "length"
+            assert history[idx]["content"] == tokenizer.decode(expected[:4], skip_special_tokens=True)
+            assert rec["regen"]["finish_reasons"][k] == reason
+            reasons.add(reason)
+        assert rec["regen"]["backend"] == "llama.cpp" and rec["regen"]["gguf"] == "target.gguf"
+    assert reasons == {"stop", "length"}
+    assert all(r["temperature"] == 0.0 and r["top_k"] == 1 and r["n_predict"] == 4 for r in requests)
+
+
+def test_llama_cpp_sampling_seeds_per_conversation_and_turn(llama_stand_in, tiny_target, tmp_path):
+    data = chats_file(tmp_path / "chats.jsonl", 4)
+    llama_regen(data, tmp_path / "out.jsonl", tiny_target, temperature=0.7, seed=3)
+    seeds = [json.loads(line)["seed"] for line in llama_stand_in.read_text().splitlines()]
+    assert len(set(seeds)) == len(seeds) == 7  # one seed per turn, none shared
+    llama_stand_in.unlink()
+    llama_regen(data, tmp_path / "again.jsonl", tiny_target, temperature=0.7, seed=3)
+    assert sorted(json.loads(line)["seed"] for line in llama_stand_in.read_text().splitlines()) == sorted(seeds)
+
+
+def test_llama_cpp_prompt_too_long_fails_turn_0_and_cuts_later_turns(llama_stand_in, tiny_target, tmp_path):
+    data = chats_file(tmp_path / "chats.jsonl", 4)
+    s = llama_regen(data, tmp_path / "out.jsonl", tiny_target, max_prompt_tokens=40)
+    errors = [json.loads(line) for line in s.errors_file.read_text().splitlines()]
+    assert errors and all("more than the 40 allowed" in e["reason"] for e in errors)
+    assert s.written + s.failed == 4
+
+
+def test_llama_cpp_options_belong_to_its_backend(tmp_path):
+    with pytest.raises(ValueError, match="--target-gguf, --threads and --engine-f32 are the llama.cpp backend.s"):
+        regen.regenerate("x.jsonl", tmp_path / "o.jsonl", backend="local", threads=2)
+
+
+def test_llama_cpp_kill_leaves_no_server_and_resume_loses_nothing(llama_stand_in, tiny_target, tmp_path,
+                                                                   monkeypatch):
+    """A SIGKILL of eaglet mid-run: complete lines only, no llama-server left running (it dies
+    with its parent), and --resume writes what a whole run writes."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    data = chats_file(tmp_path / "chats.jsonl", 12)
+    whole = tmp_path / "whole.jsonl"
+    llama_regen(data, whole, tiny_target)
+    gguf = tmp_path / "target.gguf"
+    out = tmp_path / "out.jsonl"
+    argv = [sys.executable, "-m", "eaglet", "regen", "--data", str(data), "--out", str(out), "--backend", "llama.cpp",
+            "--target", str(tiny_target), "--target-gguf", str(gguf), "--concurrency", "2", "--threads", "1",
+            "--max-new-tokens", "4"]
+    llama_stand_in.unlink()
+    proc = subprocess.Popen(argv, env={**os.environ, "STAND_IN_DELAY": "0.3"}, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out.exists() and len(out.read_bytes().splitlines()) >= 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(1.0)  # the kernel's SIGTERM to the orphan, and its exit
+    assert not running_commands(str(tmp_path / "llama_stand_in.py")), "a llama-server outlived the killed run"
+    kept = read_out(out)  # every line complete
+    assert 3 <= len(kept) < 12
+    assert subprocess.run(argv + ["--resume"], capture_output=True).returncode == 0
+    assert read_out(out) == read_out(whole)

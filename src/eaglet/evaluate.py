@@ -7,9 +7,17 @@ order so that machine drift (frequency scaling, other jobs) spreads evenly over 
     chain, tree    speculative decoding with the drafter (`decode.speculative_generate`)
     prompt-lookup  Hugging Face `generate(prompt_lookup_num_tokens=10)`, the no-training baseline
     hf-greedy      Hugging Face `generate` greedy: prompt lookup's own-engine baseline
+    llama.cpp      llama.cpp's llama-server on the target's GGUF, plain greedy: the baseline of
+                   llama.cpp-eagle3 (the drafter exported to GGUF, `--spec-type draft-eagle3`) and
+                   llama.cpp-ngram (llama.cpp's own n-gram lookup); one server per method, all
+                   running beside eaglet's own, so they rotate with the other methods per prompt
 
 Speedup = (method's new tokens / its seconds) / (plain's new tokens / its seconds), summed over
-a prompt set. At temperature 0 every method must reproduce plain's tokens; in fp32 they do
+a prompt set; llama.cpp's speculative methods are measured against llama.cpp plain, by the
+engine's own timings and counters, and llama.cpp plain against eaglet's plain. The engine's
+first-draft acceptance is set beside eaglet's chain for the same drafter and prompts: the
+target runs quantized there, so they are close, not equal; a gap beyond FIRST_DRAFT_GAP means
+the engine does not run the drafter the way eaglet trained it (layer ids, d2t, norms). At temperature 0 every method must reproduce plain's tokens; in fp32 they do
 exactly, in bf16 matmuls of different shapes round differently, so the share of identical
 outputs and the mean position of the first divergence are reported instead of assumed.
 """
@@ -17,9 +25,8 @@ outputs and the mean position of the first divergence are reported instead of as
 from __future__ import annotations
 
 import contextlib
-import gzip
-import json
 import logging
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -30,18 +37,19 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from eaglet import embedded, formats, ranges
-from eaglet.data import EMBEDDED_SHAREGPT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
+from eaglet import formats, llama_cpp, ranges
+from eaglet.data import chat_prompt_ids
 from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramProposer, Proposer, max_positions,
                            measure_pass_costs, plain_generate, speculative_generate, truncate_at_eos)
 from eaglet.draft_model import Eagle3Draft
-from eaglet.export import load_drafter_for_target
+from eaglet.export import export_drafter, load_drafter_for_target
 from eaglet.regen import stop_token_ids
 from eaglet.options import (ADMISSIONS, BASELINE, DEFAULT_METHODS, DEFAULT_PRESET, ENGINE_METHODS, HF_METHODS,
-                            HYBRID_DRAFTS, METHODS, PRESETS, PROMPT_SETS)
+                            HYBRID_DRAFTS, LLAMA_CPP_BASELINE, LLAMA_CPP_METHODS, METHODS, PRESETS)
 from eaglet.placement import placement_from_options
-from eaglet.target import (decoder_layers, generation_config, input_device, load_target, load_tokenizer, parse_dtype,
-                           pick_device, resolve_target)
+from eaglet.prompts import Prompt, load_prompt_set
+from eaglet.target import (cpu_description, decoder_layers, f32_target_gguf, find_target_gguf, generation_config,
+                           input_device, load_target, load_tokenizer, parse_dtype, pick_device, resolve_target)
 
 log = logging.getLogger(__name__)
 
@@ -62,111 +70,19 @@ HYBRID_CHAIN_DEPTH = 1
 # pays for the longer pass (pass times measured on this machine before decoding); "all" verifies
 # every proposed node
 LOOKUP_METHODS = ("hybrid", "ngram")
-# The embedded ShareGPT's first records feed `eaglet prepare` / `eaglet regen` by default; the
-# held-out prompts come from far behind them.
-SHAREGPT_HELDOUT_START = 15_000  # of the 17,671 complete records the embedded file holds
 RESULTS_FILE = "eval.json"
 PLOT_FILE = "eval.png"
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompt sets
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Prompt:
-    """A conversation to continue: fixed `context` messages, then each user turn in `turns`
-    is answered in order (the next turn sees the target's greedy answer to the previous one)."""
-
-    set_name: str
-    id: str
-    turns: list[str]
-    context: list[Message] = field(default_factory=list)
-
-
-def mtbench_prompts(both_turns: bool) -> Iterator[Prompt]:
-    name = "mtbench-2turn" if both_turns else "mtbench"
-    with open(embedded.mtbench_questions()) as f:
-        for line in f:
-            q = json.loads(line)
-            turns = q["turns"] if both_turns else q["turns"][:1]
-            yield Prompt(name, str(q["question_id"]), list(turns))
-
-
-def humaneval_prompts() -> Iterator[Prompt]:
-    with gzip.open(embedded.humaneval_problems(), "rt") as f:
-        for line in f:
-            p = json.loads(line)
-            yield Prompt("humaneval", p["task_id"], [p["prompt"]])
-
-
-def sharegpt_prompts(start: int = SHAREGPT_HELDOUT_START) -> Iterator[Prompt]:
-    """First user turns of embedded ShareGPT chats from `start` on (held out from training)."""
-    stats = ReadStats()
-    for n, (sid, record) in enumerate(iter_records(EMBEDDED_SHAREGPT, stats)):
-        if n < start:
-            continue
-        messages = to_messages(record, stats)
-        if isinstance(messages, str):
-            continue
-        first_user = next(m for m in messages if m["role"] == "user")
-        yield Prompt("sharegpt", sid, [first_user["content"]])
-
-
-def jsonl_prompts(path: Path) -> Iterator[Prompt]:
-    """Any JSONL: one prompt per line, `{"prompt": str}`, `{"turns": [str, ...]}` or
-    `{"messages": [...]}` ending with a user message; optional `"id"`."""
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            where = f"{path}:{line_no}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 ({e})") from None
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e})") from None
-            pid = str(rec.get("id", line_no)) if isinstance(rec, dict) else str(line_no)
-            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-                yield Prompt(path.stem, pid, [rec["prompt"]])
-            elif isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"]:
-                yield Prompt(path.stem, pid, [str(t) for t in rec["turns"]])
-            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
-                msgs = rec["messages"]
-                if not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-                    raise ValueError(f"{where}: field 'messages': every message needs 'role' and 'content'")
-                if msgs[-1]["role"] != "user":
-                    raise ValueError(f"{where}: field 'messages': the last message must be the user's, "
-                                     f"got {msgs[-1]['role']!r}")
-                yield Prompt(path.stem, pid, [msgs[-1]["content"]], [dict(m) for m in msgs[:-1]])
-            else:
-                raise ValueError(f"{where}: expected a 'prompt' string, a 'turns' list or a 'messages' list")
-
-
-def load_prompt_set(spec: str, limit: int | None) -> list[Prompt]:
-    """`mtbench`, `mtbench-2turn`, `humaneval`, `sharegpt`, or a path to a JSONL of prompts."""
-    if spec in ("mtbench", "mtbench-2turn"):
-        source: Iterator[Prompt] = mtbench_prompts(spec == "mtbench-2turn")
-    elif spec == "humaneval":
-        source = humaneval_prompts()
-    elif spec == "sharegpt":
-        source = sharegpt_prompts()
-    elif Path(spec).is_file():
-        source = jsonl_prompts(Path(spec))
-    else:
-        raise ValueError(f"--prompts {spec!r}: not one of {', '.join(PROMPT_SETS)} and not a file")
-    out = []
-    for p in source:
-        if limit is not None and len(out) >= limit:
-            break
-        out.append(p)
-    if not out:
-        where = f" after record {SHAREGPT_HELDOUT_START} of the embedded ShareGPT" if spec == "sharegpt" else ""
-        raise ValueError(f"--prompts {spec!r}: no usable prompts{where}")
-    return out
+DRAFTER_GGUF = "drafter.gguf"  # in --out: the export llama.cpp-eagle3 ran
+# llama.cpp's server for each of its methods (the drafter is exported for draft-eagle3)
+LLAMA_CPP_SPECS = {LLAMA_CPP_BASELINE: None, "llama.cpp-eagle3": llama_cpp.SPEC_EAGLE3,
+                   "llama.cpp-ngram": llama_cpp.SPEC_NGRAM}
+assert set(LLAMA_CPP_SPECS) == set(LLAMA_CPP_METHODS)
+# First-draft acceptance in llama.cpp vs eaglet's chain, same drafter and prompts: beyond this
+# the two do not run the same drafter. Measured on a drafter that memorised 6 HumanEval answers:
+# +0.000 with the engine on the f32 target GGUF (one model on both sides), -0.264 on the Q4_1
+# one, whose quantized kernels move the states the drafter reads: so a gap on a quantized target
+# is a hint, on an f32 one a verdict.
+FIRST_DRAFT_GAP = 0.05
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +184,34 @@ def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids:
         toks, _ = truncate_at_eos(out[0, len(ids):].tolist(), set(s.eos_ids))
         return Run(toks, wall, counter.count)
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def engine_run(server: llama_cpp.LlamaServer, method: str, ids: list[int], s: DecodeSettings) -> Run:
+    """One answer from llama-server, in eval's terms, from the engine's own timings and counters:
+    a step that accepted m drafted tokens is one target pass for m + 1 tokens, so the target's
+    passes are the tokens it generated less the drafted ones it accepted (the prefill counted as
+    one, as eaglet counts it)."""
+    done, counts = server.counted_completion(ids, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                             seed=s.seed)
+    tokens, _ = truncate_at_eos(done.tokens, set(s.eos_ids))
+    forwards = max(1, done.generated - counts.accepted)
+    if not counts.drafts:
+        return Run(tokens, done.seconds, forwards)
+    stats = DecodeStats(new_tokens=len(tokens), target_forwards=forwards, verify_forwards=counts.drafts,
+                        position_reached=counts.reached_per_position,
+                        position_accepted=list(counts.accepted_per_position), wall_s=done.seconds,
+                        accepted_from={method: counts.accepted})
+    return Run(tokens, done.seconds, forwards, stats)
+
+
+def run_variant(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids: list[int], s: DecodeSettings,
+                servers: dict[str, llama_cpp.LlamaServer] | None = None) -> Run:
+    """`run_method`, or the method's llama-server (`servers`, by method) for llama.cpp's methods."""
+    if method in LLAMA_CPP_METHODS:
+        if not servers or method not in servers:
+            raise ValueError(f"{method}: no llama-server is running for it")
+        return engine_run(servers[method], method, ids, s)
+    return run_method(method, target, drafter, ids, s)
 
 
 def drafter_limits(mode: str, s: DecodeSettings, chain_depth: int | None = None) -> tuple[int, int, int]:
@@ -430,6 +374,29 @@ def variants_for(methods: Sequence[str], s: DecodeSettings) -> Variants:
     return {m: (m, s) for m in [BASELINE, *methods]}
 
 
+def with_implied_methods(methods: Sequence[str]) -> list[str]:
+    """`methods` (once each) with what they are compared against: llama.cpp's speculative
+    methods need llama.cpp plain (their baseline), llama.cpp-eagle3 needs eaglet's chain (the
+    first-draft acceptance it is checked against)."""
+    methods = list(dict.fromkeys(methods))
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
+    if set(methods) & set(LLAMA_CPP_METHODS) - {LLAMA_CPP_BASELINE} and LLAMA_CPP_BASELINE not in methods:
+        methods.insert(0, LLAMA_CPP_BASELINE)
+    if "llama.cpp-eagle3" in methods and "chain" not in methods:
+        methods.insert(0, "chain")
+    return methods
+
+
+def reference_labels(variants: Variants) -> dict[str, str]:
+    """The label each variant is compared with (speedup, identical outputs): llama.cpp's
+    speculative methods with llama.cpp plain, everything else with eaglet's plain greedy."""
+    engine_plain = next((label for label, (m, _) in variants.items() if m == LLAMA_CPP_BASELINE), None)
+    return {label: engine_plain if m in LLAMA_CPP_METHODS and m != LLAMA_CPP_BASELINE and engine_plain else BASELINE
+            for label, (m, _) in variants.items() if label != BASELINE}
+
+
 def rotated(labels: list[str], k: int) -> list[str]:
     k %= len(labels)
     return labels[k:] + labels[:k]
@@ -437,13 +404,15 @@ def rotated(labels: list[str], k: int) -> list[str]:
 
 def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, drafter: Eagle3Draft | None,
                  tokenizer, on_turn: Callable[[dict[str, MethodTotals]], None],
-                 records: list[dict[str, Any]], drafters: dict[str, Eagle3Draft] | None = None
-                 ) -> dict[str, MethodTotals]:
+                 records: list[dict[str, Any]], drafters: dict[str, Eagle3Draft] | None = None,
+                 servers: dict[str, llama_cpp.LlamaServer] | None = None) -> dict[str, MethodTotals]:
     """Decode every turn of every prompt with each variant, in a rotating order; sums per label.
     The next turn's history holds plain greedy's answer, so every variant sees the same prompt.
-    `drafters`: another drafter for some labels (drafters compared in one run)."""
+    `drafters`: another drafter for some labels (drafters compared in one run); `servers`: the
+    llama-servers of llama.cpp's methods."""
     labels = list(variants)
     totals = {label: MethodTotals() for label in labels}
+    references = reference_labels(variants)
     greedy = variants[BASELINE][1].temperature <= 0
     positions = max_positions(target)
     k = 0
@@ -462,16 +431,16 @@ def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, d
             runs = {}
             for label in rotated(labels, k):
                 method, settings = variants[label]
-                runs[label] = run_method(method, target, (drafters or {}).get(label, drafter), ids, settings)
+                runs[label] = run_variant(method, target, (drafters or {}).get(label, drafter), ids, settings, servers)
             k += 1
-            reference = runs[BASELINE].tokens if greedy else None
             for label in labels:
-                totals[label].add(runs[label], reference if label != BASELINE else None)
+                totals[label].add(runs[label], runs[references[label]].tokens if greedy and label in references
+                                  else None)
             records.append({
                 "set": p.set_name, "id": p.id, "turn": turn_no, "prompt_tokens": len(ids),
                 "methods": {m: {"new_tokens": len(r.tokens), "wall_s": round(r.wall_s, 4),
                                 "target_forwards": r.target_forwards,
-                                **({"identical": r.tokens == reference} if reference is not None and m != BASELINE
+                                **({"identical": r.tokens == runs[references[m]].tokens} if greedy and m in references
                                    else {})}
                             for m, r in runs.items()}})
             answer = tokenizer.decode(runs[BASELINE].tokens, skip_special_tokens=True)
@@ -480,21 +449,47 @@ def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, d
     return totals
 
 
-def summarize(totals: dict[str, MethodTotals], compared: bool) -> dict[str, dict[str, Any]]:
-    """Each label's figures, speedups against plain greedy; `compared`: report identical outputs."""
-    plain = totals[BASELINE]
-    return {label: t.summary(plain if label != BASELINE else None, compared and label != BASELINE)
-            for label, t in totals.items()}
+def summarize(totals: dict[str, MethodTotals], compared: bool,
+              references: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Each label's figures, speedups against its reference (`references`; default plain
+    greedy); `compared`: report identical outputs."""
+    references = references if references is not None else {label: BASELINE for label in totals if label != BASELINE}
+    out = {label: t.summary(totals[references[label]] if label in references else None,
+                            compared and label in references)
+           for label, t in totals.items()}
+    for label, ref in references.items():
+        if ref != BASELINE:
+            out[label]["speedup_over"] = ref
+    return out
+
+
+def first_draft_check(summary: dict[str, dict[str, Any]], weights: str | None = None,
+                      engine: str = "llama.cpp-eagle3", own: str = "chain") -> dict[str, Any] | None:
+    """The engine's first-draft acceptance beside eaglet's own for the same drafter and prompts,
+    and the ggml type of the engine's target weights, written into the engine's row; None when
+    either acceptance is missing."""
+    try:
+        theirs = summary[engine]["acceptance_rates"][0]
+        ours = summary[own]["acceptance_rates"][0]
+    except (KeyError, IndexError):
+        return None
+    if theirs is None or ours is None:
+        return None
+    check = {"eaglet_first_acceptance": ours, "first_acceptance_gap": round(theirs - ours, 4),
+             "engine_target_weights": weights}
+    summary[engine].update(check)
+    return check
 
 
 def warm_up(variants: Variants, target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt,
-            drafters: dict[str, Eagle3Draft] | None = None) -> None:
+            drafters: dict[str, Eagle3Draft] | None = None,
+            servers: dict[str, llama_cpp.LlamaServer] | None = None) -> None:
     """One short untimed run per variant: first calls pay for allocations and kernel selection."""
     ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
     ids = ids[-(max_positions(target) // 2):]  # untimed: any prompt that fits will do
     for label, (method, s) in variants.items():
-        run_method(method, target, (drafters or {}).get(label, drafter), ids,
-                   replace(s, max_new_tokens=min(8, s.max_new_tokens)))
+        run_variant(method, target, (drafters or {}).get(label, drafter), ids,
+                    replace(s, max_new_tokens=min(8, s.max_new_tokens)), servers)
 
 
 @contextlib.contextmanager
@@ -514,17 +509,17 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
              settings: DecodeSettings | None = None, dtype: str = "bf16", device: str | None = None,
              threads: int | None = None, out: str | Path | None = None, plot: bool = True,
              progress: bool = True, other_target: bool = False, device_map: str | None = None,
-             max_memory: str | None = None, offload_folder: str | None = None) -> EvalResult:
+             max_memory: str | None = None, offload_folder: str | None = None,
+             target_gguf: str | Path | None = None, engine_f32: bool = False) -> EvalResult:
     """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot.
     A target whose revision is not the one the drafter records is refused unless `other_target`.
-    With `device_map` the target spans devices and the drafter runs where its inputs go."""
+    With `device_map` the target spans devices and the drafter runs where its inputs go.
+    llama.cpp's methods run llama-server on `target_gguf` (default: the embedded target's GGUF),
+    with `engine_f32` on its weights dequantized to f32."""
     ranges.at_least(1, num_prompts=num_prompts, threads=threads)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
-    methods = list(dict.fromkeys(methods))
-    for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
-    with torch_threads(threads):
+    methods = with_implied_methods(methods)
+    with torch_threads(threads), contextlib.ExitStack() as running:
         s = replace(settings or DecodeSettings())  # a copy: eos ids are filled in below
         dev = pick_device(device)
         torch_dtype = parse_dtype(dtype)
@@ -546,8 +541,11 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
         s.eos_ids = tuple(sorted(stop_token_ids(model, tokenizer)))
         sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
 
+        servers, engine = running.enter_context(engine_servers(
+            methods, drafter_path, ref.name, target_gguf, out, s, torch.get_num_threads(), max_positions(model),
+            engine_f32))
         variants = with_pass_costs(variants_for(methods, s), model)
-        warm_up(variants, model, drafter, tokenizer, next(iter(sets.values()))[0])
+        warm_up(variants, model, drafter, tokenizer, next(iter(sets.values()))[0], servers=servers)
         n_turns = sum(len(p.turns) for ps in sets.values() for p in ps)
         bar = tqdm(total=n_turns, desc="eval", unit="turn", disable=not progress, dynamic_ncols=True)
         records: list[dict[str, Any]] = []
@@ -562,11 +560,12 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
         with torch.inference_mode():
             for spec, prompts in sets.items():
                 name = prompts[0].set_name
-                totals = evaluate_set(prompts, variants, model, drafter, tokenizer, on_turn, records)
+                totals = evaluate_set(prompts, variants, model, drafter, tokenizer, on_turn, records, servers=servers)
                 if totals[BASELINE].turns == 0:
                     raise ValueError(f"prompt set {spec!r}: every prompt is too long for the target's "
                                      f"{max_positions(model)} positions")
-                results[name] = summarize(totals, compared=s.temperature <= 0)
+                results[name] = summarize(totals, s.temperature <= 0, reference_labels(variants))
+                warn_on_gap(name, first_draft_check(results[name], engine.get("target_weights")))
         bar.close()
         skipped = [r for r in records if "skipped" in r]
         if skipped:
@@ -576,6 +575,7 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
         config = {"drafter": str(drafter_path), "target": ref.name, "target_revision": ref.revision,
                   "drafter_target_revision": trained_for,
                   "dtype": dtype, "device": str(dev), "device_map": device_map, "threads": torch.get_num_threads(),
+                  "cpu": cpu_description(),
                   "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
                   "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                   "tree": {"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens},
@@ -584,12 +584,72 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
                   "hybrid": {"draft": s.hybrid_draft, "chain_depth": s.hybrid_chain_depth, "drop_rivals": s.drop_rivals,
                              "lookup_tokens": s.lookup_tokens, "max_ngram": s.max_ngram, "admission": s.admission},
                   "pass_costs_s": list(next((vs.pass_costs for _, vs in variants.values() if vs.pass_costs), ())),
-                  "skipped_turns": len(skipped)}
+                  "skipped_turns": len(skipped), **({"llama_cpp": engine} if engine else {})}
         result = EvalResult(config, results, records)
         if out is not None:
             result.save(Path(out), plot, title=f"drafter {drafter_path} | target {Path(ref.name).name} | {dtype}, "
                                                f"{s.max_new_tokens} new tokens, T={s.temperature:g}")
         return result
+
+
+@contextlib.contextmanager
+def engine_servers(methods: Sequence[str], drafter_path: str | Path, target_name: str, target_gguf: str | Path | None,
+                   out: str | Path | None, s: DecodeSettings, threads: int, ctx_size: int, engine_f32: bool = False
+                   ) -> Iterator[tuple[dict[str, llama_cpp.LlamaServer], dict[str, Any]]]:
+    """llama-servers for llama.cpp's methods among `methods` (none: nothing starts), on the
+    target's GGUF (with `engine_f32`, its f32 copy), with the drafter exported to GGUF
+    (OUT/drafter.gguf) for llama.cpp-eagle3, drafting eaglet's chain length with its
+    probability floor; and the record of what ran."""
+    wanted = [m for m in methods if m in LLAMA_CPP_METHODS]
+    if not wanted:
+        yield {}, {}
+        return
+    binary = llama_cpp.server_binary()  # a missing engine is said before anything is exported
+    model = find_target_gguf(target_gguf, target_name, "llama.cpp's methods run the target's GGUF")
+    if engine_f32:
+        model = f32_target_gguf(model)
+    with tempfile.TemporaryDirectory(prefix="eaglet-eval-") as tmp:
+        folder = Path(out) if out is not None else Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        draft = None
+        if "llama.cpp-eagle3" in wanted:
+            draft = folder / DRAFTER_GGUF
+            draft.unlink(missing_ok=True)  # an earlier eval's: this run's drafter replaces it
+            export_drafter(drafter_path, draft, formats.FORMAT_GGUF, target_gguf=model)
+        # eaglet's own settings where llama.cpp has the same knob: its chain length and floor for
+        # the drafter, its n-gram and lookup length for n-gram lookup
+        ngram = llama_cpp.ngram_flags(s.max_ngram, s.lookup_tokens)
+        specs = {m: llama_cpp.ServerSpec(draft if LLAMA_CPP_SPECS[m] == llama_cpp.SPEC_EAGLE3 else None,
+                                         LLAMA_CPP_SPECS[m], ngram if LLAMA_CPP_SPECS[m] == llama_cpp.SPEC_NGRAM else ())
+                 for m in wanted}
+        options = {"threads": threads, "ctx_size": ctx_size, "draft_max": s.chain_depth,
+                   "draft_p_min": s.min_draft_prob}
+        record = {"server": llama_cpp.server_version(binary), "target_gguf": str(model),
+                  "target_weights": formats.weight_type(model),
+                  "drafter_gguf": str(draft) if draft and out is not None else None,
+                  "spec_types": {m: LLAMA_CPP_SPECS[m] for m in wanted}, "ngram_flags": list(ngram), **options}
+        log.info("llama.cpp (%s): %s on %s", record["server"], ", ".join(wanted), model.name)
+        with llama_cpp.llama_servers(model, specs, log_dir=folder / "llama-server-logs", **options) as servers:
+            yield servers, record
+
+
+def gap_verdict(check: dict[str, Any]) -> str:
+    """What a first-draft gap means: within the bound; beyond it on a quantized engine target,
+    where quantization alone moves it; or beyond it on the same weights, a convention mismatch."""
+    weights = check.get("engine_target_weights")
+    if abs(check["first_acceptance_gap"]) <= FIRST_DRAFT_GAP:
+        return f"within {FIRST_DRAFT_GAP}"
+    if weights and weights not in formats.UNQUANTIZED:
+        return (f"beyond {FIRST_DRAFT_GAP}, but the engine's target is {weights}, whose kernels move the states the "
+                f"drafter reads; --engine-f32 runs eaglet's own weights and tells that from a convention mismatch")
+    return (f"MISMATCH: beyond {FIRST_DRAFT_GAP} on the same weights, the engine does not run the drafter as eaglet "
+            f"does; check the export's conventions (aux layer ids, d2t, norms) before trusting either figure")
+
+
+def warn_on_gap(set_name: str, check: dict[str, Any] | None) -> None:
+    if check is not None and abs(check["first_acceptance_gap"]) > FIRST_DRAFT_GAP:
+        log.warning("%s: llama.cpp's first-draft acceptance is %+.3f from eaglet's chain (%.3f): %s", set_name,
+                    check["first_acceptance_gap"], check["eaglet_first_acceptance"], gap_verdict(check))
 
 
 def check_drafter_fits(drafter: Eagle3Draft, target: nn.Module) -> None:
@@ -618,7 +678,7 @@ def fmt(x: Any, spec: str) -> str:
 
 
 def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
-    head = (f"{'prompt set':<16} {'method':<14} {'turns':>5} {'tokens':>7} {'tok/s':>8} {'speedup':>8} "
+    head = (f"{'prompt set':<16} {'method':<16} {'turns':>5} {'tokens':>7} {'tok/s':>8} {'speedup':>8} "
             f"{'ceiling':>8} {'tau':>6} {'identical':>9} {'1st diff':>8}  acceptance per position")
     lines = [head, "-" * len(head)]
     for name, methods in sets.items():
@@ -628,12 +688,18 @@ def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
             if len(sources) > 1:  # a hybrid: who proposed the accepted tokens
                 total = sum(sources.values())
                 acc += "  (accepted: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sources.items()) + ")"
-            lines.append(f"{name:<16} {m:<14} {r['turns']:>5} {r['new_tokens']:>7} {r['tokens_per_s']:>8.2f} "
+            lines.append(f"{name:<16} {m:<16} {r['turns']:>5} {r['new_tokens']:>7} {r['tokens_per_s']:>8.2f} "
                          f"{fmt(r.get('speedup'), '.2f') + 'x' if 'speedup' in r else '-':>8} "
                          f"{fmt(r.get('ceiling_speedup'), '.2f') + 'x' if r.get('ceiling_speedup') else '-':>8} "
                          f"{fmt(r.get('tau'), '.2f'):>6} {fmt(r.get('identical_share'), '.0%'):>9} "
                          f"{fmt(r.get('mean_first_divergence'), '.1f'):>8}  {acc}")
+        lines += [first_draft_line(name, m, r) for m, r in methods.items() if "first_acceptance_gap" in r]
     return "\n".join(lines)
+
+
+def first_draft_line(set_name: str, method: str, r: dict[str, Any]) -> str:
+    return (f"{set_name}: {method} first-draft acceptance {r['acceptance_rates'][0]:.3f} vs eaglet's chain "
+            f"{r['eaglet_first_acceptance']:.3f} (gap {r['first_acceptance_gap']:+.3f}, {gap_verdict(r)})")
 
 
 def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) -> None:

@@ -26,9 +26,9 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
-from eaglet import __version__, embedded, formats, layers
+from eaglet import __version__, formats, layers
 from eaglet.draft_model import DraftConfig, Eagle3Draft
-from eaglet.target import is_embedded, load_target, resolve_target, serving_name
+from eaglet.target import find_target_gguf, load_target, resolve_target, serving_name
 from eaglet.training.checkpoints import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, export_config
 
 log = logging.getLogger(__name__)
@@ -359,20 +359,6 @@ def export_drafter(ckpt: str | Path, out: str | Path, fmt: str, dtype: str = "bf
                          sum(t.numel() * t.element_size() for t in tensors.values()), target, notes)
 
 
-def gguf_tokenizer_source(d: Drafter, target_gguf: str | Path | None) -> Path:
-    """The GGUF whose tokenizer the drafter carries: the one given, or the embedded target's own."""
-    if target_gguf is not None:
-        path = Path(target_gguf)
-        if not path.is_file():
-            raise FileNotFoundError(f"--target-gguf {target_gguf}: no such file")
-        return path
-    recorded = recorded_target(d)
-    if is_embedded(recorded):
-        return embedded.smollm2_gguf()
-    raise ValueError(f"{d.folder}: its target is {recorded}, not the embedded one; pass --target-gguf with the "
-                     f"target's GGUF file (the drafter must carry that tokenizer, llama-server checks it)")
-
-
 def export_gguf(d: Drafter, out: Path, dtype: str, target_gguf: str | Path | None) -> ExportSummary:
     """The drafter as one llama.cpp eagle3 GGUF (formats/gguf_drafter.py): q/k rows in ggml's RoPE
     order, d2t absolute, no t2d, no embeddings (llama.cpp uses the target's, which the drafter
@@ -381,7 +367,8 @@ def export_gguf(d: Drafter, out: Path, dtype: str, target_gguf: str | Path | Non
         raise ValueError(f"--out {out}: --format gguf writes one file; give a path ending {formats.GGUF_SUFFIX}")
     if out.exists():
         raise FileExistsError(f"--out {out} already exists; remove it or choose another path")
-    source = gguf_tokenizer_source(d, target_gguf)
+    source = find_target_gguf(target_gguf, recorded_target(d),
+                              "the drafter must carry that tokenizer, llama-server checks it")
     tensors = {k: v for k, v in d.tensors.items() if k not in (EMBEDDINGS, "t2d")}
     recorded = recorded_target(d)
     provenance = {"eaglet_version": __version__, "source_format": d.format, "target": recorded,

@@ -13,12 +13,14 @@ ids), `n_predict`, sampling fields and `return_tokens`, and answers `tokens` and
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -34,6 +36,7 @@ INSTALL_HINT = ("install the optional extra (pip install 'eaglet[llama-cpp]', wh
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
 LOG_TAIL_CHARS = 2000
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # --spec-type values eaglet uses (common/arg.cpp, common_speculative_all_types_str)
 SPEC_EAGLE3 = "draft-eagle3"
 SPEC_NGRAM = "ngram-simple"
@@ -97,6 +100,7 @@ def server_command(binary: Path, model: Path, port: int, draft: Path | None = No
 class Completion:
     tokens: list[int]
     timings: dict[str, Any]
+    stop_type: str = ""  # "eos", "limit" (n_predict reached), "word"; "" when the server does not say
 
     @property
     def drafted(self) -> int:
@@ -108,7 +112,12 @@ class Completion:
 
     @property
     def seconds(self) -> float:
-        return float(self.timings.get("predicted_ms", 0.0)) / 1000
+        """Prompt processing plus decoding, by the engine's own clock."""
+        return (float(self.timings.get("prompt_ms", 0.0)) + float(self.timings.get("predicted_ms", 0.0))) / 1000
+
+    @property
+    def generated(self) -> int:
+        return int(self.timings.get("predicted_n", len(self.tokens)))
 
 
 @dataclass
@@ -144,12 +153,17 @@ class LlamaServer:
             state = f"exited with code {self.process.poll()}" if self.process.poll() is not None else "running"
             raise LlamaServerError(f"{SERVER_NAME} {path}: {e} (server {state}); its log ends:\n{self.log_tail()}") from e
 
-    def complete(self, prompt: Sequence[int], max_new_tokens: int, stop_at_eos: bool = True) -> Completion:
-        """Greedy continuation of `prompt` (token ids): the tokens and the engine's own timings."""
-        body = {"prompt": list(prompt), "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-                "cache_prompt": False, "return_tokens": True, "ignore_eos": not stop_at_eos, "stream": False}
+    def complete(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, stop_at_eos: bool = True) -> Completion:
+        """A continuation of `prompt` (token ids; greedy at temperature 0): the tokens and the
+        engine's own timings. The prompt is not cached, so every request pays its own prefill."""
+        sampling = {"temperature": 0.0, "top_k": 1} if temperature <= 0 else \
+            {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0, "seed": seed}
+        body = {"prompt": list(prompt), "n_predict": max_new_tokens, **sampling, "cache_prompt": False,
+                "return_tokens": True, "ignore_eos": not stop_at_eos, "stream": False}
         answer = self.request("/completion", body)
-        return Completion([int(t) for t in answer.get("tokens") or []], dict(answer.get("timings") or {}))
+        return Completion([int(t) for t in answer.get("tokens") or []], dict(answer.get("timings") or {}),
+                          str(answer.get("stop_type") or ""))
 
     def metrics(self) -> dict[str, float]:
         """The Prometheus counters of /metrics (llamacpp:*), by name."""
@@ -160,6 +174,16 @@ class LlamaServer:
                 with contextlib.suppress(ValueError):
                     out[name] = float(value)
         return out
+
+    def spec_counts(self) -> SpecCounts:
+        return SpecCounts.of(self.metrics())
+
+    def counted_completion(self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any
+                           ) -> tuple[Completion, SpecCounts]:
+        """`complete`, with the speculative counters it moved (the server serves one request at a time here)."""
+        before = self.spec_counts()
+        done = self.complete(prompt, max_new_tokens, **sampling)
+        return done, self.spec_counts().minus(before)
 
 
 def wait_healthy(server: LlamaServer, timeout: float) -> None:
@@ -181,6 +205,12 @@ def wait_healthy(server: LlamaServer, timeout: float) -> None:
     raise LlamaServerError(f"{SERVER_NAME} not healthy after {timeout:.0f} s; its log ends:\n{server.log_tail()}")
 
 
+def die_with_parent() -> None:
+    """Run in the server's process before exec: the kernel sends it SIGTERM when the process that
+    started it dies, however it dies (a SIGKILL leaves no `finally` to stop it)."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def stop(process: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
     """SIGTERM to the server's process group, SIGKILL after `grace` seconds: nothing is left running."""
     if process.poll() is not None:
@@ -200,8 +230,9 @@ def llama_server(model: str | Path, draft: str | Path | None = None, spec_type: 
                  start_timeout: float = START_TIMEOUT_S, log_dir: str | Path | None = None,
                  **options: Any) -> Iterator[LlamaServer]:
     """Run llama-server for the `with` block: started on a free port, healthy before it yields,
-    stopped on the way out whatever happens (its own session, so a Ctrl-C reaching eaglet does
-    not leave it behind). `options`: those of `server_command`."""
+    stopped on the way out whatever happens (its own session, so a Ctrl-C reaches eaglet alone,
+    which stops it; on Linux it also dies with eaglet if eaglet is killed outright). `options`:
+    those of `server_command`."""
     binary = server_binary()
     for path, what in ((model, "target GGUF"), (draft, "drafter GGUF")):
         if path is not None and not Path(path).is_file():
@@ -213,7 +244,8 @@ def llama_server(model: str | Path, draft: str | Path | None = None, spec_type: 
     log_path = folder / f"llama-server-{port}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+                                   start_new_session=True,
+                                   preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
     server = LlamaServer(f"http://127.0.0.1:{port}", process, log_path, command)
     try:
         wait_healthy(server, start_timeout)
@@ -223,67 +255,91 @@ def llama_server(model: str | Path, draft: str | Path | None = None, spec_type: 
 
 
 # ---------------------------------------------------------------------------------------------
-# One method over a prompt set: the figures eval reports, from the engine's own counts
+# Speculative-decoding counters
 # ---------------------------------------------------------------------------------------------
 
 ACCEPTED_PER_POS = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
 DRAFTS = "llamacpp:spec_decode_num_drafts_total"
 
 
-@dataclass
-class EngineRun:
-    """One llama-server configuration over a list of prompts: the engine's own timings and counts."""
+@dataclass(frozen=True)
+class SpecCounts:
+    """llama-server's cumulative speculative counters (server-context.cpp): `drafts` counts the
+    verification steps that checked a draft; `accepted_per_position[i]` the steps that accepted
+    the drafted token at position i (0-based), so position i was reached by the steps that
+    accepted i tokens before it (all steps for i = 0)."""
 
-    name: str
-    outputs: list[list[int]]
-    generated: int  # tokens decoded (predicted_n summed)
-    seconds: float  # decoding time (predicted_ms summed): prompt processing excluded
-    drafted: int
-    accepted: int
-    verify_steps: int  # verification steps that checked a draft
-    accepted_per_position: list[int]
+    drafts: int = 0
+    accepted_per_position: tuple[int, ...] = ()
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated / self.seconds if self.seconds else 0.0
+    @classmethod
+    def of(cls, metrics: dict[str, float]) -> SpecCounts:
+        found = {}
+        for name, value in metrics.items():
+            if name.startswith(ACCEPTED_PER_POS + "{"):
+                found[int(name.split('position="')[1].split('"')[0])] = int(value)
+        per_pos = tuple(found.get(i, 0) for i in range(max(found) + 1)) if found else ()
+        return cls(int(metrics.get(DRAFTS, 0)), per_pos)
 
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def first_draft_acceptance(self) -> float:
-        """Share of verification steps whose first drafted token was accepted."""
-        return self.accepted_per_position[0] / self.verify_steps if self.verify_steps and self.accepted_per_position \
-            else 0.0
+    def minus(self, earlier: SpecCounts) -> SpecCounts:
+        old = earlier.accepted_per_position
+        return SpecCounts(self.drafts - earlier.drafts,
+                          tuple(a - (old[i] if i < len(old) else 0) for i, a in enumerate(self.accepted_per_position)))
 
     @property
-    def tau(self) -> float:
-        """Tokens per verification step that checked a draft (the accepted ones plus the target's own)."""
-        return 1 + self.accepted / self.verify_steps if self.verify_steps else 1.0
+    def accepted(self) -> int:
+        return sum(self.accepted_per_position)
+
+    @property
+    def reached_per_position(self) -> list[int]:
+        """Steps whose draft was tried at each position: all for the first, then those that
+        accepted every token before it (exact for drafts of the full length, p-min 0)."""
+        return [self.drafts, *self.accepted_per_position[:-1]] if self.accepted_per_position else []
 
 
-def per_position(metrics: dict[str, float]) -> list[int]:
-    found = {}
-    for name, value in metrics.items():
-        if name.startswith(ACCEPTED_PER_POS + "{"):
-            found[int(name.split('position="')[1].split('"')[0])] = int(value)
-    return [found.get(i, 0) for i in range(max(found) + 1)] if found else []
+# ---------------------------------------------------------------------------------------------
+# Several servers at once (one per configuration compared)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One llama-server configuration: a drafter GGUF and a --spec-type, or neither (plain),
+    and flags of its own (`extra`)."""
+
+    draft: Path | None = None
+    spec_type: str | None = None
+    extra: tuple[str, ...] = ()
 
 
-def run_prompts(name: str, server: LlamaServer, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> EngineRun:
-    """Every prompt through `server` (greedy, one at a time), summed with the server's counters."""
-    before = server.metrics()
-    outputs, generated, seconds, drafted, accepted = [], 0, 0.0, 0, 0
-    for prompt in prompts:
-        c = server.complete(prompt, max_new_tokens)
-        outputs.append(c.tokens)
-        generated += int(c.timings.get("predicted_n", len(c.tokens)))
-        seconds += c.seconds
-        drafted += c.drafted
-        accepted += c.accepted
-    after = server.metrics()
-    steps = int(after.get(DRAFTS, 0) - before.get(DRAFTS, 0))
-    pos_before, pos_after = per_position(before), per_position(after)
-    pos = [a - (pos_before[i] if i < len(pos_before) else 0) for i, a in enumerate(pos_after)]
-    return EngineRun(name, outputs, generated, seconds, drafted, accepted, steps, pos)
+def ngram_flags(lookup_n: int, draft_m: int) -> tuple[str, ...]:
+    """ngram-simple's n-gram looked up and tokens drafted after a match (llama.cpp's defaults,
+    12 and 48, rarely match in a short answer and verify 48 tokens when they do)."""
+    return ("--spec-ngram-simple-size-n", str(lookup_n), "--spec-ngram-simple-size-m", str(draft_m))
+
+
+@contextlib.contextmanager
+def llama_servers(model: str | Path, specs: dict[str, ServerSpec], **options: Any) -> Iterator[dict[str, LlamaServer]]:
+    """One server per label, all running for the block and all stopped after it (the ones
+    started before a failing one included). `options`: those of `llama_server`."""
+    with contextlib.ExitStack() as stack:
+        yield {label: stack.enter_context(llama_server(model, spec.draft, spec.spec_type, extra=spec.extra, **options))
+               for label, spec in specs.items()}
+
+
+def server_version(binary: Path | None = None) -> str:
+    """`llama-server --version`'s build line (e.g. "version: 11434 (abcdef)"), for the results' record.
+
+    Also the check that the binary runs on this CPU at all: a build for an instruction set the
+    machine lacks dies here with SIGILL, and that is said plainly instead of as a health timeout."""
+    binary = binary or server_binary()
+    try:
+        done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LlamaCppMissing(f"{binary} --version did not run: {e}; {INSTALL_HINT}") from e
+    if done.returncode != 0:
+        died = (f"killed by signal {-done.returncode}"
+                + (" (illegal instruction: built for a CPU this one is not)" if done.returncode == -signal.SIGILL
+                   else "")) if done.returncode < 0 else f"exit status {done.returncode}"
+        raise LlamaCppMissing(f"{binary} --version failed, {died}: {(done.stdout + done.stderr).strip()[-300:]}")
+    lines = (done.stdout + done.stderr).splitlines()
+    return next((line.strip() for line in lines if line.startswith("version")), "unknown")

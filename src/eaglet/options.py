@@ -30,14 +30,17 @@ LAST_STATE_CHOICES = ("pre_norm", "post_norm")  # a stored last state, before or
 LOSS_ON = ("assistant", "all")
 OBJECTIVES = ("ce", "lk", "lk-hybrid")  # draft_model.objective_loss
 LM_HEAD_INITS = ("random", "target")
-REGEN_BACKENDS = ("local", "openai")
+REGEN_BACKENDS = ("local", "openai", "llama.cpp")
 EXPORT_FORMAT_NAMES = ("speculators", "eagle", "gguf")
 EXPORT_DTYPE_NAMES = ("bf16", "fp32")
 PROMPT_SETS = ("mtbench", "mtbench-2turn", "humaneval", "sharegpt")
 BASELINE = "plain"  # plain greedy decoding, the reference every method is compared with
 ENGINE_METHODS = ("chain", "tree", "hybrid", "ngram")  # eaglet's decoding loop
 HF_METHODS = ("prompt-lookup", "hf-greedy")  # Hugging Face generate()
-METHODS = ENGINE_METHODS + HF_METHODS
+# llama.cpp's llama-server on the target's GGUF: plain, the drafter exported (draft-eagle3), n-gram lookup
+LLAMA_CPP_BASELINE = "llama.cpp"
+LLAMA_CPP_METHODS = (LLAMA_CPP_BASELINE, "llama.cpp-eagle3", "llama.cpp-ngram")
+METHODS = ENGINE_METHODS + HF_METHODS + LLAMA_CPP_METHODS
 DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
 HYBRID_DRAFTS = ("chain", "tree")
 ADMISSIONS = ("cost", "all")
@@ -196,6 +199,9 @@ LAST_HIDDEN_STATE = Option("last_hidden_state", "a foreign dataset's last state,
                                                 "pre_norm otherwise)", choices=LAST_STATE_CHOICES)
 CHATS_DATA = Option("data", "ShareGPT .json/.jsonl, OpenAI-style messages .jsonl, or 'sharegpt' for the embedded "
                             "ShareGPT", default="sharegpt")
+# --engine-f32 of eval and regen
+ENGINE_F32_HELP = ("run llama.cpp on the target GGUF dequantized to f32 (written once under $EAGLET_HOME), the weights "
+                   "eaglet's own target has when it is that GGUF (the embedded one is): both then run one model")
 SKIP = Option("skip", "skip the first N records of the input", type=int, default=0)
 NUM_SAMPLES = Option("num_samples", "stop after this many usable chats", type=int)
 # What a Ctrl-C leaves and what picks the work up again (docs/errors.md): true of each stage, since
@@ -380,18 +386,24 @@ REGEN = Stage(
     (CHATS_DATA,
      Option("out", "output .jsonl (failures go to OUT.errors.jsonl)", required=True, recipe=False),
      target_option(),
-     Option("backend", "local: Hugging Face generate; openai: an OpenAI-compatible chat endpoint", default="local",
-            choices=REGEN_BACKENDS),
+     Option("backend", "local: Hugging Face generate; openai: an OpenAI-compatible chat endpoint; llama.cpp: "
+                       "llama-server on the target's GGUF, run by eaglet with --concurrency parallel slots",
+            default="local", choices=REGEN_BACKENDS),
+     Option("target_gguf", "llama.cpp: the target's GGUF file (default: the embedded SmolLM2 GGUF, for the embedded "
+                           "target)"),
+     Option("threads", "llama.cpp: CPU threads of the server (default: all cores)", type=int),
+     Option("engine_f32", f"llama.cpp: {ENGINE_F32_HELP}, and the answers are the local backend's", kind=FLAG),
      Option("base_url", "endpoint base URL, e.g. http://127.0.0.1:8000/v1 (openai backend)"),
      Option("model", "served model name (openai backend; default: the first of GET /models)"),
      Option("api_key", "endpoint API key (default: $OPENAI_API_KEY, if set)"),
      Option("temperature", "0 = greedy", type=float, default=0.0),
      Option("top_p", "nucleus sampling mass", type=float, default=1.0),
      Option("max_new_tokens", "tokens per answer at most", type=int, default=512),
-     Option("max_prompt_tokens", "local: longest prompt to answer; a chat stops at a longer turn (default: the "
+     Option("max_prompt_tokens", "local and llama.cpp: longest prompt to answer; a chat stops at a longer turn (default: the "
                                  "target's context minus --max-new-tokens)", type=int),
      Option("batch_size", "local: prompts per generate call", type=int, default=16),
-     Option("concurrency", "openai: conversations in flight", type=int, default=8),
+     Option("concurrency", "openai: conversations in flight; llama.cpp: the server's parallel slots", type=int,
+            default=8),
      Option("max_retries", "openai: retries per request", type=int, default=5),
      Option("timeout", "openai: seconds per request", type=float, default=600.0),
      Option("resume", "continue an existing --out, skipping the ids it holds", kind=FLAG, recipe=False),
@@ -408,9 +420,10 @@ EVAL = Stage(
     "eval", "acceptance length and speedup of a drafter on prompt sets",
     "Decode prompt sets with plain greedy and with each method (speculative chain / tree with the drafter; hybrid: "
     "the drafter's chain and prompt lookup's continuation verified in one pass; ngram: prompt lookup in eaglet's "
-    "engine; Hugging Face prompt lookup), interleaved per prompt; report tau, acceptance per draft position, "
-    "tokens/s, speedup over plain greedy and whether outputs equal plain greedy's. Table, OUT/eval.json and "
-    "OUT/eval.png.",
+    "engine; Hugging Face prompt lookup; llama.cpp's llama-server plain, with the drafter exported to GGUF, or with "
+    "its n-gram lookup), interleaved per prompt; report tau, acceptance per draft position, tokens/s, speedup over "
+    "plain greedy (llama.cpp's methods: over llama.cpp plain) and whether outputs equal plain greedy's, and "
+    "llama.cpp's first-draft acceptance beside eaglet's chain. Table, OUT/eval.json and OUT/eval.png.",
     (Option("drafter", "eaglet checkpoint or run folder (its best checkpoint), or an EAGLE-3 / speculators drafter "
                        "folder", positional=True, param="drafter_path"),
      target_option("the target recorded in the drafter's checkpoint"),
@@ -451,8 +464,13 @@ EVAL = Stage(
      Option("top_p", "nucleus sampling mass", type=float, default=1.0),
      Option("dtype", "target and drafter dtype: bf16, fp16, fp32", default="bf16"),
      device_option(), *placement_options(),
-     Option("threads", "CPU threads (default: torch's)", type=int),
-     Option("out", "folder for eval.json and eval.png", recipe=False),
+     Option("threads", "CPU threads (default: torch's), the llama.cpp servers' too", type=int),
+     Option("target_gguf", "llama.cpp methods: the target's GGUF file the servers run (default: the embedded "
+                           "SmolLM2 GGUF, for the embedded target)"),
+     Option("engine_f32", f"llama.cpp methods: {ENGINE_F32_HELP}; the first-draft line then checks the export's "
+                          "conventions alone", kind=FLAG),
+     Option("out", "folder for eval.json and eval.png (and drafter.gguf, the export llama.cpp-eagle3 ran)",
+            recipe=False),
      Option("no_plot", "skip the PNG plot", kind=FLAG, param="plot", invert=True, recipe=False),
      Option("seed", "sampling seed", type=int, default=0)),
     "eaglet.evaluate:evaluate", f"no results were written; {STARTS_OVER}", config="eaglet.evaluate:DecodeSettings")

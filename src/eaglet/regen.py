@@ -5,11 +5,15 @@ on whatever model wrote the chat originally. Every assistant turn is regenerated
 turn: turn k is generated from the chat so far *with the regenerated answers* of turns < k,
 exactly what the target would have seen serving that conversation.
 
-Two backends:
+Three backends:
 - `local`: the target with Hugging Face `generate` (KV cache), batching the pending turns of
   many conversations by similar prompt length, left-padded;
 - `openai`: any OpenAI-compatible `/chat/completions` endpoint (vLLM, SGLang), conversations
-  in parallel threads, retries with exponential backoff. Standard library only.
+  in parallel threads, retries with exponential backoff. Standard library only;
+- `llama.cpp`: llama-server on the target's GGUF, started and stopped by eaglet, with one
+  parallel slot per conversation in flight (continuous batching). Prompts are rendered by the
+  target's own chat template exactly as `local` renders them and sent as token ids; answers are
+  decoded by the same tokenizer, so only the weights' quantization differs from `local`.
 
 Output: one JSONL line per finished conversation, `{"id", "messages", "regen"}` (OpenAI-style
 `messages`, which `eaglet prepare` reads), appended, flushed and fsynced line by line, so a
@@ -21,6 +25,7 @@ a run in which every chat fails (and OUT holds none from earlier runs) ends with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +37,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -42,16 +48,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from eaglet import ranges
+from eaglet import llama_cpp, ranges
 from eaglet.data import ASSISTANT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
 from eaglet.formats import RegenWriter, errors_path, open_output
 from eaglet.placement import placement_from_options
-from eaglet.target import (dtype_name, generation_config, input_device, load_target, load_tokenizer, parse_dtype,
-                           pick_device, resolve_target)
+from eaglet.target import (dtype_name, f32_target_gguf, find_target_gguf, generation_config, input_device,
+                           load_target, load_tokenizer, parse_dtype, pick_device, resolve_target)
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("local", "openai")
+BACKENDS = ("local", "openai", "llama.cpp")
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # worth another try; other 4xx are final
 
 
@@ -238,8 +244,13 @@ class LocalGenerator:
 def stop_token_ids(model, tokenizer) -> set[int]:
     """End-of-turn ids: the tokenizer's EOS and the model's generation_config EOS (chat models
     like Llama 3 end turns with a token other than the tokenizer's EOS)."""
+    return end_of_turn_ids(tokenizer, getattr(model, "generation_config", None))
+
+
+def end_of_turn_ids(tokenizer, config) -> set[int]:
+    """`stop_token_ids` from a tokenizer and a generation config (None: the tokenizer's alone)."""
     ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+    for source in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):
@@ -440,12 +451,13 @@ def endpoint_model(base_url: str, api_key: str | None, timeout: float) -> str:
         raise RuntimeError(f"--base-url {base_url}: could not list the served models ({e}); pass --model") from e
 
 
-def run_remote(convs: Iterator[Conversation], ep: Endpoint, concurrency: int, max_new_tokens: int,
-               temperature: float, top_p: float, emit: Callable[[Conversation], None],
-               fail: Callable[[Conversation, str], None], progress: Callable[[int], None],
-               tick: Callable[[], None]) -> None:
-    """Conversations in parallel threads; only this thread writes, so no file lock is needed.
-    At most 2x `concurrency` conversations are read ahead, so memory stays flat."""
+def run_parallel(convs: Iterator[Conversation], regen_one: Callable[[Conversation], Conversation], concurrency: int,
+                 emit: Callable[[Conversation], None], fail: Callable[[Conversation, str], None],
+                 tick: Callable[[], None]) -> None:
+    """`regen_one` over conversations in parallel threads (a server's requests in flight); only
+    this thread writes, so no file lock is needed. At most 2x `concurrency` conversations are
+    read ahead, so memory stays flat. A RegenError fails its conversation; any other error
+    (the server died) stops the run, as a kill would."""
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regen") as pool:
         running: dict[Future, Conversation] = {}
         exhausted = False
@@ -456,8 +468,7 @@ def run_remote(convs: Iterator[Conversation], ep: Endpoint, concurrency: int, ma
                     if conv is None:
                         exhausted = True
                         break
-                    running[pool.submit(regen_conversation_remote, ep, conv, max_new_tokens, temperature, top_p,
-                                        progress)] = conv
+                    running[pool.submit(regen_one, conv)] = conv
                 if not running:
                     return
                 finished, _ = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -472,6 +483,72 @@ def run_remote(convs: Iterator[Conversation], ep: Endpoint, concurrency: int, ma
             for fut in running:
                 fut.cancel()  # queued conversations do not start; in-flight ones are lost, by design
             raise
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp backend: llama-server on the target's GGUF, prompts as token ids
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class LlamaCppTurns:
+    """What every request of a llama.cpp run shares: the server, the target's tokenizer and
+    end-of-turn ids, and the sampling settings."""
+
+    server: llama_cpp.LlamaServer
+    tokenizer: Any
+    stop_ids: set[int]
+    max_new_tokens: int
+    max_prompt_tokens: int | None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def turn_seed(self, conv: Conversation) -> int:
+        """A sampling seed per conversation and turn: a resumed run samples what a whole run would."""
+        return zlib.crc32(f"{self.seed}:{conv.id}:{conv.done}".encode())
+
+    def answer(self, ids: list[int], conv: Conversation) -> Turn:
+        try:
+            done = self.server.complete(ids, self.max_new_tokens, self.temperature, self.top_p, self.turn_seed(conv))
+        except llama_cpp.LlamaServerError as e:
+            if self.server.process.poll() is not None:
+                raise  # the server is gone: every chat would fail; stop the run (--resume continues it)
+            raise RegenError(str(e)) from None  # this request's own error (HTTP 400 and the like)
+        kept, reason, count = split_at_stop(done.tokens, self.stop_ids)
+        if reason == "length" and done.stop_type == "eos":  # an end-of-turn token llama.cpp knows and left out
+            reason, count = "stop", len(kept) + 1
+        return Turn(self.tokenizer.decode(kept, skip_special_tokens=True), reason, count)
+
+    def regen(self, conv: Conversation, progress: Callable[[int], None]) -> Conversation:
+        """Every turn of one conversation, in order; a turn whose prompt is too long ends the
+        chat there (written cut short), as the local backend does."""
+        while not conv.finished:
+            try:
+                ids = chat_prompt_ids(self.tokenizer, conv.prompt())
+            except Exception as e:  # a template that raises on this chat (jinja raise_exception)
+                raise RegenError(f"chat template failed: {type(e).__name__}: {e}") from None
+            if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+                if conv.done:
+                    return conv
+                raise RegenError(f"prompt has {len(ids)} tokens, more than the {self.max_prompt_tokens} allowed")
+            turn = self.answer(ids, conv)
+            empty = empty_answer(turn)
+            if empty is not None:
+                raise RegenError(empty)
+            conv.record(turn)
+            progress(turn.tokens)
+        return conv
+
+
+def target_limits(ref) -> tuple[Any, int | None]:
+    """The target's generation config (None without one) and its positions, read without its weights."""
+    from transformers import AutoConfig, GenerationConfig  # seconds to import: only the llama.cpp backend here
+
+    try:
+        generation = GenerationConfig.from_pretrained(ref.path)
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        generation = None
+    return generation, getattr(AutoConfig.from_pretrained(ref.path), "max_position_embeddings", None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,10 +604,12 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
                device: str | None = None, seed: int = 0, max_prompt_tokens: int | None = None,
                max_turns: int | None = None, time_budget: float | None = None,
                device_map: str | None = None, max_memory: str | None = None, offload_folder: str | None = None,
+               target_gguf: str | os.PathLike | None = None, threads: int | None = None, engine_f32: bool = False,
                progress_bar: bool = True) -> RegenSummary:
     """Regenerate every assistant turn of the chats in `data` with the target; write `out` (JSONL).
     With `time_budget` (seconds) no new chat starts after that long. The local backend places the
-    target with `device_map` (`eaglet.placement`) or on `device`."""
+    target with `device_map` (`eaglet.placement`) or on `device`; the llama.cpp backend runs
+    llama-server on `target_gguf` with `concurrency` slots and `threads` threads."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
@@ -541,7 +620,10 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
     ranges.within(0, 1, low_open=True, top_p=top_p)
     ranges.at_least(1, max_new_tokens=max_new_tokens, batch_size=batch_size, concurrency=concurrency,
                     num_samples=num_samples, max_prompt_tokens=max_prompt_tokens,
-                    max_turns=max_turns)
+                    max_turns=max_turns, threads=threads)
+    if backend != "llama.cpp" and (target_gguf is not None or threads is not None or engine_f32):
+        raise ValueError(f"--target-gguf, --threads and --engine-f32 are the llama.cpp backend's (this is --backend "
+                         f"{backend})")
     ranges.above(0, timeout=timeout, time_budget=time_budget)
     out = Path(out)
     done = open_output(out, resume)
@@ -562,6 +644,19 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
         meta = {"target": ref.name, "target_revision": ref.revision, **meta,
                 "dtype": dtype_name(parse_dtype(dtype, dev)),
                 **({"seed": seed} if temperature > 0 else {})}
+    elif backend == "llama.cpp":
+        ref = resolve_target(target)
+        tokenizer = load_tokenizer(ref)
+        if not tokenizer.chat_template:
+            raise ValueError(f"target {ref.name}: tokenizer has no chat template")
+        generation, positions = target_limits(ref)
+        gguf = find_target_gguf(target_gguf, ref.name, "the llama.cpp backend runs the target's GGUF")
+        gguf = f32_target_gguf(gguf) if engine_f32 else gguf
+        max_prompt_tokens = max_prompt_tokens or (positions - max_new_tokens if positions else None)
+        server_options = {"threads": threads or os.cpu_count() or 1, "parallel": concurrency,
+                          "ctx_size": (max_prompt_tokens or 4096) + max_new_tokens}
+        meta = {"target": ref.name, "target_revision": ref.revision, **meta, "gguf": gguf.name,
+                "server": llama_cpp.server_version(), **({"seed": seed} if temperature > 0 else {})}
     else:
         if not base_url:
             raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
@@ -606,7 +701,7 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
 
     errors_file = open(summary.errors_file, "w", encoding="utf-8")  # a report of this run; resume retries them
     try:
-        with RegenWriter(out) as writer:
+        with contextlib.ExitStack() as running, RegenWriter(out) as writer:
             def emit(conv: Conversation) -> None:
                 if conv.done < conv.turns:
                     summary.cut_short += 1
@@ -627,15 +722,24 @@ def regenerate(data: str, out: str | os.PathLike, target: str | None = None, bac
 
             if backend == "local":
                 run_local(todo(), gen, batch_size, max_prompt_tokens, emit, fail, progress, tick, out_of_time)
+            elif backend == "llama.cpp":
+                server = running.enter_context(llama_cpp.llama_server(gguf, log_dir=out.with_name(out.name + ".llama-server"),
+                                                                      **server_options))
+                turns = LlamaCppTurns(server, tokenizer, end_of_turn_ids(tokenizer, generation), max_new_tokens,
+                                      max_prompt_tokens, temperature, top_p, seed)
+                t0 = time.time()  # the server's start-up is not regeneration time
+                run_parallel(todo(), lambda conv: turns.regen(conv, progress), concurrency, emit, fail, tick)
             else:
-                run_remote(todo(), ep, concurrency, max_new_tokens, temperature, top_p, emit, fail, progress, tick)
+                run_parallel(todo(), lambda conv: regen_conversation_remote(ep, conv, max_new_tokens, temperature,
+                                                                            top_p, progress),
+                             concurrency, emit, fail, tick)
     finally:
         errors_file.close()
         bar.close()
         summary.seconds = time.time() - t0
-    if not summary.failed:
-        summary.errors_file.unlink(missing_ok=True)  # no empty errors file to wonder about
-    elif not summary.written and not done:
+        if not summary.failed:
+            summary.errors_file.unlink(missing_ok=True)  # no empty errors file to wonder about
+    if summary.failed and not summary.written and not done:
         raise AllChatsFailed(f"{summary.errors_file}: all {summary.failed} chats failed and none was written to "
                              f"{out} (first: {summary.first_failure}); fix the cause, then rerun with --resume to "
                              f"retry them")

@@ -11,6 +11,7 @@ import atexit
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -42,6 +43,17 @@ FAST_BF16_ENV = "EAGLET_CPU_FAST_BF16"
 def cpu_fast_bf16_override() -> bool | None:
     """EAGLET_CPU_FAST_BF16 as a bool, or None when unset; any other value is refused."""
     return env_switch(FAST_BF16_ENV, "auto = bf16 on CPU", "auto = fp32")
+
+
+def cpu_description() -> str:
+    """The CPU's model name and matrix ISA, e.g. "AMD EPYC (AVX512-BF16)": what `--dtype auto`
+    and every speed figure depend on, so results record it."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.processor() or "unknown CPU")
+    isa = ("AMX bf16" if "amx_bf16" in info else "AVX512-BF16" if "avx512_bf16" in info else
+           "AVX2" if "avx2" in info else "unknown ISA")
+    return f"{model} ({isa})"
 
 
 def fast_bf16(device: torch.device | str | None = None) -> bool:
@@ -171,6 +183,43 @@ def is_embedded(spec: str | None) -> bool:
         return Path(spec).resolve() == embedded_cache_dir().resolve()
     except (OSError, FileNotFoundError):  # no wheel installed: cannot be the embedded default
         return False
+
+
+def find_target_gguf(given: str | Path | None, target: str | None, why: str) -> Path:
+    """The target's GGUF file (llama.cpp's copy of the target): the one given, or the embedded
+    SmolLM2's own GGUF for the embedded target; `why` says what needs it, for the error."""
+    if given is not None:
+        path = Path(given)
+        if not path.is_file():
+            raise FileNotFoundError(f"--target-gguf {given}: no such file")
+        return path
+    if is_embedded(target):
+        return embedded.smollm2_gguf()
+    raise ValueError(f"the target is {target}, not the embedded one; pass --target-gguf with the target's GGUF file "
+                     f"({why})")
+
+
+def file_fingerprint(path: Path) -> str:
+    """A content hash of one file: its size and first and last MiB (enough to tell two GGUFs
+    apart without reading gigabytes)."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, path.stat().st_size - (1 << 20)))
+        h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def f32_target_gguf(source: Path) -> Path:
+    """`source` with its weights in f32 (itself if they already are plain floats), cached under
+    $EAGLET_HOME/gguf once: for the embedded target, the very weights eaglet's own target has."""
+    if not formats.is_quantized(source):
+        return source
+    cached = embedded.eaglet_home() / "gguf" / f"{source.stem}-{file_fingerprint(source)}.f32{source.suffix}"
+    if not cached.is_file():
+        log.info("writing %s dequantized to f32 (%s, once)", source.name, cached)
+        formats.write_f32_gguf(source, cached)
+    return cached
 
 
 def serving_name(spec: str | None) -> str | None:

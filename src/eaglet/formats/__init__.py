@@ -15,7 +15,8 @@ nowhere else:
   `samples` holds what they share, `listing` how their files are found;
 - `drafters`: drafter folders for the serving engines (`eaglet export` / `eaglet import`): the
   speculators (vLLM) and EAGLE-3 / SGLang `config.json` layouts and their weight names;
-  `gguf_drafter`: the one-file GGUF drafter llama.cpp's eagle3 loader reads.
+  `gguf_drafter`: the one-file GGUF drafter llama.cpp's eagle3 loader reads; `gguf_target`: the
+  target's own GGUF (its weight type, and its f32 copy, the weights eaglet's target has).
 
 Callers use the names re-exported here (`formats.read_json`, `formats.layout(name)`, ...).
 """
@@ -60,6 +61,7 @@ from eaglet.formats.layouts import (ARROW_STATE_FILE, COMPACT_FILE_RE, COMPACT_L
                                     written_layout)
 from eaglet.formats.gguf_drafter import (GGUF_ARCH, GGUF_SUFFIX, GGUFDrafter, from_ggml_rope_rows, gguf_unservable,
                                          read_gguf_drafter, to_ggml_rope_rows, write_gguf_drafter)
+from eaglet.formats.gguf_target import UNQUANTIZED, is_quantized, weight_type, write_f32_gguf
 from eaglet.formats.drafters import (DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE, DTYPE_NAMES, EAGLE_ARCHITECTURES,
                                      EXPORT_FORMATS, FORMAT_EAGLE, FORMAT_EAGLET, FORMAT_GGUF, FORMAT_RENAMES,
                                      FORMAT_SPECULATORS,

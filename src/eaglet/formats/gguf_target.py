@@ -1,0 +1,59 @@
+"""The target's own GGUF (llama.cpp's copy of the target model): what its weights are stored as,
+and the same file with every tensor dequantized to f32.
+
+Why an f32 copy: llama.cpp runs a quantized target with quantized kernels (Q4_1 weights, and
+activations quantized to 8 bits inside each matmul), so its hidden states and greedy answers part
+from the model eaglet trained the drafter on. For the embedded default the two share their weights
+exactly (eaglet's cached model *is* the GGUF dequantized, target.py), so on the f32 copy llama.cpp
+and eaglet run the same model and any difference left is the drafter's conventions at the export.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from eaglet.formats.io import atomic_path
+
+UNQUANTIZED = ("F32", "F16", "BF16", "F64")  # ggml tensor types that are plain floats
+
+
+def weight_type(path: str | os.PathLike) -> str | None:
+    """The ggml type most of the file's matrices are stored in ("Q4_1", "F16", ...); None for a
+    file without any (a tokenizer-only GGUF)."""
+    import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
+
+    counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def is_quantized(path: str | os.PathLike) -> bool:
+    return weight_type(path) not in (None, *UNQUANTIZED)
+
+
+def write_f32_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> int:
+    """`src` with every tensor dequantized to f32 and its metadata (tokenizer, chat template,
+    hyperparameters) unchanged but `general.file_type`, written atomically; returns the bytes."""
+    import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    with atomic_path(Path(dst)) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        for name, f in reader.fields.items():
+            if name.startswith("GGUF.") or name == "general.architecture":  # the writer's own header fields
+                continue
+            if name == "general.file_type":
+                writer.add_uint32(name, int(gguf.LlamaFileType.ALL_F32))
+                continue
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+        for t in reader.tensors:
+            writer.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return os.path.getsize(tmp)
