@@ -280,3 +280,5 @@ def test_gap_verdict_tells_quantization_from_a_mismatch():
     assert "--engine-f32" in gap_verdict({"first_acceptance_gap": -0.26, "engine_target_weights": "Q4_1"})
     for weights in ("F32", "BF16", None):
         assert gap_verdict({"first_acceptance_gap": 0.2, "engine_target_weights": weights}).startswith("MISMATCH")
+    floored = gap_verdict({"first_acceptance_gap": -0.09, "engine_target_weights": "F32", "min_draft_prob": 0.35})
+    assert "--min-draft-prob 0.35" in floored and "renormalised" in floored and "MISMATCH" not in floored

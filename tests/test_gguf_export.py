@@ -244,3 +244,10 @@ def test_the_targets_f32_copy_keeps_its_metadata_and_dequantizes_every_tensor(tm
     error = (tensors["blk.0.attn_q.weight"].reshape(4, 2, 32) - matrix.reshape(4, 2, 32)).abs()
     assert tensors["blk.0.attn_q.weight"].shape == (4, 64) and bool((error <= scale * (0.5 + 127 * 2 ** -11)).all())
     assert not list(tmp_path.glob(".*"))  # written atomically: no temp file left
+    formats.write_gguf_as(dst, tmp_path / "target.q8_0.gguf", "Q8_0")  # and back: the very blocks it came from
+    again = {t.name: t for t in gguf.GGUFReader(tmp_path / "target.q8_0.gguf").tensors}
+    assert formats.weight_type(tmp_path / "target.q8_0.gguf") == "Q8_0"
+    assert np.array_equal(np.array(again["blk.0.attn_q.weight"].data), q8)
+    assert again["output_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    with pytest.raises(ValueError, match="rewritten as one of F32, Q8_0, not Q4_K"):
+        formats.write_gguf_as(src, tmp_path / "x.gguf", "Q4_K")

@@ -80,8 +80,9 @@ assert set(LLAMA_CPP_SPECS) == set(LLAMA_CPP_METHODS)
 # First-draft acceptance in llama.cpp vs eaglet's chain, same drafter and prompts: beyond this
 # the two do not run the same drafter. Measured on a drafter that memorised 6 HumanEval answers:
 # +0.000 with the engine on the f32 target GGUF (one model on both sides), -0.264 on the Q4_1
-# one, whose quantized kernels move the states the drafter reads: so a gap on a quantized target
-# is a hint, on an f32 one a verdict.
+# one, whose quantized kernels move the states the drafter reads. A --min-draft-prob floor moves
+# it too (llama.cpp applies it to a top-10 renormalised probability). So a gap is a verdict only
+# on an f32 target without a floor, elsewhere a hint.
 FIRST_DRAFT_GAP = 0.05
 
 
@@ -463,11 +464,11 @@ def summarize(totals: dict[str, MethodTotals], compared: bool,
     return out
 
 
-def first_draft_check(summary: dict[str, dict[str, Any]], weights: str | None = None,
+def first_draft_check(summary: dict[str, dict[str, Any]], weights: str | None = None, p_min: float = 0.0,
                       engine: str = "llama.cpp-eagle3", own: str = "chain") -> dict[str, Any] | None:
     """The engine's first-draft acceptance beside eaglet's own for the same drafter and prompts,
-    and the ggml type of the engine's target weights, written into the engine's row; None when
-    either acceptance is missing."""
+    the ggml type of the engine's target weights and the drafts' probability floor, written into
+    the engine's row; None when either acceptance is missing."""
     try:
         theirs = summary[engine]["acceptance_rates"][0]
         ours = summary[own]["acceptance_rates"][0]
@@ -476,7 +477,7 @@ def first_draft_check(summary: dict[str, dict[str, Any]], weights: str | None = 
     if theirs is None or ours is None:
         return None
     check = {"eaglet_first_acceptance": ours, "first_acceptance_gap": round(theirs - ours, 4),
-             "engine_target_weights": weights}
+             "engine_target_weights": weights, "min_draft_prob": p_min}
     summary[engine].update(check)
     return check
 
@@ -565,7 +566,7 @@ def evaluate(drafter_path: str | Path, target: str | None = None, prompt_sets: S
                     raise ValueError(f"prompt set {spec!r}: every prompt is too long for the target's "
                                      f"{max_positions(model)} positions")
                 results[name] = summarize(totals, s.temperature <= 0, reference_labels(variants))
-                warn_on_gap(name, first_draft_check(results[name], engine.get("target_weights")))
+                warn_on_gap(name, first_draft_check(results[name], engine.get("target_weights"), s.min_draft_prob))
         bar.close()
         skipped = [r for r in records if "skipped" in r]
         if skipped:
@@ -635,13 +636,19 @@ def engine_servers(methods: Sequence[str], drafter_path: str | Path, target_name
 
 def gap_verdict(check: dict[str, Any]) -> str:
     """What a first-draft gap means: within the bound; beyond it on a quantized engine target,
-    where quantization alone moves it; or beyond it on the same weights, a convention mismatch."""
-    weights = check.get("engine_target_weights")
+    where quantization alone moves it, or with a probability floor, which the two engines apply
+    to different probabilities; or beyond it on the same weights without a floor, a convention
+    mismatch."""
+    weights, p_min = check.get("engine_target_weights"), check.get("min_draft_prob") or 0.0
     if abs(check["first_acceptance_gap"]) <= FIRST_DRAFT_GAP:
         return f"within {FIRST_DRAFT_GAP}"
     if weights and weights not in formats.UNQUANTIZED:
         return (f"beyond {FIRST_DRAFT_GAP}, but the engine's target is {weights}, whose kernels move the states the "
                 f"drafter reads; --engine-f32 runs eaglet's own weights and tells that from a convention mismatch")
+    if p_min > 0:
+        return (f"beyond {FIRST_DRAFT_GAP}, but with --min-draft-prob {p_min:g}: llama.cpp gates a draft on its top "
+                f"token's probability among the drafter's 10 best, renormalised, eaglet among all of them, so "
+                f"llama.cpp drafts tokens eaglet would not; --min-draft-prob 0 compares the conventions alone")
     return (f"MISMATCH: beyond {FIRST_DRAFT_GAP} on the same weights, the engine does not run the drafter as eaglet "
             f"does; check the export's conventions (aux layer ids, d2t, norms) before trusting either figure")
 
@@ -704,7 +711,8 @@ def first_draft_line(set_name: str, method: str, r: dict[str, Any]) -> str:
 
 def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) -> None:
     """Left: acceptance rate per draft position (one line per set and mode). Right: speedup
-    over plain greedy per set and method, each bar labelled with its tau."""
+    over plain greedy (llama.cpp's methods: over llama.cpp's plain decoding, said in the legend)
+    per set and method, each bar labelled with its tau."""
     import matplotlib  # slow to import, and only the plot needs it
 
     matplotlib.use("Agg")  # before pyplot: no display is needed to write a PNG
@@ -730,7 +738,8 @@ def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: st
     for j, m in enumerate(methods):
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(names))]
         ys = [sets[n].get(m, {}).get("speedup") or 0.0 for n in names]
-        bars = ax_speed.bar(xs, ys, width, label=m)
+        over = next((sets[n][m]["speedup_over"] for n in names if sets[n].get(m, {}).get("speedup_over")), None)
+        bars = ax_speed.bar(xs, ys, width, label=f"{m} (vs {over})" if over else m)
         for b, n in zip(bars, names):
             tau = sets[n].get(m, {}).get("tau")
             if tau is not None:
@@ -738,7 +747,7 @@ def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: st
                                   ha="center", va="bottom", fontsize=7)
     ax_speed.axhline(1.0, color="gray", lw=1, ls="--")
     ax_speed.set_xticks(range(len(names)), names)
-    ax_speed.set(ylabel="speedup over plain greedy", title="speedup (bar label: tau)")
+    ax_speed.set(ylabel="speedup over plain greedy (or the method in the legend)", title="speedup (bar label: tau)")
     ax_speed.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -154,12 +154,14 @@ class LlamaServer:
             raise LlamaServerError(f"{SERVER_NAME} {path}: {e} (server {state}); its log ends:\n{self.log_tail()}") from e
 
     def complete(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop_at_eos: bool = True) -> Completion:
+                 seed: int = 0, stop_at_eos: bool = True, cache_prompt: bool = False) -> Completion:
         """A continuation of `prompt` (token ids; greedy at temperature 0): the tokens and the
-        engine's own timings. The prompt is not cached, so every request pays its own prefill."""
+        engine's own timings. The prompt is not cached unless `cache_prompt` (then a request
+        processes only what follows the longest prefix the slot already holds), so by default every
+        request pays its own prefill."""
         sampling = {"temperature": 0.0, "top_k": 1} if temperature <= 0 else \
             {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0, "seed": seed}
-        body = {"prompt": list(prompt), "n_predict": max_new_tokens, **sampling, "cache_prompt": False,
+        body = {"prompt": list(prompt), "n_predict": max_new_tokens, **sampling, "cache_prompt": cache_prompt,
                 "return_tokens": True, "ignore_eos": not stop_at_eos, "stream": False}
         answer = self.request("/completion", body)
         return Completion([int(t) for t in answer.get("tokens") or []], dict(answer.get("timings") or {}),
