@@ -14,6 +14,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from eaglet.formats.io import atomic_path
 
 UNQUANTIZED = ("F32", "F16", "BF16", "F64")  # ggml tensor types that are plain floats
@@ -38,7 +40,6 @@ def write_gguf_as(src: str | os.PathLike, dst: str | os.PathLike, weights: str =
     and its metadata (tokenizer, chat template, hyperparameters) unchanged but
     `general.file_type`, written atomically; returns the bytes written."""
     import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
-    import numpy as np
 
     file_types = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
     if weights not in file_types:
