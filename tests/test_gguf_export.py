@@ -213,7 +213,7 @@ def test_gguf_export_never_overwrites(tmp_path):
 
 
 def test_the_targets_f32_copy_keeps_its_metadata_and_dequantizes_every_tensor(tmp_path):
-    """formats.write_f32_gguf (what `eval --engine-f32` runs llama.cpp on): every key but the file
+    """formats.write_gguf_as(..., "F32") (what `eval --engine-f32` runs llama.cpp on): every key but the file
     type unchanged, every tensor f32, a Q8_0 matrix within its quantization step of the values
     it was made from (ggml's Q8_0: blocks of 32, one f16 scale each: |error| <= scale / 2,
     plus 127 times the scale's own f16 rounding)."""
@@ -232,7 +232,7 @@ def test_the_targets_f32_copy_keeps_its_metadata_and_dequantizes_every_tensor(tm
     w.write_tensors_to_file()
     w.close()
     assert formats.weight_type(src) == "Q8_0" and formats.is_quantized(src)
-    formats.write_f32_gguf(src, dst)
+    formats.write_gguf_as(src, dst, "F32")
     assert formats.weight_type(dst) == "F32" and not formats.is_quantized(dst)
     before, after = gguf.GGUFReader(src), gguf.GGUFReader(dst)
     assert after.fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)

@@ -15,9 +15,10 @@ order so that machine drift (frequency scaling, other jobs) spreads evenly over 
 Speedup = (method's new tokens / its seconds) / (plain's new tokens / its seconds), summed over
 a prompt set; llama.cpp's speculative methods are measured against llama.cpp plain, by the
 engine's own timings and counters, and llama.cpp plain against eaglet's plain. The engine's
-first-draft acceptance is set beside eaglet's chain for the same drafter and prompts: the
-target runs quantized there, so they are close, not equal; a gap beyond FIRST_DRAFT_GAP means
-the engine does not run the drafter the way eaglet trained it (layer ids, d2t, norms). At temperature 0 every method must reproduce plain's tokens; in fp32 they do
+first-draft acceptance is set beside eaglet's chain for the same drafter and prompts; a gap
+beyond FIRST_DRAFT_GAP on an unquantized target without a probability floor means the engine
+does not run the drafter the way eaglet trained it (layer ids, d2t, norms), elsewhere it is a
+hint (`gap_verdict`). At temperature 0 every method must reproduce plain's tokens; in fp32 they do
 exactly, in bf16 matmuls of different shapes round differently, so the share of identical
 outputs and the mean position of the first divergence are reported instead of assumed.
 """

@@ -218,7 +218,7 @@ def f32_target_gguf(source: Path) -> Path:
     cached = embedded.eaglet_home() / "gguf" / f"{source.stem}-{file_fingerprint(source)}.f32{source.suffix}"
     if not cached.is_file():
         log.info("writing %s dequantized to f32 (%s, once)", source.name, cached)
-        formats.write_f32_gguf(source, cached)
+        formats.write_gguf_as(source, cached, "F32")
     return cached
 
 

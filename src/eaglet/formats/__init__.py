@@ -61,7 +61,7 @@ from eaglet.formats.layouts import (ARROW_STATE_FILE, COMPACT_FILE_RE, COMPACT_L
                                     written_layout)
 from eaglet.formats.gguf_drafter import (GGUF_ARCH, GGUF_SUFFIX, GGUFDrafter, from_ggml_rope_rows, gguf_unservable,
                                          read_gguf_drafter, to_ggml_rope_rows, write_gguf_drafter)
-from eaglet.formats.gguf_target import UNQUANTIZED, is_quantized, weight_type, write_f32_gguf, write_gguf_as
+from eaglet.formats.gguf_target import UNQUANTIZED, is_quantized, weight_type, write_gguf_as
 from eaglet.formats.drafters import (DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE, DTYPE_NAMES, EAGLE_ARCHITECTURES,
                                      EXPORT_FORMATS, FORMAT_EAGLE, FORMAT_EAGLET, FORMAT_GGUF, FORMAT_RENAMES,
                                      FORMAT_SPECULATORS,

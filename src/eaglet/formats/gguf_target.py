@@ -69,7 +69,3 @@ def write_gguf_as(src: str | os.PathLike, dst: str | os.PathLike, weights: str =
         writer.close()
         return os.path.getsize(tmp)
 
-
-def write_f32_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> int:
-    """`src` with every tensor dequantized to f32 (`write_gguf_as`)."""
-    return write_gguf_as(src, dst, "F32")
