@@ -24,10 +24,10 @@ import torch
 
 from eaglet import formats
 from eaglet.convert import convert
-from eaglet.data import prepare  # noqa: F401  (PREPARED comes from it)
+from eaglet.prepare import prepare  # noqa: F401  (PREPARED comes from it)
 from eaglet.extract import extract
 from eaglet.training.checkpoints import iter_metrics
-from eaglet.training.data import open_dataset
+from eaglet.dataset import open_dataset
 from eaglet.training.loop import train
 
 TRAIN = dict(lr=2e-3, ttt_steps=2, draft_vocab_size=8192, teacher_top_k=16, loss_on="all", eval_fraction=0.1,
@@ -72,9 +72,8 @@ def teacher_coverage(compact: Path, v1: Path, samples: int = 10) -> dict[str, fl
     training computes from v1's last state (ids and order), and how often its argmax agrees."""
     from transformers import AutoModelForCausalLM
 
-    from eaglet.draft_model import build_draft_vocab, make_teacher, teacher_from_top_k
+    from eaglet.drafter import build_draft_vocab, make_teacher, make_teacher_head, teacher_from_top_k
     from eaglet.target import resolve_target
-    from eaglet.training.teacher import make_teacher_head
 
     ds = open_dataset(v1)
     model = AutoModelForCausalLM.from_pretrained(resolve_target(ds.config.get("target_path")).path,

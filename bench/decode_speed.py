@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from eaglet.decode import DraftTree, plain_generate, speculative_generate
-from eaglet.draft_model import DraftConfig, Eagle3Draft
+from eaglet.drafter import DraftConfig, Eagle3Draft
 from eaglet.layers import default_layer_ids
 
 PROMPT = [5, 17, 99, 3, 42, 7, 11, 250, 31, 8]

@@ -10,7 +10,7 @@ prompt, plain greedy and every configuration decode the same prompt in a rotatin
 drift spreads evenly); prints tau, acceptance per draft position, tokens/s, speedup over plain
 greedy and its ceiling, all measured in this one run. The cpu preset of `eaglet eval`
 (src/eaglet/presets.toml: tree and chain shapes, the draft-probability floor) and
-`evaluate.HYBRID_LOOKUP_TOKENS` were chosen with it. With several drafters (for one target), every
+eval's --lookup-tokens default were chosen with it. With several drafters (for one target), every
 shape that uses one runs once per drafter, labelled "[1]", "[2]", ..., in the same run. `--min-draft-probs` crosses every shape with each draft-probability floor
 (`eaglet eval --min-draft-prob`): drafts the drafter itself finds unlikely are not verified.
 """
@@ -22,10 +22,11 @@ from dataclasses import replace
 
 import torch
 
-from eaglet.evaluate import (BASELINE, ENGINE_METHODS, SPEC_METHODS, DecodeSettings, evaluate_set, format_table, load_prompt_set,
-                             summarize, torch_threads, warm_up, with_pass_costs)
-from eaglet.export import load_drafter_for_target
-from eaglet.regen import stop_token_ids
+from eaglet.evaluate import (DecodeSettings, evaluate_set, format_table, load_prompt_set, summarize, torch_threads,
+                             warm_up, with_pass_costs)
+from eaglet.options import BASELINE, DRAFTER_METHODS, ENGINE_METHODS
+from eaglet.drafter.files import load_drafter_for_target
+from eaglet.chat import stop_token_ids
 from eaglet.target import load_target, load_tokenizer, parse_dtype, resolve_target
 
 # (label, method, settings that differ from eaglet eval's defaults)
@@ -78,7 +79,7 @@ def main() -> None:
     for label, method, changes in CONFIGS:
         for floor in floors if method in ENGINE_METHODS and "min_draft_prob" not in changes else [0.0]:
             name = label if floor == 0 else f"{label} p>={floor:g}"
-            uses_drafter = method in SPEC_METHODS and len(drafters) > 1
+            uses_drafter = method in DRAFTER_METHODS and len(drafters) > 1
             for i, drafter in enumerate(drafters if uses_drafter else drafters[:1], start=1):
                 named = f"{name} [{i}]" if uses_drafter else name
                 if only is None or {label, name, named} & only:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from eaglet import formats
-from eaglet.data import prepare
+from eaglet.prepare import prepare
 from eaglet.extract import extract, length_batches
 from eaglet.target import pad_right
 from eaglet.target import base_model, load_target, parse_dtype, pick_device, resolve_target

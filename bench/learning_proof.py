@@ -14,14 +14,14 @@ import argparse
 
 import torch
 
-from eaglet.draft_model import STAT_ROWS, DraftOutput, make_teacher, stats_summary, ttt_loss
+from eaglet.drafter import STAT_ROWS, DraftOutput, make_teacher, stats_summary, target_pieces, ttt_loss
 from eaglet.training.checkpoints import iter_metrics
-from eaglet.training.data import bucketed_batches, load_batch, open_dataset, split_indices
-from eaglet.training.teacher import target_pieces
+from eaglet.dataset import open_dataset
+from eaglet.training.data import bucketed_batches, load_batch, split_indices
 
 
 def most_frequent_baseline(data: str, eval_fraction: float, seed: int, steps: int, draft_vocab_size: int) -> dict:
-    from eaglet.draft_model import build_draft_vocab
+    from eaglet.drafter import build_draft_vocab
     from eaglet.target import load_target, resolve_target
 
     ds = open_dataset(data)

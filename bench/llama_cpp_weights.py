@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from eaglet import embedded, formats, llama_cpp
-from eaglet.data import chat_prompt_ids
+from eaglet.chat import chat_prompt_ids
 from eaglet.export import export_drafter
 from eaglet.prompts import load_prompt_set
 from eaglet.target import cpu_description, f32_target_gguf, load_tokenizer, resolve_target

@@ -180,7 +180,7 @@ def eval_curve(folder: Path) -> list[dict[str, Any]]:
 
 def chain_tau(acc: list[float], depth: int = 2) -> float:
     """Expected tokens per verification of a chain of `depth` drafts (the bonus token included)."""
-    from eaglet.draft_model import acceptance_length
+    from eaglet.drafter import acceptance_length
 
     return 1.0 + acceptance_length(acc[:depth])
 

@@ -27,14 +27,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from eaglet.draft_model import DraftConfig, Eagle3Draft
+from eaglet.drafter import DraftConfig, Eagle3Draft, TeacherHead
 from eaglet.target import cpu_description, fast_bf16
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
 from eaglet.training.config import Plan
 from eaglet.training.loop import RunState, compiled, setup_optimizer
 from eaglet.training.loss import forward_stats
-from eaglet.training.teacher import TeacherHead, TeacherSource
+from eaglet.training.teacher import TeacherSource
 
 SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5,
                rope_theta=100000.0, max_position_embeddings=8192, target_vocab_size=49152, aux_layer_ids=[2, 15, 27])

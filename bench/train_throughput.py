@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from ttt_reference import NaiveTTTAttention  # noqa: E402
 
-from eaglet.draft_model import DiagonalTTTAttention, DraftConfig, Eagle3Draft, make_teacher, ttt_loss  # noqa: E402
+from eaglet.drafter import DiagonalTTTAttention, DraftConfig, Eagle3Draft, make_teacher, ttt_loss  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5,
                rope_theta=100000.0, max_position_embeddings=8192, target_vocab_size=49152, draft_vocab_size=32000,

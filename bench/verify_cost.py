@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from eaglet.decode import measure_pass_costs
-from eaglet.draft_model import acceptance_length
+from eaglet.drafter import acceptance_length
 from eaglet.target import load_target, parse_dtype, resolve_target
 
 MAX_Q = 8

@@ -74,7 +74,7 @@ def tracked_tree_bytes() -> int:
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """The vocabulary, merges-level behaviour on a probe and the chat template: equal
     fingerprints tokenize chats identically."""
-    from eaglet.data import template_hash
+    from eaglet.chat import template_hash
 
     probe = "Hello, world! ¿Qué tal? 12345 def f(x):\n    return x ** 2\n"
     h = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
@@ -110,7 +110,7 @@ def merge_prepared(sources: list[Path], out: Path) -> dict[str, Any]:
 
 def pack(out: Path, num_samples: int, skip: int, max_length: int, extra_prepared: list[Path]) -> None:
     from eaglet import embedded
-    from eaglet.data import prepare
+    from eaglet.prepare import prepare
     from eaglet.target import load_tokenizer, resolve_target
 
     if out.exists():

@@ -13,7 +13,7 @@ module's. Memory is counted, not measured:
   * activations: the tensors autograd keeps for backward in one TTT step of the one-layer drafter
     under bf16 autocast, per token (listed in `activation_bytes_per_token`), times the TTT steps
     (every step's graph lives until backward) and the context length. Attention keeps no
-    (L x L) scores (`draft_model.diagonal_ttt_attention`). Allocator slack and temporaries add to
+    (L x L) scores (`drafter.attention.diagonal_ttt_attention`). Allocator slack and temporaries add to
     it, so treat the total as a floor.
 A Kimi-K2.5 config nests the text model under "text_config"; that is what is sized.
 """
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet.draft_model import DraftConfig, Eagle3Draft, num_parameters  # noqa: E402
+from eaglet.drafter import DraftConfig, Eagle3Draft, num_parameters  # noqa: E402
 from eaglet.formats import v1_min_bytes_per_token  # noqa: E402
 from eaglet.layers import default_aux_ids  # noqa: E402
 

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from eaglet import check as C
+from eaglet.check import dataset as check_dataset_module
+from eaglet.check import files as check_files
 from eaglet import formats
 from eaglet.cli import main
+from references import write_flat_v1_sample, write_specforge_sample  # tests/references.py
 
 
 def tiny_config(folder: Path) -> dict:
@@ -33,7 +36,7 @@ def clean(tiny_target, tmp_path_factory, LAYER_IDS) -> Path:
     """A dataset made by `eaglet extract` on the tiny target (fp32 compute, bf16 storage)."""
     from conftest import CHATS, write_jsonl
 
-    from eaglet.data import prepare
+    from eaglet.prepare import prepare
     from eaglet.extract import extract
 
     root = tmp_path_factory.mktemp("check")
@@ -413,7 +416,7 @@ def load_clean_samples(clean: Path) -> list[formats.V1Sample]:
 def test_flat_v1_layout(clean, tmp_path):
     ds = tmp_path / "flat"
     for i, s in enumerate(load_clean_samples(clean)):
-        formats.write_flat_v1_sample(ds, i, s)
+        write_flat_v1_sample(ds, i, s)
     for side in (formats.DATA_CONFIG_FILE, formats.SAMPLE_LENGTHS_FILE, formats.TOKEN_FREQ_FILE):
         shutil.copy(clean / side, ds / side)
     report = C.check_dataset(ds)
@@ -431,7 +434,7 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
     for i, s in enumerate(load_clean_samples(clean)):
         with torch.no_grad():  # SpecForge stores the last state after the final norm
             last = norm(s.hidden_states[3].float()).to(torch.bfloat16)
-        formats.write_specforge_sample(ds, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:3], dim=-1),
+        write_specforge_sample(ds, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:3], dim=-1),
                                        compressed=compressed)
     # No data_config: expectations come from the first file; layer ids passed via a config-less target run.
     report = C.check_dataset(ds, use_target=False)
@@ -451,7 +454,7 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
     path = ds / formats.specforge_relative_path(4, compressed)
     obj = formats.read_specforge_sample(path)
     obj["aux_hidden_state"][3, obj["hidden_state"].shape[-1] + 5] = float("nan")
-    formats.write_specforge_sample(ds, 4, obj["input_ids"], obj["loss_mask"], obj["hidden_state"],
+    write_specforge_sample(ds, 4, obj["input_ids"], obj["loss_mask"], obj["hidden_state"],
                                    obj["aux_hidden_state"], compressed=compressed)
     assert_found(C.check_dataset(ds, use_target=False), C.NON_FINITE, formats.specforge_relative_path(4, compressed),
                  "slot 1 row 3: NaN")
@@ -460,7 +463,7 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
 def test_specforge_truncated_gz(clean, tmp_path):
     ds = tmp_path / "sfgz"
     for i, s in enumerate(load_clean_samples(clean)[:3]):
-        formats.write_specforge_sample(ds, i, s.input_ids, s.loss_mask, s.hidden_states[3],
+        write_specforge_sample(ds, i, s.input_ids, s.loss_mask, s.hidden_states[3],
                                        torch.cat(s.hidden_states[:3], dim=-1), compressed=True)
     path = ds / formats.specforge_relative_path(1, True)
     path.write_bytes(path.read_bytes()[:300])
@@ -499,12 +502,12 @@ def test_mask_template_issues_pure():
     gen, eot = [1, 9], frozenset({2})
     ids = [1, 5, 6, 2, 1, 9, 7, 8, 2, 3]
     good = [0, 0, 0, 0, 0, 0, 1, 1, 1, 0]
-    assert C.mask_template_issues(ids, good, gen, eot) == []
+    assert check_files.mask_template_issues(ids, good, gen, eot) == []
     shifted = [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]
-    assert len(C.mask_template_issues(ids, shifted, gen, eot)) == 2  # wrong start; assistant turn unmasked
+    assert len(check_files.mask_template_issues(ids, shifted, gen, eot)) == 2  # wrong start; assistant turn unmasked
     truncated_ids, truncated = ids[:8], good[:8]  # cut at max_length inside the reply: fine
-    assert C.mask_template_issues(truncated_ids, truncated, gen, eot) == []
+    assert check_files.mask_template_issues(truncated_ids, truncated, gen, eot) == []
 
 
 def test_length_histogram():
-    assert C.length_histogram([1, 63, 64, 127, 128, 1000]) == {"0-63": 2, "64-127": 2, "128-255": 1, "512-1023": 1}
+    assert check_dataset_module.length_histogram([1, 63, 64, 127, 128, 1000]) == {"0-63": 2, "64-127": 2, "128-255": 1, "512-1023": 1}

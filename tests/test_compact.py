@@ -14,7 +14,7 @@ import torch
 from eaglet import check as C
 from eaglet import formats
 from eaglet.convert import convert
-from eaglet.draft_model import build_draft_vocab, make_teacher, target_top_k, teacher_from_top_k
+from eaglet.drafter import build_draft_vocab, make_teacher, target_top_k, teacher_from_top_k
 
 LAYER_IDS = [2, 3, 4, 8]
 
@@ -112,7 +112,7 @@ def made(tiny_target, tmp_path_factory) -> Path:
     """The same prepared chats extracted as v1 (root/v1) and compact (root/cmp)."""
     from conftest import CHATS, write_jsonl
 
-    from eaglet.data import prepare
+    from eaglet.prepare import prepare
     from eaglet.extract import extract
 
     root = tmp_path_factory.mktemp("compact")
@@ -138,7 +138,7 @@ def test_extract_compact_holds_v1s_states_and_teacher(made, tiny_target):
     assert all(p.parent.parent.name == formats.COMPACT_DIR for p in cmp.values())
     from transformers import AutoModelForCausalLM
 
-    from eaglet.training.teacher import make_teacher_head
+    from eaglet.drafter import make_teacher_head
 
     head = make_teacher_head(AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32), "pre_norm")
     for i in range(10):

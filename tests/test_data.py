@@ -13,8 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from eaglet import formats
-from eaglet.data import (TRUNCATED_AWAY, ReadStats, TemplateSpanError, iter_records, prepare, to_messages,
-                         tokenize_chat)
+from eaglet.chat import ReadStats, TemplateSpanError, iter_records, to_messages, tokenize_chat
+from eaglet.prepare import TRUNCATED_AWAY, prepare
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

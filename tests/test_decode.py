@@ -11,8 +11,9 @@ import torch
 from eaglet.decode import (BOTH, DRAFTER, NGRAM, Calibration, DraftTree, Eagle3Proposer, HybridProposer,
                            NgramProposer, accept_greedy, accept_sampling, admit_by_cost, ancestor_matrix, drop_rivals,
                            expected_acceptance, keep_nodes, measure_pass_costs, merge_chain, path_nodes,
-                           plain_generate, plain_greedy, process_probs, speculative_generate, tree_attention_mask)
-from eaglet.draft_model import DraftConfig, Eagle3Draft, allowed_keys
+                           plain_generate, process_probs, speculative_generate, tree_attention_mask)
+from eaglet.drafter import DraftConfig, Eagle3Draft, allowed_keys
+from references import plain_greedy  # tests/references.py
 
 AUX_IDS = [2, 4, 5]
 PROMPTS = [[5, 17, 99, 3, 42, 7], [1, 200, 201, 202], [300, 12, 12, 12, 12, 88, 91, 150, 2, 77, 31]]

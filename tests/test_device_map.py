@@ -1,11 +1,16 @@
 """`--device-map` (eaglet.placement, target.load_target): a target placed across devices, some of
 its layers offloaded to disk, computes what the same target on one device computes, bit for
-bit in fp32; a placement that cannot fit is refused before loading, with the bytes; every stage
-that runs the target takes the option, and offline training refuses it."""
+bit in fp32, with each module where the map puts it and the offload folder holding the weights
+loading converted (a temporary one removed at exit); a placement that cannot fit is refused
+before loading, with the bytes; every stage that runs the target takes the option, and offline
+training refuses it."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,15 +19,16 @@ import torch
 from eaglet import formats
 from eaglet.check import check_dataset
 from eaglet.cli import build_parser, stage_kwargs
-from eaglet.data import prepare
-from eaglet.draft_model import DraftConfig, Eagle3Draft
-from eaglet.evaluate import DecodeSettings, evaluate
+from eaglet.prepare import prepare
+from eaglet.drafter import DraftConfig, Eagle3Draft
+from eaglet.evaluate import evaluate
 from eaglet.extract import extract
 from eaglet.options import STAGES
 from eaglet.placement import (Placement, fit_problems, parse_max_memory, parse_size, placement_from_options,
                               read_device_map)
 from eaglet.target import load_target, plan_device_map, resolve_target
-from eaglet.training.checkpoints import export_config, save_checkpoint
+from eaglet.drafter.files import export_config
+from eaglet.training.checkpoints import save_checkpoint
 from eaglet.training.config import TrainConfig
 
 from conftest import make_tiny_llama, make_tiny_tokenizer, write_jsonl
@@ -69,9 +75,36 @@ def all_states(out: Path) -> dict[int, list[torch.Tensor]]:
     return {i: formats.read_v1_sample(p).hidden_states for i, p in formats.list_v1_files(out).items()}
 
 
+# What the offload folder holds under `split_map`. A disk weight stored in the checkpoint as the model
+# uses it is memory-mapped from the checkpoint's own safetensors file; one that loading converts
+# (DeepSeek-V3's per-expert matrices, merged into one tensor per layer) is re-saved in the folder.
+OFFLOAD_FILES = {"llama": set(),
+                 "deepseek_v3": {f"model.layers.{i}.mlp.experts.{w}.safetensors" for i in (1, 3)
+                                 for w in ("gate_up_proj", "down_proj")}}
+
+
+def model_type(target: Path) -> str:
+    return formats.read_json(target / "config.json")["model_type"]
+
+
+def offloaded(model: torch.nn.Module) -> dict[str, tuple[Path, torch.Tensor]]:
+    """{parameter: (the file its weights are read from, the weights as read)} for every parameter
+    the model's accelerate hooks bring in from disk for each forward."""
+    found = {}
+    for prefix, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        if hook is None or not hook.offload:
+            continue
+        for local, _ in module.named_parameters(recurse=False):
+            name = f"{prefix}.{local}"
+            found[name] = (Path(hook.weights_map.dataset.index[name]["safetensors_file"]), hook.weights_map[local])
+    return found
+
+
 def test_extract_with_layers_in_ram_and_on_disk_is_bit_identical(target, chats_jsonl, tmp_path):
     """Aux and last states captured from layers on the CPU and offloaded to disk equal, bit for bit
-    (fp32), those of the target on one device; the offload folder holds what was offloaded."""
+    (fp32), those of the target on one device; the offload folder given holds the disk layers'
+    converted weights, and stays."""
     prepared = tmp_path / "prep"
     prepare(str(target), str(chats_jsonl), prepared, max_length=256, num_samples=4)
     args = dict(target=str(target), layer_ids=[1, 2, 3, LAYERS], dtype="fp32", store_dtype="fp32",
@@ -81,12 +114,54 @@ def test_extract_with_layers_in_ram_and_on_disk_is_bit_identical(target, chats_j
             offload_folder=str(tmp_path / "offload"), **args)
     one, mapped = all_states(tmp_path / "one"), all_states(tmp_path / "mapped")
     assert len(one) == 4 and one.keys() == mapped.keys()
+    assert set(os.listdir(tmp_path / "offload")) == OFFLOAD_FILES[model_type(target)]  # kept: the folder was given
     for i in one:
         assert all(torch.equal(a, b) for a, b in zip(one[i], mapped[i], strict=True)), f"sample {i}"
     # the mapped dataset passes a target check that recomputes sampled files with the same map
     report = check_dataset(tmp_path / "mapped", target=str(target), identity_samples=2,
                            device_map=str(tmp_path / "map.json"))
     assert report.clean, report.lines(5)
+
+
+def test_a_mapped_target_is_placed_as_its_map_says(target, tmp_path):
+    """Each module where the map puts it: weights in RAM on the CPU, offloaded ones empty (meta)
+    and read for each forward from the checkpoint or the offload folder, which holds the converted
+    weights of the disk layers and nothing else; what is read equals the target's weights."""
+    ref = resolve_target(str(target))
+    path, folder = split_map(tmp_path / "map.json"), tmp_path / "off"
+    model = load_target(ref, torch.float32, torch.device("cpu"), placement_from_options(str(path), None, str(folder)))
+    assert model.hf_device_map == json.loads(path.read_text())
+    on_disk = ("model.layers.1.", "model.layers.3.")
+    devices = {n: p.device.type for n, p in model.named_parameters()}
+    assert {n for n, d in devices.items() if d == "meta"} == {n for n in devices if n.startswith(on_disk)}
+    assert {d for n, d in devices.items() if not n.startswith(on_disk)} == {"cpu"}
+    assert {b.device.type for b in model.buffers()} == {"cpu"}  # buffers are not offloaded
+    read = offloaded(model)
+    assert read.keys() == {n for n, d in devices.items() if d == "meta"}
+    assert set(os.listdir(folder)) == OFFLOAD_FILES[model_type(target)]
+    assert {f for f, _ in read.values()} == {target / "model.safetensors", *(folder / f for f in os.listdir(folder))}
+    whole = dict(load_target(ref, torch.float32, torch.device("cpu")).named_parameters())
+    assert all(torch.equal(weights, whole[n]) for n, (_, weights) in read.items())
+
+
+def test_the_default_offload_folder_is_temporary(target, tmp_path):
+    """Without --offload-folder the disk weights that need one go to a temporary folder, removed
+    when the process exits."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = ("import json, os, tempfile; from pathlib import Path; import torch\n"
+              "from eaglet.placement import placement_from_options\n"
+              "from eaglet.target import load_target, resolve_target\n"
+              f"load_target(resolve_target({str(target)!r}), torch.float32, torch.device('cpu'), "
+              f"placement_from_options({str(split_map(tmp_path / 'map.json'))!r}))\n"
+              "folders = Path(tempfile.gettempdir()).glob('eaglet-offload-*')\n"
+              "print(json.dumps({str(f): os.listdir(f) for f in folders}))")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    during = json.loads(done.stdout.splitlines()[-1])
+    assert len(during) == 1 and set(*during.values()) == OFFLOAD_FILES[model_type(target)]
+    assert not Path(*during).exists() and not list(tmp.glob("eaglet-offload-*"))
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +184,7 @@ def test_eval_greedy_with_a_mapped_target_is_exact(llama, tmp_path, monkeypatch)
                            {})
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Write a function that adds."},
                                                  {"id": "b", "prompt": "Hello there"}])
-    settings = DecodeSettings(max_new_tokens=6, depth=2, top_k=2, total_tokens=4, chain_depth=2)
+    settings = dict(max_new_tokens=6, depth=2, top_k=2, total_tokens=4, chain_depth=2)
     real_run_method, decoded = eaglet.evaluate.run_method, []
 
     def recorded(method, *args):
@@ -122,7 +197,7 @@ def test_eval_greedy_with_a_mapped_target_is_exact(llama, tmp_path, monkeypatch)
     for name, placed in (("one", {"device": "cpu"}), ("mapped", {"device_map": str(split_map(tmp_path / "m.json"))})):
         decoded.clear()
         result = evaluate(ckpt, target=str(llama), prompt_sets=[str(prompts)], methods=["chain", "tree"],
-                          settings=settings, dtype="fp32", progress=False, **placed)
+                          dtype="fp32", progress=False, **settings, **placed)
         assert all(result.sets["p"][m]["identical_share"] == 1.0 for m in ("chain", "tree"))
         runs[name] = list(decoded)
     assert len(runs["one"]) >= 6 and runs["one"] == runs["mapped"]

@@ -1,19 +1,22 @@
-"""The drafter and its TTT unroll: draft vocab, efficient TTT attention vs the naive full-mask
+"""The drafter and its TTT unroll: draft vocab, every TTT attention kernel vs the naive full-mask
 reference (outputs and gradients in fp32), loss bookkeeping."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from ttt_reference import NaiveTTTAttention, ttt_mask  # tests/ttt_reference.py: pytest puts tests/ on sys.path
 
-from eaglet.draft_model import (DiagonalTTTAttention, DraftConfig, Eagle3Draft, acceptance_length, build_draft_vocab,
-                                make_teacher, rope_cos_sin, shift_left, stats_summary, ttt_loss)
+from eaglet.drafter import (DiagonalTTTAttention, DraftConfig, DraftOutput, Eagle3Draft, Teacher, acceptance_length,
+                            apply_rope, build_draft_vocab, make_teacher, rope_cos_sin, stats_summary, ttt_loss)
+from eaglet.drafter.attention import CHUNKED, FLASH, TTT_KERNELS, CausalLogSumExp, default_kernel
+from eaglet.drafter.model import shift_left
+from eaglet.drafter.objectives import objective_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from ttt_reference import NaiveTTTAttention, ttt_mask  # noqa: E402
+# Every kernel, named, so the CPU suite runs each (the CPU's default is "flash", a GPU's "chunked").
+# The chunked kernel with chunks of 4 over the 13 positions of `random_batch`: chunks 4, 4, 4 and 1.
+KERNELS = {"flash": dict(kernel=FLASH), "chunked-4": dict(kernel=CHUNKED, chunk_size=4),
+           "chunked-whole": dict(kernel=CHUNKED)}
 
 
 def tiny_config(**kw) -> DraftConfig:
@@ -85,23 +88,41 @@ def drafter_and_batch(cfg: DraftConfig, seed: int):
     return model, (d2t, t2d), (ids, aux, last, mask), head
 
 
-@pytest.mark.parametrize("variant,chunk", [({}, 1024), ({"norm_output": True, "fc_norm": True}, 4),
-                                           ({"sliding_window": 4, "norm_before_residual": True}, 4)])
-def test_efficient_ttt_matches_naive_reference(variant, chunk):
+def two_samples_per_row(L: int, first: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(documents, positions) [len(first), L] of rows packed with two samples, row b's first
+    `first[b]` long: each position's sample number, and its position within that sample."""
+    t = torch.arange(L)
+    documents = torch.stack([(t >= n).long() for n in first])
+    positions = torch.stack([torch.where(t < n, t, t - n) for n in first])
+    return documents, positions
+
+
+VARIANTS = {"plain": ({}, False), "eagle3.1": ({"norm_output": True, "fc_norm": True}, False),
+            "window": ({"sliding_window": 4, "norm_before_residual": True}, False),
+            "packed-window": ({"sliding_window": 4}, True)}
+
+
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
+@pytest.mark.parametrize("variant,packed", VARIANTS.values(), ids=VARIANTS.keys())
+def test_every_kernel_matches_naive_reference(variant, packed, kernel):
+    """Outputs, loss, statistics and every gradient (the drafter's and the aux states') of each
+    named kernel equal the naive full-mask reference's over 5 TTT steps, GQA, with a sliding
+    window and in packed rows."""
     cfg = tiny_config(**variant)
     model, (d2t, t2d), (ids, aux, last, mask), head = drafter_and_batch(cfg, 0)
     teacher = make_teacher(last, torch.nn.Identity(), head, d2t, t2d)
+    documents, positions = two_samples_per_row(ids.shape[1], [5, 8]) if packed else (None, None)
 
     def run(attention):
         model.zero_grad()
         a = aux.clone().requires_grad_(True)
-        out = model(ids, a, steps=5, attention=attention)
-        loss, stats = ttt_loss(out, teacher, mask)
+        out = model(ids, a, steps=5, attention=attention, documents=documents, positions=positions)
+        loss, stats = ttt_loss(out, teacher, mask, documents=documents)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         return out, loss, stats, grads, a.grad
 
-    out_e, loss_e, stats_e, grads_e, ga_e = run(lambda: DiagonalTTTAttention(chunk_size=chunk))
+    out_e, loss_e, stats_e, grads_e, ga_e = run(lambda: DiagonalTTTAttention(**kernel))
     out_n, loss_n, stats_n, grads_n, ga_n = run(NaiveTTTAttention)
     for a, b in zip(out_e.logits, out_n.logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -112,6 +133,21 @@ def test_efficient_ttt_matches_naive_reference(variant, chunk):
     torch.testing.assert_close(ga_e, ga_n, rtol=1e-4, atol=1e-6)
     # Later steps really attend to the diagonal: dropping it changes the output.
     assert not torch.allclose(out_e.logits[1], model(ids, aux, steps=2).logits[0])
+
+
+def test_kernel_is_named_and_defaults_per_device():
+    """A core runs the kernel it is given on any device where it runs; unnamed, the device's
+    default (the CPU's flash kernel, elsewhere chunked). Unknown names and the flash kernel off
+    the CPU are refused, not replaced."""
+    assert TTT_KERNELS == (FLASH, CHUNKED)
+    assert default_kernel(torch.device("cpu")) == FLASH and default_kernel(torch.device("cuda")) == CHUNKED
+    with pytest.raises(ValueError, match="unknown TTT attention kernel"):
+        DiagonalTTTAttention("fast")
+    core = DiagonalTTTAttention(FLASH)
+    q, k = torch.empty(1, 4, 5, 8, device="meta"), torch.empty(1, 2, 5, 8, device="meta")
+    core(q, k, k)  # step 0 is plain causal attention, whichever kernel
+    with pytest.raises(ValueError, match="CPU"):
+        core(q, k, k)
 
 
 def test_step_k_is_teacher_forced_and_position_shifted():
@@ -134,8 +170,6 @@ def test_step_k_is_teacher_forced_and_position_shifted():
 def test_loss_counts_masked_positions_and_trains_on_drafted_ones():
     B, L, V = 1, 6, 4
     logp = torch.log_softmax(torch.randn(B, L, V), -1)
-    from eaglet.draft_model import DraftOutput, Teacher
-
     teacher = Teacher(logp, logp.argmax(-1), torch.tensor([[True, True, False, True, True, True]]))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
     perfect = DraftOutput([shift_left(logp, 1), shift_left(logp, 2)], torch.nn.Identity())
@@ -204,8 +238,6 @@ def test_rope_matches_transformers_llama():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from eaglet.draft_model import apply_rope, rope_cos_sin
-
     hf_cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=50000.0)
     q, k = torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16)
     pos = torch.arange(3, 12)
@@ -220,8 +252,6 @@ def test_rope_matches_transformers_llama():
 def test_causal_logsumexp_gradients(window):
     """The SDPA-based backward of the causal log-sum-exp against finite differences (fp64, GQA,
     chunks), causal and within a sliding window."""
-    from eaglet.draft_model import CausalLogSumExp
-
     q = torch.randn(1, 4, 7, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: CausalLogSumExp.apply(a, b, 3, window), (q, k))
@@ -237,8 +267,6 @@ def test_causal_logsumexp_gradients(window):
 def test_causal_logsumexp_gradients_within_documents(window):
     """Packed rows: the log-sum-exp runs over the query's own document only (its mask built here
     by hand), and its gradients pass finite differences; every row has its own documents."""
-    from eaglet.draft_model import CausalLogSumExp
-
     q = torch.randn(2, 4, 7, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 7, 8, dtype=torch.float64, requires_grad=True)
     docs = torch.tensor([[0, 0, 0, 1, 1, 2, -1], [0, 0, 0, 0, 0, 1, 1]])
@@ -252,11 +280,12 @@ def test_causal_logsumexp_gradients_within_documents(window):
     torch.testing.assert_close(CausalLogSumExp.apply(q, k, 3, window, docs), ref)
 
 
+@pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
 @pytest.mark.parametrize("window", [None, 4])
-def test_packed_rows_train_as_the_samples_alone(window):
+def test_packed_rows_train_as_the_samples_alone(window, kernel):
     """Samples packed into rows (`training.data.pack`) give, at every counted position, the loss
-    and accuracy sums each sample gives alone, with the efficient TTT attention and with the
-    naive full-mask reference: no attention, RoPE position or target crosses a sample's end."""
+    and accuracy sums each sample gives alone, with each TTT kernel and with the naive full-mask
+    reference: no attention, RoPE position or target crosses a sample's end."""
     from eaglet import formats
     from eaglet.training.data import collate, pack
 
@@ -267,7 +296,7 @@ def test_packed_rows_train_as_the_samples_alone(window):
                                       torch.randn(n, 32, dtype=torch.float64), torch.randint(0, 2, (n,)))
                for n in (7, 12, 5, 9)]
 
-    def sums(batch, attention=DiagonalTTTAttention):
+    def sums(batch, attention=lambda: DiagonalTTTAttention(**kernel)):
         out = draft(batch.input_ids, batch.aux_hidden, steps=3, attention=attention, documents=batch.documents,
                     positions=batch.positions)
         teacher = make_teacher(batch.last_hidden, norm, head, draft.d2t, draft.t2d)
@@ -307,8 +336,6 @@ def test_norm_before_residual_takes_the_normalised_state_as_residual():
 def test_lk_objectives_against_their_definitions():
     """-log(overlap) and the KL/TV blend, computed here from full softmaxes: dense and sparse
     teachers agree with them, a one-hot teacher makes LK the cross-entropy, gradients are finite."""
-    from eaglet.draft_model import objective_loss
-
     torch.manual_seed(0)
     z = torch.randn(6, 30, dtype=torch.float32, requires_grad=True)
     p = torch.softmax(torch.randn(6, 30, dtype=torch.float32) * 2, -1)

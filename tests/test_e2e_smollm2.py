@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from eaglet import embedded, formats
 from eaglet.cli import main
-from eaglet.data import prepare
+from eaglet.prepare import prepare
 from eaglet.extract import extract
 from eaglet.target import load_target, parse_dtype, resolve_target
 
@@ -119,11 +119,12 @@ def test_speculative_greedy_equals_plain_greedy_on_smollm2(smollm2_dir):
     """fp32, real prompts: chain and tree decoding give SmolLM2's own greedy output token for
     token, with a random EAGLE-3 drafter (almost nothing accepted) and with a proposer that is
     right up to a random depth (every acceptance length, rejected siblings)."""
-    from eaglet.data import chat_prompt_ids
-    from eaglet.decode import plain_greedy, speculative_generate
-    from eaglet.draft_model import DraftConfig, Eagle3Draft, load_embeddings_from
+    from eaglet.chat import chat_prompt_ids
+    from eaglet.decode import speculative_generate
+    from references import plain_greedy  # tests/references.py
+    from eaglet.drafter import DraftConfig, Eagle3Draft, load_embeddings_from
     from eaglet.evaluate import load_prompt_set
-    from eaglet.regen import stop_token_ids
+    from eaglet.chat import stop_token_ids
     from eaglet.layers import default_layer_ids
     from eaglet.target import load_tokenizer
 
@@ -166,7 +167,7 @@ def test_gpu_train_script_round_trip_on_cpu(smollm2_dir, tmp_path):
 
     from safetensors.torch import load_file
 
-    from eaglet.export import load_drafter
+    from eaglet.drafter.files import load_drafter
     from eaglet.training.checkpoints import iter_metrics
 
     spec = importlib.util.spec_from_file_location("gpu_train", "scripts/gpu_train.py")

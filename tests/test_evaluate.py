@@ -9,11 +9,15 @@ import pytest
 import torch
 
 from eaglet import formats
+from eaglet.chat import chat_prompt_ids
 from eaglet.decode import DecodeStats
-from eaglet.draft_model import DraftConfig, Eagle3Draft
-from eaglet.evaluate import (DecodeSettings, MethodTotals, Run, evaluate, first_divergence, format_table,
-                             load_prompt_set)
-from eaglet.training.checkpoints import export_config, save_checkpoint
+from eaglet.drafter import DraftConfig, Eagle3Draft
+from eaglet.evaluate import DecodeSettings, MethodTotals, Run, evaluate, format_table, load_prompt_set
+from eaglet.evaluate.engines import gap_verdict
+from eaglet.evaluate.methods import engine_proposer, variants_for, with_pass_costs
+from eaglet.evaluate.report import first_divergence
+from eaglet.drafter.files import export_config
+from eaglet.training.checkpoints import save_checkpoint
 
 from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
 
@@ -104,11 +108,10 @@ def test_eval_end_to_end_fp32_is_exact(tiny_target, drafter_ckpt, tmp_path, one_
         {"id": "x", "prompt": "Write a function that adds two numbers."},
         {"id": "y", "turns": ["Hello there", "And then?"]}])
     out = tmp_path / "eval"
-    settings = DecodeSettings(max_new_tokens=12, depth=3, top_k=3, total_tokens=8, chain_depth=3)
     result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                      methods=["chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"], settings=settings,
-                      dtype="fp32",
-                      device="cpu", out=out, progress=False)
+                      methods=["chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"], max_new_tokens=12,
+                      depth=3, top_k=3, total_tokens=8, chain_depth=3, dtype="fp32", device="cpu", out=out,
+                      progress=False)
     r = result.sets["prompts"]
     assert r["plain"]["turns"] == 3 and r["plain"]["tau"] == 1.0
     for m in ("chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"):
@@ -150,21 +153,20 @@ def test_prompts_longer_than_the_target_are_skipped_and_counted(drafter_ckpt, ti
         {"id": "short", "prompt": "hi"}, {"id": "long", "prompt": "word " * 1500},
         {"id": "late", "turns": ["hi", "x " * 1100]}])
     result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain"],
-                      settings=DecodeSettings(max_new_tokens=4), dtype="fp32", device="cpu", progress=False)
+                      max_new_tokens=4, dtype="fp32", device="cpu", progress=False)
     assert result.sets["p"]["plain"]["turns"] == 2
     assert result.config["skipped_turns"] == 2
     assert [(r["id"], r["turn"]) for r in result.prompts if "skipped" in r] == [("long", 0), ("late", 1)]
     only_long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 1500}])
     with pytest.raises(ValueError, match="every prompt is too long for the target's 1024 positions"):
         evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(only_long)], methods=["chain"],
-                 settings=DecodeSettings(max_new_tokens=4), dtype="fp32", device="cpu", progress=False)
+                 max_new_tokens=4, dtype="fp32", device="cpu", progress=False)
 
 
 def test_cost_admission_needs_measured_pass_costs(tiny_target):
     from transformers import AutoModelForCausalLM
 
     from eaglet.decode import HybridProposer, NgramProposer
-    from eaglet.evaluate import engine_proposer, variants_for, with_pass_costs
 
     with pytest.raises(ValueError, match="pass costs"):
         engine_proposer("ngram", None, DecodeSettings())
@@ -186,6 +188,8 @@ def test_cost_admission_needs_measured_pass_costs(tiny_target):
 
 ENGINE_STAND_IN = LLAMA_STAND_IN_PREAMBLE + '''\
 spec = args[args.index("--spec-type") + 1] if "--spec-type" in args else "none"
+# prompts answered with a known answer (eaglet's plain greedy); every other prompt gets the formula below
+ANSWERS = {tuple(p): a for p, a in json.loads(os.environ.get("STAND_IN_ANSWERS", "[]"))}
 with open(os.environ["STAND_IN_RUNS"], "a") as f:
     f.write(json.dumps({"pid": os.getpid(), "spec": spec, "argv": args[1:]}) + "\\n")
 # per request: drafts, accepted at position 0, at position 1; and ms per token
@@ -210,17 +214,31 @@ class H(Replies):
         timings = {"prompt_n": len(prompt), "prompt_ms": 0.0, "predicted_n": n, "predicted_ms": MS * n}
         if PER[0]:
             timings.update(draft_n=2 * PER[0], draft_n_accepted=PER[1] + PER[2])
-        tokens = [20 + (sum(prompt) + 3 * i) % 300 for i in range(n)]
+        tokens = ANSWERS.get(tuple(prompt)) or [20 + (sum(prompt) + 3 * i) % 300 for i in range(n)]
         self.reply({"tokens": tokens, "stop_type": "limit", "timings": timings})
 HTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
+
+
+def greedy_answer(folder, text: str, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """A one-turn chat's prompt ids and Hugging Face generate's greedy answer to it in fp32: plain
+    greedy's answer, found without eaglet's decoding loop."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = chat_prompt_ids(AutoTokenizer.from_pretrained(folder), [{"role": "user", "content": text}])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+    return ids, out[0, len(ids):].tolist()
 
 
 def test_eval_runs_llama_cpp_methods_beside_eaglets(tiny_target, drafter_ckpt, tmp_path, one_thread, monkeypatch,
                                                     caplog):
     """llama.cpp's methods through stand-in llama-servers (one per method, exported drafter
     passed to draft-eagle3): speedups over llama.cpp plain, acceptance from the counters, the
-    first-draft line beside eaglet's chain (implied), loud on a gap; every server stopped."""
+    first-draft line beside eaglet's chain (implied), loud on a gap; every server stopped. llama.cpp
+    plain answers prompt x with plain greedy's own answer and y with another: half its outputs equal
+    eaglet's plain greedy, prompt by prompt."""
     import os
 
     from test_gguf_export import target_gguf
@@ -228,13 +246,15 @@ def test_eval_runs_llama_cpp_methods_beside_eaglets(tiny_target, drafter_ckpt, t
     runs = tmp_path / "runs.jsonl"
     llama_server_stand_in(tmp_path, ENGINE_STAND_IN, monkeypatch)
     monkeypatch.setenv("STAND_IN_RUNS", str(runs))
+    x_ids, x_answer = greedy_answer(tiny_target, "Add two numbers.", 6)
+    assert len(x_answer) == 6  # no early stop: the stand-in's timings count 6 tokens a turn
+    monkeypatch.setenv("STAND_IN_ANSWERS", json.dumps([[x_ids, x_answer]]))
     gguf = target_gguf(tmp_path / "target.gguf", 400)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Add two numbers."},
                                                        {"id": "y", "prompt": "Say hello."}])
     out = tmp_path / "eval"
-    settings = DecodeSettings(max_new_tokens=6, chain_depth=3)
     result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                      methods=["llama.cpp-eagle3", "llama.cpp-ngram"], settings=settings, dtype="fp32",
+                      methods=["llama.cpp-eagle3", "llama.cpp-ngram"], max_new_tokens=6, chain_depth=3, dtype="fp32",
                       device="cpu", out=out, progress=False, target_gguf=gguf)
     r = result.sets["prompts"]
     assert list(r) == ["plain", "chain", "llama.cpp", "llama.cpp-eagle3", "llama.cpp-ngram"]
@@ -243,7 +263,8 @@ def test_eval_runs_llama_cpp_methods_beside_eaglets(tiny_target, drafter_ckpt, t
     assert eagle3["speedup"] == 2.0 and ngram["speedup"] == 1.25  # 10 vs 5 and 8 ms a token
     assert eagle3["acceptance_rates"] == [0.75, round(1 / 3, 4)] and ngram["acceptance_rates"] == [0.5, 0.0]
     assert eagle3["tau"] == round(12 / (12 - 8), 4)  # 6 tokens a turn, 4 accepted: 2 passes a turn
-    assert eagle3["identical_share"] == 1.0 and r["llama.cpp"]["identical_share"] in (0.0, 0.5, 1.0)
+    assert eagle3["identical_share"] == 1.0 and r["llama.cpp"]["identical_share"] == 0.5
+    assert [p["methods"]["llama.cpp"]["identical"] for p in result.prompts] == [True, False]
     assert eagle3["eaglet_first_acceptance"] == r["chain"]["acceptance_rates"][0]
     assert eagle3["first_acceptance_gap"] == round(0.75 - r["chain"]["acceptance_rates"][0], 4)
     assert "llama.cpp-eagle3 first-draft acceptance 0.750 vs eaglet's chain" in result.table()
@@ -273,8 +294,6 @@ def test_llama_cpp_methods_need_the_target_gguf(tiny_target, drafter_ckpt, tmp_p
 
 
 def test_gap_verdict_tells_quantization_from_a_mismatch():
-    from eaglet.evaluate import gap_verdict
-
     assert gap_verdict({"first_acceptance_gap": -0.03, "engine_target_weights": "Q4_1"}) == "within 0.05"
     assert "Q4_1" in gap_verdict({"first_acceptance_gap": -0.26, "engine_target_weights": "Q4_1"})
     assert "--engine-f32" in gap_verdict({"first_acceptance_gap": -0.26, "engine_target_weights": "Q4_1"})

@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from eaglet import formats
 from eaglet.cli import main as cli_main
-from eaglet.draft_model import DraftConfig, Eagle3Draft, build_draft_vocab
-from eaglet.export import export_drafter, import_drafter, load_drafter
-from eaglet.training.checkpoints import export_config, load_checkpoint, save_checkpoint
+from eaglet.drafter import DraftConfig, Eagle3Draft, build_draft_vocab
+from eaglet.drafter.files import export_config, load_checkpoint, load_drafter
+from eaglet.export import export_drafter, import_drafter
+from eaglet.training.checkpoints import save_checkpoint
 
 TARGET = "org/tiny-target"
 AUX = [2, 4, 5]

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eaglet import formats
-from eaglet.data import prepare
+from eaglet.prepare import prepare
 from eaglet.extract import extract, length_batches
 
 LAYER_IDS = [2, 4, 5, 8]  # tiny target has 8 layers: default ids [2, N//2, N-3, N]

@@ -114,12 +114,12 @@ def test_damaged_target_config(tiny_target, chats_jsonl, tmp_path, capsys, confi
 
 
 def test_unexpected_error_is_one_line_unless_verbose(chats_jsonl, tmp_path, capsys, monkeypatch):
-    import eaglet.data
+    import eaglet.prepare
 
     def bug(*a, **k):
         raise KeyError("messages")
 
-    monkeypatch.setattr(eaglet.data, "prepare", bug)
+    monkeypatch.setattr(eaglet.prepare, "prepare", bug)
     rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "p"))
     assert rc == 2
     assert_one_line(err, "KeyError", "'messages'", "-v")

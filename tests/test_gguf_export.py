@@ -20,6 +20,7 @@ from eaglet import formats
 from eaglet.formats import gguf_drafter
 from eaglet.cli import main as cli_main
 from eaglet.export import export_drafter
+from references import read_gguf_drafter  # tests/references.py
 from tests.test_export import random_drafter, tiny_config, write_checkpoint
 
 TOKENS = [f"tok{i}" for i in range(50)]  # tiny_config's target vocabulary
@@ -170,7 +171,7 @@ def test_gguf_metadata_tokenizer_and_round_trip(tmp_path):
     assert "token_embd.weight" not in stored and "t2d" not in stored  # the target lends its embeddings
     assert stored["blk.0.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.BF16
     assert stored["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
-    back = formats.read_gguf_drafter(out)
+    back = read_gguf_drafter(out)
     for name, value in draft.state_dict().items():
         if name in ("embed_tokens.weight", "t2d"):
             continue

@@ -18,6 +18,7 @@ from eaglet import check as C  # noqa: E402
 from eaglet import formats  # noqa: E402
 from eaglet.cli import main  # noqa: E402
 from eaglet.convert import convert  # noqa: E402
+from references import write_specforge_sample  # tests/references.py
 
 LAYER_IDS = [2, 3, 4, 8]  # the tiny target has 8 layers
 
@@ -27,7 +28,7 @@ def extracted(tiny_target, tmp_path_factory) -> Path:
     """The same prepared chats extracted twice: root/v1 (default layout) and root/spec (--layout speculators)."""
     from conftest import CHATS, write_jsonl
 
-    from eaglet.data import prepare
+    from eaglet.prepare import prepare
     from eaglet.extract import extract
 
     root = tmp_path_factory.mktemp("layouts")
@@ -136,7 +137,7 @@ def test_convert_refusals(extracted, tmp_path, tiny_target):
     # A SpecForge dataset: post-norm last state, no data_config.json.
     sf = tmp_path / "sf"
     for i, s in samples(extracted / "v1").items():
-        formats.write_specforge_sample(sf, i, s.input_ids, s.loss_mask, s.last_hidden, s.aux_hidden)
+        write_specforge_sample(sf, i, s.input_ids, s.loss_mask, s.last_hidden, s.aux_hidden)
     with pytest.raises(ValueError, match="speculators applies that norm itself"):
         convert(sf, tmp_path / "x", "speculators", aux_layer_ids=LAYER_IDS[:3], show_progress=False)
     with pytest.raises(ValueError, match="pass --target"):
@@ -189,7 +190,7 @@ def test_check_names_faults_of_the_speculators_layout(spec_copy):
     assert "first difference at position 5" in msg and "speculators skips this sample" in msg
     assert any(p.kind == C.MISSING_INDEX and p.message.endswith("have no file: 4") for p in report.problems)
     # train refuses the same dataset with the file named.
-    from eaglet.training.data import open_dataset
+    from eaglet.dataset import open_dataset
 
     with pytest.raises(ValueError, match=r"table has 7 rows; no file for row\(s\) \[4\], file\(s\) \[9\] beyond"):
         open_dataset(ds)

@@ -1,9 +1,11 @@
-"""eaglet's drafters inside the real llama-server (the optional llama.cpp engine; these tests skip,
-saying why, where it is not installed). A drafter that memorised the embedded target's answers to a
-few HumanEval prompts is exported to GGUF and served as llama.cpp's eagle3 drafter: it loads and
-drafts, the engine accepts its first draft about as often as eaglet's own chain does, and exports
-broken the two ways users break them (aux layer ids counted one off, d2t lost) collapse. The server's
-own failures (a file it cannot load, a kill) are said plainly and leave no process behind."""
+"""eaglet's drafters inside the real llama-server (the optional llama.cpp engine, which
+./scripts/test builds: these tests fail where it is missing or does not start, and skip, saying
+why, only when EAGLET_NO_LLAMA_CPP=1 leaves it out on purpose). A drafter that memorised the
+embedded target's answers to a few HumanEval prompts is exported to GGUF and served as llama.cpp's
+eagle3 drafter: it loads and drafts, the engine accepts its first draft about as often as eaglet's
+own chain does, and exports broken the two ways users break them (aux layer ids counted one off,
+d2t lost) collapse. The server's own failures (a file it cannot load, a kill) are said plainly and
+leave no process behind."""
 
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ import torch
 
 from conftest import write_jsonl
 from eaglet import embedded, formats, llama_cpp
-from eaglet.data import prepare
+from eaglet.prepare import prepare
 
-from eaglet.evaluate import FIRST_DRAFT_GAP, DecodeSettings, evaluate
-from eaglet.export import read_drafter
+from eaglet.evaluate import FIRST_DRAFT_GAP, evaluate
+from eaglet.drafter.files import read_drafter
 from eaglet.llama_cpp import LlamaCppMissing, LlamaServerError, llama_server
 from eaglet.prompts import load_prompt_set
 from eaglet.regen import regenerate
@@ -35,13 +37,22 @@ NUM_PROMPTS = 4
 NEW_TOKENS = 48
 
 
+NO_LLAMA_CPP_ENV = "EAGLET_NO_LLAMA_CPP"  # scripts/bootstrap's switch: go without llama.cpp
+
+
 @pytest.fixture(scope="module")
 def server_binary() -> Path:
+    """The llama-server these tests run. Missing, or not starting on this CPU, it fails them: were
+    they skipped, the suite would pass without the engine ever running. EAGLET_NO_LLAMA_CPP=1 (left
+    out on purpose) makes them skip instead, with the reason."""
     try:
         binary = llama_cpp.server_binary()
         llama_cpp.server_version(binary)  # also: does it start on this CPU
     except LlamaCppMissing as e:
-        pytest.skip(f"llama.cpp's llama-server is not available: {e}")
+        if os.environ.get(NO_LLAMA_CPP_ENV) == "1":
+            pytest.skip(f"{NO_LLAMA_CPP_ENV}=1: llama.cpp is left out ({e})")
+        pytest.fail(f"llama.cpp's llama-server is not available ({e}); ./scripts/bootstrap --llama-cpp builds it, "
+                    f"{NO_LLAMA_CPP_ENV}=1 skips these tests", pytrace=False)
     return binary
 
 
@@ -91,10 +102,14 @@ def test_the_f32_gguf_holds_eaglets_target_weights(f32_gguf):
 
 def test_regen_through_llama_cpp_gives_the_targets_own_greedy_answers(memorised):
     """llama.cpp on the f32 GGUF, through `eaglet regen --backend llama.cpp`, answers as the
-    Hugging Face target does in fp32: the prompt is the target's template, the answer its own."""
+    Hugging Face target does in fp32, word for word in at least 3 of 4 answers: the prompt is the
+    target's template, the answer its own."""
     ours, theirs = answers(memorised["root"] / "hf.jsonl"), answers(memorised["root"] / "llama.jsonl")
     assert set(ours) == set(theirs) and len(ours) == NUM_PROMPTS
     same = sum(ours[k] == theirs[k] for k in ours)
+    # One answer may part: the two engines sum in other orders, so where two tokens' fp32 logits
+    # nearly tie another CPU's kernels can pick the other (4 of 4 equal where last run). README's
+    # peer table says "at least 3 of 4".
     assert same >= NUM_PROMPTS - 1, {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
 
 
@@ -104,7 +119,7 @@ def test_the_engine_accepts_eaglets_drafter_as_eaglet_does(memorised, f32_gguf, 
     prompts and weights (measured: +0.000)."""
     out = tmp_path / "eval"
     result = evaluate(memorised["run"], prompt_sets=[str(memorised["prompts"])], methods=["llama.cpp-eagle3"],
-                      settings=DecodeSettings(max_new_tokens=NEW_TOKENS, chain_depth=3), dtype="fp32",
+                      max_new_tokens=NEW_TOKENS, chain_depth=3, dtype="fp32",
                       device="cpu", threads=1, out=out, plot=False, progress=False, engine_f32=True)
     rows = result.sets["prompts"]
     eagle3, chain = rows["llama.cpp-eagle3"], rows["chain"]

@@ -1,6 +1,8 @@
-"""The house rules of src/eaglet/, checked on the source: no import cycle between eaglet's modules,
-imports at the top of files (a function-local import only for an optional or heavy third-party
-dependency, with the reason in a comment on its line), and no module over ~800 lines."""
+"""The house rules of src/eaglet/, checked on the source: stages on a library (no stage imports
+another stage, the library imports no stage), no import cycle between eaglet's modules nor between
+its packages, imports at the top of files (a function-local import only for an optional or heavy
+third-party dependency, with the reason in a comment on its line), no module over ~800 lines, and
+no function over 60 lines in a stage's entry module."""
 
 from __future__ import annotations
 
@@ -9,6 +11,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "eaglet"
 MAX_LINES = 850  # "about 800": a module past this is split along its seams
+MAX_ENTRY_FUNCTION_LINES = 60  # a stage's entry module reads top to bottom as a sequence of named steps
+# The pipeline's stages, one module or package each: files on disk are their contract, so none
+# imports another. `recipe` runs them in order and `cli` calls them; both may import any.
+STAGES = {"regen", "prepare", "extract", "training", "convert", "export", "evaluate"}
+ORCHESTRATORS = {"recipe", "cli", "__main__"}
+# Everything else is the library under the stages (chat, target, formats, dataset, drafter, decode,
+# check: the format check is a library of contracts that `eaglet check`, train and convert all run).
 
 
 def module_name(path: Path) -> str:
@@ -130,3 +139,53 @@ def test_imports_are_at_the_top_unless_said_why():
 def test_no_module_over_the_limit():
     long = {name: n for name, p in modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def unit(module: str) -> str:
+    """The stage, library module or package a module belongs to: eaglet.training.loop -> training."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_stage_imports_another_stage_and_the_library_imports_none():
+    edges = graph()
+    assert STAGES <= {unit(m) for m in edges}, "a stage named here no longer exists: update STAGES"
+    bad = sorted(f"{m} -> {d}" for m, deps in edges.items() for d in deps
+                 if unit(d) in STAGES and unit(d) != unit(m) and unit(m) not in ORCHESTRATORS)
+    assert bad == [], "imports of a stage from outside it:\n" + "\n".join(bad)
+
+
+def test_no_package_level_cycle():
+    """Modules collapsed into their top-level unit (a package or a module): no cycle among those."""
+    units: dict[str, set[str]] = {}
+    for m, deps in graph().items():
+        units.setdefault(unit(m), set()).update(unit(d) for d in deps if unit(d) != unit(m))
+    assert cycles(units) == []
+
+
+def test_the_graph_rules_catch_what_they_name():
+    """The checks above fail on a stage importing a stage and on a cycle between two packages."""
+    edges = {"eaglet.extract": {"eaglet.training.teacher"}, "eaglet.training.teacher": {"eaglet.formats"},
+             "eaglet.formats": {"eaglet.dataset"}, "eaglet.dataset": {"eaglet.formats"}}
+    assert [f"{m} -> {d}" for m, deps in edges.items() for d in deps
+            if unit(d) in STAGES and unit(d) != unit(m)] == ["eaglet.extract -> eaglet.training.teacher"]
+    assert cycles(edges) == [["eaglet.dataset", "eaglet.formats"]]
+
+
+def entry_modules() -> dict[str, Path]:
+    """The module that holds each stage's entry function (options.STAGES `entry`)."""
+    from eaglet.options import STAGES as DECLARED_STAGES
+
+    names = {s.entry.split(":")[0] for s in DECLARED_STAGES.values()}
+    return {n: p for n, p in modules().items() if n in names and unit(n) not in ORCHESTRATORS}
+
+
+def test_entry_modules_read_top_to_bottom():
+    long = []
+    for name, path in entry_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_ENTRY_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert len(entry_modules()) >= 7 and long == [], "functions over the limit:\n" + "\n".join(long)

@@ -20,7 +20,7 @@ from eaglet.cli import build_parser, resolve
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 # Keywords of entry functions that are not options: how a caller drives the stage, not what it does.
-NOT_OPTIONS = {"command", "show_progress", "progress", "progress_bar", "write_threads", "backoff", "settings",
+NOT_OPTIONS = {"command", "show_progress", "progress", "progress_bar", "write_threads", "backoff",
                "workers_per_file"}
 # The eval keywords that DecodeSettings fills in itself rather than the user.
 NOT_SETTINGS = {"eos_ids", "pass_costs"}
@@ -35,7 +35,8 @@ def entry_defaults(stage: O.Stage) -> dict[str, object]:
               if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n not in skip}
     if stage.config:
         fields = dataclasses.fields(resolve(stage.config))
-        params |= {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        params |= {f.name: f.default if f.default is not dataclasses.MISSING else (
+                   f.default_factory if isinstance(f.default_factory, O.Declared) else f.default_factory())
                    for f in fields if f.name not in NOT_SETTINGS}
     return params
 
@@ -56,6 +57,8 @@ def test_declarations_match_the_entry_functions(name):
         if o.invert:
             assert want is True, f"{name} {key}: an inverted flag's keyword defaults to True"
             continue
+        if want is O.DECLARED or isinstance(want, O.Declared):
+            continue  # the declared default itself, looked up when the keyword is left out
         if isinstance(want, tuple):
             want = list(want)
         same = o.default == want or (o.kind == O.FLAG and want is False) or (o.kind == O.BOOL and want is None) or (
@@ -163,3 +166,50 @@ def test_device_presets_fill_what_is_not_given():
         DecodeSettings(preset="tpu")
     args = build_parser().parse_args(["eval", "RUN", "--preset", "cuda", "--depth", "5"])
     assert (args.preset, args.depth, args.top_k) == ("cuda", 5, None)
+
+
+def with_default(monkeypatch, stage: str, name: str, value: object) -> None:
+    """The declaration of `stage --name` with another default, for the rest of a test."""
+    old = O.STAGES[stage]
+    options = tuple(dataclasses.replace(o, default=value) if o.name == name else o for o in old.options)
+    monkeypatch.setitem(O.STAGES, stage, dataclasses.replace(old, options=options))
+
+
+def test_a_default_changed_in_the_declaration_changes_the_cli_the_recipe_and_the_entry_function(monkeypatch):
+    """Defaults are written once: change one in options.py and every consumer follows."""
+    from eaglet.recipe import option_types, validate
+
+    with_default(monkeypatch, "extract", "batch_tokens", 1234)
+    assert build_parser().parse_args(["extract", "--prepared", "P", "--out", "O"]).batch_tokens == 1234
+    assert O.declared_default("extract", "batch_tokens") == 1234
+    seen = {}
+
+    @O.takes_options("extract")
+    def entry(prepared: str = O.DECLARED, batch_tokens: int = O.DECLARED, command: str = "") -> None:
+        seen.update(batch_tokens=batch_tokens)
+
+    entry("P")
+    assert seen == {"batch_tokens": 1234}
+    entry("P", batch_tokens=5)  # a value given wins
+    assert seen == {"batch_tokens": 5}
+    with pytest.raises(TypeError, match="needs prepared"):  # a required option has no default to fall back on
+        entry()
+    with_default(monkeypatch, "train", "lr", 0.125)  # a config dataclass field follows its declaration too
+    from eaglet.training.config import TrainConfig
+    assert TrainConfig().lr == 0.125
+    # The recipe validation types a value from the declaration: an option without a default takes None.
+    recipe = {"recipe": {"name": "r"}, "extract": {"batch_tokens": None}}
+    with pytest.raises(ValueError, match="batch_tokens"):
+        validate(recipe)
+    with_default(monkeypatch, "extract", "batch_tokens", None)
+    assert option_types("extract")["batch_tokens"] == int | None
+    validate(recipe)
+
+
+def test_every_declared_default_of_a_real_entry_function_is_looked_up(monkeypatch):
+    """The real entry functions take the declaration at call time (not a copy made at import)."""
+    from eaglet.prepare import prepare
+
+    with_default(monkeypatch, "prepare", "data", "/nonexistent/chats.jsonl")
+    with pytest.raises(Exception, match="/nonexistent/chats.jsonl"):
+        prepare(out="unused-out-folder")

@@ -37,9 +37,10 @@ from speculators.proposals.greedy import GreedyTokenProposalConfig  # noqa: E402
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution  # noqa: E402
 from transformers import AutoConfig, LlamaConfig  # noqa: E402
 
-from eaglet.draft_model import DraftConfig, Eagle3Draft, build_draft_vocab  # noqa: E402
-from eaglet.export import export_drafter, import_drafter, load_drafter  # noqa: E402
-from eaglet.training.checkpoints import export_config, save_checkpoint  # noqa: E402
+from eaglet.drafter import DraftConfig, Eagle3Draft, build_draft_vocab  # noqa: E402
+from eaglet.drafter.files import export_config, load_drafter  # noqa: E402
+from eaglet.export import export_drafter, import_drafter  # noqa: E402
+from eaglet.training.checkpoints import save_checkpoint  # noqa: E402
 
 # speculators 0.9.0 calls transformers' LlamaAttention with the deprecated `past_key_values` name.
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")

@@ -18,7 +18,7 @@ import torch
 from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
 from eaglet import regen
 from eaglet.cli import main
-from eaglet.data import prepare
+from eaglet.prepare import prepare
 from eaglet.formats import read_prepared
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def test_local_prompt_too_long(lively_target, tmp_path):
 def test_local_time_budget_stops_after_the_batch_at_hand(lively_target, tmp_path):
     """Out of time after the first batch: the chats of that batch are written with the turns
     finished so far (cut short), no other chat is; regenerate() with no time left starts none."""
-    from eaglet.data import ReadStats
+    from eaglet.chat import ReadStats
     from eaglet.target import load_target, load_tokenizer, resolve_target
 
     data = chats_file(tmp_path / "chats.jsonl", 12)
@@ -618,7 +618,7 @@ def llama_regen(data: Path, out: Path, target: Path, **kw):
 def test_llama_cpp_prompts_are_the_targets_template_with_regenerated_history(llama_stand_in, tiny_target, tmp_path):
     from transformers import AutoTokenizer
 
-    from eaglet.data import chat_prompt_ids
+    from eaglet.chat import chat_prompt_ids
 
     data = chats_file(tmp_path / "chats.jsonl", 8)
     s = llama_regen(data, tmp_path / "out.jsonl", tiny_target)

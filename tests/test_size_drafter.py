@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.draft_model import DraftConfig, Eagle3Draft, num_parameters
+from eaglet.drafter import DraftConfig, Eagle3Draft, num_parameters
 from eaglet.formats import v1_min_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,11 +18,13 @@ from safetensors.torch import load_file
 from conftest import CHATS, write_jsonl
 from eaglet import formats
 from eaglet.cli import main as cli_main
-from eaglet.data import prepare
+from eaglet.prepare import prepare
 from eaglet.extract import extract
-from eaglet.training.checkpoints import iter_metrics, load_checkpoint
+from eaglet.drafter.files import load_checkpoint
+from eaglet.training.checkpoints import iter_metrics
 from eaglet.training.config import lr_lambda
-from eaglet.training.data import BatchStream, bucketed_batches, open_dataset, pack, read_samples, split_indices
+from eaglet.dataset import open_dataset
+from eaglet.training.data import BatchStream, bucketed_batches, pack, read_samples, split_indices
 from eaglet.training.loop import train
 
 FAST = dict(ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4, log_every=2, batch_size=2,
@@ -185,8 +187,7 @@ def test_teacher_is_the_targets_own_next_token_distribution(dataset, tiny_target
     """lm_head(final_norm(stored pre-norm state)) equals the target's logits, restricted to the draft vocab."""
     from transformers import AutoModelForCausalLM
 
-    from eaglet.draft_model import build_draft_vocab, make_teacher
-    from eaglet.training.teacher import target_pieces
+    from eaglet.drafter import build_draft_vocab, make_teacher, target_pieces
 
     ds = open_dataset(dataset)
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
@@ -208,9 +209,10 @@ def test_teacher_is_the_targets_own_next_token_distribution(dataset, tiny_target
 def test_target_shape_mismatch_is_refused(field, value):
     from types import SimpleNamespace
 
-    from eaglet.training.data import check_target_matches
+    from eaglet.dataset import check_target_matches
+    from eaglet.formats import DataConfig
 
-    data_cfg = {"hidden_size": 64, "vocab_size": 400, "target_revision": "abc", "target": "tiny"}
+    data_cfg = DataConfig(hidden_size=64, vocab_size=400, target_revision="abc", target="tiny")
     target_cfg = SimpleNamespace(**{"hidden_size": 64, "vocab_size": 400, field: value})
     with pytest.raises(ValueError, match=f"{field}={value}"):
         check_target_matches(data_cfg, target_cfg, "abc", "other")
@@ -226,9 +228,9 @@ def test_sparse_teacher_is_cached_once_per_sample_and_exact(dataset, tiny_target
     batch it is first seen in, and the target's head runs once per sample."""
     from transformers import AutoModelForCausalLM
 
-    from eaglet.draft_model import build_draft_vocab, make_teacher
+    from eaglet.drafter import build_draft_vocab, make_teacher, make_teacher_head
     from eaglet.training.data import load_batch
-    from eaglet.training.teacher import TeacherSource, make_teacher_head
+    from eaglet.training.teacher import TeacherSource
 
     ds = open_dataset(dataset)
     head = make_teacher_head(AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32), "pre_norm")
@@ -279,13 +281,17 @@ def test_packs_hold_every_sample_once_within_the_budget():
 @pytest.mark.parametrize("compile", [False, True])
 def test_packed_training_resumes_exactly(dataset, tmp_path, compile):
     """--pack-tokens: a run stopped and resumed ends with the weights of the uninterrupted run (the
-    packs follow the seed); compiled, its steps follow the eager run's loss."""
+    packs follow the seed); compiled, its steps follow the eager run's loss, and train_config.json
+    says they really ran compiled (inductor built a graph; a silent fall back to eager would not)."""
     opts = {**FAST, "batch_size": 1, "pack_tokens": 160, "compile": compile}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(dataset, straight, total_steps=6, show_progress=False, **opts)
     if compile:
         eager = tmp_path / "eager"
         train(dataset, eager, total_steps=6, show_progress=False, **{**opts, "compile": False})
+        ran = [json.loads((run / "train_config.json").read_text()) for run in (straight, eager)]
+        assert (ran[0]["compile"], ran[0]["compile_mode"]) == (True, "inductor") and ran[0]["compile_graphs"] >= 1
+        assert (ran[1]["compile"], ran[1]["compile_mode"], ran[1]["compile_graphs"]) == (False, "eager", 0)
         loss = [[r["loss"][0] for r in iter_metrics(run) if r["split"] == "train"] for run in (straight, eager)]
         assert loss[0] == pytest.approx(loss[1], rel=2e-3)
         return
@@ -294,7 +300,7 @@ def test_packed_training_resumes_exactly(dataset, tmp_path, compile):
     a, b = weights(straight, 6), weights(resumed, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
     config = json.loads((straight / "train_config.json").read_text())
-    assert config["pack_tokens"] == 160 and config["compile"] is False
+    assert config["pack_tokens"] == 160 and config["compile"] is False and config["compile_mode"] == "eager"
 
 
 def test_time_budget_sizes_the_schedule(dataset, tmp_path):

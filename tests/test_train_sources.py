@@ -12,13 +12,14 @@ from safetensors.torch import load_file
 
 from conftest import write_jsonl
 from eaglet import formats
-from eaglet.check import single_threaded_ops
+from eaglet.check.dataset import single_threaded_ops
 from eaglet.cli import main as cli_main
-from eaglet.data import prepare
+from eaglet.prepare import prepare
 from eaglet.extract import extract
 from eaglet.training.checkpoints import iter_metrics
-from eaglet.training.data import open_dataset
+from eaglet.dataset import open_dataset
 from eaglet.training.loop import train
+from references import write_flat_v1_sample, write_specforge_sample  # tests/references.py
 from test_train import FAST, chat_records
 
 AUX = [2, 4, 5]  # the default aux ids of the tiny 8-layer target, which the fixture's extraction used
@@ -51,7 +52,7 @@ def v1_run(work, tmp_path_factory) -> Path:
 def final_norm(target: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from eaglet.training.teacher import target_pieces
+    from eaglet.drafter import target_pieces
 
     return target_pieces(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32))[1].final_norm
 
@@ -63,11 +64,11 @@ def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Pa
         s = formats.read_v1_sample(path)
         rows.append((s.input_ids, s.loss_mask))
         if layout == formats.FORMAT_V1_FLAT:
-            formats.write_flat_v1_sample(out, i, s)
+            write_flat_v1_sample(out, i, s)
         elif layout == formats.FORMAT_SPECFORGE:
             with torch.no_grad():  # SpecForge stores the last state after the final norm
                 last = norm(s.hidden_states[-1])
-            formats.write_specforge_sample(out, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:-1], -1),
+            write_specforge_sample(out, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:-1], -1),
                                            compressed=i % 2 == 1)  # .ckpt and .ckpt.gz side by side
         elif layout == formats.FORMAT_SPECULATORS_ARROW:
             formats.write_speculators_sample(out, i, s.input_ids, s.hidden_states)

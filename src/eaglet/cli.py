@@ -7,7 +7,6 @@ is imported only when that stage runs, so `--help` answers at once.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import inspect
 import json
@@ -91,11 +90,7 @@ def run_train(stage: Stage, args: argparse.Namespace) -> None:
 
 
 def run_eval(stage: Stage, args: argparse.Namespace) -> None:
-    kwargs = stage_kwargs(stage, args)
-    settings_type = resolve(stage.config)
-    names = {f.name for f in dataclasses.fields(settings_type)}
-    settings = settings_type(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-    result = call_entry(stage, {**kwargs, "settings": settings}, args.command)
+    result = call_entry(stage, stage_kwargs(stage, args), args.command)
     print(result.table())
     for label, path in (("results", result.json_path), ("plot", result.plot_path)):
         if path is not None:

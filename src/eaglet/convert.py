@@ -24,9 +24,9 @@ import torch
 from tqdm import tqdm
 
 from eaglet import formats, ranges
-from eaglet.extract import StoredTeacherMaker, ensure_data_config
-from eaglet.target import load_target, resolve_target
-from eaglet.training.data import Dataset, check_target_matches, dataset_target, open_dataset
+from eaglet.drafter.teacher import StoredTeacherMaker
+from eaglet.target import layer_count, load_target, resolve_target, text_config
+from eaglet.dataset import Dataset, check_target_matches, dataset_target, open_dataset
 
 
 @dataclass
@@ -50,32 +50,28 @@ class ConvertSummary:
 
 def target_fields(target: str, hidden_size: int, aux_layer_ids: list[int]) -> dict[str, Any]:
     """What data_config.json records about the target, for a source that records none."""
-    from transformers import AutoConfig  # seconds to import: only where a target is read
-
     ref = resolve_target(target)
-    tc = AutoConfig.from_pretrained(ref.path)
-    tc = getattr(tc, "text_config", None) or tc  # multimodal configs keep the language model's fields inside
+    tc = text_config(ref)
     if tc.hidden_size != hidden_size:
         raise ValueError(f"--target {target}: hidden size {tc.hidden_size}, the dataset's states have {hidden_size}")
-    n = tc.num_hidden_layers
+    n = layer_count(tc)
     return {"target": ref.name, "target_path": ref.path, "target_revision": ref.revision, "model_type": tc.model_type,
             "num_hidden_layers": n, "vocab_size": tc.vocab_size, "layer_ids": [*aux_layer_ids, n],
             "aux_layer_ids": list(aux_layer_ids), "layer_id_convention": formats.LAYER_ID_CONVENTION}
 
 
 def converted_config(ds: Dataset, layout: formats.Layout, target: str | None, command: str,
-                     stored_top_k: int) -> dict[str, Any]:
+                     stored_top_k: int) -> formats.DataConfig:
     """The output's data_config.json: the source's (or, for a source without one, --target's
     fields), with the output layout and the totals of the samples."""
-    cfg = {k: v for k, v in ds.config.items() if k not in ("format", "command", "converted_from")}
-    if "target_revision" not in cfg or "layer_ids" not in cfg:
+    cfg = {k: v for k, v in ds.config.to_json().items() if k not in ("format", "command", "converted_from", "compact")}
+    if ds.config.target_revision is None or ds.config.layer_ids is None:
         if target is None:
             raise ValueError(f"{ds.root}: no {formats.DATA_CONFIG_FILE} records which target these states come "
                              "from; pass --target (the model that produced them) so the converted dataset records "
                              "it, as every v1 dataset must")
-        cfg.update(target_fields(target, ds.config["hidden_size"], ds.aux_layer_ids))
+        cfg.update(target_fields(target, ds.config.hidden_size, ds.aux_layer_ids))
     lengths = [ds.lengths[i] for i in sorted(ds.files)]
-    cfg.pop("compact", None)
     cfg.update(layout.config_fields(min(stored_top_k, cfg.get("vocab_size") or stored_top_k)))
     cfg.update({
         "format": layout.name,
@@ -89,7 +85,10 @@ def converted_config(ds: Dataset, layout: formats.Layout, target: str | None, co
         "num_masked_tokens": sum(ds.token_freq.values()),
         "seq_length": max(lengths),
     })
-    return cfg
+    config, problems = formats.parse_data_config(cfg)
+    if problems:  # the source's own fields, read as they were written: name them rather than write them on
+        raise ValueError(f"{ds.root / formats.DATA_CONFIG_FILE}: {'; '.join(problems)}")
+    return config
 
 
 def read_rows(ds: Dataset, show_progress: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -146,11 +145,11 @@ def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | 
         raise ValueError(f"{src}: its last state is {ds.last_hidden_state} (after the target's final norm); "
                          "speculators applies that norm itself, and it cannot be undone: extract the states again "
                          "(`eaglet extract --layout speculators`), or convert to v1, which records the convention")
-    fmt.check_hidden_size(ds.config["hidden_size"], str(src))
+    fmt.check_hidden_size(ds.config.hidden_size, str(src))
     config = converted_config(ds, fmt, target, command, stored_top_k)
     teacher = teacher_maker(ds, target, stored_top_k) if fmt.stores_teacher else None
     out.mkdir(parents=True, exist_ok=True)
-    ensure_data_config(out, config)
+    formats.ensure_data_config(out, config)
     if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
         formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, ds.lengths)
     if not (out / formats.TOKEN_FREQ_FILE).exists():

@@ -23,27 +23,22 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from eaglet import __version__, formats, layers, ranges
-from eaglet.data import config_where, target_text_config, template_hash
-from eaglet.decode import config_positions
-from eaglet.draft_model import target_top_k
-from eaglet.formats import TokenizedSample
+from eaglet.chat import template_hash
+from eaglet.drafter.teacher import StoredTeacherMaker
+from eaglet.formats import DataConfig, TokenizedSample
+from eaglet.options import DECLARED, takes_options
 from eaglet.placement import placement_from_options
-from eaglet.target import (LayerCapture, TargetRef, decoder_layers, dtype_name, load_target,
-                           load_tokenizer, parse_dtype, pick_device, resolve_target, run_batch)
-from eaglet.training.teacher import make_teacher_head
+from eaglet.target import (LayerCapture, TargetRef, config_positions, config_where, decoder_layers, dtype_name,
+                           load_target, load_tokenizer, parse_dtype, pick_device, prepared_target, run_batch, text_config)
 
 log = logging.getLogger(__name__)
-
-# Fields of data_config.json that must agree before two runs may write into one folder.
-IDENTITY_FIELDS = ("format", "compact", "target_revision", "layer_ids", "hidden_size", "hidden_states_dtype", "last_hidden_state",
-                   "chat_template_sha256", "max_length", "num_samples", "num_tokens", "prepared_sha256")
-
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> None:
     layers.check_stored_ids(layer_ids, num_layers, "--layer-ids")
@@ -73,21 +68,6 @@ def write_one(out: Path, layout: formats.Layout, index: int, sample: TokenizedSa
                                 teacher(states[-1]) if teacher else None)
 
 
-class StoredTeacherMaker:
-    """The compact layout's teacher of one sample from its stored last state: the target's top-K
-    over its full vocabulary, computed exactly as training computes the teacher from a v1 file
-    (the stored-dtype state, the final norm and LM head in fp32)."""
-
-    def __init__(self, model: nn.Module, top_k: int, last_hidden_state: str = formats.LAST_STATE_PRE_NORM):
-        self.head = make_teacher_head(model, last_hidden_state)
-        self.top_k = min(top_k, self.head.lm_head.weight.shape[0])
-
-    def __call__(self, last: torch.Tensor) -> formats.StoredTeacher:
-        dev = self.head.lm_head.weight.device
-        ids, log_probs = target_top_k(last.to(dev).float(), self.head.final_norm, self.head.lm_head, self.top_k)
-        return formats.StoredTeacher(ids.cpu(), log_probs.cpu())
-
-
 def prepared_sha256(samples: list[TokenizedSample]) -> str:
     h = hashlib.sha256()
     for s in samples:
@@ -97,9 +77,9 @@ def prepared_sha256(samples: list[TokenizedSample]) -> str:
 
 def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfig: dict, samples: list[TokenizedSample],
                       layer_ids: list[int], compute_dtype: torch.dtype, store_dtype: torch.dtype, command: str,
-                      layout: formats.Layout = formats.V1_LAYOUT, stored_top_k: int = 0) -> dict:
+                      layout: formats.Layout = formats.V1_LAYOUT, stored_top_k: int = 0) -> DataConfig:
     cfg = model.config
-    return {
+    return parsed_config({
         "format": layout.name,
         **layout.config_fields(min(stored_top_k, cfg.vocab_size)),
         "eaglet_version": __version__,
@@ -127,23 +107,14 @@ def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfi
         "rows_per_folder": formats.ROWS_PER_FOLDER,
         "prepared_data": pconfig.get("data"),
         "prepared_sha256": prepared_sha256(samples),
-    }
-
-
-def prepared_target(prepared: str | Path, pconfig: dict, target: str | None) -> TargetRef:
-    """The target `prepared` was tokenized with (`target`, else the recorded one); refuse another."""
-    ref = resolve_target(target if target is not None else pconfig.get("target_spec"))
-    if ref.revision != pconfig["target_revision"]:
-        raise ValueError(f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
-                         f"({pconfig['target']}, revision {pconfig['target_revision']})")
-    return ref
+    })
 
 
 def refuse_unrunnable_samples(prepared: str | Path, samples: list[TokenizedSample], ref: TargetRef) -> None:
     """Before the target loads and anything is written: refuse a sample the target cannot take, a
     token id outside its vocabulary or more tokens than its positions (the forward would fail, or
     compute states past the positions the target was trained for, without naming the sample)."""
-    target_config = target_text_config(ref)
+    target_config = text_config(ref)
     formats.check_prepared_token_ids(prepared, samples, target_config.vocab_size)
     limit = config_positions(target_config)
     longer = [n for n, s in enumerate(samples) if len(s.input_ids) > limit]
@@ -155,41 +126,10 @@ def refuse_unrunnable_samples(prepared: str | Path, samples: list[TokenizedSampl
                          f"samples are that long: run `eaglet prepare` again with --max-length {limit} or less")
 
 
-def refuse_other_dataset(out: Path, config: dict) -> None:
-    """Refuse to write into a folder whose data_config.json describes another dataset."""
-    path = out / formats.DATA_CONFIG_FILE
-    old = formats.read_json(path)
-    key = next((k for k in IDENTITY_FIELDS if old.get(k) != config.get(k)), None)
-    if key is not None:
-        raise ValueError(f"{path}: this folder holds a dataset made with {key}={old.get(key)!r}, this run "
-                         f"has {config.get(key)!r}; use another --out, or delete the folder to start over")
-
-
-def discard_unused_extraction(out: Path, old: dict) -> None:
-    """The side files of an extraction that wrote no sample file: written again from this run's data."""
-    for name in (formats.DATA_CONFIG_FILE, formats.SAMPLE_LENGTHS_FILE, formats.TOKEN_FREQ_FILE):
-        (out / name).unlink(missing_ok=True)
-    old_layout = formats.find_layout(old.get("format"))
-    if old_layout is not None and old_layout.table is not None:  # its table of the old samples' tokens
-        for p in old_layout.table.files(out):
-            p.unlink(missing_ok=True)
-
-
-def ensure_data_config(out: Path, config: dict) -> None:
-    """Write data_config.json, or check that the one already there describes the same dataset.
-
-    One left by an extraction that wrote no sample file (it failed before its first) guards
-    nothing: it is replaced, with the side files of that run, so a fixed input reruns in place."""
-    path = out / formats.DATA_CONFIG_FILE
-    if path.exists():
-        old = formats.read_json(path)
-        if all(old.get(k) == config.get(k) for k in IDENTITY_FIELDS):
-            return
-        if formats.list_dataset_files(out).files:
-            refuse_other_dataset(out, config)
-        log.warning("%s: replacing the config of an earlier extraction that wrote no sample file", path)
-        discard_unused_extraction(out, old)
-    formats.write_json_atomic(path, config)
+def parsed_config(raw: dict[str, Any]) -> DataConfig:
+    cfg, problems = formats.parse_data_config(raw)
+    assert not problems, problems  # written here: a wrong kind is eaglet's own bug
+    return cfg
 
 
 @dataclass
@@ -223,12 +163,87 @@ def dataset_disk_usage(out: Path, lengths: dict[int, int]) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files.values()), sum(lengths.get(i, 0) for i in files)
 
 
-def extract(prepared: str | Path, out: str | Path, target: str | None = None, layer_ids: list[int] | None = None,
-            dtype: str = "auto", store_dtype: str = "bf16", device: str | None = None, batch_tokens: int = 8192,
-            max_batch_size: int = 64, num_shards: int = 1, shard_id: int = 0, command: str = "",
-            write_threads: int = 2, show_progress: bool = True, layout: str = "v1",
-            stored_top_k: int = 16, device_map: str | None = None, max_memory: str | None = None,
-            offload_folder: str | None = None) -> ExtractSummary:
+@dataclass
+class Shard:
+    """This shard's samples: which it owns, where each goes and which are still to be written."""
+    mine: list[int]
+    paths: dict[int, Path]
+    todo: list[int]
+
+
+def check_shard(num_shards: int, shard_id: int) -> None:
+    if not 0 <= shard_id < num_shards:
+        raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
+
+
+def write_side_files(out: Path, prepared: str | Path, fmt: formats.Layout, samples: list[TokenizedSample],
+                     lengths: dict[int, int]) -> None:
+    """The dataset's table (speculators' layout), sample_lengths.json and token_freq.pt, once."""
+    formats.start_dataset(out, fmt, [(s.input_ids, s.loss_mask) for s in samples])
+    if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
+        formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, lengths)
+    if not (out / formats.TOKEN_FREQ_FILE).exists():
+        formats.write_token_freq(out / formats.TOKEN_FREQ_FILE,
+                                 formats.read_token_freq(Path(prepared) / formats.TOKEN_FREQ_FILE))
+
+
+def plan_shard(out: Path, fmt: formats.Layout, count: int, num_shards: int, shard_id: int, lengths: dict[int, int],
+               num_states: int) -> Shard:
+    """This shard's samples and those of them still to write: a file that exists is complete (files
+    appear only by rename), unless something else wrote it, and then it is redone."""
+    mine = [i for i in range(count) if i % num_shards == shard_id]
+    paths = {i: formats.sample_path(out, fmt, i) for i in mine}
+    stale = formats.remove_stale_temp_files(formats.files_dir(out, fmt), {p.name for p in paths.values()})
+    if stale:
+        log.info("removed %d partial files left by an earlier run", stale)
+    todo = [i for i in mine if not paths[i].exists()]
+    missing = set(todo)
+    redo = [(i, why) for i in mine if i not in missing
+            for why in [formats.sample_file_problem(paths[i], fmt, lengths[i], num_states)] if why]
+    if redo:
+        log.warning("%d existing file(s) are not complete safe samples and will be redone (first: %s: %s)",
+                    len(redo), paths[redo[0][0]].relative_to(out), redo[0][1])
+        todo = sorted(todo + [i for i, _ in redo])
+    return Shard(mine, paths, todo)
+
+
+def run_and_write(model: nn.Module, samples: list[TokenizedSample], batches: list[list[int]], layer_ids: list[int],
+                  dev: torch.device, save_dtype: torch.dtype, out: Path, fmt: formats.Layout, config: DataConfig,
+                  teacher: StoredTeacherMaker | None, write_threads: int, bar: tqdm) -> None:
+    """The target over every batch, each sample's states written by a pool of writers."""
+    capture = LayerCapture(decoder_layers(model), layer_ids)
+    pending: list[Future] = []
+    try:
+        with ThreadPoolExecutor(max_workers=write_threads) as pool:
+            for batch in batches:
+                batch_samples = [samples[i] for i in batch]
+                per_sample = run_batch(model, capture, batch_samples, dev, save_dtype)
+                # Another run may have replaced a config that had no sample file yet (see
+                # formats.ensure_data_config): then this run's files would join another dataset.
+                formats.refuse_other_dataset(out, config)
+                # Bound the write queue so memory stays flat when the disk is slower than the model.
+                while len(pending) > 4 * write_threads:
+                    pending.pop(0).result()
+                for i, s, states in zip(batch, batch_samples, per_sample):
+                    # The compact layout's teacher (the target's LM head) is computed by the writer,
+                    # overlapping the next batch's forward.
+                    pending.append(pool.submit(write_one, out, fmt, i, s, states, teacher))
+                bar.update(sum(len(s.input_ids) for s in batch_samples))
+            for f in pending:
+                f.result()
+    finally:
+        bar.close()
+        capture.remove()
+
+
+@takes_options("extract")
+def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target: str | None = DECLARED,
+            layer_ids: list[int] | None = DECLARED, dtype: str = DECLARED, store_dtype: str = DECLARED,
+            device: str | None = DECLARED, batch_tokens: int = DECLARED, max_batch_size: int = DECLARED,
+            num_shards: int = DECLARED, shard_id: int = DECLARED, command: str = "", write_threads: int = 2,
+            show_progress: bool = True, layout: str = DECLARED, stored_top_k: int = DECLARED,
+            device_map: str | None = DECLARED, max_memory: str | None = DECLARED,
+            offload_folder: str | None = DECLARED) -> ExtractSummary:
     """Extract the hidden states of every prepared sample of this shard into `out`, in `layout`
     (a `formats.WRITTEN_LAYOUTS` name); the compact layout stores the target's `stored_top_k`
     most likely next tokens in place of the last state. With `device_map` the target is placed
@@ -236,8 +251,7 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
     where each layer lives."""
     ranges.at_least(1, num_shards=num_shards, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
                     write_threads=write_threads, stored_top_k=stored_top_k)
-    if not 0 <= shard_id < num_shards:
-        raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
+    check_shard(num_shards, shard_id)
     fmt = formats.written_layout(layout)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
     out = Path(out)
@@ -256,59 +270,16 @@ def extract(prepared: str | Path, out: str | Path, target: str | None = None, la
                                fmt, stored_top_k)
     teacher = StoredTeacherMaker(model, stored_top_k) if fmt.stores_teacher else None
     out.mkdir(parents=True, exist_ok=True)
-    ensure_data_config(out, config)
-    formats.start_dataset(out, fmt, [(s.input_ids, s.loss_mask) for s in samples])
+    formats.ensure_data_config(out, config)
     lengths = {i: len(s.input_ids) for i, s in enumerate(samples)}
-    if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
-        formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, lengths)
-    if not (out / formats.TOKEN_FREQ_FILE).exists():
-        formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, formats.read_token_freq(Path(prepared) / formats.TOKEN_FREQ_FILE))
-
-    mine = [i for i in range(len(samples)) if i % num_shards == shard_id]
-    paths = {i: formats.sample_path(out, fmt, i) for i in mine}
-    owned_names = {p.name for p in paths.values()}
-    stale = formats.remove_stale_temp_files(formats.files_dir(out, fmt), owned_names)
-    if stale:
-        log.info("removed %d partial files left by an earlier run", stale)
-    # Existence means complete (files only appear by rename), unless something else wrote them.
-    todo = [i for i in mine if not paths[i].exists()]
-    missing = set(todo)
-    redo = [(i, why) for i in mine if i not in missing
-            for why in [formats.sample_file_problem(paths[i], fmt, lengths[i], len(layer_ids))] if why]
-    if redo:
-        log.warning("%d existing file(s) are not complete safe samples and will be redone (first: %s: %s)",
-                    len(redo), paths[redo[0][0]].relative_to(out), redo[0][1])
-        todo = sorted(todo + [i for i, _ in redo])
-    batches = length_batches(todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
-    total_tokens = sum(lengths[i] for i in todo)
-
-    capture = LayerCapture(decoder_layers(model), layer_ids)
-    pending: list[Future] = []
+    write_side_files(out, prepared, fmt, samples, lengths)
+    shard = plan_shard(out, fmt, len(samples), num_shards, shard_id, lengths, len(layer_ids))
+    batches = length_batches(shard.todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
+    total_tokens = sum(lengths[i] for i in shard.todo)
     t0 = time.time()
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract shard {shard_id}/{num_shards}",
                file=sys.stderr, dynamic_ncols=True, disable=not show_progress)
-    try:
-        with ThreadPoolExecutor(max_workers=write_threads) as pool:
-            for batch in batches:
-                batch_samples = [samples[i] for i in batch]
-                per_sample = run_batch(model, capture, batch_samples, dev, save_dtype)
-                # Another run may have replaced a config that had no sample file yet (see
-                # ensure_data_config): then this run's files would join another dataset.
-                refuse_other_dataset(out, config)
-                # Bound the write queue so memory stays flat when the disk is slower than the model.
-                while len(pending) > 4 * write_threads:
-                    pending.pop(0).result()
-                for i, s, states in zip(batch, batch_samples, per_sample):
-                    # The compact layout's teacher (the target's LM head) is computed by the writer,
-                    # overlapping the next batch's forward.
-                    pending.append(pool.submit(write_one, out, fmt, i, s, states, teacher))
-                bar.update(sum(lengths[i] for i in batch))
-            for f in pending:
-                f.result()
-    finally:
-        bar.close()
-        capture.remove()
-    seconds = time.time() - t0
+    run_and_write(model, samples, batches, layer_ids, dev, save_dtype, out, fmt, config, teacher, write_threads, bar)
     disk_bytes, disk_tokens = dataset_disk_usage(out, lengths)
-    return ExtractSummary(out, len(todo), len(mine) - len(todo), len(mine), total_tokens, seconds, disk_bytes,
-                          disk_tokens, model.config.hidden_size, len(layer_ids))
+    return ExtractSummary(out, len(shard.todo), len(shard.mine) - len(shard.todo), len(shard.mine), total_tokens,
+                          time.time() - t0, disk_bytes, disk_tokens, model.config.hidden_size, len(layer_ids))

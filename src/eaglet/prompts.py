@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Iterator
 
 from eaglet import embedded
-from eaglet.data import EMBEDDED_SHAREGPT, Message, ReadStats, iter_records, to_messages
-from eaglet.options import PROMPT_SETS
+from eaglet.chat import Message, ReadStats, iter_records, to_messages
+from eaglet.options import EMBEDDED_SHAREGPT, PROMPT_SETS
 
 # The embedded ShareGPT's first records feed `eaglet prepare` / `eaglet regen` by default; the
 # held-out prompts come from far behind them.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections.abc
 import difflib
-import functools
 import json
 import logging
 import shutil
@@ -29,16 +28,17 @@ import time
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import formats
 from eaglet.check import check_dataset
-from eaglet.data import prepare
-from eaglet.evaluate import DecodeSettings, evaluate
+from eaglet.prepare import prepare
+from eaglet.evaluate import evaluate
 from eaglet.extract import extract
-from eaglet.options import APPEND, BOOL, FLAG, RECIPE_STAGES, Option, parse_duration, parse_layer_ids, parse_list
+from eaglet.options import (APPEND, BOOL, DRAFTER_METHODS, FLAG, RECIPE_STAGES, Option, declared_default,
+                            parse_duration, parse_layer_ids, parse_list)
 from eaglet.options import STAGES as STAGES_DECLARED
 from eaglet.regen import regenerate
 from eaglet.target import TargetRef, resolve_target
@@ -50,7 +50,6 @@ STAGES = RECIPE_STAGES
 BUILTIN_DIR = Path(__file__).parent / "recipes"
 STAGE_MARKERS = "stages"
 SUMMARY_FILE = "summary.json"
-DRAFTER_METHODS = ("chain", "tree", "hybrid")  # the eval methods that use the drafter, in the summary
 CHATS_FILE = "chats.jsonl"
 # The keys of [recipe] and [scale] and their types; `out` is the default of --out.
 RECIPE_KEYS: dict[str, Any] = {"name": str, "target": str, "description": str, "out": str}
@@ -188,7 +187,6 @@ def option_hint(o: Option) -> Any:
     return base | None if o.default is None else base
 
 
-@functools.cache
 def option_types(stage: str) -> dict[str, Any]:
     """A stage's recipe options and their types, from the one declaration of its options
     (eaglet.options): what the recipe wires itself (folders, target, resume) is not among them."""
@@ -298,7 +296,7 @@ def validate(recipe: dict[str, Any], source: str | Path = "recipe", set_by: dict
 
 def run_regen(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
     opts = dict(opts)
-    data = opts.pop("data", "sharegpt")
+    data = opts.pop("data", declared_default("regen", "data"))
     s = regenerate(data, paths.chats, target, resume=True, **opts)
     log_lines(s.lines())
     return {"conversations": s.written + s.already_done, "failed": s.failed, "turns": s.turns,
@@ -308,7 +306,7 @@ def run_regen(opts: dict[str, Any], paths: Paths, target: str | None, command: s
 def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command: str,
                 has_regen: bool) -> dict[str, Any]:
     opts = dict(opts)  # `validate` refused 'data' here when the recipe regenerates
-    data = str(paths.chats) if has_regen else opts.pop("data", "sharegpt")
+    data = str(paths.chats) if has_regen else opts.pop("data", declared_default("prepare", "data"))
     if paths.prepared.exists():  # an unfinished earlier attempt: prepare is quick, redo it whole
         shutil.rmtree(paths.prepared)
     s = prepare(target, data, paths.prepared, command=command, **opts)
@@ -345,10 +343,7 @@ def run_train(opts: dict[str, Any], paths: Paths, target: str | None, command: s
 
 
 def run_eval(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    opts = dict(opts)
-    setting_names = {f.name for f in fields(DecodeSettings)} - {"eos_ids"}
-    settings = DecodeSettings(**{k: opts.pop(k) for k in list(opts) if k in setting_names})
-    result = evaluate(paths.train, target, settings=settings, out=paths.eval, **opts)
+    result = evaluate(paths.train, target, out=paths.eval, **opts)
     log_lines(result.table().splitlines())
     return {"sets": result.sets, "json": str(result.json_path), "plot": str(result.plot_path)}
 

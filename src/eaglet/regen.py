@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from eaglet import llama_cpp, ranges
-from eaglet.data import ASSISTANT, Message, ReadStats, chat_prompt_ids, iter_records, to_messages
+from eaglet.chat import ASSISTANT, Message, ReadStats, chat_prompt_ids, end_of_turn_ids, iter_records, stop_token_ids, to_messages
 from eaglet.formats import RegenWriter, errors_path, open_output
 from eaglet.placement import placement_from_options
 from eaglet.target import (dtype_name, f32_target_gguf, find_target_gguf, generation_config, input_device,
@@ -239,25 +239,6 @@ class LocalGenerator:
             kept, reason, count = split_at_stop(row, self.stop_ids)
             turns.append(Turn(self.tokenizer.decode(kept, skip_special_tokens=True), reason, count))
         return turns
-
-
-def stop_token_ids(model, tokenizer) -> set[int]:
-    """End-of-turn ids: the tokenizer's EOS and the model's generation_config EOS (chat models
-    like Llama 3 end turns with a token other than the tokenizer's EOS)."""
-    return end_of_turn_ids(tokenizer, getattr(model, "generation_config", None))
-
-
-def end_of_turn_ids(tokenizer, config) -> set[int]:
-    """`stop_token_ids` from a tokenizer and a generation config (None: the tokenizer's alone)."""
-    ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    if not ids:
-        raise ValueError("the target's tokenizer and generation config name no end-of-turn (EOS) token")
-    return ids
 
 
 def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: int, max_prompt_tokens: int | None,

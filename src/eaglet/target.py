@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from eaglet import embedded, formats, placement
+from eaglet.layers import config_positions
 from eaglet.options import env_switch
 from eaglet.formats import TokenizedSample
 from eaglet.placement import Device, Placement
@@ -247,6 +248,42 @@ def resolve_target(spec: str | None) -> TargetRef:
     except OSError as e:
         raise FileNotFoundError(f"--target {spec}: not a local folder, and the hub id could not be resolved: {e}") from e
     return TargetRef(spec, spec, getattr(config, "_commit_hash", None) or "unknown")
+
+
+# ---------------------------------------------------------------------------------------------
+# The target's config, read without its weights (positions: `layers.config_positions`)
+# ---------------------------------------------------------------------------------------------
+
+def text_config(ref: TargetRef) -> Any:
+    """The target's config (its text model's, for a multimodal one), read without the weights."""
+    from transformers import AutoConfig  # seconds to import: only where a target is read
+
+    return AutoConfig.from_pretrained(ref.path).get_text_config()
+
+
+def max_positions(model: nn.Module) -> int:
+    """How many positions a loaded target holds (`config_positions` of its config)."""
+    return config_positions(model.config)
+
+
+def layer_count(config: Any) -> int:
+    """The decoder layers of a target's config (its text model's, for a multimodal one)."""
+    return (getattr(config, "text_config", None) or config).num_hidden_layers
+
+
+def config_where(ref: TargetRef) -> str:
+    """Where the target's config lives, for a message."""
+    folder = Path(ref.path)
+    return str(folder / "config.json") if folder.is_dir() else f"the config.json of {ref.name}"
+
+
+def prepared_target(prepared: str | Path, pconfig: dict[str, Any], target: str | None) -> TargetRef:
+    """The target `prepared` was tokenized with (`target`, else the recorded one); refuse another."""
+    ref = resolve_target(target if target is not None else pconfig.get("target_spec"))
+    if ref.revision != pconfig["target_revision"]:
+        raise ValueError(f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
+                         f"({pconfig['target']}, revision {pconfig['target_revision']})")
+    return ref
 
 
 def load_tokenizer(ref: TargetRef):

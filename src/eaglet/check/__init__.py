@@ -12,17 +12,20 @@ the assistant spans the chat template produces. `report` holds the kinds of prob
 Entry point: `check_dataset(path, target=None, ...) -> CheckReport`.
 """
 
-from eaglet.check.dataset import (RMS_OUTLIER_FACTOR, check_dataset, length_histogram, read_config,
-                                  single_threaded_ops)
-from eaglet.check.files import (RMS_CEILING, RMS_FLOOR, Expect, FileResult, check_file, mask_template_issues,
-                                masked_runs)
-from eaglet.check.identity import (IDENTITY_COS, IDENTITY_MARGIN, IDENTITY_REL_ERR, TEACHER_AGREEMENT,
-                                   TEACHER_LOG_PROB_ERR, default_last_convention, generation_prompt,
-                                   layer_identity_problems, recompute, too_long_problems)
+from eaglet.check.dataset import check_dataset
+from eaglet.check.identity import layer_identity_problems
 from eaglet.check.report import (ALL_ZERO, AUX_CODES, BROKEN_LINK, CHECKSUM, DATA_CONFIG, DUPLICATE_INDEX, ERROR,
                                  FOLDER_NAMING, HIDDEN_SIZE, LAYER_IDENTITY, LENGTH_MISMATCH, MASK_EMPTY,
                                  MASK_TEMPLATE, MASK_VALUES, MISSING_INDEX, NO_FILES, NON_FINITE, NOT_CHECKED,
                                  RMS_BOUNDS, SAMPLE_LENGTHS, STATE_COUNT, STORED_TEACHER, STRAY_FILE, TABLE_ROW,
                                  TOKEN_FREQ, TOKEN_RANGE, TOO_LONG, UNREADABLE, UNSAFE_PICKLE, WARNING, WRONG_DTYPE,
-                                 WRONG_KEYS, WRONG_SHAPE, CheckReport, Problem, SlotIdentity, SlotStats, problem_lines,
-                                 report_lines)
+                                 WRONG_KEYS, WRONG_SHAPE, CheckReport, Problem, problem_lines)
+
+# What callers use: the entry point, the layer-identity check train runs, the report and its kinds
+# of problem. Everything else is reached through its module (check.files, check.identity, ...).
+__all__ = ["check_dataset", "layer_identity_problems", "CheckReport", "Problem", "problem_lines", "ERROR", "WARNING",
+           "ALL_ZERO", "AUX_CODES", "BROKEN_LINK", "CHECKSUM", "DATA_CONFIG", "DUPLICATE_INDEX", "FOLDER_NAMING",
+           "HIDDEN_SIZE", "LAYER_IDENTITY", "LENGTH_MISMATCH", "MASK_EMPTY", "MASK_TEMPLATE", "MASK_VALUES",
+           "MISSING_INDEX", "NO_FILES", "NON_FINITE", "NOT_CHECKED", "RMS_BOUNDS", "SAMPLE_LENGTHS", "STATE_COUNT",
+           "STORED_TEACHER", "STRAY_FILE", "TABLE_ROW", "TOKEN_FREQ", "TOKEN_RANGE", "TOO_LONG", "UNREADABLE",
+           "UNSAFE_PICKLE", "WRONG_DTYPE", "WRONG_KEYS", "WRONG_SHAPE"]

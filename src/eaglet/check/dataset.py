@@ -28,8 +28,9 @@ from eaglet.check.identity import (generation_prompt, identity_check, load_targe
 from eaglet.check.report import (BROKEN_LINK, DATA_CONFIG, DUPLICATE_INDEX, ERROR, FOLDER_NAMING, LAYER_IDENTITY,
                                  MASK_TEMPLATE, MISSING_INDEX, NO_FILES, NOT_CHECKED, RMS_BOUNDS, SAMPLE_LENGTHS,
                                  STRAY_FILE, TOKEN_FREQ, UNREADABLE, WARNING, CheckReport, Problem, SlotStats)
-from eaglet.data import special_token_ids, template_hash
+from eaglet.chat import special_token_ids, template_hash
 from eaglet.formats import fmt_rows
+from eaglet.options import DECLARED, takes_options
 from eaglet.placement import Placement, placement_from_options
 
 # A file whose median row RMS in a slot is this far from the dataset's median for that slot is
@@ -51,39 +52,37 @@ def read_config(root: Path, layout: formats.Layout) -> tuple[dict | None, list[P
         return None, [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, "missing: expectations are inferred from the "
                                                                       "first file", sev)]
     try:
-        cfg = formats.read_json(path)
-        if not isinstance(cfg, dict):
-            raise ValueError(f"a JSON {type(cfg).__name__}, not an object")
+        raw = formats.read_json(path)
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON {type(raw).__name__}, not an object")
     except Exception as e:
         return None, [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"unreadable: {e}")]
-    probs = layer_ids_problems(cfg)
-    version_problem = layout.config_problem(cfg)
+    cfg, kind_problems = formats.parse_data_config(raw)
+    probs = layer_ids_problems(raw)
+    version_problem = layout.config_problem(raw)
     if version_problem:
         probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, version_problem))
-    version_warning = layout.config_warning(cfg)
+    version_warning = layout.config_warning(raw)
     if version_warning:
         probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, version_warning, WARNING))
-    for key in ("hidden_size", "vocab_size"):
-        if key in cfg and not isinstance(cfg[key], int):
-            probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} {cfg[key]!r}: expected an int"))
+    probs += [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, why) for why in kind_problems
+              if not why.startswith("layer_ids ")]  # reported by layer_ids_problems, with EAGLE-3's rule
     return cfg, probs
 
 
-def layer_ids_problems(cfg: dict) -> list[Problem]:
+def layer_ids_problems(cfg: dict[str, Any]) -> list[Problem]:
     """layer_ids: EAGLE-3's count of strictly increasing ints, ending at the target's last layer."""
     ids, n = cfg.get("layer_ids"), cfg.get("num_hidden_layers")
     problem = layers.stored_ids_problem(ids, n if isinstance(n, int) else None)
     return [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"layer_ids {ids!r}: {problem}")] if problem else []
 
 
-def expect_from_config(cfg: dict, layout: formats.Layout) -> Expect:
-    ids = cfg.get("layer_ids")
+def expect_from_config(cfg: formats.DataConfig, layout: formats.Layout) -> Expect:
+    ids = cfg.layer_ids
     teacher = layout.stores_teacher  # its files hold the aux states and, in place of the last, a teacher
-    return Expect(layout, cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None,
-                  len(ids) - teacher if isinstance(ids, list) else None,
-                  None if layout.dequantized else cfg.get("hidden_states_dtype"),
-                  cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None,
-                  teacher_top_k=layout.stored_top_k(cfg), config=cfg)
+    return Expect(layout, cfg.hidden_size, len(ids) - teacher if ids is not None else None,
+                  None if layout.dequantized else cfg.hidden_states_dtype, cfg.vocab_size,
+                  teacher_top_k=layout.stored_top_k(cfg.to_json()), config=cfg.to_json())
 
 
 def expect_from_file(first: FileResult, layout: formats.Layout, vocab_size: int | None) -> Expect:
@@ -91,7 +90,7 @@ def expect_from_file(first: FileResult, layout: formats.Layout, vocab_size: int 
                   source=f"as in the first file, {first.path}")
 
 
-def expectations(root: Path, files: list[tuple[int, Path]], cfg: dict | None, layout: formats.Layout,
+def expectations(root: Path, files: list[tuple[int, Path]], cfg: formats.DataConfig | None, layout: formats.Layout,
                  vocab: int | None) -> Expect:
     """From data_config.json; without one, the first readable file sets the bar for all others."""
     if cfg is not None:
@@ -144,15 +143,16 @@ def placement_problems(listing: formats.DatasetFiles) -> list[Problem]:
     return out
 
 
-def config_totals_problems(cfg: dict, results: list[FileResult]) -> list[Problem]:
+def config_totals_problems(cfg: formats.DataConfig, results: list[FileResult]) -> list[Problem]:
     """data_config.json's counts against the files (only meaningful when every file read)."""
     out = []
     lengths = [r.length for r in results if r.length is not None]
     facts = {"num_samples": len(results), "num_tokens": sum(lengths),
              "num_masked_tokens": sum(r.masked for r in results), "seq_length": max(lengths, default=0)}
     for key, actual in facts.items():
-        if key in cfg and cfg[key] != actual:
-            out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} is {cfg[key]}, the files hold {actual}"))
+        recorded = getattr(cfg, key)
+        if recorded is not None and recorded != actual:
+            out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} is {recorded}, the files hold {actual}"))
     return out
 
 
@@ -265,10 +265,10 @@ def single_threaded_ops() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def check_target(report: CheckReport, cfg: dict | None, target: str | None, use_target: bool,
+def check_target(report: CheckReport, cfg: formats.DataConfig | None, target: str | None, use_target: bool,
                  placed: Placement | None = None) -> tuple[Any, Any, Any]:
     """(tokenizer, model, input device) of the target checked against, all None when there is none."""
-    spec = target or (cfg or {}).get("target_path")
+    spec = target or (cfg.target_path if cfg else None)
     if not use_target:
         report.problems.append(Problem(NOT_CHECKED, "", "layer identity and mask vs template skipped (--no-target)",
                                        WARNING))
@@ -293,7 +293,7 @@ def check_target(report: CheckReport, cfg: dict | None, target: str | None, use_
     return None, None, None
 
 
-def expect_template(report: CheckReport, exp: Expect, tokenizer: Any, cfg: dict | None) -> None:
+def expect_template(report: CheckReport, exp: Expect, tokenizer: Any, cfg: formats.DataConfig | None) -> None:
     """The chat template's generation prompt and end-of-turn tokens, for every file's mask check."""
     gp = generation_prompt(tokenizer)
     if not gp:
@@ -302,7 +302,7 @@ def expect_template(report: CheckReport, exp: Expect, tokenizer: Any, cfg: dict 
         return
     exp.gen_prompt_ids, report.generation_prompt = gp
     exp.eot_ids = frozenset(special_token_ids(tokenizer))
-    recorded = (cfg or {}).get("chat_template_sha256")
+    recorded = (cfg.chat_template_sha256 if cfg else None)
     if recorded and recorded != template_hash(tokenizer):
         report.problems.append(Problem(MASK_TEMPLATE, formats.DATA_CONFIG_FILE,
                                        f"chat_template_sha256 {recorded} is not the target tokenizer's "
@@ -322,11 +322,11 @@ def scan_files(root: Path, files: list[tuple[int, Path]], exp: Expect, workers: 
     return results, recorded_freq, freq_problems
 
 
-def side_file_problems(root: Path, listing: formats.DatasetFiles, cfg: dict | None, table_rows: int | None,
+def side_file_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.DataConfig | None, table_rows: int | None,
                        unique: list[FileResult], required: bool) -> list[Problem]:
     """The indices, sample_lengths.json and data_config.json's totals against the files."""
     out = []
-    recorded = (cfg or {}).get("num_samples") if isinstance((cfg or {}).get("num_samples"), int) else None
+    recorded = cfg.num_samples if cfg else None
     if recorded is not None and table_rows is not None and recorded != table_rows:
         out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"num_samples is {recorded}, the Arrow table has "
                                                                   f"{table_rows} rows"))
@@ -348,10 +348,10 @@ def fill_totals(report: CheckReport, results: list[FileResult], unique: list[Fil
 
 
 def check_identity(report: CheckReport, root: Path, exp: Expect, model: Any, device: Any, results: list[FileResult],
-                   cfg: dict | None, layer_ids: list[int], identity_samples: int) -> None:
+                   cfg: formats.DataConfig | None, layer_ids: list[int], identity_samples: int) -> None:
     """Layer identity on sampled files, unless the recorded shape already rules the target out."""
     n = model.config.num_hidden_layers
-    last_conv = (cfg or {}).get("last_hidden_state") or exp.layout.last_state
+    last_conv = (cfg.last_hidden_state if cfg else None) or exp.layout.last_state
     if exp.hidden_size is not None and exp.hidden_size != model.config.hidden_size:
         report.problems.append(Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
                                        f"hidden size {exp.hidden_size} is not the target's {model.config.hidden_size}"))
@@ -363,9 +363,39 @@ def check_identity(report: CheckReport, root: Path, exp: Expect, model: Any, dev
                        last_conv, device)
 
 
-def check_dataset(path: str | os.PathLike, target: str | None = None, use_target: bool = True,
-                  identity_samples: int = 3, workers: int | None = None, device_map: str | None = None,
-                  max_memory: str | None = None, offload_folder: str | None = None) -> CheckReport:
+NO_LAYOUT = ("no v1 (hidden_states/rows_*/data_*.pt), compact, speculators (Arrow table + hidden_states/hs_*.safetensors), "
+             "flat data_*.pt, SpecForge *.ckpt[.gz] or hs_*.safetensors files found")
+
+
+def table_rows_of(report: CheckReport, root: Path, layout: formats.Layout) -> tuple[bool, int | None]:
+    """(readable, rows) of a layout's table (rows None for a layout without one)."""
+    if layout.table is None:
+        return True, None
+    try:
+        return True, layout.table.count(root)
+    except ValueError as e:
+        report.problems.append(Problem(UNREADABLE, layout.table.state_file, str(e)))
+        return False, None
+
+
+def dataset_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.DataConfig | None, table_rows: int | None,
+                     results: list[FileResult], unique: list[FileResult], recorded_freq: Any, required: bool,
+                     model: Any) -> list[Problem]:
+    """What only the whole dataset shows: side files, token counts, totals, lengths, RMS outliers."""
+    out = side_file_problems(root, listing, cfg, table_rows, unique, required)
+    if recorded_freq is not None:
+        out += token_freq_problems(recorded_freq, unique)
+    if cfg is not None:
+        out += config_totals_problems(cfg, unique)
+    if model is not None:
+        out += too_long_problems(unique, model)
+    return out + rms_outlier_problems(results)
+
+
+@takes_options("check")
+def check_dataset(path: str | os.PathLike = DECLARED, target: str | None = DECLARED, use_target: bool = True,
+                  identity_samples: int = DECLARED, workers: int | None = DECLARED, device_map: str | None = DECLARED,
+                  max_memory: str | None = DECLARED, offload_folder: str | None = DECLARED) -> CheckReport:
     """Check every file of the hidden-state dataset at `path`; with a target (`target`, else
     data_config's `target_path`, placed by `device_map` when given), also layer identity and
     mask-vs-template on sampled files."""
@@ -380,57 +410,35 @@ def check_dataset(path: str | os.PathLike, target: str | None = None, use_target
         report.problems.append(Problem(NO_FILES, str(root), "not a folder"))
         return report
     listing = formats.list_dataset_files(root, rows_per_folder(root))
-    report.format = listing.format
-    layout = listing.layout
+    report.format, layout = listing.format, listing.layout
     if layout is None:
-        report.problems.append(Problem(NO_FILES, str(root), "no v1 (hidden_states/rows_*/data_*.pt), compact, "
-                                                            "speculators (Arrow table + hidden_states/hs_*.safetensors), flat "
-                                                            "data_*.pt, SpecForge *.ckpt[.gz] or hs_*.safetensors "
-                                                            "files found"))
+        report.problems.append(Problem(NO_FILES, str(root), NO_LAYOUT))
         return report
     cfg, cfg_problems = read_config(root, layout)
     report.problems += cfg_problems
-    table_rows = None
-    if layout.table is not None:
-        try:
-            table_rows = layout.table.count(root)
-        except ValueError as e:
-            report.problems.append(Problem(UNREADABLE, layout.table.state_file, str(e)))
-            return report
-
+    readable, table_rows = table_rows_of(report, root, layout)
+    if not readable:
+        return report
     # The target (and its tokenizer) first: the tokenizer lets every file's mask be checked.
     tokenizer, model, device = check_target(report, cfg, target, use_target, placed)
     files = sorted(listing.files, key=lambda ip: (ip[0], str(ip[1])))
-    vocab = (cfg or {}).get("vocab_size") if isinstance((cfg or {}).get("vocab_size"), int) else None
-    if vocab is None and model is not None:
-        vocab = model.config.vocab_size
+    vocab = cfg.vocab_size if cfg and cfg.vocab_size is not None else (model.config.vocab_size if model else None)
     t0 = time.time()
     exp = expectations(root, files, cfg, layout, vocab)
     if tokenizer is not None:
         expect_template(report, exp, tokenizer, cfg)
     report.workers = workers or min(8, os.cpu_count() or 1)
-    required = layout.side_files  # side files eaglet always writes
-    results, recorded_freq, freq_problems = scan_files(root, files, exp, report.workers, required)
+    results, recorded_freq, freq_problems = scan_files(root, files, exp, report.workers, layout.side_files)
     report.seconds = time.time() - t0
-    for r in results:
-        report.problems += r.problems
+    report.problems += [p for r in results for p in r.problems] + freq_problems
     report.template_checked_files = sum(r.template_checked for r in results)
-
     unique = list({r.index: r for r in results}.values())
-    report.problems += side_file_problems(root, listing, cfg, table_rows, unique, required)
-    report.problems += freq_problems
-    if recorded_freq is not None:
-        report.problems += token_freq_problems(recorded_freq, unique)
-    if cfg is not None:
-        report.problems += config_totals_problems(cfg, unique)
-    if model is not None:
-        report.problems += too_long_problems(unique, model)
-    report.problems += rms_outlier_problems(results)
-
-    layer_ids = (cfg or {}).get("layer_ids")
-    if model is not None and not isinstance(layer_ids, list):
+    report.problems += dataset_problems(root, listing, cfg, table_rows, results, unique, recorded_freq,
+                                        layout.side_files, model)
+    layer_ids = cfg.layer_ids if cfg else None
+    if model is not None and layer_ids is None:
         layer_ids = layers.default_layer_ids(model.config.num_hidden_layers)
     fill_totals(report, results, unique, layer_ids)
-    if model is not None and isinstance(layer_ids, list):
+    if model is not None and layer_ids is not None:
         check_identity(report, root, exp, model, device, results, cfg, layer_ids, identity_samples)
     return report

@@ -14,10 +14,9 @@ import torch
 from eaglet import formats
 from eaglet.check.files import Expect, FileResult
 from eaglet.check.report import ERROR, LAYER_IDENTITY, STORED_TEACHER, TOO_LONG, CheckReport, Problem, SlotIdentity
-from eaglet.decode import max_positions
 from eaglet.placement import Placement
-from eaglet.target import (base_model, decoder_layers, input_device, load_target, load_tokenizer, parse_dtype,
-                           pick_device, resolve_target)
+from eaglet.target import (base_model, decoder_layers, input_device, load_target, load_tokenizer, max_positions,
+                           parse_dtype, pick_device, resolve_target)
 
 # Layer identity: a stored slot "is" a recomputed state when it is this close. bf16 storage
 # alone gives rel err ~0.004; a recompute on other hardware / kernels adds a little.
@@ -51,25 +50,25 @@ def generation_prompt(tokenizer: Any) -> tuple[list[int], str] | None:
     return (list(ids), text) if ids else None
 
 
-def load_target_for_check(spec: str, cfg: dict | None, placed: Placement | None = None
+def load_target_for_check(spec: str, cfg: formats.DataConfig | None, placed: Placement | None = None
                           ) -> tuple[Any, Any, torch.nn.Module, torch.device]:
     """(ref, tokenizer, model, input device). Recompute in the recorded compute dtype, as
     extraction did; on the default device, or across the devices `placed` maps."""
     ref = resolve_target(spec)
     tokenizer = load_tokenizer(ref)
-    dtype = parse_dtype((cfg or {}).get("compute_dtype") or "fp32")
+    dtype = parse_dtype((cfg.compute_dtype if cfg else None) or "fp32")
     model = load_target(ref, dtype, pick_device(None), placed)
     return ref, tokenizer, model, input_device(model)
 
 
-def target_revision_problem(cfg: dict | None, ref: Any) -> Problem | None:
+def target_revision_problem(cfg: formats.DataConfig | None, ref: Any) -> Problem | None:
     """The data records the revision (content hash) of the target it came from; a target of other
     weights explains every identity mismatch that follows, so it is said first, in one line."""
-    recorded = (cfg or {}).get("target_revision")
+    recorded = (cfg.target_revision if cfg else None)
     if not recorded or recorded == ref.revision:
         return None
     return Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
-                   f"target_revision {recorded} ({(cfg or {}).get('target', '?')}) is not the revision of the target "
+                   f"target_revision {recorded} ({(cfg.target if cfg and cfg.target else '?')}) is not the revision of the target "
                    f"checked against, {ref.name} ({ref.revision}): other weights, so no stored state will match; "
                    "check against the target the data was extracted with")
 

@@ -5,7 +5,7 @@ The package, from the bottom up (a module imports only those listed before it):
     core       the exact part, the one whose correctness the output rests on: draft trees and
                their attention masks, acceptance (greedy `accept_greedy`; sampling by recursive
                rejection, `accept_sampling`), KV-cache compaction, `DecodeStats`, the decoding
-               loop that verifies every proposal with the target, `max_positions`
+               loop that verifies every proposal with the target
     proposers  the `Proposer` interface, the drafter's `Eagle3Proposer` (chain or EAGLE-2
                dynamic tree, optional floor on draft probabilities) and prompt lookup
                (`NgramProposer`)
@@ -18,21 +18,21 @@ Importers take these names from `eaglet.decode`.
 """
 
 from eaglet.decode.core import (BOTH, DRAFTER, NGRAM, DecodeStats, DraftTree, accept_greedy, accept_sampling,
-                                ancestor_matrix, config_positions, max_positions, process_probs, token_budget, tree_attention_mask,
+                                ancestor_matrix, process_probs, token_budget, tree_attention_mask,
                                 truncate_at_eos)
 from eaglet.decode.hybrid import (Calibration, HybridProposer, admit_by_cost, drop_rivals, expected_acceptance,
                                   keep_nodes, measure_pass_costs, merge_chain, path_nodes)
 from eaglet.decode.proposers import Eagle3Proposer, NgramProposer, Proposer
-from eaglet.decode.runner import TargetRunner, plain_generate, plain_greedy, speculative_generate
+from eaglet.decode.runner import TargetRunner, plain_generate, speculative_generate
 
 __all__ = [
     # core
     "BOTH", "DRAFTER", "NGRAM", "DecodeStats", "DraftTree", "accept_greedy", "accept_sampling", "ancestor_matrix",
-    "config_positions", "max_positions", "process_probs", "token_budget", "tree_attention_mask", "truncate_at_eos",
+    "process_probs", "token_budget", "tree_attention_mask", "truncate_at_eos",
     # proposers
     "Eagle3Proposer", "NgramProposer", "Proposer",
     # runner
-    "TargetRunner", "plain_generate", "plain_greedy", "speculative_generate",
+    "TargetRunner", "plain_generate", "speculative_generate",
     # hybrid
     "Calibration", "HybridProposer", "admit_by_cost", "drop_rivals", "expected_acceptance", "keep_nodes",
     "measure_pass_costs", "merge_chain", "path_nodes",

@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-from torch import nn
 
 if TYPE_CHECKING:  # annotations only: the runner and the proposers import this module
     from transformers import DynamicCache
@@ -251,19 +250,6 @@ def tree_limits(mode: str, depth: int, top_k: int, total_tokens: int) -> tuple[i
 # ---------------------------------------------------------------------------------------------
 # The target's side: positions and KV-cache compaction
 # ---------------------------------------------------------------------------------------------
-
-def config_positions(config: Any) -> int:
-    """How many positions (prompt + output) a target of this config holds: max_position_embeddings,
-    unbounded when the config does not say. That is the real limit, what the model computes: the
-    tokenizer's model_max_length is only a hint, a placeholder (1e30) in many tokenizers and
-    smaller than the config in others whose models run the config's length."""
-    return int(getattr(config, "max_position_embeddings", None) or 1 << 30)
-
-
-def max_positions(model: nn.Module) -> int:
-    """How many positions a loaded target holds (`config_positions` of its config)."""
-    return config_positions(model.config)
-
 
 def keep_cache_entries(cache: DynamicCache, start: int, rel: list[int], device: torch.device) -> None:
     """Keep cache entries [0, start) + start + rel (rel sorted), dropping rejected tree nodes.

@@ -18,9 +18,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from eaglet.decode.core import BOTH, DRAFTER, NGRAM, DraftTree, children_lists, max_positions, node_depths
+from eaglet.decode.core import BOTH, DRAFTER, NGRAM, DraftTree, children_lists, node_depths
 from eaglet.decode.proposers import NgramProposer, Proposer
 from eaglet.decode.runner import TargetRunner
+from eaglet.target import max_positions
 
 
 # ---------------------------------------------------------------------------------------------

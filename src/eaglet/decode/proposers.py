@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglet.decode.core import DraftTree
-from eaglet.draft_model import allowed_keys, apply_rope, rope_cos_sin
+from eaglet.drafter import allowed_keys, apply_rope, rope_cos_sin
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ from torch import nn
 from transformers import DynamicCache
 
 from eaglet.decode.core import (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, DecodeStats, TokenIds, as_id_list,
-                                decode_loop, keep_cache_entries, max_positions, process_probs, sample_from,
+                                decode_loop, keep_cache_entries, process_probs, sample_from,
                                 token_budget, tree_limits)
 from eaglet.decode.proposers import Eagle3Proposer, Proposer
-from eaglet.target import LayerCapture, decoder_layers, input_device
+from eaglet.target import LayerCapture, decoder_layers, input_device, max_positions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,11 +95,6 @@ def plain_generate(target: nn.Module, input_ids: TokenIds, max_new_tokens: int, 
     wall = time.perf_counter() - t0
     return out, {"new_tokens": len(out), "target_forwards": runner.forwards, "wall_s": wall,
                  "tokens_per_s": len(out) / wall if wall > 0 else 0.0}
-
-
-def plain_greedy(target: nn.Module, input_ids: TokenIds, max_new_tokens: int,
-                 eos_ids: Sequence[int] = ()) -> list[int]:
-    return plain_generate(target, input_ids, max_new_tokens, eos_ids)[0]
 
 
 # ---------------------------------------------------------------------------------------------

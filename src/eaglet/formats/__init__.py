@@ -18,55 +18,41 @@ nowhere else:
   `gguf_drafter`: the one-file GGUF drafter llama.cpp's eagle3 loader reads; `gguf_target`: the
   target's own GGUF (its weight type, and its f32 copy, the weights eaglet's target has).
 
-Callers use the names re-exported here (`formats.read_json`, `formats.layout(name)`, ...).
+Callers use the names re-exported here (`formats.read_json`, `formats.layout(name)`, ...): the ones
+code outside the package uses, no more; anything else is reached through its module.
 """
 
-from eaglet.formats.io import (LOW_SPACE_BYTES, PICKLED_CODE_MARKERS, TMP_MARK, WRITE_ERRNOS, TorchFileRefused,
-                               WriteFailed, atomic_dir, atomic_path, disk_nearly_full, failures_named, free_bytes,
-                               header_shapes, os_error_reason, read_json, read_safetensors, remove_stale_temp_files,
-                               torch_load_safe, torch_load_safe_bytes, torch_load_safe_mmap, torch_save_atomic,
-                               weights_only_detail, write_failure, write_json_atomic, write_safetensors_atomic,
-                               write_text_atomic)
-from eaglet.formats.prepared import (PREPARE_CONFIG_FILE, PREPARED_FILE, TOKEN_FREQ_FILE, PreparedWriter, RegenWriter,
-                                     TokenizedSample, check_prepared_token_ids, errors_path, open_output, read_prepared,
-                                     read_token_freq, scan_output, write_token_freq)
-from eaglet.formats.samples import (AUX_CODES, DATA_CONFIG_FILE, EAGLE3_NUM_STATES, HIDDEN_STATES_DIR,
+from eaglet.formats.io import (PICKLED_CODE_MARKERS, TMP_MARK, WriteFailed, atomic_dir, atomic_path, os_error_reason,
+                               read_json, read_safetensors, remove_stale_temp_files, torch_load_safe,
+                               torch_save_atomic, write_json_atomic, write_text_atomic)
+from eaglet.formats.prepared import (PREPARED_FILE, PREPARE_CONFIG_FILE, PreparedWriter, RegenWriter, TOKEN_FREQ_FILE,
+                                     TokenizedSample, check_prepared_token_ids, errors_path, open_output,
+                                     read_prepared, read_token_freq, write_token_freq)
+from eaglet.formats.samples import (AUX_CODES, DATA_CONFIG_FILE, EAGLE3_NUM_STATES, FileStates, HIDDEN_STATES_DIR,
                                     LAST_STATE_CONVENTIONS, LAST_STATE_POST_NORM, LAST_STATE_PRE_NORM,
-                                    LAYER_ID_CONVENTION, ROWS_PER_FOLDER, SAMPLE_LENGTHS_FILE, TABLE_ROW, V1_FOLDER_RE,
-                                    WRONG_DTYPE, WRONG_KEYS, WRONG_SHAPE, FileStates, Finding, StoredTeacher,
-                                    TrainingSample, fmt_rows, read_sample_lengths, rows_folder, write_sample_lengths)
-from eaglet.formats.listing import DatasetFiles, broken_link_problem
-from eaglet.formats.compact import (COMPACT_CHECKSUM, COMPACT_DIR, COMPACT_DTYPES, COMPACT_KEYS, COMPACT_READ_VERSIONS,
-                                    COMPACT_REWRITE_DATASET, COMPACT_REWRITE_FILE, COMPACT_UNCHECKED_VERSION,
-                                    COMPACT_VERSION, FP6_GROUP, FP6_MAGNITUDES, FP6_MAX, FP6_VALUES, CompactFile,
-                                    check_compact_hidden_size, compact_checksum_problems, compact_checksums,
-                                    compact_config, compact_fields, compact_relative_path, compact_section,
-                                    compact_version_problem, compact_version_warning, dequantize_fp6,
-                                    has_compact_checksums, impossible_fp6_groups, pack_6bit, quantize_fp6,
-                                    read_compact_file, tensor_digest, unpack_6bit, verify_compact_file,
-                                    write_compact_sample)
-from eaglet.formats.layouts import (ARROW_STATE_FILE, COMPACT_FILE_RE, COMPACT_LAYOUT, EAGLET_LAYOUTS, FORMAT_COMPACT,
-                                    FORMAT_HS_SAFETENSORS, FORMAT_SPECFORGE, FORMAT_SPECULATORS_ARROW, FORMAT_V1,
-                                    FORMAT_V1_FLAT, HS_SAFETENSORS_FILE_RE, HS_SAFETENSORS_KEYS, HS_SAFETENSORS_LAYOUT,
-                                    LAYOUTS, LAYOUTS_BY_NAME, SPECFORGE_FILE_RE, SPECFORGE_KEYS, SPECFORGE_LAYOUT,
-                                    SPECULATORS_LAYOUT, SPECULATORS_ROW_COLUMNS, V1_FILE_RE, V1_FLAT_LAYOUT, V1_KEYS,
-                                    V1_LAYOUT, WRITTEN_LAYOUTS, Layout, RowsTable, TableSample, V1Sample, files_dir,
-                                    find_layout, layout, list_dataset_files, list_v1_files, read_hs_safetensors_sample,
-                                    read_sample_tokens, read_specforge_sample, read_speculators_rows,
-                                    read_training_sample, read_v1_sample, sample_file_problem, sample_path,
-                                    specforge_relative_path, speculators_hs_path, speculators_row, speculators_row_of,
-                                    start_dataset, v1_min_bytes_per_token, v1_relative_path, write_flat_v1_sample,
-                                    write_hs_safetensors_sample, write_sample, write_specforge_sample,
-                                    write_speculators_rows, write_speculators_sample, write_v1_sample,
+                                    LAYER_ID_CONVENTION, ROWS_PER_FOLDER, SAMPLE_LENGTHS_FILE, StoredTeacher,
+                                    TABLE_ROW, TrainingSample, WRONG_DTYPE, WRONG_KEYS, WRONG_SHAPE, fmt_rows,
+                                    read_sample_lengths, write_sample_lengths)
+from eaglet.formats.listing import DatasetFiles
+from eaglet.formats.data_config import (DataConfig, ensure_data_config, parse_data_config, refuse_other_dataset)
+from eaglet.formats.compact import (COMPACT_DIR, COMPACT_KEYS, FP6_GROUP, FP6_MAGNITUDES, FP6_MAX, FP6_VALUES,
+                                    compact_checksum_problems, compact_checksums, compact_version_problem,
+                                    compact_version_warning, dequantize_fp6, impossible_fp6_groups, pack_6bit,
+                                    quantize_fp6, read_compact_file, unpack_6bit)
+from eaglet.formats.layouts import (ARROW_STATE_FILE, FORMAT_COMPACT, FORMAT_HS_SAFETENSORS, FORMAT_SPECFORGE,
+                                    FORMAT_SPECULATORS_ARROW, FORMAT_V1, FORMAT_V1_FLAT, Layout, V1Sample, V1_LAYOUT,
+                                    WRITTEN_LAYOUTS, files_dir, find_layout, layout, list_dataset_files, list_v1_files,
+                                    read_hs_safetensors_sample, read_sample_tokens, read_specforge_sample,
+                                    read_speculators_rows, read_training_sample, read_v1_sample, sample_file_problem,
+                                    sample_path, specforge_relative_path, speculators_hs_path, start_dataset,
+                                    v1_min_bytes_per_token, v1_relative_path, write_hs_safetensors_sample,
+                                    write_sample, write_speculators_rows, write_speculators_sample, write_v1_sample,
                                     written_layout)
-from eaglet.formats.gguf_drafter import (GGUF_ARCH, GGUF_SUFFIX, GGUFDrafter, from_ggml_rope_rows, gguf_unservable,
-                                         read_gguf_drafter, to_ggml_rope_rows, write_gguf_drafter)
-from eaglet.formats.gguf_target import UNQUANTIZED, is_quantized, weight_type, write_gguf_as
-from eaglet.formats.drafters import (DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE, DTYPE_NAMES, EAGLE_ARCHITECTURES,
-                                     EXPORT_FORMATS, FORMAT_EAGLE, FORMAT_EAGLET, FORMAT_GGUF, FORMAT_RENAMES,
-                                     FORMAT_SPECULATORS,
-                                     IGNORABLE_WEIGHT_SUFFIXES, SPECULATORS_ARCHITECTURE, build_eagle_config,
-                                     build_speculators_config, detect_drafter_format, format_name, from_format_names,
-                                     parse_eagle_config, parse_speculators_config,
-                                     read_weight_files, to_format_names, weight_files,
-                                     write_drafter_files, write_drafter_folder)
+from eaglet.formats.gguf_drafter import (GGUF_SUFFIX, gguf_unservable, write_gguf_drafter)
+from eaglet.formats.gguf_target import (UNQUANTIZED, is_quantized, weight_type, write_gguf_as)
+from eaglet.formats.drafters import (DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE, DTYPE_NAMES, FORMAT_EAGLE,
+                                     FORMAT_EAGLET, FORMAT_GGUF, FORMAT_SPECULATORS, IGNORABLE_WEIGHT_SUFFIXES,
+                                     build_eagle_config, build_speculators_config, detect_drafter_format, format_name,
+                                     from_format_names, parse_eagle_config, parse_speculators_config,
+                                     read_weight_files, to_format_names, weight_files, write_drafter_files,
+                                     write_drafter_folder)

@@ -20,7 +20,7 @@ from eaglet.formats.io import atomic_dir, read_json, read_safetensors, torch_loa
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
-# eaglet's own tensor names (draft_model.py) already are the official EAGLE-3 / SGLang names, so
+# eaglet's own tensor names (eaglet.drafter) already are the official EAGLE-3 / SGLang names, so
 # the maps below only list what differs. Matched against:
 #   vLLM  vllm/model_executor/models/llama_eagle3.py @ 00bd149 (Eagle3LlamaForCausalLM.load_weights:
 #         `midlayer.` -> `layers.0.`, `d2t` -> draft_id_to_target_id, `t2d` skipped, `embed_tokens`
@@ -50,7 +50,6 @@ FORMAT_EAGLET = "eaglet"  # a training checkpoint: config.json with an "eaglet" 
 FORMAT_EAGLE = "eagle"  # official EAGLE-3 / SGLang `LlamaForCausalLMEagle3`
 FORMAT_SPECULATORS = "speculators"  # vLLM / speculators `Eagle3Speculator`
 FORMAT_GGUF = "gguf"  # one llama.cpp eagle3 GGUF file (formats/gguf_drafter.py)
-EXPORT_FORMATS = (FORMAT_SPECULATORS, FORMAT_EAGLE, FORMAT_GGUF)
 EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 # eaglet name prefix -> name prefix in the format. `fc_norm` is eaglet's single RMSNorm over the
@@ -148,7 +147,7 @@ def _llama_fields(block: dict[str, Any], where: str) -> dict[str, Any]:
                 head_dim=int(block.get("head_dim") or hidden // heads), intermediate_size=block["intermediate_size"],
                 rms_norm_eps=float(block.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(block.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                max_position_embeddings=int(block.get("max_position_embeddings", 2048)),
+                max_position_embeddings=layers.config_positions(block),
                 target_vocab_size=block["vocab_size"], sliding_window=_sliding_window(block, where))
 
 

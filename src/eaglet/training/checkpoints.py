@@ -28,36 +28,18 @@ from typing import Any, Iterator
 import torch
 
 from eaglet import formats
-from eaglet.draft_model import DraftConfig, Eagle3Draft
+from eaglet.formats.runs import (BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, LOCK_FILE, METRICS_FILE, STATE_FILE, TRAIN_CONFIG_FILE, checkpoint_name, read_pointer)
+from eaglet.drafter import Eagle3Draft
+from eaglet.drafter.files import export_config, load_draft_weights
 from eaglet.training.config import Plan, TrainConfig
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS_DIR = "checkpoints"
-METRICS_FILE = "metrics.jsonl"
-MODEL_FILE = formats.DRAFTER_WEIGHTS_FILE
-STATE_FILE = "training_state.pt"
-LATEST_FILE = "latest.json"
-BEST_FILE = "best.json"
-TRAIN_CONFIG_FILE = "train_config.json"
-LOCK_FILE = ".lock"
 
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
-
-def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    """The EAGLE-3 / SGLang `LlamaForCausalLMEagle3` config (the same as `eaglet export
-    --format eagle` writes, so a checkpoint is also a valid eagle folder in fp32), plus
-    eaglet's own record, which `load_checkpoint` reads."""
-    return {**formats.build_eagle_config(cfg, "float32", None), "eaglet": {"draft_config": cfg.to_dict(), **extra}}
-
-
-def checkpoint_name(step: int) -> str:
-    """The folder of the checkpoint at `step`, under checkpoints/."""
-    return f"step_{step:08d}"
-
 
 def save_checkpoint(ckpt_root: Path, step: int, model: Eagle3Draft, config_json: dict[str, Any],
                     state: dict[str, Any]) -> Path:
@@ -76,26 +58,6 @@ def prune_checkpoints(ckpt_root: Path, keep: int, protect: set[str]) -> None:
     for p in steps[:-keep] if keep > 0 else steps:
         if p.name not in protect:
             shutil.rmtree(p, ignore_errors=True)
-
-
-def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:
-    path = ckpt_root / name
-    return formats.read_json(path) if path.exists() else None
-
-
-def load_draft_weights(model: Eagle3Draft, folder: Path) -> None:
-    model.load_state_dict(formats.read_safetensors(folder / MODEL_FILE))
-
-
-def load_checkpoint(folder: str | Path) -> Eagle3Draft:
-    """A trained drafter from a checkpoint folder (config.json + model.safetensors), in eval mode."""
-    folder = Path(folder)
-    config = formats.read_json(folder / "config.json")
-    if "eaglet" not in config:
-        raise ValueError(f"{folder}/config.json: not an eaglet checkpoint (no 'eaglet' section)")
-    draft = Eagle3Draft(DraftConfig(**config["eaglet"]["draft_config"]))
-    load_draft_weights(draft, folder)
-    return draft.eval()
 
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from eaglet import ranges
-from eaglet.options import LM_HEAD_INITS, LOSS_ON, OBJECTIVES, env_switch
+from eaglet.options import LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
 from eaglet.placement import Placement, placement_from_options
 
 DEFAULT_EVALS = 10  # held-out evaluations over a schedule when --eval-every is not given
@@ -24,53 +24,52 @@ UNSIZED_STEPS = 1 << 40  # the schedule's length before --time-budget has sized 
 
 @dataclass
 class TrainConfig:
-    epochs: float = 1.0  # length of the schedule when `total_steps` is not given
-    total_steps: int | None = None  # optimizer steps of the schedule (overrides epochs)
-    stop_after: int | None = None  # end this run at this step (the schedule is unchanged; resume later)
-    lr: float = 2e-3  # batch 1; bench/train_efficiency.py "learning"
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int | None = None  # default: 2% of the schedule, at least 1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.5
-    batch_size: int = 1  # samples (packed: packs) per micro-batch, per process
-    grad_accum: int = 1  # micro-batches per optimizer step, per process
-    pack_tokens: int | None = None  # rows of exactly this many tokens, samples packed (None: `pack_budget`; 0: unpacked)
-    compile: bool | None = None  # torch.compile the training forward (None: when packed)
-    max_length: int | None = None  # truncate samples to this many tokens
-    # draft_model.DEFAULT_TTT_STEPS (the chain of 2 a CPU drafts), written out: draft_model imports torch
-    ttt_steps: int = 2
-    ttt_ramp: float = 0.0  # over this fraction of the schedule the unroll grows from 1 step to ttt_steps
-    draft_vocab_size: int | None = None  # default min(8192, target vocab)
-    teacher_top_k: int | None = 16  # keep the teacher's top-k draft ids, computed once per sample (0/None: dense)
-    loss_on: str = "all"  # positions the loss uses: every real token, or assistant tokens only
-    objective: str = "ce"  # what each position minimises (draft_model.objective_loss)
-    feature_loss_weight: float = 0.0  # EAGLE-1 regression of the target's next last-layer state
-    lm_head_init: str = "random"  # or "target": the target's LM head rows and final norm
-    freeze_lm_head: bool = False  # keep the LM head (and final norm) as initialised
-    fc_norm: bool = False
-    norm_output: bool = False
-    norm_before_residual: bool = False  # speculators' default drafter layout (residual = hidden_norm(g))
-    sliding_window: int | None = None  # the drafter attends to the last W positions (speculators' default 2048)
-    bf16: bool | None = None  # autocast the drafter's forward to bf16 (None: where fast, see target.fast_bf16)
-    time_budget: float | None = None  # seconds of training: the schedule is sized to fit, measured on the fly
-    eval_fraction: float = 0.05
-    eval_every: int | None = None  # default: `evals` evaluations over the schedule
-    evals: int = DEFAULT_EVALS  # held-out evaluations over the schedule when eval_every is not given
-    save_every: int | None = None  # default: with every evaluation
-    log_every: int = 10
-    keep_checkpoints: int = 2  # newest step checkpoints kept, besides the best one
-    seed: int = 0
-    device: str | None = None
+    epochs: float = declared("train", "epochs")  # length of the schedule when `total_steps` is not given
+    total_steps: int | None = declared("train", "total_steps")  # optimizer steps of the schedule (overrides epochs)
+    stop_after: int | None = declared("train", "stop_after")  # end this run at this step (the schedule is unchanged; resume later)
+    lr: float = declared("train", "lr")  # batch 1; bench/train_efficiency.py "learning"
+    min_lr_ratio: float = declared("train", "min_lr_ratio")  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int | None = declared("train", "warmup_steps")  # default: 2% of the schedule, at least 1
+    weight_decay: float = declared("train", "weight_decay")
+    max_grad_norm: float = declared("train", "max_grad_norm")
+    batch_size: int = declared("train", "batch_size")  # samples (packed: packs) per micro-batch, per process
+    grad_accum: int = declared("train", "grad_accum")  # micro-batches per optimizer step, per process
+    pack_tokens: int | None = declared("train", "pack_tokens")  # rows of exactly this many tokens, samples packed (None: `pack_budget`; 0: unpacked)
+    compile: bool | None = declared("train", "compile")  # torch.compile the training forward (None: when packed)
+    max_length: int | None = declared("train", "max_length")  # truncate samples to this many tokens
+    ttt_steps: int = declared("train", "ttt_steps")
+    ttt_ramp: float = declared("train", "ttt_ramp")  # over this fraction of the schedule the unroll grows from 1 step to ttt_steps
+    draft_vocab_size: int | None = declared("train", "draft_vocab_size")  # default min(8192, target vocab)
+    teacher_top_k: int | None = declared("train", "teacher_top_k")  # keep the teacher's top-k draft ids, computed once per sample (0/None: dense)
+    loss_on: str = declared("train", "loss_on")  # positions the loss uses: every real token, or assistant tokens only
+    objective: str = declared("train", "objective")  # what each position minimises (drafter.objectives.objective_loss)
+    feature_loss_weight: float = declared("train", "feature_loss_weight")  # EAGLE-1 regression of the target's next last-layer state
+    lm_head_init: str = declared("train", "lm_head_init")  # or "target": the target's LM head rows and final norm
+    freeze_lm_head: bool = declared("train", "freeze_lm_head")  # keep the LM head (and final norm) as initialised
+    fc_norm: bool = declared("train", "fc_norm")
+    norm_output: bool = declared("train", "norm_output")
+    norm_before_residual: bool = declared("train", "norm_before_residual")  # speculators' default drafter layout (residual = hidden_norm(g))
+    sliding_window: int | None = declared("train", "sliding_window")  # the drafter attends to the last W positions (speculators' default 2048)
+    bf16: bool | None = declared("train", "bf16")  # autocast the drafter's forward to bf16 (None: where fast, see target.fast_bf16)
+    time_budget: float | None = declared("train", "time_budget")  # seconds of training: the schedule is sized to fit, measured on the fly
+    eval_fraction: float = declared("train", "eval_fraction")
+    eval_every: int | None = declared("train", "eval_every")  # default: `evals` evaluations over the schedule
+    evals: int = declared("train", "evals")  # held-out evaluations over the schedule when eval_every is not given
+    save_every: int | None = declared("train", "save_every")  # default: with every evaluation
+    log_every: int = declared("train", "log_every")
+    keep_checkpoints: int = declared("train", "keep_checkpoints")  # newest step checkpoints kept, besides the best one
+    seed: int = declared("train", "seed")
+    device: str | None = declared("train", "device")
     # Where the hidden states come from. Offline (default): a stored dataset in any layout `eaglet
     # check` accepts. Online: the target runs inside the loop on an `eaglet prepare` output.
-    online: bool = False
-    target_dtype: str = "auto"  # online: compute dtype of the target (its states are used in it as is)
-    aux_layer_ids: list[int] | None = None  # online: layers to capture; offline: what a foreign dataset holds
-    last_hidden_state: str | None = None  # a foreign dataset's last state, pre_norm or post_norm
+    online: bool = declared("train", "online")
+    target_dtype: str = declared("train", "target_dtype")  # online: compute dtype of the target (its states are used in it as is)
+    aux_layer_ids: list[int] | None = declared("train", "aux_layer_ids")  # online: layers to capture; offline: what a foreign dataset holds
+    last_hidden_state: str | None = declared("train", "last_hidden_state")  # a foreign dataset's last state, pre_norm or post_norm
     # online: the target across devices (eaglet.placement); the drafter trains on `device`'s default
-    device_map: str | None = None
-    max_memory: str | None = None
-    offload_folder: str | None = None
+    device_map: str | None = declared("train", "device_map")
+    max_memory: str | None = declared("train", "max_memory")
+    offload_folder: str | None = declared("train", "offload_folder")
 
     # Options that define the trajectory: a resumed run must use the same ones.
     TRAJECTORY = ("epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",

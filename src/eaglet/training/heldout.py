@@ -9,14 +9,15 @@ from typing import Any, Callable
 
 import torch
 
-from eaglet.draft_model import DEFAULT_TTT_STEPS, STAT_ROWS, Eagle3Draft, stats_summary
-from eaglet.export import load_drafter
+from eaglet.drafter import DEFAULT_TTT_STEPS, STAT_ROWS, Eagle3Draft, make_teacher_head, stats_summary
+from eaglet.drafter.files import load_drafter
 from eaglet.target import fast_bf16, load_target, pick_device, resolve_target
 from eaglet.training.config import TrainConfig
-from eaglet.training.data import Batch, bucketed_batches, dataset_target, offline_source, open_dataset, split_indices
+from eaglet.dataset import dataset_target, open_dataset
+from eaglet.training.data import Batch, bucketed_batches, offline_source, split_indices
 from eaglet.training.distributed import Dist
 from eaglet.training.loss import forward_stats
-from eaglet.training.teacher import TeacherSource, make_teacher_head
+from eaglet.training.teacher import TeacherSource
 
 
 @torch.no_grad()

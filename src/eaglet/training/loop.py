@@ -38,21 +38,20 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from eaglet import formats, layers
-from eaglet.draft_model import STAT_ROWS, Eagle3Draft, num_parameters, stats_summary
-from eaglet.extract import prepared_target
-from eaglet.target import TargetRef, fast_bf16, load_target, parse_dtype, resolve_target
+from eaglet.drafter import STAT_ROWS, Eagle3Draft, make_teacher_head, num_parameters, stats_summary
+from eaglet.dataset import Dataset, check_target_matches, dataset_target
+from eaglet.target import TargetRef, fast_bf16, load_target, parse_dtype, prepared_target, resolve_target
 from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
                                          checkpoint_name, resumed_options, run_lock, truncate_metrics)
 from eaglet.training.config import (CALIBRATION_SKIP, Calibration, Plan, TrainConfig, budget_steps, lr_lambda,
                                     resolve_packing)
-from eaglet.training.data import (Batch, BatchStream, Dataset, Prefetcher, Prepared, Source, bucketed_batches,
-                                  check_target_matches, dataset_target, offline_source,
+from eaglet.training.data import (Batch, BatchStream, Prefetcher, Prepared, Source, bucketed_batches, offline_source,
                                   online_source, open_training_data, refuse_beyond_positions, refuse_too_short,
                                   refuse_wrong_layer_ids, split_indices)
 from eaglet.training.distributed import Dist, env_rank, init_distributed, process_device, teardown, wrap
 from eaglet.training.heldout import evaluate
 from eaglet.training.loss import forward_stats, refuse_non_finite
-from eaglet.training.teacher import TeacherSource, build_drafter, make_teacher_head
+from eaglet.training.teacher import TeacherSource, build_drafter
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +113,7 @@ class Run:
     sched: LambdaLR
     saver: Checkpointer
     metrics: MetricsLog
+    compilation: Compilation  # what --compile did: train_config.json records it after the first step
 
 
 @dataclass
@@ -171,14 +171,14 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
         truncate_metrics(out / METRICS_FILE, state.step)
     d.barrier()
 
-    model = compiled(wrap(draft, device, d), cfg.compile)
+    model, compilation = compiled(wrap(draft, device, d), cfg.compile)
     if d.main:
         write_run_config(out, {**asdict(cfg), "world_size": d.world, "total_steps": state.plan.total_steps,
                                "warmup_steps": state.plan.warmup, "dataset": record["dataset"], "target": ref.name,
                                "target_revision": ref.revision, "train_samples": len(split.train_idx),
-                               "eval_samples": len(split.eval_idx), "command": command})
+                               "eval_samples": len(split.eval_idx), "command": command, **compilation.record()})
     run = Run(cfg, out, d, device, src, draft, model, teachers, split, params, opt, sched, saver,
-              MetricsLog(out, d.main))
+              MetricsLog(out, d.main), compilation)
     log_start(run, state)
     run_steps(run, state, show_progress)
     summary = finish(run, state)
@@ -255,18 +255,70 @@ def setup_data(src: Source, cfg: TrainConfig, d: Dist) -> Split:
                  micro_per_step, epoch_steps, tokens_per_step)
 
 
-def compiled(model: nn.Module, enabled: bool) -> nn.Module:
-    """`model` under torch.compile (inductor) for the training steps, or as is. Packed micro-batches
-    have one shape, so one graph serves every step (a TTT ramp adds one per unroll length); the
-    drafter itself stays eager for held-out evaluation, whose batches vary in length. On a CPU
-    inductor builds C++: without a compiler the steps run eager, with a warning."""
+@dataclass
+class Compilation:
+    """What --compile did in this invocation. `compile: true` in train_config.json is the option
+    asked for; torch.compile can still leave the steps eager (no C++ compiler on the CPU, or
+    dynamo giving up on a frame without an error), so the graphs inductor actually built are
+    counted and recorded beside it."""
+
+    wrapped: bool = False  # the model went under torch.compile
+    graphs: int = 0  # graphs inductor built for this run's steps
+    stepped: bool = False  # a training step has run since (it is what builds the graphs)
+
+    @property
+    def mode(self) -> str | None:
+        """The steps' mode: inductor once a step ran a compiled graph, eager when none will; None until a step says."""
+        if self.graphs:
+            return "inductor"
+        return "eager" if not self.wrapped or self.stepped else None
+
+    def record(self) -> dict[str, Any]:
+        """The train_config.json fields: the mode that ran and how many graphs it compiled."""
+        return {"compile_mode": self.mode, "compile_graphs": self.graphs}
+
+
+def compiled(model: nn.Module, enabled: bool) -> tuple[nn.Module, Compilation]:
+    """`model` under torch.compile (inductor) for the training steps, or as is, with the record of
+    what compiling did. Packed micro-batches have one shape, so one graph serves every step (a TTT
+    ramp adds one per unroll length); the drafter itself stays eager for held-out evaluation, whose
+    batches vary in length. On a CPU inductor builds C++: without a compiler the steps run eager,
+    with a warning."""
+    compilation = Compilation()
     if not enabled:
-        return model
+        return model, compilation
     if next(model.parameters()).device.type == "cpu" and not cpp_compiler():
         log.warning("--compile: no C++ compiler (%s) for torch.compile on the CPU; training eager",
                     os.environ.get("CXX", "c++"))
-        return model
-    return torch.compile(model, dynamic=False)
+        return model, compilation
+    compilation.wrapped = True
+    return torch.compile(model, backend=counting_inductor(compilation), dynamic=False), compilation
+
+
+def counting_inductor(compilation: Compilation) -> Any:
+    """Inductor, counting into `compilation` each graph it returns. A backend of its own per run:
+    dynamo guards its cached graphs on the backend, so an earlier run's graphs (same code, same
+    shapes) are not reused uncounted."""
+    inductor = torch._dynamo.lookup_backend("inductor")
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        fn = inductor(gm, example_inputs)
+        compilation.graphs += 1  # after it returned: a backend error dynamo swallows counts nothing
+        return fn
+
+    return backend
+
+
+def record_compilation(run: Run) -> None:
+    """After the first step of an invocation: train_config.json says whether the steps ran compiled
+    (a --compile that built no graph is warned about, not left to pass as compiled)."""
+    c = run.compilation
+    c.stepped = True
+    if c.wrapped and not c.graphs:
+        log.warning("--compile: torch.compile built no graph in the first step; the steps run eager")
+    if run.d.main:
+        config = formats.read_json(run.out / TRAIN_CONFIG_FILE)
+        write_run_config(run.out, {**config, **c.record()})
 
 
 def cpp_compiler() -> str | None:
@@ -357,10 +409,13 @@ def run_steps(run: Run, state: RunState, show_progress: bool) -> None:
     progress = start_progress(run, state, show_progress)
     prefetch = Prefetcher(lambda m: micro_batch(run, m), background=run.src.background)
     run.draft.train()
+    first_step = state.step
     try:
         while state.step < state.stop:
             t_step = time.perf_counter()
             result = train_step(run, state, prefetch)
+            if state.step == first_step + 1:
+                record_compilation(run)  # the first step built the compiled graphs, or ran eager
             progress.bar.update(1)
             progress.add(result)
             state.done["tokens"] += int(run.d.all_sum(torch.tensor([result.tokens], device=run.device)).item())

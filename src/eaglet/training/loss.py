@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eaglet.draft_model import STAT_ROWS, ttt_loss
+from eaglet.drafter import STAT_ROWS, ttt_loss
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
 from eaglet.training.teacher import TeacherSource, autocast

@@ -1,60 +1,19 @@
-"""The target's part in training: the teacher (its final norm and LM head, in fp32), the teacher
-of each micro-batch (dense, or its top-k cached per sample), and the drafter built from the
-target (its embeddings, a draft vocabulary from the data, optionally its LM head rows).
-
-`make_teacher_head` is also what `eaglet extract --layout compact` stores its top-K with, so a
-compact dataset holds exactly the teacher training would compute.
+"""The target's part in training: the teacher of each micro-batch (dense, or its top-k cached per
+sample) from the teacher head (`eaglet.drafter.make_teacher_head`), and the drafter built from
+the target (its embeddings, a draft vocabulary from the data, optionally its LM head rows).
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
-from eaglet import formats
-from eaglet.draft_model import (DraftConfig, DraftFirstHead, Eagle3Draft, Teacher, build_draft_vocab,
-                                load_embeddings_from, make_teacher, teacher_from_top_k)
-from eaglet.target import base_model
+from eaglet.drafter import (DraftConfig, DraftFirstHead, Eagle3Draft, Teacher, TeacherHead, build_draft_vocab,
+                            load_embeddings_from, make_teacher, target_pieces, teacher_from_top_k)
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
 
 TEACHER_CACHE_MAX_BYTES = 4 << 30  # past this, sparse teachers are recomputed instead of kept
-
-
-class TeacherHead(nn.Module):
-    """The frozen target's final norm and LM head; nothing else of the target is kept."""
-
-    def __init__(self, final_norm: nn.Module, lm_head: nn.Module):
-        super().__init__()
-        self.final_norm, self.lm_head = final_norm, lm_head
-        self.requires_grad_(False)
-
-
-def target_pieces(model: nn.Module) -> tuple[torch.Tensor, TeacherHead]:
-    """(input embeddings, teacher head) of a Hugging Face causal LM."""
-    inner = base_model(model)
-    norm = next((getattr(inner, n) for n in ("norm", "final_layernorm", "ln_f") if hasattr(inner, n)), None)
-    if norm is None:
-        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
-    return model.get_input_embeddings().weight.detach(), TeacherHead(norm, model.get_output_embeddings())
-
-
-def fp32(module: nn.Module) -> nn.Module:
-    """`module` itself when it is fp32 already (no second copy of a large LM head), else an fp32
-    copy: the target running online in bf16 must stay bf16."""
-    if all(p.dtype == torch.float32 for p in module.parameters()):
-        return module
-    return copy.deepcopy(module).float()
-
-
-def make_teacher_head(model: nn.Module, last_hidden_state: str) -> TeacherHead:
-    """The teacher in fp32 whatever the target's dtype; without the final norm when the stored
-    last state is already normed (SpecForge stores it after the norm)."""
-    _, head = target_pieces(model)
-    norm = head.final_norm if last_hidden_state == formats.LAST_STATE_PRE_NORM else nn.Identity()
-    return TeacherHead(fp32(norm), fp32(head.lm_head))
 
 
 def autocast(device: torch.device, enabled: bool) -> torch.autocast:

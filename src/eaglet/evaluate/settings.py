@@ -1,0 +1,69 @@
+"""How `eaglet eval` decodes: the decode options every method runs with (`DecodeSettings`).
+
+Each field's default is the option's declared one (eaglet.options); the draft shapes and the
+probability floor left unset are the device preset's (presets.toml). `evaluate` builds one from
+its keyword options, so the command line, a recipe's [eval] and Python callers split them the
+same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from eaglet import ranges
+from eaglet.options import ADMISSIONS, HYBRID_DRAFTS, PRESETS, declared
+
+
+@dataclass
+class DecodeSettings:
+    max_new_tokens: int = declared("eval", "max_new_tokens")
+    preset: str = declared("eval", "preset")  # fills the four shapes below and min_draft_prob where None
+    depth: int | None = declared("eval", "depth")
+    top_k: int | None = declared("eval", "top_k")
+    total_tokens: int | None = declared("eval", "total_tokens")
+    chain_depth: int | None = declared("eval", "chain_depth")
+    min_draft_prob: float | None = declared("eval", "min_draft_prob")
+    temperature: float = declared("eval", "temperature")
+    top_p: float = declared("eval", "top_p")
+    seed: int = declared("eval", "seed")
+    # hybrid / ngram: the tokens prompt lookup adds to a cycle's tree and the n-gram sizes looked up
+    lookup_tokens: int = declared("eval", "lookup_tokens")
+    max_ngram: int = declared("eval", "max_ngram")
+    hybrid_draft: str = declared("eval", "hybrid_draft")  # the drafter's part of a hybrid cycle: a chain or a tree
+    hybrid_chain_depth: int = declared("eval", "hybrid_chain_depth")  # ... that chain's depth
+    drop_rivals: bool = declared("eval", "drop_rivals")  # hybrid: leave out drafted rivals of a trusted lookup token
+    # hybrid / ngram: "cost" verifies a node only where its calibrated acceptance pays for the longer
+    # pass (pass times measured on this machine before decoding); "all" verifies every proposed node
+    admission: str = declared("eval", "admission")
+    eos_ids: tuple[int, ...] = ()  # the target's stop tokens (filled in by evaluate)
+    pass_costs: tuple[float, ...] = ()  # seconds of a target pass over 1, 2, ... tokens (methods.with_pass_costs)
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r}: choose one of {', '.join(PRESETS)} (presets.toml)")
+        for key, value in PRESETS[self.preset]["eval"].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        ranges.at_least(1, max_new_tokens=self.max_new_tokens, depth=self.depth, top_k=self.top_k,
+                        total_tokens=self.total_tokens, chain_depth=self.chain_depth,
+                        lookup_tokens=self.lookup_tokens, max_ngram=self.max_ngram,
+                        hybrid_chain_depth=self.hybrid_chain_depth)
+        if self.hybrid_draft not in HYBRID_DRAFTS:
+            raise ValueError(f"--hybrid-draft {self.hybrid_draft!r}: choose one of {', '.join(HYBRID_DRAFTS)}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"--admission {self.admission!r}: choose one of {', '.join(ADMISSIONS)}")
+        if self.drop_rivals and self.admission != "all":
+            raise ValueError("--drop-rivals applies to --admission all (cost admission weighs rivals itself)")
+        ranges.within(0, 1, min_draft_prob=self.min_draft_prob)
+        ranges.at_least(0, temperature=self.temperature)
+        ranges.within(0, 1, low_open=True, top_p=self.top_p)
+
+    def record(self) -> dict[str, Any]:
+        """What eval.json says of how the methods decoded (the preset's values filled in)."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "tree": {"depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens},
+                "chain_depth": self.chain_depth, "min_draft_prob": self.min_draft_prob, "seed": self.seed,
+                "hybrid": {"draft": self.hybrid_draft, "chain_depth": self.hybrid_chain_depth,
+                           "drop_rivals": self.drop_rivals, "lookup_tokens": self.lookup_tokens,
+                           "max_ngram": self.max_ngram, "admission": self.admission}}

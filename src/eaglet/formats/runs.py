@@ -1,0 +1,53 @@
+"""The run folder of `eaglet train`, as files: where its checkpoints, pointers, metrics and
+config live, and which checkpoint a path names. Training writes it (`eaglet.training.checkpoints`);
+export, eval and the held-out evaluation read it through `resolve_checkpoint`.
+
+Layout of a run folder: `metrics.jsonl`, `train_config.json`, `.lock`,
+`checkpoints/step_XXXXXXXX/{model.safetensors, config.json, training_state.pt}`,
+`checkpoints/latest.json` and `checkpoints/best.json` (`{"step": N, "path": "step_..."}`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eaglet.formats.drafters import DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE
+from eaglet.formats.io import read_json
+
+CHECKPOINTS_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+MODEL_FILE = DRAFTER_WEIGHTS_FILE
+STATE_FILE = "training_state.pt"
+LATEST_FILE = "latest.json"
+BEST_FILE = "best.json"
+TRAIN_CONFIG_FILE = "train_config.json"
+LOCK_FILE = ".lock"
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder of the checkpoint at `step`, under checkpoints/."""
+    return f"step_{step:08d}"
+
+
+def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:
+    path = ckpt_root / name
+    return read_json(path) if path.exists() else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A folder with config.json as is; a train run folder (or its checkpoints/) -> its best,
+    else latest, checkpoint."""
+    p = Path(path)
+    if (p / DRAFTER_CONFIG_FILE).exists():
+        return p
+    for root in (p / CHECKPOINTS_DIR, p):
+        for pointer in (BEST_FILE, LATEST_FILE):
+            if (root / pointer).exists():
+                folder = root / read_json(root / pointer)["path"]
+                if not (folder / DRAFTER_CONFIG_FILE).exists():
+                    raise FileNotFoundError(f"{root / pointer}: names {folder.name}, which is not a complete "
+                                            "checkpoint (deleted or changed by hand); `eaglet train DATA --out "
+                                            f"{p} --resume` rewrites the pointers, or name a checkpoint folder")
+                return folder
+    raise FileNotFoundError(f"{p}: no {DRAFTER_CONFIG_FILE}, and no {CHECKPOINTS_DIR}/{BEST_FILE} pointing at one")
