@@ -17,6 +17,10 @@ import torch
 
 from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
 from eaglet import regen
+from eaglet.formats import errors_path
+from eaglet.regen import conversations
+from eaglet.regen import local as regen_local
+from eaglet.regen import openai as regen_openai
 from eaglet.cli import main
 from eaglet.prepare import prepare
 from eaglet.formats import read_prepared
@@ -198,15 +202,15 @@ def endpoint_regen(data: Path, out: Path, server: StandIn, **kw):
 
 def test_turn_prompts_and_stop_split():
     chat = CHATS[1]
-    assert regen.turn_prompt(chat, 0) == chat[:2]
-    updated = regen.with_answer(chat, 0, "NEW")
-    assert regen.turn_prompt(updated, 1) == [chat[0], chat[1], {"role": "assistant", "content": "NEW"}, chat[3]]
-    assert regen.split_at_stop([5, 6, 2, 0, 0], {2}) == ([5, 6], "stop", 3)
-    assert regen.split_at_stop([5, 6, 7], {2}) == ([5, 6, 7], "length", 3)
-    assert regen.errors_path(Path("a/out.jsonl")) == Path("a/out.errors.jsonl")
-    assert regen.backoff_delay(3, 1.0, 60.0, "2") == 2.0
-    assert 4.0 <= regen.backoff_delay(3, 1.0, 60.0) <= 8.0
-    assert regen.backoff_delay(30, 1.0, 60.0) <= 60.0
+    assert conversations.turn_prompt(chat, 0) == chat[:2]
+    updated = conversations.with_answer(chat, 0, "NEW")
+    assert conversations.turn_prompt(updated, 1) == [chat[0], chat[1], {"role": "assistant", "content": "NEW"}, chat[3]]
+    assert conversations.split_at_stop([5, 6, 2, 0, 0], {2}) == ([5, 6], "stop", 3)
+    assert conversations.split_at_stop([5, 6, 7], {2}) == ([5, 6, 7], "length", 3)
+    assert errors_path(Path("a/out.jsonl")) == Path("a/out.errors.jsonl")
+    assert regen_openai.backoff_delay(3, 1.0, 60.0, "2") == 2.0
+    assert 4.0 <= regen_openai.backoff_delay(3, 1.0, 60.0) <= 8.0
+    assert regen_openai.backoff_delay(30, 1.0, 60.0) <= 60.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +249,7 @@ def test_local_greedy_batched_equals_unbatched_and_uses_regenerated_history(live
     reasons = set()
     for rec in b8.values():
         history = [dict(m) for m in rec["messages"]]
-        for k, idx in enumerate(regen.assistant_indices(history)):
+        for k, idx in enumerate(conversations.assistant_indices(history)):
             text, reason = reference_greedy(model, tokenizer, history[:idx], 12)
             assert history[idx]["content"] == text and rec["regen"]["finish_reasons"][k] == reason
             reasons.add(reason)
@@ -274,10 +278,10 @@ def test_local_prompt_too_long(lively_target, tmp_path):
     s = regen.regenerate(str(data), out, str(lively_target), dtype="fp32", device="cpu", max_new_tokens=4,
                          max_prompt_tokens=55, progress_bar=False)
     recs = read_out(out)
-    errors = [json.loads(line) for line in regen.errors_path(out).read_text().splitlines()]
+    errors = [json.loads(line) for line in errors_path(out).read_text().splitlines()]
     assert {e["id"] for e in errors} == {"c3"} and "tokens, more than the 55 allowed" in errors[0]["reason"]
     assert s.failed == 1 and s.cut_short >= 1
-    assert any(len(answers(r)) < len(regen.assistant_indices(CHATS[int(r["id"][1:])])) for r in recs.values())
+    assert any(len(answers(r)) < len(conversations.assistant_indices(CHATS[int(r["id"][1:])])) for r in recs.values())
 
 
 def test_local_time_budget_stops_after_the_batch_at_hand(lively_target, tmp_path):
@@ -288,9 +292,9 @@ def test_local_time_budget_stops_after_the_batch_at_hand(lively_target, tmp_path
 
     data = chats_file(tmp_path / "chats.jsonl", 12)
     ref = resolve_target(str(lively_target))
-    gen = regen.LocalGenerator(load_target(ref, torch.float32, torch.device("cpu")), load_tokenizer(ref), 0.0, 1.0, 4)
+    gen = regen_local.LocalGenerator(load_target(ref, torch.float32, torch.device("cpu")), load_tokenizer(ref), 0.0, 1.0, 4)
     batches, written = [], []
-    regen.run_local(regen.iter_conversations(str(data), ReadStats(), None, 0, None), gen, 2, None, written.append,
+    regen_local.run_local(conversations.iter_conversations(str(data), ReadStats(), None, 0, None), gen, 2, None, written.append,
                     lambda conv, reason: pytest.fail(reason), lambda tokens: None, lambda: batches.append(1),
                     out_of_time=lambda: len(batches) >= 1)
     assert len(batches) == 1 and 1 <= len(written) <= 2  # only the chats of the one batch that ran
@@ -312,7 +316,7 @@ def test_endpoint_turn_by_turn_history(stand_in, tmp_path):
     recs = read_out(tmp_path / "out.jsonl")
     for rec in recs.values():
         msgs = rec["messages"]
-        for k, idx in enumerate(regen.assistant_indices(msgs)):
+        for k, idx in enumerate(conversations.assistant_indices(msgs)):
             # The request for turn k is exactly the output before it, i.e. with regenerated answers...
             sent = [r for r in stand_in.requests if r["messages"] == msgs[:idx]]
             assert len(sent) == 1, (rec["id"], k)
@@ -343,7 +347,7 @@ def test_endpoint_retries_and_errors_file(stand_in, tmp_path):
     s = endpoint_regen(data, out, stand_in, timeout=0.4, max_retries=2)
     assert set(read_out(out)) == {"ok", "flaky", "busy", "slow"}
     assert s.written == 4 and s.failed == 3
-    errors = {e["id"]: e["reason"] for e in map(json.loads, regen.errors_path(out).read_text().splitlines())}
+    errors = {e["id"]: e["reason"] for e in map(json.loads, errors_path(out).read_text().splitlines())}
     assert set(errors) == {"bad", "bad2", "down"}
     assert "HTTP 400" in errors["bad"] and "prompt is too long" in errors["bad"]
     assert errors["bad2"].startswith("turn 1: HTTP 400")
@@ -427,7 +431,7 @@ def test_max_turns_keeps_the_first_answers(stand_in, tmp_path):
     s = endpoint_regen(data, tmp_path / "out.jsonl", stand_in, max_turns=1)
     assert s.written == 6 and s.turns == 6
     for rec in read_out(tmp_path / "out.jsonl").values():
-        assert len(regen.assistant_indices(rec["messages"])) == 1
+        assert len(conversations.assistant_indices(rec["messages"])) == 1
         assert rec["messages"][-1]["role"] == "assistant"  # later user turns are dropped with their answers
     with pytest.raises(ValueError, match="--max-turns 0"):
         endpoint_regen(data, tmp_path / "out2.jsonl", stand_in, max_turns=0)
@@ -449,10 +453,10 @@ def test_every_chat_failing_is_an_error(stand_in, tmp_path, capsys):
     assert main(argv) == 2
     err = last_line(capsys.readouterr().err)
     assert err.startswith("eaglet regen: error: ")
-    assert str(regen.errors_path(out)) in err and "all 3 chats failed" in err
+    assert str(errors_path(out)) in err and "all 3 chats failed" in err
     assert "HTTP 400" in err and "prompt is too long" in err and "--resume" in err
-    assert len(regen.errors_path(out).read_text().splitlines()) == 3
-    with pytest.raises(regen.AllChatsFailed):  # the same on a resume, while OUT holds no chat
+    assert len(errors_path(out).read_text().splitlines()) == 3
+    with pytest.raises(conversations.AllChatsFailed):  # the same on a resume, while OUT holds no chat
         endpoint_regen(data, out, stand_in, resume=True, max_retries=0)
 
 
@@ -469,7 +473,7 @@ def test_endpoint_empty_answer_fails_the_chat_and_resume_retries_it(stand_in, tm
     out = tmp_path / "out.jsonl"
     s = endpoint_regen(data, out, stand_in)
     assert set(read_out(out)) == {"ok"} and s.written == 1 and s.failed == 4
-    errors = {e["id"]: e["reason"] for e in map(json.loads, regen.errors_path(out).read_text().splitlines())}
+    errors = {e["id"]: e["reason"] for e in map(json.loads, errors_path(out).read_text().splitlines())}
     assert set(errors) == {"empty", "blank", "null", "later"}
     assert all("empty answer" in r for r in errors.values()) and errors["later"].startswith("turn 1: empty answer")
     assert all(stand_in.tries[u] == 1 for u in ("EMPTY one", "BLANK one", "NULL one", "then EMPTY"))
@@ -489,25 +493,25 @@ def test_local_empty_answer_fails_the_chat(lively_target, tmp_path, monkeypatch)
     records[0]["messages"][0]["content"] += " EMPTY"  # c0: turn 0
     records[1]["messages"][3]["content"] += " EMPTY"  # c1: turn 1
     data = write_jsonl(tmp_path / "chats.jsonl", records)
-    real_generate = regen.LocalGenerator.generate
+    real_generate = regen_local.LocalGenerator.generate
 
     def generate(gen, prompts):
         # What a row that starts with the stop token becomes: split, then decoded.
-        kept, reason, count = regen.split_at_stop([min(gen.stop_ids)], gen.stop_ids)
-        stopped = regen.Turn(gen.tokenizer.decode(kept, skip_special_tokens=True), reason, count)
+        kept, reason, count = conversations.split_at_stop([min(gen.stop_ids)], gen.stop_ids)
+        stopped = conversations.Turn(gen.tokenizer.decode(kept, skip_special_tokens=True), reason, count)
         turns = real_generate(gen, prompts)
         return [stopped if "EMPTY" in gen.tokenizer.decode(p) else t for p, t in zip(prompts, turns)]
 
     out = tmp_path / "out.jsonl"
     kw = {"dtype": "fp32", "device": "cpu", "max_new_tokens": 4, "progress_bar": False}
     with monkeypatch.context() as m:
-        m.setattr(regen.LocalGenerator, "generate", generate)
+        m.setattr(regen_local.LocalGenerator, "generate", generate)
         s = regen.regenerate(str(data), out, str(lively_target), **kw)
     assert set(read_out(out)) == {"c2", "c3"} and s.failed == 2 and s.cut_short == 0
     assert s.errors == {"empty answer (finish_reason stop), nothing to train on": 2}  # one kind, two turns
-    errors = {e["id"]: e["reason"] for e in map(json.loads, regen.errors_path(out).read_text().splitlines())}
-    assert errors == {"c0": "turn 0: " + regen.empty_answer(regen.Turn("", "stop", 1)),
-                      "c1": "turn 1: " + regen.empty_answer(regen.Turn("", "stop", 1))}
+    errors = {e["id"]: e["reason"] for e in map(json.loads, errors_path(out).read_text().splitlines())}
+    assert errors == {"c0": "turn 0: " + conversations.empty_answer(conversations.Turn("", "stop", 1)),
+                      "c1": "turn 1: " + conversations.empty_answer(conversations.Turn("", "stop", 1))}
     s2 = regen.regenerate(str(data), out, str(lively_target), resume=True, **kw)
     assert s2.written == 2 and set(read_out(out)) == {"c0", "c1", "c2", "c3"}
 
@@ -523,7 +527,7 @@ def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, ca
     out = tmp_path / "out.jsonl"
     argv = ["regen", "--data", str(data), "--out", str(out), "--backend", "openai", "--base-url", stand_in.url,
             "--concurrency", "1"]
-    real = regen.regen_conversation_remote
+    real = regen_openai.regen_conversation_remote
 
     def ctrl_c_at_c3(ep, conv, *rest):
         if conv.id == "c3":
@@ -531,7 +535,7 @@ def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, ca
         return real(ep, conv, *rest)
 
     with monkeypatch.context() as m:
-        m.setattr(regen, "regen_conversation_remote", ctrl_c_at_c3)
+        m.setattr(regen_openai, "regen_conversation_remote", ctrl_c_at_c3)
         assert main(argv) == 130
     assert last_line(capsys.readouterr().err) == ("eaglet regen: interrupted; every finished chat in --out is kept; "
                                                   "the same command with --resume skips them and continues")
@@ -631,7 +635,7 @@ def test_llama_cpp_prompts_are_the_targets_template_with_regenerated_history(lla
     reasons = set()
     for rec in read_out(tmp_path / "out.jsonl").values():
         history = [dict(m) for m in rec["messages"]]
-        for k, idx in enumerate(regen.assistant_indices(history)):
+        for k, idx in enumerate(conversations.assistant_indices(history)):
             prompt = chat_prompt_ids(tokenizer, history[:idx])  # the earlier answers are the regenerated ones
             assert tuple(prompt) in asked
             expected = [10 + (sum(prompt) + 7 * i) % 40 for i in range(2 + len(prompt) % 4)]
