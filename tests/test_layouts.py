@@ -217,3 +217,24 @@ def test_speculators_own_reader_yields_the_same_tensors(extracted):
         assert torch.equal(got["loss_mask"].long(), s.loss_mask), i
         assert torch.equal(got["hidden_states"], s.aux_hidden), i  # [T, 3H], aux states in id order
         assert torch.equal(got["verifier_last_hidden_states"], s.last_hidden), i  # pre-norm, speculators norms it
+
+
+def test_data_config_is_typed_read_and_written_in_one_place(tmp_path):
+    """data_config.json goes through formats.DataConfig: a field of the wrong kind is an error naming
+    the file and the field, keys eaglet does not know survive a read and a write, and a missing
+    file is None (a foreign dataset without one)."""
+    assert formats.read_data_config(tmp_path) is None
+    formats.write_json_atomic(tmp_path / formats.DATA_CONFIG_FILE,
+                              {"format": "v1", "hidden_size": 64, "layer_ids": [2, 3, 4, 6], "their_key": {"a": 1}})
+    cfg = formats.read_data_config(tmp_path)
+    assert (cfg.format, cfg.hidden_size, cfg.layer_ids, cfg.vocab_size) == ("v1", 64, [2, 3, 4, 6], None)
+    assert cfg.extra == {"their_key": {"a": 1}} and cfg.rows == formats.ROWS_PER_FOLDER
+    formats.write_data_config(tmp_path, cfg)
+    assert formats.read_json(tmp_path / formats.DATA_CONFIG_FILE)["their_key"] == {"a": 1}
+    formats.write_json_atomic(tmp_path / formats.DATA_CONFIG_FILE, {"hidden_size": "64", "layer_ids": [2, "x"]})
+    with pytest.raises(ValueError, match=r"data_config.json: hidden_size '64': expected an int; "
+                                         r"layer_ids \[2, 'x'\]: expected a list of ints"):
+        formats.read_data_config(tmp_path)
+    with pytest.raises(ValueError, match="expected an int"):
+        formats.read_data_config(tmp_path)  # the same again: nothing was cached or half-read
+    assert formats.parse_data_config([1, 2])[1] == ["a JSON list, not an object"]

@@ -54,17 +54,29 @@ def test_declarations_match_the_entry_functions(name):
         want = params[key]
         if want is inspect.Parameter.empty or o.required or (name, key) == DEMO_OUT:
             continue  # the command line always passes it
+        if want is O.DECLARED or isinstance(want, O.Declared):
+            want = O.declared_default(name if name != "demo" else "run", key)  # what a caller leaving it out gets
         if o.invert:
             assert want is True, f"{name} {key}: an inverted flag's keyword defaults to True"
             continue
-        if want is O.DECLARED or isinstance(want, O.Declared):
-            continue  # the declared default itself, looked up when the keyword is left out
         if isinstance(want, tuple):
             want = list(want)
         same = o.default == want or (o.kind == O.FLAG and want is False) or (o.kind == O.BOOL and want is None) or (
             o.kind == O.APPEND and want is None)
         assert same, (
             f"{name} --{o.name}: declared default {o.default!r}, the entry function's {want!r}")
+
+
+@pytest.mark.parametrize("name", list(O.STAGES))
+def test_no_entry_function_writes_a_default_of_its_own(name):
+    """Every option an entry function takes defaults to DECLARED (the declaration's, looked up),
+    and every option a config dataclass takes to `declared(...)`: no default is written twice."""
+    stage = O.STAGES[name]
+    declared = {o.key for o in stage.options if not o.cli_only}
+    written = {k: v for k, v in entry_defaults(stage).items()
+               if k in declared and v is not inspect.Parameter.empty and v is not O.DECLARED
+               and not isinstance(v, O.Declared) and not (name == "demo" and k == "out")}
+    assert written == {}, f"{name}: defaults written in the entry function or its config: {written}"
 
 
 def test_help_never_types_a_default():
@@ -206,10 +218,10 @@ def test_a_default_changed_in_the_declaration_changes_the_cli_the_recipe_and_the
     validate(recipe)
 
 
-def test_every_declared_default_of_a_real_entry_function_is_looked_up(monkeypatch):
+def test_every_declared_default_of_a_real_entry_function_is_looked_up(monkeypatch, tmp_path):
     """The real entry functions take the declaration at call time (not a copy made at import)."""
     from eaglet.prepare import prepare
 
-    with_default(monkeypatch, "prepare", "data", "/nonexistent/chats.jsonl")
-    with pytest.raises(Exception, match="/nonexistent/chats.jsonl"):
-        prepare(out="unused-out-folder")
+    with_default(monkeypatch, "prepare", "data", str(tmp_path / "no-such-chats.jsonl"))
+    with pytest.raises(Exception, match="no-such-chats.jsonl"):
+        prepare(out=tmp_path / "out")

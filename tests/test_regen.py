@@ -17,13 +17,12 @@ import torch
 
 from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
 from eaglet import regen
-from eaglet.formats import errors_path
+from eaglet.cli import main
+from eaglet.formats import errors_path, read_prepared
+from eaglet.prepare import prepare
 from eaglet.regen import conversations
 from eaglet.regen import local as regen_local
 from eaglet.regen import openai as regen_openai
-from eaglet.cli import main
-from eaglet.prepare import prepare
-from eaglet.formats import read_prepared
 
 # ---------------------------------------------------------------------------------------------
 # Fixtures
@@ -292,11 +291,12 @@ def test_local_time_budget_stops_after_the_batch_at_hand(lively_target, tmp_path
 
     data = chats_file(tmp_path / "chats.jsonl", 12)
     ref = resolve_target(str(lively_target))
-    gen = regen_local.LocalGenerator(load_target(ref, torch.float32, torch.device("cpu")), load_tokenizer(ref), 0.0, 1.0, 4)
+    gen = regen_local.LocalGenerator(load_target(ref, torch.float32, torch.device("cpu")), load_tokenizer(ref),
+                                     0.0, 1.0, 4)
     batches, written = [], []
-    regen_local.run_local(conversations.iter_conversations(str(data), ReadStats(), None, 0, None), gen, 2, None, written.append,
-                    lambda conv, reason: pytest.fail(reason), lambda tokens: None, lambda: batches.append(1),
-                    out_of_time=lambda: len(batches) >= 1)
+    regen_local.run_local(conversations.iter_conversations(str(data), ReadStats(), None, 0, None), gen, 2, None,
+                          written.append, lambda conv, reason: pytest.fail(reason), lambda tokens: None,
+                          lambda: batches.append(1), out_of_time=lambda: len(batches) >= 1)
     assert len(batches) == 1 and 1 <= len(written) <= 2  # only the chats of the one batch that ran
     assert all(conv.done == 1 for conv in written)
     s = regen.regenerate(str(data), tmp_path / "out.jsonl", str(lively_target), dtype="fp32", device="cpu",

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from eaglet import formats, ranges
 from eaglet.drafter.teacher import StoredTeacherMaker
+from eaglet.options import DECLARED, takes_options
 from eaglet.target import layer_count, load_target, resolve_target, text_config
 from eaglet.dataset import Dataset, check_target_matches, dataset_target, open_dataset
 
@@ -121,9 +122,11 @@ def teacher_maker(ds: Dataset, target: str | None, stored_top_k: int) -> StoredT
     return StoredTeacherMaker(model, stored_top_k, ds.last_hidden_state)
 
 
-def convert(src: str | Path, out: str | Path, layout: str = "v1", target: str | None = None,
-            aux_layer_ids: list[int] | None = None, last_hidden_state: str | None = None, command: str = "",
-            workers: int = 2, show_progress: bool = True, stored_top_k: int = 16) -> ConvertSummary:
+@takes_options("convert")
+def convert(src: str | Path = DECLARED, out: str | Path = DECLARED, layout: str = DECLARED,
+            target: str | None = DECLARED, aux_layer_ids: list[int] | None = DECLARED,
+            last_hidden_state: str | None = DECLARED, command: str = "", workers: int = 2, show_progress: bool = True,
+            stored_top_k: int = DECLARED) -> ConvertSummary:
     """Write the hidden-state dataset at `src` into `out` in `layout` (a `formats.WRITTEN_LAYOUTS`
     name). `aux_layer_ids` / `last_hidden_state` / `target` describe a source whose
     data_config.json does not (as for `eaglet train`)."""

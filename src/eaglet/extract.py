@@ -36,7 +36,8 @@ from eaglet.formats import DataConfig, TokenizedSample
 from eaglet.options import DECLARED, takes_options
 from eaglet.placement import placement_from_options
 from eaglet.target import (LayerCapture, TargetRef, config_positions, config_where, decoder_layers, dtype_name,
-                           load_target, load_tokenizer, parse_dtype, pick_device, prepared_target, run_batch, text_config)
+                           load_target, load_tokenizer, parse_dtype, pick_device, prepared_target, run_batch,
+                           text_config)
 
 log = logging.getLogger(__name__)
 

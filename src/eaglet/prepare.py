@@ -78,7 +78,8 @@ class PrepareSummary:
         s = self.stats
         out = [f"prepared {self.samples} samples, {self.tokens} tokens "
                f"({self.masked_tokens} assistant tokens, {self.masked_tokens / max(self.tokens, 1):.1%}) -> {self.out}",
-               f"read {s.records} records" + (" (input cut off mid-record; complete records kept)" if s.truncated_input else "")]
+               f"read {s.records} records"
+               + (" (input cut off mid-record; complete records kept)" if s.truncated_input else "")]
         out += [f"  {line}" for line in reason_lines(s, self.template_failures)]
         if self.missing_eot_turns:
             out.append(f"  warning: {self.missing_eot_turns} assistant turns had no end-of-turn token after them")

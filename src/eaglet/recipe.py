@@ -37,8 +37,8 @@ from eaglet.check import check_dataset
 from eaglet.prepare import prepare
 from eaglet.evaluate import evaluate
 from eaglet.extract import extract
-from eaglet.options import (APPEND, BOOL, DRAFTER_METHODS, FLAG, RECIPE_STAGES, Option, declared_default,
-                            parse_duration, parse_layer_ids, parse_list)
+from eaglet.options import (APPEND, BOOL, DECLARED, DRAFTER_METHODS, FLAG, RECIPE_STAGES, Option, declared_default,
+                            parse_duration, parse_layer_ids, parse_list, takes_options)
 from eaglet.options import STAGES as STAGES_DECLARED
 from eaglet.regen import regenerate
 from eaglet.target import TargetRef, resolve_target
@@ -367,8 +367,9 @@ class RecipeSummary:
         return summary_lines(self)
 
 
-def run_recipe(spec: str | Path, out: str | Path | None = None, scale: float = 1.0,
-               overrides: list[str] | None = None, only: list[str] | None = None,
+@takes_options("run")  # `eaglet demo` is `run` of the built-in recipe "demo", with the same options
+def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, scale: float = DECLARED,
+               overrides: list[str] | None = DECLARED, only: list[str] | None = DECLARED,
                command: str = "") -> RecipeSummary:
     """Run (or continue) every stage of a recipe into `out`; returns the figures of each stage."""
     source, overrides = recipe_path(spec), overrides or []

@@ -393,7 +393,7 @@ def dataset_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.Dat
 
 
 @takes_options("check")
-def check_dataset(path: str | os.PathLike = DECLARED, target: str | None = DECLARED, use_target: bool = True,
+def check_dataset(path: str | os.PathLike = DECLARED, target: str | None = DECLARED, use_target: bool = DECLARED,
                   identity_samples: int = DECLARED, workers: int | None = DECLARED, device_map: str | None = DECLARED,
                   max_memory: str | None = DECLARED, offload_folder: str | None = DECLARED) -> CheckReport:
     """Check every file of the hidden-state dataset at `path`; with a target (`target`, else

@@ -48,7 +48,7 @@ __all__ = ["evaluate", "EvalResult", "DecodeSettings", "MethodTotals", "Run", "F
 def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_sets: Sequence[str] = DECLARED,
              num_prompts: int | None = DECLARED, methods: Sequence[str] = DECLARED, dtype: str = DECLARED,
              device: str | None = DECLARED, threads: int | None = DECLARED, out: str | Path | None = DECLARED,
-             plot: bool = True, progress: bool = True, other_target: bool = DECLARED,
+             plot: bool = DECLARED, progress: bool = True, other_target: bool = DECLARED,
              device_map: str | None = DECLARED, max_memory: str | None = DECLARED,
              offload_folder: str | None = DECLARED, target_gguf: str | Path | None = DECLARED,
              engine_f32: bool = DECLARED, **decode_options: Any) -> EvalResult:

@@ -24,8 +24,9 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 from tqdm import tqdm
 
@@ -65,6 +66,20 @@ def check_options(backend: str, s: Settings, skip: int, num_samples: int | None,
     ranges.above(0, timeout=s.timeout, time_budget=time_budget)
 
 
+def record_meta(backend: str, s: Settings, own: dict[str, Any]) -> dict[str, Any]:
+    """What every output line records about how its answers were made: the target first, then
+    the sampling, then the backend's own (the key order lines have always had)."""
+    target = {key: own[key] for key in ("target", "target_revision") if key in own}
+    return {**target, "backend": backend, "temperature": s.temperature, "top_p": s.top_p,
+            "max_new_tokens": s.max_new_tokens, **own}
+
+
+def progress_bar_for(num_samples: int | None, done: set[str], enabled: bool) -> tqdm:
+    """The chats-written bar; its total is known only when --num-samples bounds the run."""
+    total = (num_samples - len(done)) if num_samples is not None and len(done) <= num_samples else None
+    return tqdm(total=total, desc="regen", unit="chat", file=sys.stderr, dynamic_ncols=True, disable=not enabled)
+
+
 def refuse_all_failed(summary: RegenSummary, done: set[str]) -> None:
     """A run in which every chat failed, with none written now or before, leaves prepare nothing."""
     if summary.failed and not summary.written and not done:
@@ -91,19 +106,17 @@ def regenerate(data: str = DECLARED, out: str | os.PathLike = DECLARED, target: 
     target with `device_map` (`eaglet.placement`) or on `device`; the llama.cpp backend runs
     llama-server on `target_gguf` with `concurrency` slots and `threads` threads."""
     out = Path(out)
+    placed = placement_from_options(device_map, max_memory, offload_folder, device)
     settings = Settings(out, target, temperature, top_p, max_new_tokens, max_prompt_tokens, seed, concurrency,
-                        batch_size, dtype, device, placement_from_options(device_map, max_memory, offload_folder, device),
-                        base_url, model, api_key, max_retries, timeout, backoff,
+                        batch_size, dtype, device, placed, base_url, model, api_key, max_retries, timeout, backoff,
                         None if target_gguf is None else str(target_gguf), threads, engine_f32)
     check_options(backend, settings, skip, num_samples, max_turns, time_budget, device_map)
     done = open_output(out, resume)
     answerer = BACKENDS[backend](settings)
-    meta = {"backend": backend, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-            **answerer.meta}
+    meta = record_meta(backend, settings, answerer.meta)
     summary = RegenSummary(out, errors_path(out))
     selected = iter_conversations(data, summary.stats, num_samples, skip, max_turns)
-    total = (num_samples - len(done)) if num_samples is not None and len(done) <= num_samples else None
-    bar = tqdm(total=total, desc="regen", unit="chat", file=sys.stderr, dynamic_ncols=True, disable=not progress_bar)
+    bar = progress_bar_for(num_samples, done, progress_bar)
     errors_file = open(summary.errors_file, "w", encoding="utf-8")  # a report of this run; resume retries them
     run = None
     try:

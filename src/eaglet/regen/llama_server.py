@@ -15,12 +15,11 @@ from typing import Any
 
 from eaglet import llama_cpp
 from eaglet.chat import chat_prompt_ids, end_of_turn_ids
-from eaglet.layers import UNBOUNDED_POSITIONS
+from eaglet.layers import UNBOUNDED_POSITIONS, config_positions
 from eaglet.regen.backend import Settings
 from eaglet.regen.conversations import Conversation, RegenError, Turn, empty_answer, split_at_stop
 from eaglet.regen.run import Run, run_parallel
-from eaglet.target import (TargetRef, config_positions, f32_target_gguf, find_target_gguf, load_tokenizer,
-                           resolve_target, text_config)
+from eaglet.target import TargetRef, f32_target_gguf, find_target_gguf, load_tokenizer, resolve_target, text_config
 
 
 @dataclass
@@ -74,7 +73,16 @@ class LlamaCppTurns:
         return conv
 
 
-UNNAMED_CONTEXT = 4096  # llama-server's context for a target whose config names no max_position_embeddings
+UNNAMED_CONTEXT = 4096  # a slot's prompt room when neither --max-prompt-tokens nor the target's config bounds it
+
+
+def prompt_limit(positions: int, max_prompt_tokens: int | None, max_new_tokens: int) -> int | None:
+    """The longest prompt eaglet sends: --max-prompt-tokens, else what the target's positions
+    leave after an answer; None when its config bounds none (the server then refuses a prompt
+    longer than its context, and that chat fails)."""
+    if max_prompt_tokens:
+        return max_prompt_tokens
+    return positions - max_new_tokens if positions < UNBOUNDED_POSITIONS else None
 
 
 def target_generation(ref: TargetRef) -> Any:
@@ -92,7 +100,7 @@ class LlamaCppBackend:
     gguf: Path
     tokenizer: Any
     stop_ids: set[int]
-    max_prompt_tokens: int
+    max_prompt_tokens: int | None
     settings: Settings
     meta: dict[str, Any]
 
@@ -104,10 +112,7 @@ class LlamaCppBackend:
             raise ValueError(f"target {ref.name}: tokenizer has no chat template")
         gguf = find_target_gguf(s.target_gguf, ref.name, "the llama.cpp backend runs the target's GGUF")
         gguf = f32_target_gguf(gguf) if s.engine_f32 else gguf
-        positions = config_positions(text_config(ref))
-        if positions >= UNBOUNDED_POSITIONS:  # a config that names none: a context the server can allocate
-            positions = UNNAMED_CONTEXT
-        max_prompt_tokens = s.max_prompt_tokens or positions - s.max_new_tokens
+        max_prompt_tokens = prompt_limit(config_positions(text_config(ref)), s.max_prompt_tokens, s.max_new_tokens)
         meta = {"target": ref.name, "target_revision": ref.revision, "gguf": gguf.name,
                 "server": llama_cpp.server_version(), **({"seed": s.seed} if s.temperature > 0 else {})}
         return cls(gguf, tokenizer, end_of_turn_ids(tokenizer, target_generation(ref)), max_prompt_tokens, s, meta)
@@ -115,7 +120,7 @@ class LlamaCppBackend:
     def server_options(self) -> dict[str, Any]:
         # a context for the longest prompt and its answer in every slot (llama-server splits it among slots)
         return {"threads": self.settings.threads or os.cpu_count() or 1, "parallel": self.settings.concurrency,
-                "ctx_size": self.max_prompt_tokens + self.settings.max_new_tokens}
+                "ctx_size": (self.max_prompt_tokens or UNNAMED_CONTEXT) + self.settings.max_new_tokens}
 
     def run(self, convs: Iterator[Conversation], run: Run, resources: contextlib.ExitStack) -> None:
         s = self.settings

@@ -28,9 +28,10 @@ from typing import Any, Iterator
 import torch
 
 from eaglet import formats
-from eaglet.formats.runs import (BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, LOCK_FILE, METRICS_FILE, STATE_FILE, TRAIN_CONFIG_FILE, checkpoint_name, read_pointer)
 from eaglet.drafter import Eagle3Draft
 from eaglet.drafter.files import export_config, load_draft_weights
+from eaglet.formats.runs import (BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, LOCK_FILE, METRICS_FILE, STATE_FILE,
+                                 TRAIN_CONFIG_FILE, checkpoint_name, read_pointer)
 from eaglet.training.config import Plan, TrainConfig
 
 log = logging.getLogger(__name__)

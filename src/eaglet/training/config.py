@@ -26,7 +26,8 @@ UNSIZED_STEPS = 1 << 40  # the schedule's length before --time-budget has sized 
 class TrainConfig:
     epochs: float = declared("train", "epochs")  # length of the schedule when `total_steps` is not given
     total_steps: int | None = declared("train", "total_steps")  # optimizer steps of the schedule (overrides epochs)
-    stop_after: int | None = declared("train", "stop_after")  # end this run at this step (the schedule is unchanged; resume later)
+    # end this run at this step (the schedule is unchanged; resume later)
+    stop_after: int | None = declared("train", "stop_after")
     lr: float = declared("train", "lr")  # batch 1; bench/train_efficiency.py "learning"
     min_lr_ratio: float = declared("train", "min_lr_ratio")  # cosine decays to lr * min_lr_ratio
     warmup_steps: int | None = declared("train", "warmup_steps")  # default: 2% of the schedule, at least 1
@@ -34,24 +35,32 @@ class TrainConfig:
     max_grad_norm: float = declared("train", "max_grad_norm")
     batch_size: int = declared("train", "batch_size")  # samples (packed: packs) per micro-batch, per process
     grad_accum: int = declared("train", "grad_accum")  # micro-batches per optimizer step, per process
-    pack_tokens: int | None = declared("train", "pack_tokens")  # rows of exactly this many tokens, samples packed (None: `pack_budget`; 0: unpacked)
+    # rows of exactly this many tokens, samples packed (None: `pack_budget`; 0: unpacked)
+    pack_tokens: int | None = declared("train", "pack_tokens")
     compile: bool | None = declared("train", "compile")  # torch.compile the training forward (None: when packed)
     max_length: int | None = declared("train", "max_length")  # truncate samples to this many tokens
     ttt_steps: int = declared("train", "ttt_steps")
-    ttt_ramp: float = declared("train", "ttt_ramp")  # over this fraction of the schedule the unroll grows from 1 step to ttt_steps
+    # over this fraction of the schedule the unroll grows from 1 step to ttt_steps
+    ttt_ramp: float = declared("train", "ttt_ramp")
     draft_vocab_size: int | None = declared("train", "draft_vocab_size")  # default min(8192, target vocab)
-    teacher_top_k: int | None = declared("train", "teacher_top_k")  # keep the teacher's top-k draft ids, computed once per sample (0/None: dense)
+    # keep the teacher's top-k draft ids, computed once per sample (0/None: dense)
+    teacher_top_k: int | None = declared("train", "teacher_top_k")
     loss_on: str = declared("train", "loss_on")  # positions the loss uses: every real token, or assistant tokens only
     objective: str = declared("train", "objective")  # what each position minimises (drafter.objectives.objective_loss)
-    feature_loss_weight: float = declared("train", "feature_loss_weight")  # EAGLE-1 regression of the target's next last-layer state
+    # EAGLE-1 regression of the target's next last-layer state
+    feature_loss_weight: float = declared("train", "feature_loss_weight")
     lm_head_init: str = declared("train", "lm_head_init")  # or "target": the target's LM head rows and final norm
     freeze_lm_head: bool = declared("train", "freeze_lm_head")  # keep the LM head (and final norm) as initialised
     fc_norm: bool = declared("train", "fc_norm")
     norm_output: bool = declared("train", "norm_output")
-    norm_before_residual: bool = declared("train", "norm_before_residual")  # speculators' default drafter layout (residual = hidden_norm(g))
-    sliding_window: int | None = declared("train", "sliding_window")  # the drafter attends to the last W positions (speculators' default 2048)
-    bf16: bool | None = declared("train", "bf16")  # autocast the drafter's forward to bf16 (None: where fast, see target.fast_bf16)
-    time_budget: float | None = declared("train", "time_budget")  # seconds of training: the schedule is sized to fit, measured on the fly
+    # speculators' default drafter layout (residual = hidden_norm(g))
+    norm_before_residual: bool = declared("train", "norm_before_residual")
+    # the drafter attends to the last W positions (speculators' default 2048)
+    sliding_window: int | None = declared("train", "sliding_window")
+    # autocast the drafter's forward to bf16 (None: where fast, see target.fast_bf16)
+    bf16: bool | None = declared("train", "bf16")
+    # seconds of training: the schedule is sized to fit, measured on the fly
+    time_budget: float | None = declared("train", "time_budget")
     eval_fraction: float = declared("train", "eval_fraction")
     eval_every: int | None = declared("train", "eval_every")  # default: `evals` evaluations over the schedule
     evals: int = declared("train", "evals")  # held-out evaluations over the schedule when eval_every is not given
@@ -63,9 +72,12 @@ class TrainConfig:
     # Where the hidden states come from. Offline (default): a stored dataset in any layout `eaglet
     # check` accepts. Online: the target runs inside the loop on an `eaglet prepare` output.
     online: bool = declared("train", "online")
-    target_dtype: str = declared("train", "target_dtype")  # online: compute dtype of the target (its states are used in it as is)
-    aux_layer_ids: list[int] | None = declared("train", "aux_layer_ids")  # online: layers to capture; offline: what a foreign dataset holds
-    last_hidden_state: str | None = declared("train", "last_hidden_state")  # a foreign dataset's last state, pre_norm or post_norm
+    # online: compute dtype of the target (its states are used in it as is)
+    target_dtype: str = declared("train", "target_dtype")
+    # online: layers to capture; offline: what a foreign dataset holds
+    aux_layer_ids: list[int] | None = declared("train", "aux_layer_ids")
+    # a foreign dataset's last state, pre_norm or post_norm
+    last_hidden_state: str | None = declared("train", "last_hidden_state")
     # online: the target across devices (eaglet.placement); the drafter trains on `device`'s default
     device_map: str | None = declared("train", "device_map")
     max_memory: str | None = declared("train", "max_memory")

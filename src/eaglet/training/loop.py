@@ -40,6 +40,7 @@ from tqdm import tqdm
 from eaglet import formats, layers
 from eaglet.drafter import STAT_ROWS, Eagle3Draft, make_teacher_head, num_parameters, stats_summary
 from eaglet.dataset import Dataset, check_target_matches, dataset_target
+from eaglet.options import DECLARED, takes_options
 from eaglet.target import TargetRef, fast_bf16, load_target, parse_dtype, prepared_target, resolve_target
 from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
                                          checkpoint_name, resumed_options, run_lock, truncate_metrics)
@@ -134,8 +135,9 @@ class RunState:
         return min(self.plan.total_steps, self.stop_after) if self.stop_after is not None else self.plan.total_steps
 
 
-def train(dataset_dir: str | Path, out_dir: str | Path, target: str | None = None, resume: bool = False,
-          show_progress: bool = True, command: str = "", **options: Any) -> TrainSummary:
+@takes_options("train")
+def train(dataset_dir: str | Path = DECLARED, out_dir: str | Path = DECLARED, target: str | None = DECLARED,
+          resume: bool = DECLARED, show_progress: bool = True, command: str = "", **options: Any) -> TrainSummary:
     """Train a drafter on `dataset_dir` into `out_dir`; `options` are TrainConfig fields.
     `dataset_dir` holds stored hidden states, or with `online=True` an `eaglet prepare` output.
     The run folder has one writer at a time (`run_lock`)."""
