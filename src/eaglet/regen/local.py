@@ -73,20 +73,7 @@ def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: in
                 pool.append(conv)
         if not pool:
             return
-        pending: list[tuple[Conversation, list[int]]] = []
-        for conv in pool:
-            try:
-                ids = gen.prompt_ids(conv.prompt())
-            except Exception as e:  # a template that raises on this chat (jinja raise_exception)
-                fail(conv, f"chat template failed on turn {conv.done}: {type(e).__name__}: {e}")
-                continue
-            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                if conv.done:
-                    emit(conv)  # writes the turns regenerated so far, as prepare keeps a truncated chat
-                else:
-                    fail(conv, f"prompt of turn 0 has {len(ids)} tokens, more than the {max_prompt_tokens} allowed")
-                continue
-            pending.append((conv, ids))
+        pending = next_prompts(pool, gen, max_prompt_tokens, emit, fail)
         pool = [conv for conv, _ in pending]
         for batch in length_batches(pending, lambda item: len(item[1]), batch_size):
             for conv, turn in zip((c for c, _ in batch), generate_or_split(gen, [ids for _, ids in batch])):
@@ -106,6 +93,28 @@ def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: in
                     if conv.done:
                         emit(conv)
                 return
+
+
+def next_prompts(pool: list[Conversation], gen: LocalGenerator, max_prompt_tokens: int | None,
+                 emit: Callable[[Conversation], None], fail: Callable[[Conversation, str], None]
+                 ) -> list[tuple[Conversation, list[int]]]:
+    """Each pooled conversation's next prompt, rendered; a conversation whose prompt cannot be
+    rendered fails, one whose prompt is too long ends there (written cut short, or failed on turn 0)."""
+    pending = []
+    for conv in pool:
+        try:
+            ids = gen.prompt_ids(conv.prompt())
+        except Exception as e:  # a template that raises on this chat (jinja raise_exception)
+            fail(conv, f"chat template failed on turn {conv.done}: {type(e).__name__}: {e}")
+            continue
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            if conv.done:
+                emit(conv)  # writes the turns regenerated so far, as prepare keeps a truncated chat
+            else:
+                fail(conv, f"prompt of turn 0 has {len(ids)} tokens, more than the {max_prompt_tokens} allowed")
+            continue
+        pending.append((conv, ids))
+    return pending
 
 
 def generate_or_split(gen: LocalGenerator, prompts: list[list[int]]) -> list[Turn | str]:
