@@ -15,7 +15,8 @@ from eaglet.chat import (ReadStats, Tally, TemplateSpanError, iter_records, spec
                          tokenize_chat, to_messages)
 from eaglet.formats import PREPARED_FILE, PreparedWriter, TokenizedSample
 from eaglet.options import DECLARED, PREPARE_MAX_LENGTH, takes_options
-from eaglet.target import TargetRef, config_positions, config_where, load_tokenizer, resolve_target, text_config
+from eaglet.target import (TargetRef, config_positions, config_where, load_chat_tokenizer, resolve_target,
+                           text_config)
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +119,6 @@ def refuse_existing(out: str | Path, overwrite: bool) -> None:
                               f"folder, or pass --overwrite to replace it")
 
 
-def chat_tokenizer(ref: TargetRef):
-    tokenizer = load_tokenizer(ref)
-    if not tokenizer.chat_template:
-        raise TemplateSpanError(f"target {ref.name}: tokenizer has no chat template")
-    return tokenizer
-
-
 def tokenized(record: object, tokenizer, special_ids: set[int], max_length: int, seen: Tokenizing,
               sample_id: str, first_written: bool) -> TokenizedSample | None:
     """One record as a sample, or None when it is skipped (counted in `seen` with its reason)."""
@@ -204,7 +198,7 @@ def prepare(target: str | None = DECLARED, data: str = DECLARED, out: str | Path
     refuse_existing(out, overwrite)
     ref = resolve_target(target)
     max_length = checked_max_length(max_length, config_positions(text_config(ref)), ref)
-    tokenizer = chat_tokenizer(ref)
+    tokenizer = load_chat_tokenizer(ref)
     special_ids = special_token_ids(tokenizer)
     seen = Tokenizing()
     limits = [source.limit for source in sources]

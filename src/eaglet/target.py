@@ -295,6 +295,14 @@ def load_tokenizer(ref: TargetRef):
     return tokenizer
 
 
+def load_chat_tokenizer(ref: TargetRef):
+    """The target's tokenizer, refused without a chat template: every stage that renders chats needs one."""
+    tokenizer = load_tokenizer(ref)
+    if not tokenizer.chat_template:
+        raise ValueError(f"target {ref.name}: tokenizer has no chat template")
+    return tokenizer
+
+
 def load_target(ref: TargetRef, dtype: torch.dtype, device: torch.device,
                 placed: Placement | None = None) -> nn.Module:
     """The target in eval mode without gradients: on `device`, or with `placed` across the devices

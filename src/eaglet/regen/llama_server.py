@@ -19,7 +19,8 @@ from eaglet.layers import UNBOUNDED_POSITIONS, config_positions
 from eaglet.regen.backend import Settings
 from eaglet.regen.conversations import Conversation, RegenError, Turn, empty_answer, split_at_stop
 from eaglet.regen.run import Run, run_parallel
-from eaglet.target import TargetRef, f32_target_gguf, find_target_gguf, load_tokenizer, resolve_target, text_config
+from eaglet.target import (TargetRef, f32_target_gguf, find_target_gguf, load_chat_tokenizer, resolve_target,
+                           text_config)
 
 
 @dataclass
@@ -107,9 +108,7 @@ class LlamaCppBackend:
     @classmethod
     def open(cls, s: Settings) -> LlamaCppBackend:
         ref = resolve_target(s.target)
-        tokenizer = load_tokenizer(ref)
-        if not tokenizer.chat_template:
-            raise ValueError(f"target {ref.name}: tokenizer has no chat template")
+        tokenizer = load_chat_tokenizer(ref)
         gguf = find_target_gguf(s.target_gguf, ref.name, "the llama.cpp backend runs the target's GGUF")
         gguf = f32_target_gguf(gguf) if s.engine_f32 else gguf
         max_prompt_tokens = prompt_limit(config_positions(text_config(ref)), s.max_prompt_tokens, s.max_new_tokens)

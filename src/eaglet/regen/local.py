@@ -14,8 +14,8 @@ from eaglet.chat import Message, chat_prompt_ids, stop_token_ids
 from eaglet.regen.backend import Settings
 from eaglet.regen.conversations import Conversation, Turn, empty_answer, length_batches, split_at_stop
 from eaglet.regen.run import Run
-from eaglet.target import (dtype_name, generation_config, input_device, load_target, load_tokenizer, max_positions,
-                           parse_dtype, pick_device, resolve_target)
+from eaglet.target import (dtype_name, generation_config, input_device, load_chat_tokenizer, load_target,
+                           max_positions, parse_dtype, pick_device, resolve_target)
 
 
 class LocalGenerator:
@@ -141,9 +141,7 @@ class LocalBackend:
     @classmethod
     def open(cls, s: Settings) -> LocalBackend:
         ref = resolve_target(s.target)
-        tokenizer = load_tokenizer(ref)
-        if not tokenizer.chat_template:
-            raise ValueError(f"target {ref.name}: tokenizer has no chat template")
+        tokenizer = load_chat_tokenizer(ref)
         torch.manual_seed(s.seed)
         dev = pick_device(s.device)
         dtype = parse_dtype(s.dtype, dev)
