@@ -26,7 +26,7 @@ from tqdm import tqdm
 from eaglet import formats, ranges
 from eaglet.drafter.teacher import StoredTeacherMaker
 from eaglet.options import DECLARED, takes_options
-from eaglet.target import layer_count, load_target, resolve_target, text_config
+from eaglet.target import load_target, resolve_target, text_config
 from eaglet.dataset import Dataset, check_target_matches, dataset_target, open_dataset
 
 
@@ -55,7 +55,7 @@ def target_fields(target: str, hidden_size: int, aux_layer_ids: list[int]) -> di
     tc = text_config(ref)
     if tc.hidden_size != hidden_size:
         raise ValueError(f"--target {target}: hidden size {tc.hidden_size}, the dataset's states have {hidden_size}")
-    n = layer_count(tc)
+    n = tc.num_hidden_layers
     return {"target": ref.name, "target_path": ref.path, "target_revision": ref.revision, "model_type": tc.model_type,
             "num_hidden_layers": n, "vocab_size": tc.vocab_size, "layer_ids": [*aux_layer_ids, n],
             "aux_layer_ids": list(aux_layer_ids), "layer_id_convention": formats.LAYER_ID_CONVENTION}
@@ -86,10 +86,7 @@ def converted_config(ds: Dataset, layout: formats.Layout, target: str | None, co
         "num_masked_tokens": sum(ds.token_freq.values()),
         "seq_length": max(lengths),
     })
-    config, problems = formats.parse_data_config(cfg)
-    if problems:  # the source's own fields, read as they were written: name them rather than write them on
-        raise ValueError(f"{ds.root / formats.DATA_CONFIG_FILE}: {'; '.join(problems)}")
-    return config
+    return formats.data_config_from(cfg, ds.root / formats.DATA_CONFIG_FILE)
 
 
 def read_rows(ds: Dataset, show_progress: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -158,7 +158,8 @@ class ImportSummary:
 
 
 @takes_options("import")
-def import_drafter(src: str | Path = DECLARED, out: str | Path = DECLARED, target: str | None = DECLARED) -> ImportSummary:
+def import_drafter(src: str | Path = DECLARED, out: str | Path = DECLARED,
+                  target: str | None = DECLARED) -> ImportSummary:
     """Read a drafter in any format and write it as an eaglet checkpoint folder (the layout of
     `training.checkpoints.save_checkpoint`, without training state): fp32 weights, int64 d2t, bool t2d."""
     d = read_drafter(src, target)

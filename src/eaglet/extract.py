@@ -23,7 +23,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +39,7 @@ from eaglet.target import (LayerCapture, TargetRef, config_positions, config_whe
                            text_config)
 
 log = logging.getLogger(__name__)
+
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> None:
     layers.check_stored_ids(layer_ids, num_layers, "--layer-ids")
@@ -76,11 +76,12 @@ def prepared_sha256(samples: list[TokenizedSample]) -> str:
     return h.hexdigest()[:16]
 
 
-def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfig: dict, samples: list[TokenizedSample],
-                      layer_ids: list[int], compute_dtype: torch.dtype, store_dtype: torch.dtype, command: str,
-                      layout: formats.Layout = formats.V1_LAYOUT, stored_top_k: int = 0) -> DataConfig:
+def build_data_config(out: Path, ref, model: nn.Module, tokenizer_template_sha: str, pconfig: dict,
+                      samples: list[TokenizedSample], layer_ids: list[int], compute_dtype: torch.dtype,
+                      store_dtype: torch.dtype, command: str, layout: formats.Layout = formats.V1_LAYOUT,
+                      stored_top_k: int = 0) -> DataConfig:
     cfg = model.config
-    return parsed_config({
+    return formats.data_config_from({
         "format": layout.name,
         **layout.config_fields(min(stored_top_k, cfg.vocab_size)),
         "eaglet_version": __version__,
@@ -108,7 +109,7 @@ def build_data_config(ref, model: nn.Module, tokenizer_template_sha: str, pconfi
         "rows_per_folder": formats.ROWS_PER_FOLDER,
         "prepared_data": pconfig.get("data"),
         "prepared_sha256": prepared_sha256(samples),
-    })
+    }, out / formats.DATA_CONFIG_FILE)
 
 
 def refuse_unrunnable_samples(prepared: str | Path, samples: list[TokenizedSample], ref: TargetRef) -> None:
@@ -125,12 +126,6 @@ def refuse_unrunnable_samples(prepared: str | Path, samples: list[TokenizedSampl
                          f"{len(samples[n].input_ids)} tokens, more than the {limit} positions the target holds "
                          f"(max_position_embeddings in {config_where(ref)}); {len(longer)} of {len(samples)} "
                          f"samples are that long: run `eaglet prepare` again with --max-length {limit} or less")
-
-
-def parsed_config(raw: dict[str, Any]) -> DataConfig:
-    cfg, problems = formats.parse_data_config(raw)
-    assert not problems, problems  # written here: a wrong kind is eaglet's own bug
-    return cfg
 
 
 @dataclass
@@ -166,9 +161,8 @@ def dataset_disk_usage(out: Path, lengths: dict[int, int]) -> tuple[int, int]:
 
 @dataclass
 class Shard:
-    """This shard's samples: which it owns, where each goes and which are still to be written."""
+    """This shard's samples: which it owns and which of them are still to be written."""
     mine: list[int]
-    paths: dict[int, Path]
     todo: list[int]
 
 
@@ -205,7 +199,7 @@ def plan_shard(out: Path, fmt: formats.Layout, count: int, num_shards: int, shar
         log.warning("%d existing file(s) are not complete safe samples and will be redone (first: %s: %s)",
                     len(redo), paths[redo[0][0]].relative_to(out), redo[0][1])
         todo = sorted(todo + [i for i, _ in redo])
-    return Shard(mine, paths, todo)
+    return Shard(mine, todo)
 
 
 def run_and_write(model: nn.Module, samples: list[TokenizedSample], batches: list[list[int]], layer_ids: list[int],
@@ -267,8 +261,8 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
     num_layers = model.config.num_hidden_layers
     layer_ids = list(layer_ids) if layer_ids else layers.default_layer_ids(num_layers)
     validate_layer_ids(layer_ids, num_layers)
-    config = build_data_config(ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype, save_dtype, command,
-                               fmt, stored_top_k)
+    config = build_data_config(out, ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype, save_dtype,
+                               command, fmt, stored_top_k)
     teacher = StoredTeacherMaker(model, stored_top_k) if fmt.stores_teacher else None
     out.mkdir(parents=True, exist_ok=True)
     formats.ensure_data_config(out, config)

@@ -565,9 +565,7 @@ def takes_options(stage: str) -> Callable[[Callable[..., Any]], Callable[..., An
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(fn)
         filled = [n for n, p in sig.parameters.items() if p.default is DECLARED]
-        for name in filled:
-            declared_default(stage, name)  # a keyword that is not declared fails at import, not at call
-
+        # a keyword that is not declared fails here, at import, not at the first call
         required = [n for n in filled if declared_option(stage, n).required]
 
         @functools.wraps(fn)
@@ -579,7 +577,6 @@ def takes_options(stage: str) -> Callable[[Callable[..., Any]], Callable[..., An
             kwargs |= {n: declared_default(stage, n) for n in filled if n not in given}
             return fn(*args, **kwargs)
 
-        call.stage = stage  # type: ignore[attr-defined]
         return call
 
     return wrap

@@ -3,7 +3,6 @@ sources, tokenized with the target's template (`eaglet.chat`), written as a prep
 
 from __future__ import annotations
 
-import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +16,6 @@ from eaglet.formats import PREPARED_FILE, PreparedWriter, TokenizedSample
 from eaglet.options import DECLARED, PREPARE_MAX_LENGTH, takes_options
 from eaglet.target import (TargetRef, config_positions, config_where, load_chat_tokenizer, resolve_target,
                            text_config)
-
-log = logging.getLogger(__name__)
 
 TRUNCATED_AWAY = "no assistant token left after truncation to --max-length"
 FAILED_START = 20  # the first this many chats all failing the template: the template, not the data, is wrong
@@ -120,7 +117,7 @@ def refuse_existing(out: str | Path, overwrite: bool) -> None:
 
 
 def tokenized(record: object, tokenizer, special_ids: set[int], max_length: int, seen: Tokenizing,
-              sample_id: str, first_written: bool) -> TokenizedSample | None:
+              sample_id: str, any_written: bool) -> TokenizedSample | None:
     """One record as a sample, or None when it is skipped (counted in `seen` with its reason)."""
     stats = seen.stats
     messages = to_messages(record, stats)
@@ -132,7 +129,7 @@ def tokenized(record: object, tokenizer, special_ids: set[int], max_length: int,
     except TemplateSpanError as e:
         seen.first_failure = seen.first_failure or f"{stats.where}: {e}"
         seen.template_failures.add(str(e).split(" (")[0], stats.where)
-        if not first_written and sum(seen.template_failures.values()) >= FAILED_START:
+        if not any_written and sum(seen.template_failures.values()) >= FAILED_START:
             raise TemplateSpanError(f"the first {FAILED_START} chats all failed; {seen.first_failure}") from e
         return None
     except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
@@ -164,7 +161,7 @@ def write_source(writer: PreparedWriter, source: Source, tokenizer, special_ids:
 
 def prepared_config(ref: TargetRef, target: str | None, tokenizer, sources: list[Source], max_length: int,
                     writer: PreparedWriter, seen: Tokenizing, command: str) -> dict:
-    """prepared.json's config: where the chats came from, with what, and what was left out and why."""
+    """prepare_config.json: where the chats came from, with what, and what was left out and why."""
     data, mix = sources[0], (sources[1] if len(sources) > 1 else Source(None, 0, None))
     stats = seen.stats
     return {

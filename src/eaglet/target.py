@@ -266,11 +266,6 @@ def max_positions(model: nn.Module) -> int:
     return config_positions(model.config)
 
 
-def layer_count(config: Any) -> int:
-    """The decoder layers of a target's config (its text model's, for a multimodal one)."""
-    return (getattr(config, "text_config", None) or config).num_hidden_layers
-
-
 def config_where(ref: TargetRef) -> str:
     """Where the target's config lives, for a message."""
     folder = Path(ref.path)

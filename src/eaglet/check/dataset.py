@@ -104,8 +104,7 @@ def rows_per_folder(root: Path) -> int:
     """data_config.json's rows_per_folder (read_config reports an unreadable config, later)."""
     if (root / formats.DATA_CONFIG_FILE).exists():
         with contextlib.suppress(Exception):
-            return int(formats.read_json(root / formats.DATA_CONFIG_FILE).get("rows_per_folder",
-                                                                               formats.ROWS_PER_FOLDER))
+            return formats.parse_data_config(formats.read_json(root / formats.DATA_CONFIG_FILE))[0].rows
     return formats.ROWS_PER_FOLDER
 
 
@@ -322,7 +321,8 @@ def scan_files(root: Path, files: list[tuple[int, Path]], exp: Expect, workers: 
     return results, recorded_freq, freq_problems
 
 
-def side_file_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.DataConfig | None, table_rows: int | None,
+def side_file_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.DataConfig | None,
+                       table_rows: int | None,
                        unique: list[FileResult], required: bool) -> list[Problem]:
     """The indices, sample_lengths.json and data_config.json's totals against the files."""
     out = []
@@ -363,8 +363,8 @@ def check_identity(report: CheckReport, root: Path, exp: Expect, model: Any, dev
                        last_conv, device)
 
 
-NO_LAYOUT = ("no v1 (hidden_states/rows_*/data_*.pt), compact, speculators (Arrow table + hidden_states/hs_*.safetensors), "
-             "flat data_*.pt, SpecForge *.ckpt[.gz] or hs_*.safetensors files found")
+NO_LAYOUT = ("no v1 (hidden_states/rows_*/data_*.pt), compact, speculators (Arrow table + "
+             "hidden_states/hs_*.safetensors), flat data_*.pt, SpecForge *.ckpt[.gz] or hs_*.safetensors files found")
 
 
 def table_rows_of(report: CheckReport, root: Path, layout: formats.Layout) -> tuple[bool, int | None]:
@@ -378,8 +378,8 @@ def table_rows_of(report: CheckReport, root: Path, layout: formats.Layout) -> tu
         return False, None
 
 
-def dataset_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.DataConfig | None, table_rows: int | None,
-                     results: list[FileResult], unique: list[FileResult], recorded_freq: Any, required: bool,
+def dataset_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.DataConfig | None,
+                     table_rows: int | None, results: list[FileResult], unique: list[FileResult], recorded_freq: Any, required: bool,
                      model: Any) -> list[Problem]:
     """What only the whole dataset shows: side files, token counts, totals, lengths, RMS outliers."""
     out = side_file_problems(root, listing, cfg, table_rows, unique, required)

@@ -29,12 +29,6 @@ TEACHER_AGREEMENT = 0.9  # next-token argmax of the stored last state vs the rec
 TEACHER_LOG_PROB_ERR = 0.1
 
 
-def default_last_convention(fmt: str | formats.Layout) -> str:
-    """The last state's convention of a layout whose data_config.json records none: vLLM /
-    speculators capture the residual stream before the final norm, SpecForge after it."""
-    return formats.layout(fmt).last_state
-
-
 def generation_prompt(tokenizer: Any) -> tuple[list[int], str] | None:
     """The tokens a chat template appends for `add_generation_prompt=True` (e.g. '<|im_start|>assistant\\n')."""
     msgs = [{"role": "user", "content": "Hi"}]
@@ -68,8 +62,8 @@ def target_revision_problem(cfg: formats.DataConfig | None, ref: Any) -> Problem
     if not recorded or recorded == ref.revision:
         return None
     return Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
-                   f"target_revision {recorded} ({(cfg.target if cfg and cfg.target else '?')}) is not the revision of the target "
-                   f"checked against, {ref.name} ({ref.revision}): other weights, so no stored state will match; "
+                   f"target_revision {recorded} ({(cfg.target if cfg and cfg.target else '?')}) is not the "
+                   f"revision of the target checked against, {ref.name} ({ref.revision}): other weights, so no stored state will match; "
                    "check against the target the data was extracted with")
 
 

@@ -25,7 +25,7 @@ from eaglet import __version__, formats, layers
 from eaglet.drafter.config import DraftConfig
 from eaglet.drafter.model import Eagle3Draft
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
-from eaglet.target import find_target_gguf, layer_count, load_target, resolve_target, text_config
+from eaglet.target import find_target_gguf, load_target, resolve_target, text_config
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def default_aux_layer_ids(target: str | None, where: Path) -> list[int]:
     if target is None:
         raise ValueError(f"{where}: no eagle_aux_hidden_state_layer_ids; the engines then capture [2, N//2, N-3] "
                          f"of an N-layer target: pass the target so eaglet can read N")
-    return layers.default_aux_ids(layer_count(text_config(resolve_target(target))))
+    return layers.default_aux_ids(text_config(resolve_target(target)).num_hidden_layers)
 
 
 def drop_ignorable(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
@@ -222,10 +222,11 @@ def load_draft_weights(model: Eagle3Draft, folder: Path) -> None:
 def load_checkpoint(folder: str | Path) -> Eagle3Draft:
     """A trained drafter from a checkpoint folder (config.json + model.safetensors), in eval mode."""
     folder = Path(folder)
-    config = formats.read_json(folder / "config.json")
+    config_path = folder / formats.DRAFTER_CONFIG_FILE
+    config = formats.read_json(config_path)
     if "eaglet" not in config:
-        raise ValueError(f"{folder}/config.json: not an eaglet checkpoint (no 'eaglet' section)")
-    draft = Eagle3Draft(DraftConfig(**config["eaglet"]["draft_config"]))
+        raise ValueError(f"{config_path}: not an eaglet checkpoint (no 'eaglet' section)")
+    draft = Eagle3Draft(eaglet_draft_config(config, config_path))
     load_draft_weights(draft, folder)
     return draft.eval()
 

@@ -34,10 +34,6 @@ class StepStats:
         return torch.stack([self.loss_sum, self.correct, self.count, self.loss_count])
 
 
-def step_weights(steps: int, decay: float = STEP_WEIGHT_DECAY) -> list[float]:
-    return [decay ** k for k in range(steps)]
-
-
 def acceptance_length(acc: list[float]) -> float:
     """Simulated acceptance length sum_k prod_{i<=k} acc_i (tokens accepted per draft chain)."""
     total, run = 0.0, 1.0

@@ -34,8 +34,8 @@ from eaglet.formats.samples import (AUX_CODES, DATA_CONFIG_FILE, EAGLE3_NUM_STAT
                                     TABLE_ROW, TrainingSample, WRONG_DTYPE, WRONG_KEYS, WRONG_SHAPE, fmt_rows,
                                     read_sample_lengths, write_sample_lengths)
 from eaglet.formats.listing import DatasetFiles
-from eaglet.formats.data_config import (DataConfig, ensure_data_config, parse_data_config, read_data_config,
-                                        refuse_other_dataset, write_data_config)
+from eaglet.formats.data_config import (DataConfig, data_config_from, ensure_data_config, parse_data_config,
+                                        read_data_config, refuse_other_dataset, write_data_config)
 from eaglet.formats.compact import (COMPACT_DIR, COMPACT_KEYS, FP6_GROUP, FP6_MAGNITUDES, FP6_MAX, FP6_VALUES,
                                     compact_checksum_problems, compact_checksums, compact_version_problem,
                                     compact_version_warning, dequantize_fp6, impossible_fp6_groups, pack_6bit,

@@ -109,16 +109,20 @@ def parse_data_config(raw: Any) -> tuple[DataConfig, list[str]]:
     return DataConfig(**known, extra={k: v for k, v in raw.items() if k not in FIELD_KINDS}), problems
 
 
+def data_config_from(raw: Any, where: str | Path) -> DataConfig:
+    """`parse_data_config` for a config that must be right: a field of the wrong kind is an error
+    naming `where` (the file read, or the one about to be written) and the field."""
+    cfg, problems = parse_data_config(raw)
+    if problems:
+        raise ValueError(f"{where}: {'; '.join(problems)}")
+    return cfg
+
+
 def read_data_config(root: str | Path) -> DataConfig | None:
     """A dataset's data_config.json (None when it has none); a field of the wrong kind is an error
     naming the file and the field."""
     path = Path(root) / DATA_CONFIG_FILE
-    if not path.exists():
-        return None
-    cfg, problems = parse_data_config(read_json(path))
-    if problems:
-        raise ValueError(f"{path}: {'; '.join(problems)}")
-    return cfg
+    return data_config_from(read_json(path), path) if path.exists() else None
 
 
 def write_data_config(root: str | Path, cfg: DataConfig) -> None:

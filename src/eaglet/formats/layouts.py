@@ -652,8 +652,6 @@ def _written_layouts() -> dict[str, Layout]:
 
 
 WRITTEN_LAYOUTS = _written_layouts()
-# The names of eaglet's own layouts (`Layout.side_files`), for code that holds a name
-EAGLET_LAYOUTS = tuple(lay.name for lay in LAYOUTS if lay.side_files)
 
 
 def find_layout(name: str | Layout | None) -> Layout | None:

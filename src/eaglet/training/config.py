@@ -15,7 +15,6 @@ from eaglet import ranges
 from eaglet.options import LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
 from eaglet.placement import Placement, placement_from_options
 
-DEFAULT_EVALS = 10  # held-out evaluations over a schedule when --eval-every is not given
 BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
 CALIBRATION_STEPS = 20  # under --time-budget, steps timed before the schedule is sized (fewer if the budget is short)
 CALIBRATION_SKIP = 2  # first steps left out of the timing (one-time allocations and kernel setup)
