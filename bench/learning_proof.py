@@ -14,7 +14,8 @@ import argparse
 
 import torch
 
-from eaglet.drafter import STAT_ROWS, DraftOutput, make_teacher, stats_summary, target_pieces, ttt_loss
+from eaglet.drafter import STAT_ROWS, DraftOutput, make_teacher, stats_summary, ttt_loss
+from eaglet.target import heads_of_model
 from eaglet.training.checkpoints import iter_metrics
 from eaglet.dataset import open_dataset
 from eaglet.training.data import bucketed_batches, load_batch, split_indices
@@ -27,7 +28,7 @@ def most_frequent_baseline(data: str, eval_fraction: float, seed: int, steps: in
     ds = open_dataset(data)
     _, eval_idx = split_indices(list(ds.files), eval_fraction, seed)
     model = load_target(resolve_target(ds.config.get("target_path")), torch.float32, torch.device("cpu"))
-    _, head = target_pieces(model)
+    head = heads_of_model(model)
     d2t, t2d = build_draft_vocab(ds.token_freq, model.config.vocab_size, draft_vocab_size)
     top_target_id = max(ds.token_freq, key=ds.token_freq.get)
     top_draft_id = int(((torch.arange(len(d2t)) + d2t) == top_target_id).nonzero()[0])

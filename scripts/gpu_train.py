@@ -22,7 +22,13 @@ folder that holds it), rebuilds the target folder from the GGUF, checks that its
 one the chats were tokenized with, trains online (the target in the loop, bf16 on the GPU) for
 --time-budget, and writes the best drafter in the `eagle` layout without its embeddings (the
 target's, restored by `finish`), in bf16 shards under 16 MiB, plus metrics.jsonl and a log.
-Tested on CPU with a tiny budget (`run --device cpu`).
+Tested on CPU with a tiny budget (`run --device cpu`). `finish` reads only the target's embeddings
+(`eaglet.heads`), as every offline stage does.
+
+A target too large for this round trip (Kimi-K2.5, DeepSeek-V3) is trained offline on its GPU node
+instead, from engine-extracted hidden states and a folder holding only the target's heads
+(docs/large-targets.md): `torchrun --nproc_per_node 8 -m eaglet.cli train DATA --target HEADS_FOLDER
+--out RUN --device cuda`, each rank printing its host memory after reading the heads.
 """
 
 from __future__ import annotations

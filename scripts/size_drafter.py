@@ -113,8 +113,9 @@ def report(name: str, raw_config: dict[str, Any], contexts: list[int], ttt_steps
     s = size(raw_config)
     cfg = s.cfg
     H = cfg.target_hidden_size
+    target = text_config(raw_config)
     lines = [
-        f"**{name}** (hidden {H}, {cfg.num_heads} heads, {text_config(raw_config).num_hidden_layers} layers, "
+        f"**{name}** (hidden {H}, {target.num_attention_heads} heads, {target.num_hidden_layers} layers, "
         f"vocab {cfg.target_vocab_size}): eaglet's drafter has {cfg.num_heads} heads x head_dim {cfg.head_dim}, "
         f"{cfg.num_kv_heads} KV heads, intermediate {cfg.intermediate_size}, draft vocab {cfg.draft_vocab_size}, "
         f"aux layers {cfg.aux_layer_ids}.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from safetensors.torch import load_file, save_file
 import torch
 
 from eaglet import formats
@@ -163,7 +164,9 @@ def test_a_changed_target_is_refused_before_any_stage(tiny_target, tmp_path, cap
                                          rf"is {other} \(revision \w+\); use another --out for this target, or delete "
                                          rf"{out} to start over$"):
         run_recipe(recipe, out, overrides=[f'recipe.target="{other}"'])
-    (target / "generation_config.json").write_text("{}")  # same folder, other weights: another revision
+    weights = load_file(str(target / "model.safetensors"))  # same folder, other heads: another revision
+    weights["model.embed_tokens.weight"] += 1
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"prepare ran with target {target} \(revision {ran_with['revision']}\), "
                                          rf"this run's is {target} \(revision (?!{ran_with['revision']})\w+\)"):
         run_recipe(recipe, out)

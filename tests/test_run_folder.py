@@ -228,8 +228,8 @@ def test_samples_longer_than_the_target_are_refused_by_train_and_check(data):
     with pytest.raises(ValueError, match=rf"{data / 'v1'}: sample 1 has 40 tokens and 2 sample\(s\) in all are longer "
                                          r"than the target's 16 positions \(max_position_embeddings\); pass "
                                          r"--max-length 16 or less"):
-        refuse_beyond_positions(src, None, short)
-    refuse_beyond_positions(src, 16, short)  # truncated to fit: trains
+        refuse_beyond_positions(src, None, short.config)
+    refuse_beyond_positions(src, 16, short.config)  # truncated to fit: trains
     results = [check_files.FileResult(0, "a.pt", 0, length=10), check_files.FileResult(1, "b.pt", 0, length=40)]
     assert [(p.kind, p.path) for p in check_identity.too_long_problems(results, short)] == [(C.TOO_LONG, "b.pt")]
 

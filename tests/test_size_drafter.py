@@ -44,15 +44,27 @@ def test_the_page_shows_what_the_script_computes():
 
 def test_sizes_are_the_real_modules_and_the_formats_bytes(tmp_path):
     sd = load_script()
-    s = sd.size(DEEPSEEK_V3)
-    assert (s.cfg.num_heads, s.cfg.head_dim, s.cfg.num_kv_heads) == (128, 56, 128)  # MLA: hidden / heads
     H, I, V = 7168, 18432, 8192
-    by_hand = 3 * H * H + 2 * H * (3 * H) + H * H + 3 * H * I + H * V + 4 * H  # fc, q/k/v, o, mlp, head, 4 norms
-    assert s.trainable == by_hand
+
+    def by_hand(q: int, kv: int) -> int:  # q = heads x head_dim, kv = KV heads x head_dim
+        # fc 3H -> H; q/k/v from the 2H concat of embedding and hidden; o q -> H; SwiGLU; LM head;
+        # hidden_norm, input_layernorm, post_attention_layernorm, norm
+        return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * I + H * V + 4 * H
+
+    # MLA targets: heads of the value width, 128. DeepSeek-V3's 128 heads would be 16384 wide
+    # (> 1.25 H), so hidden / 128 = 56 heads over 8 KV heads; Kimi-K2 keeps its 64 heads, all KV.
+    s = sd.size(DEEPSEEK_V3)
+    assert (s.cfg.num_heads, s.cfg.head_dim, s.cfg.num_kv_heads) == (56, 128, 8)
+    assert s.trainable == by_hand(56 * 128, 8 * 128) == 792_752_128
+    kimi = sd.size(KIMI_K2)
+    assert (kimi.cfg.num_heads, kimi.cfg.head_dim, kimi.cfg.num_kv_heads) == (64, 128, 64)
+    assert kimi.trainable == by_hand(64 * 128, 64 * 128) == 1_020_293_120
     with torch.device("meta"):
         assert s.trainable == num_parameters(Eagle3Draft(DraftConfig.from_target(sd.text_config(DEEPSEEK_V3),
                                                                                    [2, 30, 58])))
-    assert s.optimizer_bytes == 16 * by_hand
+    assert s.optimizer_bytes == 16 * s.trainable
+    # the header names the target's heads, then the drafter's
+    assert "(hidden 7168, 128 heads, 61 layers" in sd.report("DeepSeek-V3", DEEPSEEK_V3, [4096], 7)
     assert sd.compact_bytes_per_token(H, 16) == 17_573 and v1_min_bytes_per_token(H) == 57_360
     # a multimodal config (Kimi-K2.5) is sized by its text model, from the command line too
     path = tmp_path / "config.json"

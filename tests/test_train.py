@@ -187,11 +187,12 @@ def test_teacher_is_the_targets_own_next_token_distribution(dataset, tiny_target
     """lm_head(final_norm(stored pre-norm state)) equals the target's logits, restricted to the draft vocab."""
     from transformers import AutoModelForCausalLM
 
-    from eaglet.drafter import build_draft_vocab, make_teacher, target_pieces
+    from eaglet.drafter import build_draft_vocab, make_teacher
+    from eaglet.target import heads_of_model
 
     ds = open_dataset(dataset)
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    _, head = target_pieces(model)
+    head = heads_of_model(model)
     d2t, t2d = build_draft_vocab(ds.token_freq, 400, 100)
     sample = formats.read_v1_sample(ds.files[3])
     teacher = make_teacher(sample.hidden_states[-1][None], head.final_norm, head.lm_head, d2t, t2d)
@@ -214,9 +215,13 @@ def test_target_shape_mismatch_is_refused(field, value):
 
     data_cfg = DataConfig(hidden_size=64, vocab_size=400, target_revision="abc", target="tiny")
     target_cfg = SimpleNamespace(**{"hidden_size": 64, "vocab_size": 400, field: value})
+    from eaglet.target import TargetRef
+
     with pytest.raises(ValueError, match=f"{field}={value}"):
-        check_target_matches(data_cfg, target_cfg, "abc", "other")
-    check_target_matches(data_cfg, SimpleNamespace(hidden_size=64, vocab_size=400), "abc", "tiny")
+        check_target_matches(data_cfg, target_cfg, TargetRef("other", "other", "abc"))
+    check_target_matches(data_cfg, SimpleNamespace(hidden_size=64, vocab_size=400), TargetRef("tiny", "tiny", "abc"))
+    with pytest.raises(ValueError, match="target_revision='abd'.*another config, tokenizer or heads"):
+        check_target_matches(data_cfg, SimpleNamespace(hidden_size=64, vocab_size=400), TargetRef("x", "x", "abd"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,9 +52,9 @@ def v1_run(work, tmp_path_factory) -> Path:
 def final_norm(target: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from eaglet.drafter import target_pieces
+    from eaglet.target import heads_of_model
 
-    return target_pieces(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32))[1].final_norm
+    return heads_of_model(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)).final_norm
 
 
 def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Path:

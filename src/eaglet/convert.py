@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from eaglet import formats, ranges
+from eaglet import formats, heads, ranges
 from eaglet.drafter.teacher import StoredTeacherMaker
 from eaglet.options import DECLARED, takes_options
-from eaglet.target import load_target, resolve_target, text_config
+from eaglet.target import load_heads, resolve_target, text_config
 from eaglet.dataset import Dataset, check_target_matches, dataset_target, open_dataset
 
 
@@ -114,9 +114,9 @@ def teacher_maker(ds: Dataset, target: str | None, stored_top_k: int) -> StoredT
     """The compact layout's teacher from each sample's last state: the target's final norm (unless
     the stored state is post-norm) and LM head."""
     ref = resolve_target(dataset_target(ds, target))
-    model = load_target(ref, torch.float32, torch.device("cpu"))
-    check_target_matches(ds.config, model.config, ref.revision, ref.name)
-    return StoredTeacherMaker(model, stored_top_k, ds.last_hidden_state)
+    target_heads = load_heads(ref, torch.float32, roles=(heads.FINAL_NORM, heads.LM_HEAD))
+    check_target_matches(ds.config, target_heads.config, ref)
+    return StoredTeacherMaker(target_heads, stored_top_k, ds.last_hidden_state)
 
 
 @takes_options("convert")

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from eaglet import formats, layers
 from eaglet.formats.data_config import DataConfig, read_data_config
-from eaglet.target import dtype_name
+from eaglet.target import TargetRef, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -198,14 +198,18 @@ def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_
                    first.teacher.ids.shape[1] if first.teacher is not None else None)
 
 
-def check_target_matches(data_cfg: DataConfig, target_cfg: Any, revision: str, name: str) -> None:
-    """Refuse a target unlike the one the data came from (only what the dataset records is compared)."""
-    for key, theirs in (("hidden_size", target_cfg.hidden_size), ("vocab_size", target_cfg.vocab_size),
-                        ("target_revision", revision)):
+def check_target_matches(data_cfg: DataConfig, target_cfg: Any, ref: TargetRef) -> None:
+    """Refuse a target unlike the one the data came from (only what the dataset records is compared;
+    the revision is the target's identity: config, tokenizer and heads, `heads.heads_identity`)."""
+    for key, theirs in (("hidden_size", target_cfg.hidden_size), ("vocab_size", target_cfg.vocab_size)):
         ours = getattr(data_cfg, key)
         if ours is not None and ours != theirs:
-            raise ValueError(f"target {name} has {key}={theirs!r}, the dataset was extracted with "
+            raise ValueError(f"target {ref.name} has {key}={theirs!r}, the dataset was extracted with "
                              f"{ours!r} ({data_cfg.target or '?'}); pass the same --target")
+    if data_cfg.target_revision is not None and not ref.is_revision(data_cfg.target_revision):
+        raise ValueError(f"target {ref.name} has target_revision={ref.revision!r}, the dataset was extracted with "
+                         f"{data_cfg.target_revision!r} ({data_cfg.target or '?'}): another config, tokenizer or "
+                         "heads (embeddings, final norm, LM head); pass the same --target")
 
 
 def dataset_target(ds: Dataset, target: str | None) -> str | None:

@@ -387,8 +387,9 @@ def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, s
         if bad:
             raise ValueError(f"--only {sorted(bad)}: not stages of this recipe ({', '.join(stages)})")
     plan = plan_stages(recipe, paths, only, source)
-    ran_with = target_record(resolve_target(target))
-    done = finished_stages(recipe, paths, ran_with)
+    ref = resolve_target(target)
+    ran_with = target_record(ref)
+    done = finished_stages(recipe, paths, ref)
     summary = RecipeSummary(meta["name"], paths.root)
     runners: dict[str, Callable[..., dict[str, Any]]] = {
         "regen": run_regen, "prepare": lambda o, p, t, c: run_prepare(o, p, t, c, "regen" in stages),
@@ -457,11 +458,11 @@ def target_record(ref: TargetRef) -> dict[str, str]:
     return {"name": ref.name, "revision": ref.revision}
 
 
-def finished_stages(recipe: dict[str, Any], paths: Paths, target: dict[str, str]) -> dict[str, dict[str, Any]]:
+def finished_stages(recipe: dict[str, Any], paths: Paths, ref: TargetRef) -> dict[str, dict[str, Any]]:
     """The markers in OUT, each checked against this run before any stage runs: every one must
     have run with this target (OUT is one target's run, stages outside the recipe included, since
     their output is read), and a stage of the recipe with these options."""
-    done = {}
+    done, target = {}, target_record(ref)
     for stage in STAGES:
         marker = paths.marker(stage)
         if not marker.exists():
@@ -473,7 +474,7 @@ def finished_stages(recipe: dict[str, Any], paths: Paths, target: dict[str, str]
             # with. It is reused as before (refusing would strand every run made so far), and
             # left as it is (writing this run's target into it would claim what nobody checked).
             print(f"note: {marker} does not record its target; reusing it as if run with {target['name']}")
-        elif then != target:
+        elif then.get("name") != ref.name or not ref.is_revision(then.get("revision")):
             raise ValueError(f"{marker}: {stage} ran with target {then.get('name')} (revision "
                              f"{then.get('revision')}), this run's is {target['name']} (revision "
                              f"{target['revision']}); use another --out for this target, or delete {paths.root} "

@@ -8,6 +8,7 @@ a plain safetensors model folder under `$EAGLET_HOME`, so later loads take well 
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import logging
 import os
@@ -22,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from eaglet import embedded, formats, placement
+from eaglet import embedded, formats, heads, placement
 from eaglet.layers import config_positions
 from eaglet.options import env_switch
 from eaglet.formats import TokenizedSample
+from eaglet.heads import TargetHeads
 from eaglet.placement import Device, Placement
 
 log = logging.getLogger(__name__)
@@ -102,7 +104,13 @@ class TargetRef:
 
     path: str  # a local folder or a hub id, as from_pretrained takes it
     name: str  # what data_config.json calls it
-    revision: str  # a content hash of a local folder, or the hub commit
+    revision: str  # a local folder's identity (`heads.heads_identity`), or the hub commit
+
+    def is_revision(self, recorded: str | None) -> bool:
+        """Whether `recorded` (a revision a dataset, run or drafter records) names this target: its
+        identity, or for a local folder the whole-folder hash eaglet recorded before it had one."""
+        return recorded == self.revision or (Path(self.path).is_dir() and recorded == whole_folder_fingerprint(
+            Path(self.path)))
 
 
 def embedded_cache_dir() -> Path:
@@ -159,6 +167,19 @@ def cache_gguf_model(gguf: Path, final: Path, source: str) -> Path:
 
 
 def folder_fingerprint(folder: Path) -> str:
+    """A local target's identity: its config, tokenizer and heads (`heads.heads_identity`), so a
+    download of only the shards that hold the heads is the same target as the full folder. A
+    checkpoint whose heads eaglet cannot locate or read (no safetensors, an unknown layout, a
+    quantized head) is identified by the whole folder instead."""
+    try:
+        location = heads.locate_heads(folder)
+    except (heads.HeadsNotFound, ValueError):
+        return whole_folder_fingerprint(folder)
+    return heads.heads_identity(location)
+
+
+@functools.lru_cache(maxsize=8)
+def whole_folder_fingerprint(folder: Path) -> str:
     """A content hash of a model folder: config, tokenizer files, and each weight file's
     name, size and first MiB (hashing every byte of a 100 GB model would take minutes)."""
     h = hashlib.sha256()
@@ -256,6 +277,8 @@ def resolve_target(spec: str | None) -> TargetRef:
 
 def text_config(ref: TargetRef) -> Any:
     """The target's config (its text model's, for a multimodal one), read without the weights."""
+    if Path(ref.path).is_dir():
+        return heads.text_config(ref.path)
     from transformers import AutoConfig  # seconds to import: only where a target is read
 
     return AutoConfig.from_pretrained(ref.path).get_text_config()
@@ -275,7 +298,7 @@ def config_where(ref: TargetRef) -> str:
 def prepared_target(prepared: str | Path, pconfig: dict[str, Any], target: str | None) -> TargetRef:
     """The target `prepared` was tokenized with (`target`, else the recorded one); refuse another."""
     ref = resolve_target(target if target is not None else pconfig.get("target_spec"))
-    if ref.revision != pconfig["target_revision"]:
+    if not ref.is_revision(pconfig["target_revision"]):
         raise ValueError(f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
                          f"({pconfig['target']}, revision {pconfig['target_revision']})")
     return ref
@@ -442,6 +465,55 @@ def input_device(model: nn.Module) -> torch.device:
     if hooked is not None:
         return torch.device(f"cuda:{hooked}" if isinstance(hooked, int) else hooked)
     return embeddings.weight.device
+
+
+# ---------------------------------------------------------------------------------------------
+# The target's heads: read alone (`eaglet.heads`), or a loaded model's
+# ---------------------------------------------------------------------------------------------
+
+# Train runs the layer-identity recompute itself only for a whole target this small on disk (it
+# loads every layer for it); a larger one is `eaglet check DATA --target T`'s job.
+LAYER_CHECK_MAX_BYTES = 2 << 30
+
+
+def heads_of_model(model: nn.Module) -> TargetHeads:
+    """The heads of a target already loaded (online training, extract): the model's own modules."""
+    inner = base_model(model)
+    norm = next((getattr(inner, n) for n in ("norm", "final_layernorm", "ln_f") if hasattr(inner, n)), None)
+    if norm is None:
+        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+    return TargetHeads(model.config, model.get_input_embeddings().weight.detach(), norm,
+                       model.get_output_embeddings(), type(model).__name__)
+
+
+def load_heads(ref: TargetRef, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                 roles: tuple[str, ...] = heads.HEAD_ROLES) -> TargetHeads:
+    """The target's embeddings, final norm and LM head in `dtype` (None: as stored) on `device`,
+    read alone from a local folder's safetensors (`heads.read_heads`: the folder may hold only the
+    shards with them). A hub id, or a checkpoint whose heads the reader cannot place, is loaded
+    whole (in `dtype`, fp32 when None) and its heads taken."""
+    folder = Path(ref.path)
+    if folder.is_dir():
+        try:
+            return heads.read_heads(folder, dtype, device, roles)
+        except heads.HeadsNotFound as e:
+            log.info("%s: the heads cannot be read alone (%s); loading the whole target", ref.name, e)
+    return heads_of_model(load_target(ref, dtype or torch.float32, torch.device(device)))
+
+
+def whole_target_size(ref: TargetRef) -> int | None:
+    """The bytes of a local target's weight files when every one is present, else None (a
+    head-only folder, or a hub id)."""
+    folder = Path(ref.path)
+    if not folder.is_dir():
+        return None
+    try:
+        location = heads.locate_heads(folder)
+    except ValueError:  # no safetensors the reader knows: the weight files it has are all there is
+        return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin"))
+    if location.missing_shards:
+        return None
+    return sum((folder / s).stat().st_size for s in location.shards)
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -23,13 +23,14 @@ import torch
 
 from eaglet import formats, layers, ranges
 from eaglet.check.files import Expect, FileResult, check_file, is_unsafe_pickle_error, load_problem
-from eaglet.check.identity import (generation_prompt, identity_check, load_target_for_check, pick_identity_files,
-                                   target_revision_problem, too_long_problems)
+from eaglet.check.identity import (generation_prompt, heads_check, identity_check, load_target_for_check,
+                                   pick_identity_files, target_revision_problem, too_long_problems)
 from eaglet.check.report import (BROKEN_LINK, DATA_CONFIG, DUPLICATE_INDEX, ERROR, FOLDER_NAMING, LAYER_IDENTITY,
                                  MASK_TEMPLATE, MISSING_INDEX, NO_FILES, NOT_CHECKED, RMS_BOUNDS, SAMPLE_LENGTHS,
                                  STRAY_FILE, TOKEN_FREQ, UNREADABLE, WARNING, CheckReport, Problem, SlotStats)
 from eaglet.chat import special_token_ids, template_hash
 from eaglet.formats import fmt_rows
+from eaglet.heads import TargetHeads
 from eaglet.options import DECLARED, takes_options
 from eaglet.placement import Placement, placement_from_options
 
@@ -358,6 +359,8 @@ def check_identity(report: CheckReport, root: Path, exp: Expect, model: Any, dev
     elif any(not 0 <= k <= n for k in layer_ids):
         report.problems.append(Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
                                        f"layer_ids {layer_ids} are not all in 0..{n} for this {n}-layer target"))
+    elif isinstance(model, TargetHeads):
+        heads_check(report, root, exp, model, pick_identity_files(results, identity_samples), last_conv)
     else:
         identity_check(report, root, exp, model, pick_identity_files(results, identity_samples), layer_ids,
                        last_conv, device)

@@ -13,10 +13,13 @@ import torch
 
 from eaglet import formats
 from eaglet.check.files import Expect, FileResult
-from eaglet.check.report import ERROR, LAYER_IDENTITY, STORED_TEACHER, TOO_LONG, CheckReport, Problem, SlotIdentity
+from eaglet.check.heads import convention_hits, convention_problem
+from eaglet.check.report import (ERROR, LAYER_IDENTITY, NOT_CHECKED, STORED_TEACHER, TOO_LONG, WARNING, CheckReport,
+                                 Problem, SlotIdentity)
 from eaglet.placement import Placement
-from eaglet.target import (base_model, decoder_layers, input_device, load_target, load_tokenizer, max_positions,
-                           parse_dtype, pick_device, resolve_target)
+from eaglet.heads import TargetHeads
+from eaglet.target import (base_model, decoder_layers, input_device, load_heads, load_target, load_tokenizer,
+                           max_positions, parse_dtype, pick_device, resolve_target, whole_target_size)
 
 # Layer identity: a stored slot "is" a recomputed state when it is this close. bf16 storage
 # alone gives rel err ~0.004; a recompute on other hardware / kernels adds a little.
@@ -45,11 +48,14 @@ def generation_prompt(tokenizer: Any) -> tuple[list[int], str] | None:
 
 
 def load_target_for_check(spec: str, cfg: formats.DataConfig | None, placed: Placement | None = None
-                          ) -> tuple[Any, Any, torch.nn.Module, torch.device]:
+                          ) -> tuple[Any, Any, torch.nn.Module | TargetHeads, torch.device]:
     """(ref, tokenizer, model, input device). Recompute in the recorded compute dtype, as
-    extraction did; on the default device, or across the devices `placed` maps."""
+    extraction did; on the default device, or across the devices `placed` maps. A folder that holds
+    only the heads gives its heads instead (as stored, on the CPU): what they alone can check."""
     ref = resolve_target(spec)
     tokenizer = load_tokenizer(ref)
+    if Path(ref.path).is_dir() and whole_target_size(ref) is None:
+        return ref, tokenizer, load_heads(ref), torch.device("cpu")
     dtype = parse_dtype((cfg.compute_dtype if cfg else None) or "fp32")
     model = load_target(ref, dtype, pick_device(None), placed)
     return ref, tokenizer, model, input_device(model)
@@ -59,7 +65,7 @@ def target_revision_problem(cfg: formats.DataConfig | None, ref: Any) -> Problem
     """The data records the revision (content hash) of the target it came from; a target of other
     weights explains every identity mismatch that follows, so it is said first, in one line."""
     recorded = (cfg.target_revision if cfg else None)
-    if not recorded or recorded == ref.revision:
+    if not recorded or ref.is_revision(recorded):
         return None
     return Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
                    f"target_revision {recorded} ({(cfg.target if cfg and cfg.target else '?')}) is not the "
@@ -67,7 +73,7 @@ def target_revision_problem(cfg: formats.DataConfig | None, ref: Any) -> Problem
                    "check against the target the data was extracted with")
 
 
-def too_long_problems(results: list[FileResult], model: torch.nn.Module) -> list[Problem]:
+def too_long_problems(results: list[FileResult], model: torch.nn.Module | TargetHeads) -> list[Problem]:
     """Samples longer than the target's positions: states the target never makes in use."""
     limit = max_positions(model)
     return [Problem(TOO_LONG, r.path, f"{r.length} tokens, the target has {limit} positions "
@@ -284,3 +290,29 @@ def layer_identity_problems(root: Path, fmt: str | formats.Layout, sample: Path,
         identity_check(report, root, Expect(formats.layout(fmt)), model, [probe], layer_ids, last_convention,
                        next(model.parameters()).device)
     return [p for p in report.problems if p.kind == LAYER_IDENTITY and p.severity == ERROR]
+
+
+def heads_check(report: CheckReport, root: Path, exp: Expect, target_heads: TargetHeads, files: list[FileResult],
+                last_convention: str) -> None:
+    """With the heads alone: the stored last state's next-token accuracy read as recorded and read
+    the other way, on the sampled files; the layer identity is said to be not checked, and how."""
+    positions, hits = 0, {c: 0 for c in formats.LAST_STATE_CONVENTIONS}
+    for r in files:
+        sample, _ = exp.layout.file_states(exp.layout.read_raw(root / r.path), r.path)
+        if sample.teacher is not None:
+            continue  # a compact file: the stored teacher is its last slot
+        mask = sample.loss_mask if isinstance(sample.loss_mask, torch.Tensor) else None
+        n, h = convention_hits(sample.states[-1], sample.input_ids, mask, target_heads)
+        positions, hits = positions + n, {c: hits[c] + h[c] for c in hits}
+        p = convention_problem(n, h, last_convention, r.path)
+        if p:
+            report.problems.append(p)
+    if positions:
+        other = next(c for c in formats.LAST_STATE_CONVENTIONS if c != last_convention)
+        report.next_token_accuracy = {"positions": positions, "stored_last": hits[last_convention] / positions,
+                                      f"stored_last_read_{other}": hits[other] / positions}
+    report.identity_files = [r.path for r in files]
+    report.problems.append(Problem(NOT_CHECKED, "", f"layer identity not checked: {target_heads.source}; the heads "
+                                                    "checked the last state and the sizes. For the layers, "
+                                                    f"`eaglet check {root} --target FULL_TARGET [--device-map auto]`",
+                                   WARNING))

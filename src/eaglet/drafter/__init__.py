@@ -19,7 +19,7 @@ from eaglet.drafter.config import DEFAULT_TTT_STEPS, DraftConfig, build_draft_vo
 from eaglet.drafter.model import DraftOutput, Eagle3Draft, load_embeddings_from, num_parameters
 from eaglet.drafter.objectives import STAT_ROWS, acceptance_length, stats_summary, ttt_loss
 from eaglet.drafter.teacher import (DraftFirstHead, Teacher, TeacherHead, make_teacher, make_teacher_head,
-                                    target_pieces, target_top_k, teacher_from_top_k)
+                                    target_top_k, teacher_from_top_k)
 
 __all__ = [
     # config
@@ -29,7 +29,7 @@ __all__ = [
     # model
     "DraftOutput", "Eagle3Draft", "load_embeddings_from", "num_parameters",
     # teacher
-    "DraftFirstHead", "Teacher", "TeacherHead", "make_teacher", "make_teacher_head", "target_pieces", "target_top_k",
+    "DraftFirstHead", "Teacher", "TeacherHead", "make_teacher", "make_teacher_head", "target_top_k",
     "teacher_from_top_k",
     # objectives
     "STAT_ROWS", "acceptance_length", "stats_summary", "ttt_loss",

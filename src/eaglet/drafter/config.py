@@ -14,6 +14,33 @@ DEFAULT_DRAFT_VOCAB = 8192  # bench/train_efficiency.py: 8k beat 16k and 32k at 
 DEFAULT_TTT_STEPS: int = options.declared_default("train", "ttt_steps")  # the train option's, declared once
 
 
+# An MLA target's drafter attention may be this much wider than the hidden size (heads x head_dim).
+MLA_MAX_WIDTH = 1.25
+MLA_NARROW_KV_HEADS = 8  # SpecForge's DeepSeek-V3 drafter: 56 heads of 128 over 8 KV heads
+
+
+def attention_shape(c: Any) -> tuple[int, int, int]:
+    """(heads, KV heads, head_dim) of the drafter's Llama attention for a target config.
+
+    A plain target's own. An MLA target (DeepSeek-V3, Kimi-K2/K2.5: `kv_lora_rank` set) has no
+    plain head size (192-wide query/key heads through low-rank projections, 128-wide values), and
+    hidden / heads (56 for DeepSeek-V3, 112 for Kimi) matches no published drafter. The published
+    Llama-layer drafters use heads of the target's value width, 128: Kimi-K2/K2.5's (SpecForge's
+    and TorchSpec's configs) keep the target's 64 heads, all KV (64 x 128 = 8192, 1.14 x hidden);
+    DeepSeek-V3's 128 heads would make 16384, so SpecForge's has hidden / 128 = 56 heads over 8 KV
+    heads. One rule gives both: the target's heads at its value width while that stays within
+    MLA_MAX_WIDTH x hidden, else hidden / value width heads over MLA_NARROW_KV_HEADS."""
+    heads = c.num_attention_heads
+    if getattr(c, "kv_lora_rank", None) is None:
+        return heads, getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or \
+            c.hidden_size // heads
+    head_dim = c.v_head_dim
+    if heads * head_dim <= MLA_MAX_WIDTH * c.hidden_size:
+        return heads, heads, head_dim
+    narrow = c.hidden_size // head_dim
+    return narrow, MLA_NARROW_KV_HEADS if narrow % MLA_NARROW_KV_HEADS == 0 else narrow, head_dim
+
+
 @dataclass
 class DraftConfig:
     hidden_size: int
@@ -46,14 +73,15 @@ class DraftConfig:
     @classmethod
     def from_target(cls, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int | None = None,
                     **overrides: Any) -> DraftConfig:
-        """One Llama layer shaped like the target's layers (the EAGLE-3 default)."""
+        """One Llama layer shaped like the target's layers (the EAGLE-3 default; `attention_shape`
+        for an MLA target)."""
         c = target_config
-        heads = c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or {}
         vocab = c.vocab_size
+        heads, kv_heads, head_dim = attention_shape(c)
         values = dict(
-            hidden_size=c.hidden_size, num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, intermediate_size=c.intermediate_size,
+            hidden_size=c.hidden_size, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            intermediate_size=c.intermediate_size,
             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
             rope_theta=getattr(c, "rope_theta", None) or rope.get("rope_theta", 10000.0),
             max_position_embeddings=layers.config_positions(c), target_vocab_size=vocab,

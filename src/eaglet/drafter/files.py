@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
 
-from eaglet import __version__, formats, layers
+from eaglet import __version__, formats, heads, layers
 from eaglet.drafter.config import DraftConfig
 from eaglet.drafter.model import Eagle3Draft
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
-from eaglet.target import find_target_gguf, load_target, resolve_target, text_config
+from eaglet.target import find_target_gguf, load_heads, resolve_target, text_config
 
 log = logging.getLogger(__name__)
 
@@ -126,18 +125,9 @@ def eaglet_draft_config(c: dict[str, Any], where: Path) -> DraftConfig:
 
 
 def target_embeddings(target: str) -> torch.Tensor:
-    """The target's input embeddings: read straight from its safetensors when a tensor named
-    `*embed_tokens.weight` is there (no model load), else from the loaded model."""
-    ref = resolve_target(target)
-    folder = Path(ref.path)
-    files = formats.weight_files(folder) if folder.is_dir() else []
-    for f in (f for f in files if f.suffix == ".safetensors"):
-        with safe_open(str(f), framework="pt") as h:
-            names = [k for k in h.keys() if k.endswith(EMBEDDINGS)]
-            if names:
-                return h.get_tensor(min(names, key=len))
-    log.info("loading target %s to read its input embeddings", ref.name)
-    return load_target(ref, torch.float32, torch.device("cpu")).get_input_embeddings().weight.detach().clone()
+    """The target's input embeddings in fp32, read alone from its safetensors (`heads.read_heads`:
+    a folder with only the shard that holds them is enough), else from the loaded model."""
+    return load_heads(resolve_target(target), torch.float32, roles=(heads.EMBEDDINGS,)).embeddings
 
 
 def default_aux_layer_ids(target: str | None, where: Path) -> list[int]:

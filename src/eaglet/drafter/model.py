@@ -191,7 +191,7 @@ class Eagle3Draft(nn.Module):
 
 def load_embeddings_from(draft: Eagle3Draft, target_embeddings: torch.Tensor) -> None:
     with torch.no_grad():
-        draft.embed_tokens.weight.copy_(target_embeddings.to(draft.embed_tokens.weight.dtype))
+        draft.embed_tokens.weight.copy_(target_embeddings)  # casts as it copies: no temporary of vocab x H
 
 
 def num_parameters(model: nn.Module, trainable_only: bool = True) -> int:

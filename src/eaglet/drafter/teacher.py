@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglet import formats
-from eaglet.target import base_model
+from eaglet.heads import TargetHeads
+from eaglet.target import heads_of_model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -24,35 +25,29 @@ from eaglet.target import base_model
 class TeacherHead(nn.Module):
     """The frozen target's final norm and LM head; nothing else of the target is kept."""
 
-    def __init__(self, final_norm: nn.Module, lm_head: nn.Module):
+    def __init__(self, final_norm: nn.Module, lm_head: nn.Module | None):
         super().__init__()
         self.final_norm, self.lm_head = final_norm, lm_head
         self.requires_grad_(False)
 
 
-def target_pieces(model: nn.Module) -> tuple[torch.Tensor, TeacherHead]:
-    """(input embeddings, teacher head) of a Hugging Face causal LM."""
-    inner = base_model(model)
-    norm = next((getattr(inner, n) for n in ("norm", "final_layernorm", "ln_f") if hasattr(inner, n)), None)
-    if norm is None:
-        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
-    return model.get_input_embeddings().weight.detach(), TeacherHead(norm, model.get_output_embeddings())
-
-
-def fp32(module: nn.Module) -> nn.Module:
-    """`module` itself when it is fp32 already (no second copy of a large LM head), else an fp32
-    copy: the target running online in bf16 must stay bf16."""
-    if all(p.dtype == torch.float32 for p in module.parameters()):
+def in_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """`module` itself when it is in `dtype` already, or `dtype` is None (no second copy of a large
+    LM head), else a copy in `dtype`: the target running online in bf16 must stay bf16."""
+    if dtype is None or all(p.dtype == dtype for p in module.parameters()):
         return module
-    return copy.deepcopy(module).float()
+    return copy.deepcopy(module).to(dtype)
 
 
-def make_teacher_head(model: nn.Module, last_hidden_state: str) -> TeacherHead:
-    """The teacher in fp32 whatever the target's dtype; without the final norm when the stored
-    last state is already normed (SpecForge stores it after the norm)."""
-    _, head = target_pieces(model)
-    norm = head.final_norm if last_hidden_state == formats.LAST_STATE_PRE_NORM else nn.Identity()
-    return TeacherHead(fp32(norm), fp32(head.lm_head))
+def make_teacher_head(target: TargetHeads | nn.Module, last_hidden_state: str,
+                      head_dtype: torch.dtype | None = torch.float32) -> TeacherHead:
+    """The teacher from the target's heads (read alone, or a loaded model's): the final norm in
+    fp32, the LM head in `head_dtype` (None: as it is, for a user that makes its own copy in the
+    dtype it computes in, as training's `DraftFirstHead` does); without the final norm when the
+    stored last state is already normed (SpecForge stores it after the norm)."""
+    heads = target if isinstance(target, TargetHeads) else heads_of_model(target)
+    norm = heads.final_norm if last_hidden_state == formats.LAST_STATE_PRE_NORM else nn.Identity()
+    return TeacherHead(in_dtype(norm, torch.float32), in_dtype(heads.lm_head, head_dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,8 +162,9 @@ class StoredTeacherMaker:
     over its full vocabulary, computed exactly as training computes the teacher from a v1 file
     (the stored-dtype state, the final norm and LM head in fp32)."""
 
-    def __init__(self, model: nn.Module, top_k: int, last_hidden_state: str = formats.LAST_STATE_PRE_NORM):
-        self.head = make_teacher_head(model, last_hidden_state)
+    def __init__(self, target: TargetHeads | nn.Module, top_k: int,
+                 last_hidden_state: str = formats.LAST_STATE_PRE_NORM):
+        self.head = make_teacher_head(target, last_hidden_state)
         self.top_k = min(top_k, self.head.lm_head.weight.shape[0])
 
     def __call__(self, last: torch.Tensor) -> formats.StoredTeacher:

@@ -103,7 +103,7 @@ def load_models(drafter_path: str | Path, target: str | None, methods: Sequence[
     if any(m in DRAFTER_METHODS for m in methods):
         drafter, target_spec, trained_for = load_drafter_for_target(drafter_path, target)
     ref = resolve_target(target_spec)
-    if trained_for and trained_for != ref.revision and not other_target:
+    if trained_for and not ref.is_revision(trained_for) and not other_target:
         raise ValueError(f"{drafter_path}: trained for a target of revision {trained_for}; --target {ref.name} "
                          f"has revision {ref.revision} (other weights): its figures would not be this drafter's "
                          "on its own target; pass the drafter's own target, or --other-target to measure it on "

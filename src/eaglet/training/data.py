@@ -24,9 +24,11 @@ import torch
 from torch import nn
 
 from eaglet import formats
-from eaglet.check import check_dataset, layer_identity_problems, problem_lines
+from eaglet.check import check_dataset, convention_hits, convention_problem, layer_identity_problems, problem_lines
 from eaglet.dataset import Dataset, open_dataset
-from eaglet.target import LayerCapture, decoder_layers, dtype_name, max_positions, run_batch
+from eaglet.heads import TargetHeads
+from eaglet.layers import config_positions
+from eaglet.target import LayerCapture, decoder_layers, dtype_name, run_batch
 from eaglet.training.config import TrainConfig, min_sample_tokens
 
 log = logging.getLogger(__name__)
@@ -415,10 +417,10 @@ def refuse_too_short(lengths: dict[int, int], train_idx: list[int], cfg: TrainCo
                          "train on; use longer samples or a larger --max-length")
 
 
-def refuse_beyond_positions(src: Source, max_length: int | None, model: nn.Module) -> None:
+def refuse_beyond_positions(src: Source, max_length: int | None, target_config: Any) -> None:
     """A sample longer than the target's positions holds states the target never makes in use
     (RoPE beyond its range): refuse it, naming the longest, rather than train on it."""
-    limit = max_positions(model)
+    limit = config_positions(target_config)
     longest = max(src.lengths, key=lambda i: src.lengths[i])
     n = min(src.lengths[longest], max_length or src.lengths[longest])
     if n > limit:
@@ -441,3 +443,20 @@ def refuse_wrong_layer_ids(ds: Dataset, model: nn.Module) -> None:
                          f"layer_ids trains a drafter that engines feed other layers: `eaglet check {ds.root} "
                          "--target T` for the full report, then re-extract or restore data_config.json")
 
+
+
+def refuse_wrong_last_state(ds: Dataset, target_heads: TargetHeads) -> None:
+    """The check the heads alone can make, on the dataset's first file: the stored last state read as
+    recorded (pre- or post-norm) must predict the next token at least as well as read the other way."""
+    first = ds.files[min(ds.files)]
+    sample = formats.read_training_sample(first, ds.layout)
+    if sample.last_hidden is None:  # a compact file stores the teacher, not the state
+        return
+    positions, hits = convention_hits(sample.last_hidden, sample.input_ids, sample.loss_mask, target_heads)
+    problem = convention_problem(positions, hits, ds.last_hidden_state, str(first))
+    if problem:
+        raise ValueError(f"{problem.file}: {problem.message} ({ds.root / formats.DATA_CONFIG_FILE}, or "
+                         "--last-hidden-state for a dataset without one); `eaglet check` for the full report")
+    log.info("%s: the stored last state read %s predicts %d of %d assistant next tokens through the target's head "
+             "(%d read the other way)", first, ds.last_hidden_state, hits[ds.last_hidden_state], positions,
+             sum(hits.values()) - hits[ds.last_hidden_state])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -89,3 +90,14 @@ def teardown(d: Dist) -> None:
         # while the interpreter is alive: freed at exit, a gloo thread can abort the process (SIGABRT)
         gc.collect()
         dist.destroy_process_group()
+
+
+def host_memory() -> str:
+    """This process's resident and peak host memory (/proc/self/status), e.g. "RSS 5.10 GB (peak
+    5.31 GB)": printed per rank at start, since every rank holds its own copy of what it reads."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return "RSS unknown"
+    kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in status.read_text().splitlines())
+           if k in ("VmRSS", "VmHWM")}
+    return f"RSS {kib.get('VmRSS', 0) * 1024 / 1e9:.2f} GB (peak {kib.get('VmHWM', 0) * 1024 / 1e9:.2f} GB)"

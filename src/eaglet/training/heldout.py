@@ -11,7 +11,8 @@ import torch
 
 from eaglet.drafter import DEFAULT_TTT_STEPS, STAT_ROWS, Eagle3Draft, make_teacher_head, stats_summary
 from eaglet.drafter.files import load_drafter
-from eaglet.target import fast_bf16, load_target, pick_device, resolve_target
+from eaglet.heads import FINAL_NORM, LM_HEAD
+from eaglet.target import fast_bf16, load_heads, pick_device, resolve_target
 from eaglet.training.config import TrainConfig
 from eaglet.dataset import dataset_target, open_dataset
 from eaglet.training.data import Batch, bucketed_batches, offline_source, split_indices
@@ -45,7 +46,7 @@ def evaluate_heldout(drafter: str | Path, dataset_dir: str | Path, eval_fraction
     ds = open_dataset(dataset_dir)
     draft = load_drafter(drafter).to(dev)
     ref = resolve_target(dataset_target(ds, target))
-    head = make_teacher_head(load_target(ref, torch.float32, torch.device("cpu")), ds.last_hidden_state).to(dev)
+    head = make_teacher_head(load_heads(ref, None, dev, (FINAL_NORM, LM_HEAD)), ds.last_hidden_state, None).to(dev)
     cfg = TrainConfig(ttt_steps=ttt_steps or DEFAULT_TTT_STEPS, bf16=bf16, batch_size=batch_size,
                       max_length=max_length, eval_fraction=eval_fraction, seed=seed)
     _, eval_idx = split_indices(list(ds.lengths), eval_fraction, seed)

@@ -41,15 +41,17 @@ from eaglet import formats, layers
 from eaglet.drafter import STAT_ROWS, Eagle3Draft, make_teacher_head, num_parameters, stats_summary
 from eaglet.dataset import Dataset, check_target_matches, dataset_target
 from eaglet.options import DECLARED, takes_options
-from eaglet.target import TargetRef, fast_bf16, load_target, parse_dtype, prepared_target, resolve_target
+from eaglet.heads import TargetHeads, heads_summary
+from eaglet.target import (LAYER_CHECK_MAX_BYTES, TargetRef, fast_bf16, heads_of_model, load_heads, load_target,
+                           parse_dtype, prepared_target, resolve_target, whole_target_size)
 from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
                                          checkpoint_name, resumed_options, run_lock, truncate_metrics)
 from eaglet.training.config import (CALIBRATION_SKIP, Calibration, Plan, TrainConfig, budget_steps, lr_lambda,
                                     resolve_packing)
 from eaglet.training.data import (Batch, BatchStream, Prefetcher, Prepared, Source, bucketed_batches, offline_source,
                                   online_source, open_training_data, refuse_beyond_positions, refuse_too_short,
-                                  refuse_wrong_layer_ids, split_indices)
-from eaglet.training.distributed import Dist, env_rank, init_distributed, process_device, teardown, wrap
+                                  refuse_wrong_last_state, refuse_wrong_layer_ids, split_indices)
+from eaglet.training.distributed import Dist, env_rank, host_memory, init_distributed, process_device, teardown, wrap
 from eaglet.training.heldout import evaluate
 from eaglet.training.loss import forward_stats, refuse_non_finite
 from eaglet.training.teacher import TeacherSource, build_drafter
@@ -205,22 +207,23 @@ def run_config(out: Path, resume: bool, options: dict[str, Any]) -> TrainConfig:
 
 def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str | None, cfg: TrainConfig,
                 device: torch.device) -> tuple[Source, TargetRef, Eagle3Draft, TeacherSource]:
-    """The source of batches, the target it was checked against, the drafter built from the target
-    and the teacher. Offline nothing else of the target is kept; online the source holds it."""
+    """The source of batches, the target it was checked against, the drafter built from the target's
+    heads and the teacher. Offline only the heads are read; online the source holds the target."""
     if isinstance(data, Prepared):
-        src, ref, tmodel = online_target(dataset_dir, data, target, cfg, device)
+        src, ref, target_heads = online_target(dataset_dir, data, target, cfg, device)
     else:
-        src, ref, tmodel = offline_target(data, target, cfg)
-    refuse_beyond_positions(src, cfg.max_length, tmodel)
-    draft = build_drafter(tmodel, src.aux_layer_ids, src.token_freq, cfg).to(device)
-    teacher_head = make_teacher_head(tmodel, src.last_hidden_state).to(device)
+        src, ref, target_heads = offline_target(data, target, cfg, device)
+    refuse_beyond_positions(src, cfg.max_length, target_heads.config)
+    draft = build_drafter(target_heads, src.aux_layer_ids, src.token_freq, cfg, device)
+    # the head as read: TeacherSource makes the one copy it computes with, in its compute dtype
+    teacher_head = make_teacher_head(target_heads, src.last_hidden_state, head_dtype=None).to(device)
     teachers = TeacherSource(teacher_head, draft.d2t, draft.t2d, cfg.teacher_top_k, cfg.feature_loss_weight > 0,
                              cfg.bf16)
     return src, ref, draft, teachers
 
 
 def online_target(dataset_dir: str | Path, prepared: Prepared, target: str | None, cfg: TrainConfig,
-                  device: torch.device) -> tuple[Source, TargetRef, nn.Module]:
+                  device: torch.device) -> tuple[Source, TargetRef, TargetHeads]:
     """The target `eaglet prepare` used, on this process's device (under torchrun every process
     runs its own copy), and the source that runs it on the prepared samples."""
     ref = prepared_target(dataset_dir, prepared.config, target)
@@ -230,18 +233,38 @@ def online_target(dataset_dir: str | Path, prepared: Prepared, target: str | Non
     n = tmodel.config.num_hidden_layers
     aux_ids = cfg.aux_layer_ids or layers.default_aux_ids(n)
     layers.check_aux_ids(aux_ids, n)
-    return online_source(prepared, tmodel, [*aux_ids, n], device, cfg.max_length), ref, tmodel
+    return online_source(prepared, tmodel, [*aux_ids, n], device, cfg.max_length), ref, heads_of_model(tmodel)
 
 
-def offline_target(ds: Dataset, target: str | None, cfg: TrainConfig) -> tuple[Source, TargetRef, nn.Module]:
-    """The target the dataset came from, in fp32 on the CPU (the drafter takes its embeddings, the
-    teacher its final norm and LM head), refused unless it matches what the dataset records."""
+def offline_target(ds: Dataset, target: str | None, cfg: TrainConfig,
+                   device: torch.device) -> tuple[Source, TargetRef, TargetHeads]:
+    """The heads of the target the dataset came from (embeddings for the drafter, final norm and LM
+    head for the teacher), read alone as stored onto the training device; refused unless the target
+    matches what the dataset records and its heads read the stored last states as recorded."""
     ref = resolve_target(dataset_target(ds, target))
+    target_heads = load_heads(ref, None, device)
+    log.info("rank %d: host memory %s after reading the target's heads (%s); %s", env_rank(),
+             host_memory(), heads_summary(target_heads), ref.name)
+    check_target_matches(ds.config, target_heads.config, ref)
+    layers.check_aux_ids(ds.aux_layer_ids, target_heads.config.num_hidden_layers)
+    refuse_wrong_last_state(ds, target_heads)
+    check_layer_ids(ds, ref)
+    return offline_source(ds, cfg.max_length), ref, target_heads
+
+
+def check_layer_ids(ds: Dataset, ref: TargetRef) -> None:
+    """The layer-identity recompute on the dataset's first file, when the whole target is here and
+    small enough to load in fp32 on the CPU; otherwise said, with how to run it."""
+    size = whole_target_size(ref)
+    if size is None or size > LAYER_CHECK_MAX_BYTES:
+        why = "the folder holds only the heads" if size is None else f"the target's weights are {size:,} bytes"
+        log.warning("layer identity not checked by train (%s; train reads only the target's heads): run `eaglet check "
+                    "%s --target FULL_TARGET [--device-map auto] --identity-samples 2` once, with the whole target",
+                    why, ds.root)
+        return
     tmodel = load_target(ref, torch.float32, torch.device("cpu"))
-    check_target_matches(ds.config, tmodel.config, ref.revision, ref.name)
-    layers.check_aux_ids(ds.aux_layer_ids, tmodel.config.num_hidden_layers)
     refuse_wrong_layer_ids(ds, tmodel)
-    return offline_source(ds, cfg.max_length), ref, tmodel
+    del tmodel
 
 
 def setup_data(src: Source, cfg: TrainConfig, d: Dist) -> Split:

@@ -6,10 +6,10 @@ the target (its embeddings, a draft vocabulary from the data, optionally its LM 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from eaglet.drafter import (DraftConfig, DraftFirstHead, Eagle3Draft, Teacher, TeacherHead, build_draft_vocab,
-                            load_embeddings_from, make_teacher, target_pieces, teacher_from_top_k)
+                            load_embeddings_from, make_teacher, teacher_from_top_k)
+from eaglet.heads import TargetHeads
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
 
@@ -42,10 +42,12 @@ class TeacherSource:
     def lm_head(self) -> DraftFirstHead:
         """The head's rows reordered once (on first use: a resumed run has restored the draft
         vocabulary by then), in the compute dtype: autocast would cast the frozen weights again at
-        every call (it caches casts of trainable weights only)."""
+        every call (it caches casts of trainable weights only). At Kimi-K2.5's 163,840 x 7,168 this
+        copy is 2.35 GB in bf16, so the head it was made from (as the target stores it) is let go."""
         if self._lm_head is None:
             self._lm_head = DraftFirstHead(self.head.lm_head, self.d2t, self.t2d,
-                                           torch.bfloat16 if self.bf16 else None)
+                                           torch.bfloat16 if self.bf16 else torch.float32)
+            self.head = TeacherHead(self.head.final_norm, None)  # the reordered copy is all that is used now
         return self._lm_head
 
     def __call__(self, batch: Batch) -> Teacher:
@@ -86,7 +88,7 @@ class TeacherSource:
         return hit
 
 
-def init_lm_head_from_target(draft: Eagle3Draft, head: TeacherHead, freeze: bool) -> None:
+def init_lm_head_from_target(draft: Eagle3Draft, head: TargetHeads | TeacherHead, freeze: bool) -> None:
     """The target's LM head rows of the draft ids and its final norm (optionally frozen), so the
     drafter starts out speaking the target's output space."""
     norm_weight = getattr(head.final_norm, "weight", None)
@@ -101,18 +103,20 @@ def init_lm_head_from_target(draft: Eagle3Draft, head: TeacherHead, freeze: bool
         draft.norm.weight.requires_grad_(False)
 
 
-def build_drafter(target_model: nn.Module, aux_layer_ids: list[int], token_freq: dict[int, int],
-                  cfg: TrainConfig) -> Eagle3Draft:
+def build_drafter(heads: TargetHeads, aux_layer_ids: list[int], token_freq: dict[int, int],
+                  cfg: TrainConfig, device: torch.device | str = "cpu") -> Eagle3Draft:
     """A drafter shaped like the target's layers, with its embeddings (frozen), a draft vocab from
-    the data and, with --lm-head-init target, the target's LM head rows and final norm."""
+    the data and, with --lm-head-init target, the target's LM head rows and final norm. Built on
+    `device` (a real target's vocabulary makes its embeddings gigabytes: not a second host copy)."""
     torch.manual_seed(cfg.seed)
-    dcfg = DraftConfig.from_target(target_model.config, aux_layer_ids, cfg.draft_vocab_size,
+    dcfg = DraftConfig.from_target(heads.config, aux_layer_ids, cfg.draft_vocab_size,
                                    fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
                                    norm_before_residual=cfg.norm_before_residual, sliding_window=cfg.sliding_window)
-    draft = Eagle3Draft(dcfg)
-    load_embeddings_from(draft, target_model.get_input_embeddings().weight)
+    with torch.device(device):
+        draft = Eagle3Draft(dcfg)
+    load_embeddings_from(draft, heads.embeddings)
     draft.set_draft_vocab(*build_draft_vocab(token_freq, dcfg.target_vocab_size, dcfg.draft_vocab_size))
     if cfg.lm_head_init == "target":
-        init_lm_head_from_target(draft, target_pieces(target_model)[1], cfg.freeze_lm_head)
+        init_lm_head_from_target(draft, heads, cfg.freeze_lm_head)
     return draft
 
