@@ -146,29 +146,30 @@ def convert(src: str | Path = DECLARED, out: str | Path = DECLARED, layout: str 
                          "speculators applies that norm itself, and it cannot be undone: extract the states again "
                          "(`eaglet extract --layout speculators`), or convert to v1, which records the convention")
     fmt.check_hidden_size(ds.config.hidden_size, str(src))
-    config = converted_config(ds, fmt, target, command, stored_top_k)
-    teacher = teacher_maker(ds, target, stored_top_k) if fmt.stores_teacher else None
-    out.mkdir(parents=True, exist_ok=True)
-    formats.ensure_data_config(out, config)
-    if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
-        formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, ds.lengths)
-    if not (out / formats.TOKEN_FREQ_FILE).exists():
-        formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, ds.token_freq)
-    if fmt.table is not None and not fmt.table.exists(out):
-        formats.start_dataset(out, fmt, [(ids.numpy(), mask.numpy()) for ids, mask in read_rows(ds, show_progress)])
-    formats.remove_stale_temp_files(formats.files_dir(out, fmt))
-    num_states = formats.EAGLE3_NUM_STATES
-    todo = [i for i in indices
-            if formats.sample_file_problem(formats.sample_path(out, fmt, i), fmt, ds.lengths[i], num_states)]
-    t0 = time.time()
-    tokens = 0
-    with ThreadPoolExecutor(max_workers=workers) as pool, \
-            tqdm(total=sum(ds.lengths[i] for i in todo), unit="tok", unit_scale=True, desc=f"convert to {layout}",
-                 file=sys.stderr, dynamic_ncols=True, disable=not show_progress) as bar:
-        for n in pool.map(lambda i: copy_sample(ds, out, fmt, i, teacher), todo):
-            tokens += n
-            bar.update(n)
-    bytes_in = sum(p.stat().st_size for p in ds.files.values())
-    bytes_out = sum(formats.sample_path(out, fmt, i).stat().st_size for i in indices)
-    return ConvertSummary(out, layout, ds.layout, len(todo), len(indices) - len(todo), tokens, time.time() - t0,
-                          bytes_in, bytes_out)
+    with formats.output_lock(out, "convert"):  # one writer per output: a second is refused, naming the first
+        config = converted_config(ds, fmt, target, command, stored_top_k)
+        teacher = teacher_maker(ds, target, stored_top_k) if fmt.stores_teacher else None
+        formats.remove_stale_temp_files(out)  # what a killed convert left half-written; this one is the only writer
+        out.mkdir(parents=True, exist_ok=True)
+        formats.ensure_data_config(out, config)
+        if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
+            formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, ds.lengths)
+        if not (out / formats.TOKEN_FREQ_FILE).exists():
+            formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, ds.token_freq)
+        if fmt.table is not None and not fmt.table.exists(out):
+            formats.start_dataset(out, fmt, [(ids.numpy(), mask.numpy()) for ids, mask in read_rows(ds, show_progress)])
+        num_states = formats.EAGLE3_NUM_STATES
+        todo = [i for i in indices
+                if formats.sample_file_problem(formats.sample_path(out, fmt, i), fmt, ds.lengths[i], num_states)]
+        t0 = time.time()
+        tokens = 0
+        with ThreadPoolExecutor(max_workers=workers) as pool, \
+                tqdm(total=sum(ds.lengths[i] for i in todo), unit="tok", unit_scale=True, desc=f"convert to {layout}",
+                     file=sys.stderr, dynamic_ncols=True, disable=not show_progress) as bar:
+            for n in pool.map(lambda i: copy_sample(ds, out, fmt, i, teacher), todo):
+                tokens += n
+                bar.update(n)
+        bytes_in = sum(p.stat().st_size for p in ds.files.values())
+        bytes_out = sum(formats.sample_path(out, fmt, i).stat().st_size for i in indices)
+        return ConvertSummary(out, layout, ds.layout, len(todo), len(indices) - len(todo), tokens, time.time() - t0,
+                              bytes_in, bytes_out)

@@ -19,8 +19,8 @@ import torch
 
 from eaglet import __version__, formats
 from eaglet.drafter import DraftConfig
-from eaglet.drafter.files import (WEIGHT_DTYPES, expected_tensors, export_config, read_drafter, recorded_target,
-                                  recorded_target_revision, write_gguf)
+from eaglet.drafter.files import (WEIGHT_DTYPES, Drafter, expected_tensors, export_config, read_drafter,
+                                  recorded_target, recorded_target_revision, write_gguf)
 from eaglet.options import DECLARED, EXPORT_DTYPE_NAMES, EXPORT_FORMAT_NAMES, declared_default, takes_options
 from eaglet.target import serving_name
 
@@ -108,13 +108,19 @@ def export_drafter(ckpt: str | Path = DECLARED, out: str | Path = DECLARED, fmt:
         raise ValueError(f"--dtype {dtype!r}: expected one of {list(EXPORT_DTYPE_NAMES)}")
     if target_gguf is not None and fmt != formats.FORMAT_GGUF:
         raise ValueError(f"--target-gguf: only --format gguf carries the target's tokenizer (this is --format {fmt})")
-    d = read_drafter(ckpt)
+    with formats.output_lock(out, "export"):  # one writer per output: a second is refused, naming the first
+        return export_locked(read_drafter(ckpt), Path(out), fmt, dtype, verifier, speculative_tokens, target_gguf)
+
+
+def export_locked(d: Drafter, out: Path, fmt: str, dtype: str, verifier: str | None, speculative_tokens: int,
+                  target_gguf: str | Path | None) -> ExportSummary:
+    """`export_drafter`'s work, its output locked."""
     problems = unservable(d.config, fmt)
     if problems:
         raise ValueError(f"{d.folder}: cannot export as {fmt}: " + "; ".join(problems))
     if fmt == formats.FORMAT_GGUF:
-        source, count, size = write_gguf(d, Path(out), dtype, target_gguf)
-        return ExportSummary(Path(out), fmt, dtype, d.config, count, size, str(source), [])
+        source, count, size = write_gguf(d, out, dtype, target_gguf)
+        return ExportSummary(out, fmt, dtype, d.config, count, size, str(source), [])
     tensors = cast_floats(formats.to_format_names(d.tensors, fmt), WEIGHT_DTYPES[dtype])
     torch_dtype = formats.DTYPE_NAMES[WEIGHT_DTYPES[dtype]]
     recorded = recorded_target(d)
@@ -133,7 +139,7 @@ def export_drafter(ckpt: str | Path = DECLARED, out: str | Path = DECLARED, fmt:
     for n in notes:
         log.warning("%s: %s", out, n)
     formats.write_drafter_folder(out, config, tensors)
-    return ExportSummary(Path(out), fmt, dtype, d.config, len(tensors),
+    return ExportSummary(out, fmt, dtype, d.config, len(tensors),
                          sum(t.numel() * t.element_size() for t in tensors.values()), target, notes)
 
 
@@ -166,5 +172,6 @@ def import_drafter(src: str | Path = DECLARED, out: str | Path = DECLARED,
     expected = expected_tensors(d.config)
     tensors = {k: v.to(expected[k].dtype) for k, v in d.tensors.items()}
     extra = {"imported_from": str(src), "source_format": d.format, "target": target or recorded_target(d)}
-    formats.write_drafter_folder(out, export_config(d.config, extra), tensors)
+    with formats.output_lock(out, "import"):  # one writer per output: a second is refused, naming the first
+        formats.write_drafter_folder(out, export_config(d.config, extra), tensors)
     return ImportSummary(Path(out), d.format, d.config, d.embeddings_from_target)

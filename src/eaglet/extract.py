@@ -250,31 +250,34 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
     fmt = formats.written_layout(layout)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
     out = Path(out)
-    samples, pconfig = formats.read_prepared(prepared)
-    ref = prepared_target(prepared, pconfig, target)
-    refuse_unrunnable_samples(prepared, samples, ref)
-    template_sha = template_hash(load_tokenizer(ref))
-    dev = pick_device(device)
-    compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
-    model = load_target(ref, compute_dtype, dev, placed)
-    fmt.check_hidden_size(model.config.hidden_size, ref.name)
-    num_layers = model.config.num_hidden_layers
-    layer_ids = list(layer_ids) if layer_ids else layers.default_layer_ids(num_layers)
-    validate_layer_ids(layer_ids, num_layers)
-    config = build_data_config(out, ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype, save_dtype,
-                               command, fmt, stored_top_k)
-    teacher = StoredTeacherMaker(model, stored_top_k) if fmt.stores_teacher else None
-    out.mkdir(parents=True, exist_ok=True)
-    formats.ensure_data_config(out, config)
-    lengths = {i: len(s.input_ids) for i, s in enumerate(samples)}
-    write_side_files(out, prepared, fmt, samples, lengths)
-    shard = plan_shard(out, fmt, len(samples), num_shards, shard_id, lengths, len(layer_ids))
-    batches = length_batches(shard.todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
-    total_tokens = sum(lengths[i] for i in shard.todo)
-    t0 = time.time()
-    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract shard {shard_id}/{num_shards}",
-               file=sys.stderr, dynamic_ncols=True, disable=not show_progress)
-    run_and_write(model, samples, batches, layer_ids, dev, save_dtype, out, fmt, config, teacher, write_threads, bar)
-    disk_bytes, disk_tokens = dataset_disk_usage(out, lengths)
-    return ExtractSummary(out, len(shard.todo), len(shard.mine) - len(shard.todo), len(shard.mine), total_tokens,
-                          time.time() - t0, disk_bytes, disk_tokens, model.config.hidden_size, len(layer_ids))
+    # one writer per shard of the output; the shards of one run (--shard-id) write side by side
+    with formats.output_lock(out, "extract", lock=formats.lock_path(out, f"shard-{shard_id}-of-{num_shards}")):
+        samples, pconfig = formats.read_prepared(prepared)
+        ref = prepared_target(prepared, pconfig, target)
+        refuse_unrunnable_samples(prepared, samples, ref)
+        template_sha = template_hash(load_tokenizer(ref))
+        dev = pick_device(device)
+        compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
+        model = load_target(ref, compute_dtype, dev, placed)
+        fmt.check_hidden_size(model.config.hidden_size, ref.name)
+        num_layers = model.config.num_hidden_layers
+        layer_ids = list(layer_ids) if layer_ids else layers.default_layer_ids(num_layers)
+        validate_layer_ids(layer_ids, num_layers)
+        config = build_data_config(out, ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype,
+                                   save_dtype, command, fmt, stored_top_k)
+        teacher = StoredTeacherMaker(model, stored_top_k) if fmt.stores_teacher else None
+        out.mkdir(parents=True, exist_ok=True)
+        formats.ensure_data_config(out, config)
+        lengths = {i: len(s.input_ids) for i, s in enumerate(samples)}
+        write_side_files(out, prepared, fmt, samples, lengths)
+        shard = plan_shard(out, fmt, len(samples), num_shards, shard_id, lengths, len(layer_ids))
+        batches = length_batches(shard.todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
+        total_tokens = sum(lengths[i] for i in shard.todo)
+        t0 = time.time()
+        bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract shard {shard_id}/{num_shards}",
+                   file=sys.stderr, dynamic_ncols=True, disable=not show_progress)
+        run_and_write(model, samples, batches, layer_ids, dev, save_dtype, out, fmt, config, teacher, write_threads,
+                      bar)
+        disk_bytes, disk_tokens = dataset_disk_usage(out, lengths)
+        return ExtractSummary(out, len(shard.todo), len(shard.mine) - len(shard.todo), len(shard.mine), total_tokens,
+                              time.time() - t0, disk_bytes, disk_tokens, model.config.hidden_size, len(layer_ids))

@@ -4,7 +4,8 @@ The command line (`cli.build_parser`), recipe validation (`recipe.validate`) and
 tables of docs/ (`markdown_table`, checked by tests/test_options.py) are all made from these
 declarations, and a test compares them with each stage's entry function, so none can drift.
 Numeric ranges are checked where the values are used, by each stage's entry function
-(`eaglet.ranges`), so Python callers get the same errors.
+(`eaglet.ranges`), so Python callers get the same errors; inf and nan are refused earlier too,
+where a float option is parsed (`parse_float`, and recipe validation for TOML's inf and nan).
 
 This module imports no torch: `eaglet --help` and `eaglet <stage> --help` stay fast. The words an
 option may take (layout names, eval methods, ...) are defined here for the same reason, and the
@@ -22,6 +23,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from eaglet import ranges
 
 # ---------------------------------------------------------------------------------------------
 # The words options take
@@ -84,8 +87,22 @@ def parse_duration(text: str) -> float:
         value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: a duration such as 600, 45m or 1.5h") from None
+    if not ranges.finite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite duration such as 600, 45m or 1.5h")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
+def parse_float(text: str) -> float:
+    """A finite number: the type of every float option, so that inf and nan (which Python's
+    float() reads) are refused where they are typed, not as an OverflowError hours later."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number such as 0.5") from None
+    if not ranges.finite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number such as 0.5 (no option takes inf or nan)")
     return value
 
 
@@ -221,7 +238,7 @@ FOLDER_NOT_WRITTEN = f"no output folder was written (it appears only complete); 
 
 RUN_OPTIONS = (
     Option("scale", "multiply the recipe's data size (its [scale] options, e.g. regen.num_samples) by this",
-           type=float, default=1.0),
+           type=parse_float, default=1.0),
     Option("set", "override one option, e.g. --set train.total_steps=200 (repeatable)", kind=APPEND, default=[],
            metavar="STAGE.KEY=VALUE", param="overrides"),
     Option("only", "run only these stages (comma-separated); finished earlier stages are reused", type=parse_list),
@@ -329,14 +346,14 @@ TRAIN = Stage(
      Option("aux_layer_ids", "--online: the layers to capture (default 2,N//2,N-3); otherwise " + AUX_LAYER_IDS_HELP,
             type=parse_layer_ids),
      LAST_HIDDEN_STATE,
-     Option("epochs", "schedule length in epochs", type=float, default=1.0),
+     Option("epochs", "schedule length in epochs", type=parse_float, default=1.0),
      Option("total_steps", "schedule length in optimizer steps (overrides --epochs)", type=int),
      Option("stop_after", "stop this run at this step; --resume continues", type=int),
-     Option("lr", "peak learning rate", type=float, default=2e-3),
-     Option("min_lr_ratio", "cosine floor as a fraction of --lr", type=float, default=0.0),
+     Option("lr", "peak learning rate", type=parse_float, default=2e-3),
+     Option("min_lr_ratio", "cosine floor as a fraction of --lr", type=parse_float, default=0.0),
      Option("warmup_steps", "linear warmup steps (default 2% of the schedule)", type=int),
-     Option("weight_decay", "AdamW weight decay", type=float, default=0.0),
-     Option("max_grad_norm", "gradient clipping norm", type=float, default=0.5),
+     Option("weight_decay", "AdamW weight decay", type=parse_float, default=0.0),
+     Option("max_grad_norm", "gradient clipping norm", type=parse_float, default=0.5),
      Option("batch_size", "samples (with --pack-tokens: packs) per micro-batch per process", type=int, default=1),
      Option("grad_accum", "micro-batches per optimizer step per process", type=int, default=1),
      Option("pack_tokens", "pack samples into rows of exactly N tokens, one after another, each kept apart in "
@@ -348,8 +365,8 @@ TRAIN = Stage(
      Option("max_length", "truncate samples to this many tokens", type=int),
      Option("ttt_steps", "training-time-test unroll length (2: the CPU's chain of 2; EAGLE-3 on GPUs: 7)", type=int,
             default=2),
-     Option("ttt_ramp", "grow the unroll from 1 step to --ttt-steps over this fraction of the schedule", type=float,
-            default=0.0),
+     Option("ttt_ramp", "grow the unroll from 1 step to --ttt-steps over this fraction of the schedule",
+            type=parse_float, default=0.0),
      Option("draft_vocab_size", "draft vocabulary (default min(8192, target vocab))", type=int),
      Option("teacher_top_k", "keep the target's top-k draft tokens per position, computed once per sample and "
                              "cached (0: the dense teacher over the whole draft vocabulary, recomputed every epoch)",
@@ -360,7 +377,7 @@ TRAIN = Stage(
                          "the drafter/target overlap, the sampled acceptance rate) or lk-hybrid (KL blended into TV "
                          "as the overlap grows); LK losses, Samarin et al. 2026", default="ce", choices=OBJECTIVES),
      Option("feature_loss_weight", "weight of a smooth-L1 regression of the target's next last-layer state "
-                                   "(EAGLE-1)", type=float, default=0.0),
+                                   "(EAGLE-1)", type=parse_float, default=0.0),
      Option("lm_head_init", "initial LM head and final norm: random or the target's rows", default="random",
             choices=LM_HEAD_INITS),
      Option("freeze_lm_head", "keep the LM head and final norm as initialised", kind=FLAG),
@@ -375,7 +392,7 @@ TRAIN = Stage(
                               "2048)", type=int),
      Option("bf16", "bf16 autocast, master weights stay fp32 (default: where the device computes bf16 fast, i.e. "
                     "CUDA and CPUs with AMX/AVX512-BF16; elsewhere bf16 products are emulated and slow)", kind=BOOL),
-     Option("eval_fraction", "held-out fraction of samples", type=float, default=0.05),
+     Option("eval_fraction", "held-out fraction of samples", type=parse_float, default=0.05),
      Option("eval_every", "evaluate every N steps (default: --evals times a run)", type=int),
      Option("evals", "held-out evaluations over the run", type=int, default=10),
      Option("save_every", "checkpoint every N steps (default: at evaluations)", type=int),
@@ -405,8 +422,8 @@ REGEN = Stage(
      Option("base_url", "endpoint base URL, e.g. http://127.0.0.1:8000/v1 (openai backend)"),
      Option("model", "served model name (openai backend; default: the first of GET /models)"),
      Option("api_key", "endpoint API key (default: $OPENAI_API_KEY, if set)"),
-     Option("temperature", "0 = greedy", type=float, default=0.0),
-     Option("top_p", "nucleus sampling mass", type=float, default=1.0),
+     Option("temperature", "0 = greedy", type=parse_float, default=0.0),
+     Option("top_p", "nucleus sampling mass", type=parse_float, default=1.0),
      Option("max_new_tokens", "tokens per answer at most", type=int, default=512),
      Option("max_prompt_tokens", "local and llama.cpp: longest prompt to answer; a chat stops at a longer turn (default: the "
                                  "target's context minus --max-new-tokens)", type=int),
@@ -414,7 +431,7 @@ REGEN = Stage(
      Option("concurrency", "openai: conversations in flight; llama.cpp: the server's parallel slots", type=int,
             default=8),
      Option("max_retries", "openai: retries per request", type=int, default=5),
-     Option("timeout", "openai: seconds per request", type=float, default=600.0),
+     Option("timeout", "openai: seconds per request", type=parse_float, default=600.0),
      Option("resume", "continue an existing --out, skipping the ids it holds", kind=FLAG, recipe=False),
      NUM_SAMPLES, SKIP,
      Option("max_turns", "answer at most the first N assistant turns of each chat (default: all)", type=int),
@@ -456,7 +473,7 @@ EVAL = Stage(
                            f"{preset_text('eval', 'chain_depth')})", type=int),
      Option("min_draft_prob", "propose only draft tokens whose path probability under the drafter is at least this; "
                               "a cycle with none left is a plain one-token pass (default: the preset's: "
-                              f"{preset_text('eval', 'min_draft_prob')})", type=float),
+                              f"{preset_text('eval', 'min_draft_prob')})", type=parse_float),
      Option("hybrid_draft", "hybrid: the drafter's part of each cycle, a chain or its tree", default="chain",
             choices=HYBRID_DRAFTS),
      Option("hybrid_chain_depth", "hybrid: the depth of the drafter's chain", type=int, default=1),
@@ -469,8 +486,8 @@ EVAL = Stage(
             default="cost", choices=ADMISSIONS),
      Option("lookup_tokens", "hybrid and ngram: tokens prompt lookup adds to a cycle at most", type=int, default=4),
      Option("max_ngram", "hybrid and ngram: the longest n-gram looked up", type=int, default=3),
-     Option("temperature", "0 = greedy", type=float, default=0.0),
-     Option("top_p", "nucleus sampling mass", type=float, default=1.0),
+     Option("temperature", "0 = greedy", type=parse_float, default=0.0),
+     Option("top_p", "nucleus sampling mass", type=parse_float, default=1.0),
      Option("dtype", "target and drafter dtype: bf16, fp16, fp32", default="bf16"),
      device_option(), *placement_options(),
      Option("threads", "CPU threads (default: torch's), the llama.cpp servers' too", type=int),
@@ -598,4 +615,4 @@ def markdown_table(stage: Stage) -> str:
 
 
 __all__ = ["Option", "Stage", "STAGES", "DECLARED", "declared", "declared_default", "takes_options", "markdown_table",
-           "parse_layer_ids", "parse_duration", "parse_list"]
+           "parse_layer_ids", "parse_duration", "parse_float", "parse_list"]

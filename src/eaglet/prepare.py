@@ -3,16 +3,17 @@ sources, tokenized with the target's template (`eaglet.chat`), written as a prep
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from eaglet import __version__, ranges
+from eaglet import __version__, formats, ranges
 from eaglet.chat import (ReadStats, Tally, TemplateSpanError, iter_records, special_token_ids, template_hash,
                          tokenize_chat, to_messages)
-from eaglet.formats import PREPARED_FILE, PreparedWriter, TokenizedSample
+from eaglet.formats import PREPARE_CONFIG_FILE, PREPARED_FILE, PreparedWriter, TokenizedSample
 from eaglet.options import DECLARED, PREPARE_MAX_LENGTH, takes_options
 from eaglet.target import (TargetRef, config_positions, config_where, load_chat_tokenizer, resolve_target,
                            text_config)
@@ -59,6 +60,9 @@ def no_usable_chat(data: str, stats: ReadStats, template_failures: Tally, first_
         details.append(f"first template failure: {first_failure}")
     return ValueError(f"--data {data}: no usable chat in {stats.records} records read; {why}"
                       + "".join(f"; {d}" for d in details))
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,8 +114,13 @@ def sources_of(data: str, skip: int, num_samples: int | None, mix: str | None, m
 
 
 def refuse_existing(out: str | Path, overwrite: bool) -> None:
+    """A finished prepared dataset is replaced only with --overwrite; one a kill cut short (no
+    prepare_config.json, written last) is not a dataset, and this run replaces it."""
     existing = Path(out) / PREPARED_FILE
-    if existing.exists() and not overwrite:
+    if existing.exists() and not (Path(out) / PREPARE_CONFIG_FILE).exists():
+        log.warning("%s: an earlier `eaglet prepare` stopped before writing %s; replacing its output", out,
+                    PREPARE_CONFIG_FILE)
+    elif existing.exists() and not overwrite:
         raise FileExistsError(f"--out {out} already holds a prepared dataset ({existing.name}); choose another "
                               f"folder, or pass --overwrite to replace it")
 
@@ -192,21 +201,22 @@ def prepare(target: str | None = DECLARED, data: str = DECLARED, out: str | Path
     ranges.at_least(1, max_length=max_length, num_samples=num_samples, mix_samples=mix_samples)
     ranges.at_least(0, skip=skip, mix_skip=mix_skip)
     sources = sources_of(data, skip, num_samples, mix, mix_skip, mix_samples)
-    refuse_existing(out, overwrite)
-    ref = resolve_target(target)
-    max_length = checked_max_length(max_length, config_positions(text_config(ref)), ref)
-    tokenizer = load_chat_tokenizer(ref)
-    special_ids = special_token_ids(tokenizer)
-    seen = Tokenizing()
-    limits = [source.limit for source in sources]
-    bar = tqdm(total=None if None in limits else sum(limits), desc="prepare", unit="chat", file=sys.stderr,
-               dynamic_ncols=True)
-    with PreparedWriter(out) as writer:
-        for source in sources:
-            write_source(writer, source, tokenizer, special_ids, max_length, seen, bar)
-        bar.close()
-        if not writer.samples:
-            raise no_usable_chat(data, seen.stats, seen.template_failures, seen.first_failure, max_length, skip)
-    writer.finish(prepared_config(ref, target, tokenizer, sources, max_length, writer, seen, command))
-    return PrepareSummary(Path(out), writer.samples, writer.tokens, writer.masked_tokens, seen.stats,
-                          seen.stats.skipped[TRUNCATED_AWAY], seen.template_failures, seen.missing_eot)
+    with formats.output_lock(out, "prepare"):  # one writer per output: a second is refused, naming the first
+        refuse_existing(out, overwrite)
+        ref = resolve_target(target)
+        max_length = checked_max_length(max_length, config_positions(text_config(ref)), ref)
+        tokenizer = load_chat_tokenizer(ref)
+        special_ids = special_token_ids(tokenizer)
+        seen = Tokenizing()
+        limits = [source.limit for source in sources]
+        bar = tqdm(total=None if None in limits else sum(limits), desc="prepare", unit="chat", file=sys.stderr,
+                   dynamic_ncols=True)
+        with PreparedWriter(out) as writer:
+            for source in sources:
+                write_source(writer, source, tokenizer, special_ids, max_length, seen, bar)
+            bar.close()
+            if not writer.samples:
+                raise no_usable_chat(data, seen.stats, seen.template_failures, seen.first_failure, max_length, skip)
+        writer.finish(prepared_config(ref, target, tokenizer, sources, max_length, writer, seen, command))
+        return PrepareSummary(Path(out), writer.samples, writer.tokens, writer.masked_tokens, seen.stats,
+                              seen.stats.skipped[TRUNCATED_AWAY], seen.template_failures, seen.missing_eot)

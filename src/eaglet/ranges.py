@@ -1,36 +1,60 @@
 """Range rules for the numeric options of every stage, applied in the stage's entry function, so
 the command line, recipes and Python callers all get the same one-line error, named as the
-command-line option (`--batch-size 0: must be >= 1`). None means "the default" and always passes."""
+command-line option (`--batch-size 0: must be >= 1`). None means "the default" and always passes.
+
+Every rule also refuses inf and nan: no option takes them (a count or size made from one
+overflows `int()`, a rate or fraction of one means nothing), and `inf >= 1` would pass a bare
+comparison. The command line and recipes refuse them earlier, where they are parsed
+(`options.parse_float`, `recipe.check_table`), with the same test: `finite`."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable
 
 
-def option_error(name: str, value: Any, rule: str) -> ValueError:
-    return ValueError(f"--{name.replace('_', '-')} {value}: must be {rule}")
+def finite(value: Any) -> bool:
+    """Whether a number is neither inf nor nan; ints are always finite (and may exceed a float's range)."""
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def option_error(name: str, value: Any, rule: str, why: str = "") -> ValueError:
+    return ValueError(f"--{name.replace('_', '-')} {value}: must be {rule}" + (f": {why}" if why else ""))
+
+
+def check(rule: str, ok: Callable[[Any], bool], why: str = "", **values: Any) -> None:
+    """Each value that is not None finite and `ok`, else the error that says `rule`."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        if not finite(value):
+            raise option_error(name, value, f"{rule} and finite", why)
+        if not ok(value):
+            raise option_error(name, value, rule, why)
 
 
 def at_least(least: float, **values: Any) -> None:
-    for name, value in values.items():
-        if value is not None and not value >= least:  # `not >=` also refuses NaN
-            raise option_error(name, value, f">= {least}")
+    check(f">= {least}", lambda v: v >= least, **values)
 
 
 def above(bound: float, **values: Any) -> None:
-    for name, value in values.items():
-        if value is not None and not value > bound:
-            raise option_error(name, value, f"> {bound}")
+    check(f"> {bound}", lambda v: v > bound, **values)
 
 
 def within(low: float, high: float, why: str = "", high_open: bool = False, low_open: bool = False,
            **values: Any) -> None:
     """Each value in the interval from low to high (closed unless said open)."""
-    rule = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}" + (f": {why}" if why else "")
-    for name, value in values.items():
-        if value is None:
-            continue
-        ok_low = value > low if low_open else value >= low
-        ok_high = value < high if high_open else value <= high
-        if not (ok_low and ok_high):
-            raise option_error(name, value, rule)
+    rule = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+    def ok(v: Any) -> bool:
+        return (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+
+    check(rule, ok, why, **values)
+
+
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes no larger seed (and a negative one only down to -2**63)
+
+
+def seeds(**values: Any) -> None:
+    """Random seeds torch takes."""
+    within(0, SEED_MAX, "the seeds torch takes", **values)

@@ -20,6 +20,7 @@ any other path to a .toml file works too.
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import difflib
 import json
 import logging
@@ -32,13 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eaglet import formats
+from eaglet import formats, ranges
 from eaglet.check import check_dataset
+from eaglet.cli import resolve
 from eaglet.prepare import prepare
 from eaglet.evaluate import evaluate
 from eaglet.extract import extract
 from eaglet.options import (APPEND, BOOL, DECLARED, DRAFTER_METHODS, FLAG, RECIPE_STAGES, Option, declared_default,
-                            parse_duration, parse_layer_ids, parse_list, takes_options)
+                            parse_duration, parse_float, parse_layer_ids, parse_list, takes_options)
 from eaglet.options import STAGES as STAGES_DECLARED
 from eaglet.regen import regenerate
 from eaglet.target import TargetRef, resolve_target
@@ -54,6 +56,10 @@ CHATS_FILE = "chats.jsonl"
 # The keys of [recipe] and [scale] and their types; `out` is the default of --out.
 RECIPE_KEYS: dict[str, Any] = {"name": str, "target": str, "description": str, "out": str}
 SCALE_KEYS: dict[str, Any] = {"multiply": list[str]}
+# What the runner reads of a finished stage's marker: key -> (its Python types, its JSON name).
+# "target" is read too, but may be missing (markers written before they recorded it).
+MARKER_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "options": (dict, "a JSON object"), "result": (dict, "a JSON object"), "seconds": ((int, float), "a number")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +89,9 @@ def load_recipe(spec: str | Path) -> dict[str, Any]:
             recipe = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML ({e})") from None
+    except UnicodeDecodeError as e:  # tomllib names neither the file nor what to do
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); TOML is "
+                         f"UTF-8: save the recipe as UTF-8") from None
     unknown = set(recipe) - {"recipe", "scale", *STAGES}
     if unknown:
         raise ValueError(f"{path}: unknown tables {sorted(unknown)}; expected [recipe], [scale] and stages "
@@ -128,14 +137,16 @@ def overridden(overrides: list[str]) -> dict[str, str]:
 
 def apply_scale(recipe: dict[str, Any], scale: float) -> dict[str, Any]:
     """Multiply the options `[scale] multiply` names (e.g. "regen.num_samples") by `scale`."""
-    if scale <= 0:
-        raise ValueError(f"--scale {scale}: must be positive")
+    ranges.above(0, scale=scale)  # inf or nan would reach round() below as an OverflowError
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in recipe.items()}
     for path in recipe.get("scale", {}).get("multiply", []):
         stage, _, name = path.partition(".")
         value = out.get(stage, {}).get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             scaled = value * scale
+            if not ranges.finite(scaled):
+                raise ValueError(f"--scale {scale:g}: {path} = {value} times it is beyond any number; use a smaller "
+                                 f"--scale")
             out[stage][name] = max(1, round(scaled)) if isinstance(value, int) else scaled
     return out
 
@@ -182,7 +193,8 @@ def option_hint(o: Option) -> Any:
         return bool
     if o.kind == APPEND:
         return list[str]
-    base = {parse_layer_ids: list[int], parse_list: list[str], parse_duration: float}.get(o.type, o.type)
+    base = {parse_layer_ids: list[int], parse_list: list[str], parse_duration: float,
+            parse_float: float}.get(o.type, o.type)
     base = bool if o.kind == BOOL else base
     return base | None if o.default is None else base
 
@@ -262,6 +274,9 @@ def check_table(source: str | Path, table: str, values: dict[str, Any], types_: 
             fix = f"write {toml_value(guess)}" if guess is not None else "give it a value of that type"
             raise ValueError(f"{label}: {toml_value(value)} is a {type(value).__name__}, expected "
                              f"{type_name(types_[key])}; {fix}")
+        if not ranges.finite(value):  # TOML spells them inf and nan, as --set does
+            raise ValueError(f"{label}: {value} is not a finite number; write a number such as 1.0 (no option "
+                             f"takes inf or nan)")
 
 
 def check_scale_paths(source: str | Path, paths: list[str]) -> None:
@@ -292,6 +307,22 @@ def validate(recipe: dict[str, Any], source: str | Path = "recipe", set_by: dict
         raise ValueError(f"{key_label(source, 'prepare', 'data', set_by)}: set, but this recipe regenerates its "
                          f"chats and prepare reads the [regen] output; move 'data' to [regen] or drop the [regen] "
                          f"table")
+
+
+def check_ranges(recipe: dict[str, Any], source: str | Path) -> None:
+    """The options of each stage that checks them in a config dataclass (train's TrainConfig,
+    eval's DecodeSettings: eaglet.options `Stage.config`), checked now: those stages run last, and
+    an out-of-range number would otherwise stop the recipe only after the stages before them."""
+    for stage in STAGES:
+        config = STAGES_DECLARED[stage].config
+        if stage not in recipe or config is None:
+            continue
+        cls = resolve(config)
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            cls(**{k: v for k, v in recipe[stage].items() if k in names})
+        except ValueError as e:
+            raise ValueError(f"{source} [{stage}]: {e}") from None
 
 
 def run_regen(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
@@ -378,6 +409,7 @@ def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, s
     validate(recipe, source, set_by)
     recipe = apply_scale(recipe, scale)
     validate(recipe, source, set_by)  # what --scale wrote is checked too, not assumed of its type
+    check_ranges(recipe, source)
     meta = recipe["recipe"]
     paths = Paths(Path(out or meta.get("out") or Path("runs") / meta["name"]))
     target = meta.get("target") or None
@@ -386,35 +418,36 @@ def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, s
         bad = set(only) - set(stages)
         if bad:
             raise ValueError(f"--only {sorted(bad)}: not stages of this recipe ({', '.join(stages)})")
-    plan = plan_stages(recipe, paths, only, source)
-    ref = resolve_target(target)
-    ran_with = target_record(ref)
-    done = finished_stages(recipe, paths, ref)
-    summary = RecipeSummary(meta["name"], paths.root)
-    runners: dict[str, Callable[..., dict[str, Any]]] = {
-        "regen": run_regen, "prepare": lambda o, p, t, c: run_prepare(o, p, t, c, "regen" in stages),
-        "extract": run_extract, "check": run_check, "train": run_train, "eval": run_eval}
-    print(f"recipe {meta['name']} (scale {scale:g}) -> {paths.root}")
-    for i, stage in enumerate(stages, 1):
-        options = recipe[stage]
-        header = f"[{i}/{len(stages)}] {stage} -> {paths.output_of(stage)}"
-        if plan[stage] == "reuse":
-            print(f"{header}: done earlier ({format_seconds(done[stage]['seconds'])}), reusing it")
-            summary.stages[stage] = {**done[stage], "reused": True}
-            continue
-        if plan[stage] == "skip":
-            print(f"{header}: skipped (--only)")
-            continue
-        print(header)
-        t0 = time.perf_counter()
-        result = runners[stage](options, paths, target, command)
-        record = {"options": jsonable(options), "target": ran_with, "result": jsonable(result),
-                  "seconds": time.perf_counter() - t0}
-        formats.write_json_atomic(paths.marker(stage), record)
-        summary.stages[stage] = {**record, "reused": False}
-    formats.write_json_atomic(paths.root / SUMMARY_FILE, {"recipe": meta, "target": ran_with, "scale": scale,
-                                                          "stages": summary.stages})
-    return summary
+    with formats.output_lock(paths.root, "run"):  # one run per OUT: a second is refused, naming the first
+        plan = plan_stages(recipe, paths, only, source)
+        ref = resolve_target(target)
+        ran_with = target_record(ref)
+        done = finished_stages(recipe, paths, ref)
+        summary = RecipeSummary(meta["name"], paths.root)
+        runners: dict[str, Callable[..., dict[str, Any]]] = {
+            "regen": run_regen, "prepare": lambda o, p, t, c: run_prepare(o, p, t, c, "regen" in stages),
+            "extract": run_extract, "check": run_check, "train": run_train, "eval": run_eval}
+        print(f"recipe {meta['name']} (scale {scale:g}) -> {paths.root}")
+        for i, stage in enumerate(stages, 1):
+            options = recipe[stage]
+            header = f"[{i}/{len(stages)}] {stage} -> {paths.output_of(stage)}"
+            if plan[stage] == "reuse":
+                print(f"{header}: done earlier ({format_seconds(done[stage]['seconds'])}), reusing it")
+                summary.stages[stage] = {**done[stage], "reused": True}
+                continue
+            if plan[stage] == "skip":
+                print(f"{header}: skipped (--only)")
+                continue
+            print(header)
+            t0 = time.perf_counter()
+            result = runners[stage](options, paths, target, command)
+            record = {"options": jsonable(options), "target": ran_with, "result": jsonable(result),
+                      "seconds": time.perf_counter() - t0}
+            formats.write_json_atomic(paths.marker(stage), record)
+            summary.stages[stage] = {**record, "reused": False}
+        formats.write_json_atomic(paths.root / SUMMARY_FILE, {"recipe": meta, "target": ran_with, "scale": scale,
+                                                              "stages": summary.stages})
+        return summary
 
 
 def input_stage(stage: str, recipe: dict[str, Any]) -> str | None:
@@ -467,7 +500,7 @@ def finished_stages(recipe: dict[str, Any], paths: Paths, ref: TargetRef) -> dic
         marker = paths.marker(stage)
         if not marker.exists():
             continue
-        record = formats.read_json(marker)
+        record = read_marker(marker)
         then = record.get("target")
         if then is None:
             # A marker from before markers recorded their target: nothing tells which it ran
@@ -485,6 +518,38 @@ def finished_stages(recipe: dict[str, Any], paths: Paths, ref: TargetRef) -> dic
                              f"or remove {paths.output_of(stage)} and {marker}")
         done[stage] = record
     return done
+
+
+def marker_problem(record: Any) -> str | None:
+    """What keeps the runner from reading a parsed stage marker, or None."""
+    if not isinstance(record, dict):
+        return f"it holds a JSON {type(record).__name__}, not an object"
+    for key, (kinds, name) in MARKER_KEYS.items():
+        if key not in record:
+            return f"it has no {key!r}"
+        if not isinstance(record[key], kinds) or isinstance(record[key], bool):
+            return f"its {key!r} is {toml_value(record[key])}, not {name}"
+    if record.get("target") is not None and not isinstance(record["target"], dict):
+        return f"its 'target' is {toml_value(record['target'])}, not an object with a name and a revision"
+    return None
+
+
+def unreadable_marker(marker: Path, problem: str) -> ValueError:
+    return ValueError(f"{marker}: not a readable stage marker: {problem}; delete it and the same command reruns "
+                      f"that stage")
+
+
+def read_marker(marker: Path) -> dict[str, Any]:
+    """A finished stage's marker, with every key the runner reads; one that cannot be read (cut
+    off, edited, from another program) is refused naming it: without it the stage simply reruns."""
+    try:
+        record = formats.read_json(marker)
+    except ValueError as e:  # not JSON, or not UTF-8: read_json's reason, the path is said once
+        raise unreadable_marker(marker, f"not valid JSON ({e.__cause__ or e})") from None
+    problem = marker_problem(record)
+    if problem:
+        raise unreadable_marker(marker, problem)
+    return record
 
 
 def jsonable(x: Any) -> Any:
@@ -537,12 +602,23 @@ def stage_figures(stage: str, r: dict[str, Any]) -> str:
     return ""
 
 
+def recorded_figures(stage: str, result: dict[str, Any]) -> str:
+    """`stage_figures`, or what is missing from a reused marker's result (one written by another
+    version): the summary comes after every stage ran, too late to fail on it."""
+    try:
+        return stage_figures(stage, result)
+    except KeyError as e:
+        return f"(its marker's result has no {e})"
+    except (TypeError, ValueError):
+        return "(its marker's result holds figures of another form)"
+
+
 def summary_lines(s: RecipeSummary) -> list[str]:
     lines = [f"recipe {s.name}: {s.out}", f"{'stage':<8} {'time':>9}  figures", "-" * 60]
     total = 0.0
     for stage, rec in s.stages.items():
         total += rec["seconds"]
-        lines.append(f"{stage:<8} {format_seconds(rec['seconds']):>9}  {stage_figures(stage, rec['result'])}"
+        lines.append(f"{stage:<8} {format_seconds(rec['seconds']):>9}  {recorded_figures(stage, rec['result'])}"
                      + ("  (reused)" if rec.get("reused") else ""))
     lines.append(f"{'total':<8} {format_seconds(total):>9}")
     return lines

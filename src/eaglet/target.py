@@ -137,6 +137,7 @@ def cache_gguf_model(gguf: Path, final: Path, source: str) -> Path:
 
     log.info("caching %s as a safetensors folder (one time, ~20 s)", gguf)
     t0 = time.time()
+    formats.read_gguf(gguf)  # a damaged file named here, in eaglet's words, not deep in transformers' reader
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # fp32 keeps the dequantized values exact; callers cast to the dtype they want.
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -234,13 +235,20 @@ def file_fingerprint(path: Path) -> str:
 
 def f32_target_gguf(source: Path) -> Path:
     """`source` with its weights in f32 (itself if they already are plain floats), cached under
-    $EAGLET_HOME/gguf once: for the embedded target, the very weights eaglet's own target has."""
-    if not formats.is_quantized(source):
+    $EAGLET_HOME/gguf once: for the embedded target, the very weights eaglet's own target has. The
+    copy is written atomically (a kill leaves no copy, never part of one); a cached copy that is not
+    a whole GGUF all the same (a disk fault, a partial copy of $EAGLET_HOME) is written again."""
+    if not formats.is_quantized(source):  # reads `source` whole: a damaged one is refused here, by name
         return source
     cached = embedded.eaglet_home() / "gguf" / f"{source.stem}-{file_fingerprint(source)}.f32{source.suffix}"
-    if not cached.is_file():
-        log.info("writing %s dequantized to f32 (%s, once)", source.name, cached)
-        formats.write_gguf_as(source, cached, "F32")
+    if cached.is_file():
+        try:
+            formats.read_gguf(cached)
+            return cached
+        except formats.GGUFDamaged as e:  # reused as it is, it would fail every later run the same way
+            log.warning("%s: %s; writing it again from %s", cached, e.what, source)
+    log.info("writing %s dequantized to f32 (%s, once)", source.name, cached)
+    formats.write_gguf_as(source, cached, "F32")
     return cached
 
 

@@ -279,9 +279,10 @@ def check_target(report: CheckReport, cfg: formats.DataConfig | None, target: st
         try:
             ref, tokenizer, model, device = load_target_for_check(spec, cfg, placed)
         except Exception as e:
-            # --target asks for these checks: one that cannot run is not a pass. A target merely
-            # recorded in data_config.json may live on another machine: then a warning.
-            asked = target is not None
+            # --target, or options that place the target (--device-map...), ask for these checks: one
+            # that cannot run is not a pass. A target merely recorded in data_config.json may live on
+            # another machine: then a warning.
+            asked = target is not None or placed is not None
             report.problems.append(Problem(NOT_CHECKED, str(spec), f"layer identity and mask vs template "
                                                                    f"{'could not run' if asked else 'skipped'}: "
                                                                    f"target not loadable ({type(e).__name__}: {e})",

@@ -58,6 +58,7 @@ class DecodeSettings:
         ranges.within(0, 1, min_draft_prob=self.min_draft_prob)
         ranges.at_least(0, temperature=self.temperature)
         ranges.within(0, 1, low_open=True, top_p=self.top_p)
+        ranges.seeds(seed=self.seed)
 
     def record(self) -> dict[str, Any]:
         """What eval.json says of how the methods decoded (the preset's values filled in)."""

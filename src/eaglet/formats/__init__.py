@@ -22,9 +22,10 @@ Callers use the names re-exported here (`formats.read_json`, `formats.layout(nam
 code outside the package uses, no more; anything else is reached through its module.
 """
 
-from eaglet.formats.io import (PICKLED_CODE_MARKERS, TMP_MARK, WriteFailed, atomic_dir, atomic_path, os_error_reason,
-                               read_json, read_safetensors, remove_stale_temp_files, torch_load_safe,
-                               torch_save_atomic, write_json_atomic, write_text_atomic)
+from eaglet.formats.io import (PICKLED_CODE_MARKERS, TMP_MARK, OutputBusy, WriteFailed, atomic_dir, atomic_path,
+                               lock_path, os_error_reason, output_lock, read_json, read_jsonl_log, read_safetensors,
+                               remove_stale_temp_files, torch_load_safe, torch_save_atomic, write_json_atomic,
+                               write_text_atomic)
 from eaglet.formats.prepared import (PREPARED_FILE, PREPARE_CONFIG_FILE, PreparedWriter, RegenWriter, TOKEN_FREQ_FILE,
                                      TokenizedSample, check_prepared_token_ids, errors_path, open_output,
                                      read_prepared, read_token_freq, write_token_freq)
@@ -50,7 +51,8 @@ from eaglet.formats.layouts import (ARROW_STATE_FILE, FORMAT_COMPACT, FORMAT_HS_
                                     write_sample, write_speculators_rows, write_speculators_sample, write_v1_sample,
                                     written_layout)
 from eaglet.formats.gguf_drafter import (GGUF_SUFFIX, gguf_unservable, write_gguf_drafter)
-from eaglet.formats.gguf_target import (UNQUANTIZED, is_quantized, weight_type, write_gguf_as)
+from eaglet.formats.gguf_target import (UNQUANTIZED, GGUFDamaged, is_quantized, read_gguf, weight_type,
+                                      write_gguf_as)
 from eaglet.formats.drafters import (DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE, DTYPE_NAMES, FORMAT_EAGLE,
                                      FORMAT_EAGLET, FORMAT_GGUF, FORMAT_SPECULATORS, IGNORABLE_WEIGHT_SUFFIXES,
                                      build_eagle_config, build_speculators_config, detect_drafter_format, format_name,

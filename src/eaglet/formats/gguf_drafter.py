@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eaglet.formats.gguf_target import read_gguf
 from eaglet.formats.io import atomic_path
 
 GGUF_ARCH = "eagle3"
@@ -106,7 +107,7 @@ def tokenizer_fields(target_gguf: Path) -> list[tuple[str, Any, Any, Any]]:
     """(key, value, type, array item type) of every `tokenizer.*` key of the target's GGUF."""
     import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
 
-    reader = gguf.GGUFReader(target_gguf)
+    reader = read_gguf(target_gguf)  # checked whole: a damaged target GGUF is named here, not deep in numpy
     out = []
     for name, f in reader.fields.items():
         if name.startswith(TOKENIZER_PREFIX):

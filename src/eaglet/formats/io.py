@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import io
 import json
+import logging
 import os
 import pickle
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +27,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"  # every temp file eaglet writes has this in its name
 
@@ -89,6 +94,83 @@ def failures_named(path: Path) -> Iterator[None]:
         if getattr(e, "errno", None) in WRITE_ERRNOS or disk_nearly_full(path.parent):
             raise write_failure(path, e) from e
         raise
+
+
+# ---------------------------------------------------------------------------------------------
+# One writer per output
+# ---------------------------------------------------------------------------------------------
+
+WRITING = "is writing it; wait for it to end, or write to another --out"
+
+
+class OutputBusy(RuntimeError):
+    """Another eaglet process holds the lock of the output this one would write."""
+
+
+def lock_path(out: str | os.PathLike, part: str = "") -> Path:
+    """The lock file of an output, beside it (`.NAME.lock`): outside the output, so a stage that
+    replaces its output folder, or writes it by rename, never removes a lock another process holds.
+    `part` names one share of an output written side by side (an extract shard)."""
+    out = Path(out)
+    return out.parent / f".{out.name}{'.' + part if part else ''}.lock"
+
+
+def refuse_odd_lock(lock: Path) -> None:
+    """A lock path that is a folder or a symbolic link (dangling or not) is not eaglet's: say so."""
+    if lock.is_symlink():
+        raise OSError(errno.ELOOP, f"{lock}: a symbolic link (to {os.readlink(lock)}), not eaglet's lock file; "
+                                   "remove it (eaglet creates the lock file itself)")
+    if lock.exists() and not lock.is_file():
+        raise OSError(errno.EISDIR, f"{lock}: a {'folder' if lock.is_dir() else 'special file'}, not eaglet's lock "
+                                    "file; remove it (eaglet creates the lock file itself)")
+
+
+def held_lock(lock: Path) -> int | None:
+    """An open descriptor of `lock` holding its exclusive flock, or None when another process holds
+    it. The file may be unlinked by its holder as it releases it (below): a lock taken on a file no
+    longer at `lock` is no lock, so it is taken again on the file that is there now."""
+    while True:
+        with failures_named(lock):
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: Path | None = None) -> Iterator[None]:
+    """Hold an exclusive flock on `out`'s lock file (`lock_path(out)` unless given) for the block: one
+    writer per output. The kernel drops it when the holder ends, however it ends, so a killed writer
+    never leaves it stuck (a lock file that merely exists would); a writer that ends normally removes
+    the file. It records its holder for the next one's message, which ends with `busy`, e.g. "is
+    writing this run folder; wait for it to end, or train into another --out"."""
+    lock = lock or lock_path(out)
+    refuse_odd_lock(lock)
+    fd = held_lock(lock)
+    if fd is None:
+        try:
+            holder = lock.read_text(encoding="utf-8", errors="replace").strip().split("\n")
+        except OSError:
+            holder = []
+        who = f"`eaglet {holder[0]}` ({holder[1]})" if len(holder) == 2 else "eaglet process"
+        raise OutputBusy(f"{out}: another {who} {busy}")
+    with os.fdopen(fd, "r+", encoding="utf-8") as f:
+        f.truncate()
+        f.write(f"{stage}\npid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)  # while still held: see held_lock
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +263,27 @@ def read_json(path: str | os.PathLike) -> Any:
 # ---------------------------------------------------------------------------------------------
 # torch files, loaded without running pickled code
 # ---------------------------------------------------------------------------------------------
+
+def read_jsonl_log(path: str | os.PathLike) -> list[Any]:
+    """The records of an append-only JSON-lines log (one write per line). A last line without its
+    newline is what a kill mid-write leaves: dropped, with a warning. Any other line that is not
+    JSON is damage nobody explains: an error naming the file and line."""
+    path = Path(path)
+    records = []
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                log.warning("%s: dropping a partial last line (%d bytes; a killed run was writing it)", path, len(line))
+                break
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}:{n}: not a JSON line ({e}); the file is damaged: restore it or remove the "
+                                 "line") from None
+    return records
+
 
 def torch_save_atomic(obj: Any, path: str | os.PathLike, fsync: bool = True) -> None:
     with atomic_path(path, fsync=fsync) as tmp:

@@ -30,7 +30,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from eaglet import ranges
+from eaglet import formats, ranges
 from eaglet.formats import RegenWriter, errors_path, open_output
 from eaglet.options import DECLARED, REGEN_BACKENDS, takes_options
 from eaglet.placement import placement_from_options
@@ -57,6 +57,7 @@ def check_options(backend: str, s: Settings, skip: int, num_samples: int | None,
                          "endpoint's server places its own")
     ranges.at_least(0, temperature=s.temperature, skip=skip, max_retries=s.max_retries)
     ranges.within(0, 1, low_open=True, top_p=s.top_p)
+    ranges.seeds(seed=s.seed)
     ranges.at_least(1, max_new_tokens=s.max_new_tokens, batch_size=s.batch_size, concurrency=s.concurrency,
                     num_samples=num_samples, max_prompt_tokens=s.max_prompt_tokens, max_turns=max_turns,
                     threads=s.threads)
@@ -111,26 +112,27 @@ def regenerate(data: str = DECLARED, out: str | os.PathLike = DECLARED, target: 
                         batch_size, dtype, device, placed, base_url, model, api_key, max_retries, timeout, backoff,
                         None if target_gguf is None else str(target_gguf), threads, engine_f32)
     check_options(backend, settings, skip, num_samples, max_turns, time_budget, device_map)
-    done = open_output(out, resume)
-    answerer = BACKENDS[backend](settings)
-    meta = record_meta(backend, settings, answerer.meta)
-    summary = RegenSummary(out, errors_path(out))
-    selected = iter_conversations(data, summary.stats, num_samples, skip, max_turns)
-    bar = progress_bar_for(num_samples, done, progress_bar)
-    errors_file = open(summary.errors_file, "w", encoding="utf-8")  # a report of this run; resume retries them
-    run = None
-    try:
-        with contextlib.ExitStack() as resources, RegenWriter(out) as writer:
-            run = Run(summary, writer, errors_file, meta, bar, time_budget)
-            answerer.run(run.todo(selected, done), run, resources)
-    finally:
-        errors_file.close()
-        bar.close()
-        summary.seconds = time.time() - run.t0 if run else 0.0
-        if not summary.failed:
-            summary.errors_file.unlink(missing_ok=True)  # no empty errors file to wonder about
-    refuse_all_failed(summary, done)
-    return summary
+    with formats.output_lock(out, "regen"):  # one writer per output: two resumes would write each chat twice
+        done = open_output(out, resume)
+        answerer = BACKENDS[backend](settings)
+        meta = record_meta(backend, settings, answerer.meta)
+        summary = RegenSummary(out, errors_path(out))
+        selected = iter_conversations(data, summary.stats, num_samples, skip, max_turns)
+        bar = progress_bar_for(num_samples, done, progress_bar)
+        errors_file = open(summary.errors_file, "w", encoding="utf-8")  # a report of this run; resume retries them
+        run = None
+        try:
+            with contextlib.ExitStack() as resources, RegenWriter(out) as writer:
+                run = Run(summary, writer, errors_file, meta, bar, time_budget)
+                answerer.run(run.todo(selected, done), run, resources)
+        finally:
+            errors_file.close()
+            bar.close()
+            summary.seconds = time.time() - run.t0 if run else 0.0
+            if not summary.failed:
+                summary.errors_file.unlink(missing_ok=True)  # no empty errors file to wonder about
+        refuse_all_failed(summary, done)
+        return summary
 
 
 __all__ = ["regenerate", "RegenSummary", "RegenError", "AllChatsFailed", "BACKENDS"]

@@ -14,13 +14,10 @@ The folder has one writer at a time (`run_lock`).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
-import os
 import random
 import shutil
-import socket
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
@@ -158,17 +155,18 @@ PER_INVOCATION = ("stop_after", "device")
 
 
 def resumed_options(out: Path) -> dict[str, Any]:
-    """The TrainConfig options the run in `out` was started with ({} when it has no checkpoint yet).
+    """The TrainConfig options the run in `out` was started with ({} when it recorded none yet).
 
     train_config.json holds every option (its total_steps and warmup_steps as the schedule sized them);
     the checkpoint's trajectory holds the trajectory options exactly as given."""
     ckpt_root = out / CHECKPOINTS_DIR
     latest = read_pointer(ckpt_root, LATEST_FILE)
-    if latest is None or not (out / TRAIN_CONFIG_FILE).exists():
+    if not (out / TRAIN_CONFIG_FILE).exists():
         return {}
     names = {f.name for f in fields(TrainConfig)} - set(PER_INVOCATION)
     saved = formats.read_json(out / TRAIN_CONFIG_FILE)
-    trajectory = formats.torch_load_safe(ckpt_root / latest["path"] / STATE_FILE)["trajectory"]
+    # killed before its first checkpoint: train_config.json, written at the start, holds the run's options
+    trajectory = formats.torch_load_safe(ckpt_root / latest["path"] / STATE_FILE)["trajectory"] if latest else {}
     return {k: v for k, v in {**saved, **trajectory}.items() if k in names}
 
 
@@ -176,8 +174,8 @@ def truncate_metrics(path: Path, step: int) -> None:
     """Drop metric lines a killed run wrote after the checkpoint we resume from."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    formats.write_text_atomic(path, "".join(line + "\n" for line in keep))
+    keep = [r for r in formats.read_jsonl_log(path) if r["step"] <= step]
+    formats.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,8 +199,8 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        with open(self.path, "ab") as f:  # one write per line: a kill leaves at worst a torn last line
+            f.write((json.dumps(record) + "\n").encode("utf-8"))
         if self.tb is not None:
             split, step = record["split"], record["step"]
             for k, (loss, acc) in enumerate(zip(record["loss"], record["acc"])):
@@ -217,54 +215,31 @@ class MetricsLog:
 
 
 def iter_metrics(out_dir: str | Path) -> Iterator[dict[str, Any]]:
-    path = Path(out_dir) / METRICS_FILE
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+    """metrics.jsonl's records; a torn last line (a kill mid-write) is dropped with a warning."""
+    yield from formats.read_jsonl_log(Path(out_dir) / METRICS_FILE)
 
 
 # ---------------------------------------------------------------------------------------------
 # One writer per run folder
 # ---------------------------------------------------------------------------------------------
 
-class RunFolderBusy(RuntimeError):
-    """Another process holds the run folder's lock."""
+RunFolderBusy = formats.OutputBusy  # another process holds the run folder's lock
 
 
 @contextlib.contextmanager
 def run_lock(out: Path, enabled: bool = True) -> Iterator[None]:
-    """One writer per run folder: an exclusive lock on OUT/.lock for the whole run. The kernel
-    drops it when the process ends, however it ends, so a killed run never leaves it stuck (a
-    lock file that merely exists would). Only rank 0 writes, so only rank 0 takes it."""
+    """One writer per run folder: an exclusive lock on OUT/.lock for the whole run
+    (`formats.output_lock`: a killed run never leaves it stuck). Only rank 0 writes, so only rank 0
+    takes it."""
     if not enabled:
         yield
         return
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     try:
-        with locked_file(out / LOCK_FILE):
+        with formats.output_lock(out, "train", "is writing this run folder; wait for it to end, or train into "
+                                 "another --out", lock=out / LOCK_FILE):
             yield
     finally:
-        if created and [p.name for p in out.iterdir()] == [LOCK_FILE]:  # a run refused before writing anything
+        if created and out.is_dir() and all(p.name == LOCK_FILE for p in out.iterdir()):  # refused before writing
             shutil.rmtree(out, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def locked_file(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path`, which records the holder for the message of the next one."""
-    out = path.parent
-    with open(path, "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            raise RunFolderBusy(f"{out}: another `eaglet train` ({holder}) is writing this run folder; wait for it "
-                                "to end, or train into another --out") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
-        yield  # closing the file at the end releases the lock
 

@@ -1,19 +1,22 @@
 """What a training run is asked to do and how long it runs: `TrainConfig` (the options, checked
-once), the `Plan` (schedule length and cadence), the learning-rate schedule and the
---time-budget calibration that sizes the plan from the first steps' measured tokens/s.
+once), the `Plan` (schedule length and cadence), the learning-rate schedule, the
+--time-budget calibration that sizes the plan from the first steps' measured tokens/s, and the
+refusal of a micro-batch larger than the training device's memory.
 
-No torch here: the options can be read and checked without loading it.
+No torch here: the options can be read and checked without loading it (a CUDA device's free
+memory is asked of torch inside `available_memory`, which only the training loop calls).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import ranges
 from eaglet.options import LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
-from eaglet.placement import Placement, placement_from_options
+from eaglet.placement import Placement, placement_from_options, size_text
 
 BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
 CALIBRATION_STEPS = 20  # under --time-budget, steps timed before the schedule is sized (fewer if the budget is short)
@@ -102,6 +105,7 @@ class TrainConfig:
         ranges.within(0, 1, "the share of samples held out", high_open=True, eval_fraction=self.eval_fraction)
         ranges.within(0, 1, min_lr_ratio=self.min_lr_ratio)
         ranges.within(0, 1, "a fraction of the schedule", high_open=True, ttt_ramp=self.ttt_ramp)
+        ranges.seeds(seed=self.seed)
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"--loss-on {self.loss_on!r}: choose one of {list(LOSS_ON)}")
         if self.objective not in OBJECTIVES:
@@ -110,10 +114,8 @@ class TrainConfig:
             raise ValueError(f"--lm-head-init {self.lm_head_init!r}: choose one of {list(LM_HEAD_INITS)}")
         if self.freeze_lm_head and self.lm_head_init != "target":
             raise ValueError("--freeze-lm-head keeps the LM head as initialised: it needs --lm-head-init target")
-        if self.teacher_top_k is not None and self.teacher_top_k < 0:
-            raise ValueError(f"--teacher-top-k {self.teacher_top_k}: must be >= 1, or 0 for the dense teacher")
-        if self.pack_tokens is not None and self.pack_tokens < 0:
-            raise ValueError(f"--pack-tokens {self.pack_tokens}: must be >= 1, or 0 for one sample per row")
+        ranges.check(">= 1 (or 0: the dense teacher)", lambda v: v >= 0, teacher_top_k=self.teacher_top_k)
+        ranges.check(">= 1 (or 0: one sample per row)", lambda v: v >= 0, pack_tokens=self.pack_tokens)
         if self.pack_tokens and self.pack_tokens < min_sample_tokens(self.ttt_steps):
             raise ValueError(f"--pack-tokens {self.pack_tokens}: a pack must hold a sample of at least "
                              f"{min_sample_tokens(self.ttt_steps)} tokens (--ttt-steps {self.ttt_steps})")
@@ -170,6 +172,78 @@ def resolve_packing(cfg: TrainConfig, longest: int) -> TrainConfig:
     default = env_switch(COMPILE_ENV, "compile packed steps", "never compile by default")
     compile_steps = bool(pack) and default is not False if cfg.compile is None else cfg.compile
     return replace(cfg, pack_tokens=pack, compile=compile_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# A micro-batch within the training device's memory
+# ---------------------------------------------------------------------------------------------
+
+STORED_STATES = 4  # a token's states from the target: its 3 aux states and its last one
+LEAST_VALUE_BYTES = 2  # bf16 / fp16, the narrowest a state is held in (fp32 takes twice as much)
+MEMINFO = Path("/proc/meminfo")
+
+
+def micro_batch_tokens(cfg: TrainConfig, longest: int) -> int:
+    """Tokens of the largest training micro-batch: --batch-size packs of --pack-tokens, or
+    --batch-size samples padded to the longest one (after --max-length)."""
+    return cfg.batch_size * (cfg.pack_tokens or longest)
+
+
+def token_state_bytes(hidden_size: int, ttt_steps: int) -> int:
+    """Bytes of hidden states a training token holds at least: the target's states and the
+    drafter's output at every TTT step (all kept until the loss), 2 bytes a value. A lower
+    bound: the drafter's other activations, the teacher and the gradients come on top."""
+    return (STORED_STATES + ttt_steps) * hidden_size * LEAST_VALUE_BYTES
+
+
+def meminfo_available(text: str) -> int | None:
+    """The MemAvailable bytes of /proc/meminfo's text (None where it has no such line)."""
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key == "MemAvailable":
+            return int(rest.split()[0]) * 1024  # written in kB
+    return None
+
+
+def available_memory(device: str) -> tuple[int, str] | None:
+    """(bytes a micro-batch may take on the training device now, where that figure comes from),
+    or None where it is not known (no /proc/meminfo, another kind of device)."""
+    if device.startswith("cuda"):
+        import torch  # here only: the loop that calls this has it loaded, the option checks must not
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return free, f"free on {device}"
+    if device == "cpu" and MEMINFO.exists():
+        available = meminfo_available(MEMINFO.read_text())
+        return None if available is None else (available, "MemAvailable")
+    return None
+
+
+def micro_batch_sizing(cfg: TrainConfig, longest: int) -> tuple[str, str]:
+    """The options that size a micro-batch, as an error names them, and the ones that shrink it."""
+    if cfg.pack_tokens:
+        times = f" x --batch-size {cfg.batch_size}" if cfg.batch_size > 1 else ""
+        return f"--pack-tokens {cfg.pack_tokens}{times}", "lower --pack-tokens or --batch-size"
+    return (f"--batch-size {cfg.batch_size} x samples of up to {longest:,} tokens",
+            "lower --batch-size, or --max-length")
+
+
+def refuse_unfit_micro_batch(cfg: TrainConfig, longest: int, hidden_size: int, device: str) -> None:
+    """Refuse, before any step, a micro-batch whose hidden states alone exceed the memory the
+    training device has: else the allocator fails at the first step with a bare byte count.
+    `cfg` has its packing resolved (`resolve_packing`); `longest` is the longest sample after
+    --max-length; `hidden_size` the target's."""
+    tokens = micro_batch_tokens(cfg, longest)
+    per_token = token_state_bytes(hidden_size, cfg.ttt_steps)
+    have = available_memory(device)
+    if have is None or tokens * per_token <= have[0]:
+        return
+    sizing, fix = micro_batch_sizing(cfg, longest)
+    raise ValueError(f"{sizing}: one micro-batch of {tokens:,} tokens needs at least {size_text(tokens * per_token)} "
+                     f"for its hidden states alone (the target's {STORED_STATES} states and the drafter's output at "
+                     f"each of {cfg.ttt_steps} TTT steps, {hidden_size:,} values each at {LEAST_VALUE_BYTES} bytes: "
+                     f"{per_token:,} bytes a token), this machine has {size_text(have[0])} available ({have[1]}); "
+                     f"{fix}")
 
 
 def min_sample_tokens(ttt_steps: int) -> int:

@@ -47,7 +47,7 @@ from eaglet.target import (LAYER_CHECK_MAX_BYTES, TargetRef, fast_bf16, heads_of
 from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
                                          checkpoint_name, resumed_options, run_lock, truncate_metrics)
 from eaglet.training.config import (CALIBRATION_SKIP, Calibration, Plan, TrainConfig, budget_steps, lr_lambda,
-                                    resolve_packing)
+                                    refuse_unfit_micro_batch, resolve_packing)
 from eaglet.training.data import (Batch, BatchStream, Prefetcher, Prepared, Source, bucketed_batches, offline_source,
                                   online_source, open_training_data, refuse_beyond_positions, refuse_too_short,
                                   refuse_wrong_last_state, refuse_wrong_layer_ids, split_indices)
@@ -162,6 +162,7 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
         cfg = replace(cfg, bf16=fast_bf16(device))
     src, ref, draft, teachers = setup_model(dataset_dir, data, target, cfg, device)
     cfg = resolve_packing(cfg, max(src.cut_lengths().values()))  # before the trajectory is recorded
+    refuse_unfit_micro_batch(cfg, max(src.cut_lengths().values()), draft.config.target_hidden_size, str(device))
     split = setup_data(src, cfg, d)
     state = RunState(Plan.first(cfg, split.epoch_steps), cfg.stop_after)
     params, opt, sched = setup_optimizer(draft, cfg, state)
