@@ -223,7 +223,8 @@ def test_convert_killed_at_any_write_resumes_to_the_same_files(n, work, tiny_tar
                           capture_output=True).returncode == 0
     convert(work["data"], tmp_path / "whole", "compact", target=str(tiny_target), show_progress=False)
     whole, killed = tree(tmp_path / "whole"), tree(tmp_path / "killed")
-    assert set(killed) == set(whole) and all(killed[k] == whole[k] for k in whole if k != "data_config.json")
+    assert set(killed) == set(whole), set(killed) ^ set(whole)
+    assert [k for k in whole if k != "data_config.json" and killed[k] != whole[k]] == []
 
 
 @pytest.mark.parametrize("n", [2, 5])
