@@ -5,6 +5,7 @@ OverflowError, an allocator failure, a UnicodeDecodeError or a KeyError."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,14 @@ def test_a_reused_marker_without_figures_still_gives_a_summary(tmp_path):
     assert lines[3].endswith("(its marker's result has no 'tokens')  (reused)")
     assert lines[4].endswith("(its marker's result holds figures of another form)  (reused)")
     assert lines[-1].split()[-1] == "0m04s"
+
+
+@pytest.mark.parametrize("options,given", [({"epochs": 1e30}, "--epochs 1e+30"),
+                                          ({"total_steps": 2**41}, f"--total-steps {2**41}")])
+def test_a_schedule_that_never_ends_is_refused(options, given):
+    """Finite and in range, and still no plan: 1e30 epochs sizes ~1e30 steps that no machine finishes."""
+    from eaglet.training.config import Plan, TrainConfig
+
+    with pytest.raises(ValueError, match=rf"^{re.escape(given)}: a schedule of [\d,]+ optimizer steps, more than the "
+                                         r"1,099,511,627,776 eaglet plans; give fewer, or --time-budget$"):
+        Plan.first(TrainConfig(**options), int(min(options.get("epochs", 1) * 100, 2**62)))

@@ -278,7 +278,12 @@ class Plan:
     def first(cls, cfg: TrainConfig, epoch_steps: int) -> Plan:
         """The plan a run starts with: from the options, or open-ended until --time-budget has timed the first steps."""
         if cfg.time_budget is None:
-            return cls.make(cfg, cfg.total_steps or epoch_steps, calibrated=True)
+            total = cfg.total_steps or epoch_steps
+            if total > UNSIZED_STEPS:  # finite, and still a run that never ends: a typo, not a plan
+                given = f"--total-steps {cfg.total_steps}" if cfg.total_steps else f"--epochs {cfg.epochs:g}"
+                raise ValueError(f"{given}: a schedule of {total:,} optimizer steps, more than the {UNSIZED_STEPS:,} "
+                                 "eaglet plans; give fewer, or --time-budget")
+            return cls.make(cfg, total, calibrated=True)
         return cls.make(cfg, UNSIZED_STEPS, calibrated=False)
 
     @classmethod
