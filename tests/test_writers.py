@@ -101,6 +101,18 @@ def test_a_second_writer_is_refused_and_a_dead_one_releases(stage, work, tiny_ta
     assert out.exists() and not formats.lock_path(out).exists()  # a writer that ends removes its lock file
 
 
+def test_an_output_reached_through_a_link_has_the_same_lock(work, tmp_path):
+    out, alias = tmp_path / "out", tmp_path / "alias"
+    out.mkdir()
+    alias.symlink_to(out)
+    holder = Holder(out, "export")
+    try:
+        with pytest.raises(formats.OutputBusy, match=rf"^{alias}: another `eaglet export`"):
+            export_drafter(work["run"], alias, "eagle", dtype="fp32")
+    finally:
+        holder.kill()
+
+
 def test_extract_shards_write_side_by_side_but_one_shard_has_one_writer(work, tiny_target, tmp_path):
     out = tmp_path / "data"
     holder = Holder(out, "extract", formats.lock_path(out, "shard-0-of-2"))

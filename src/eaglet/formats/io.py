@@ -110,8 +110,9 @@ class OutputBusy(RuntimeError):
 def lock_path(out: str | os.PathLike, part: str = "") -> Path:
     """The lock file of an output, beside it (`.NAME.lock`): outside the output, so a stage that
     replaces its output folder, or writes it by rename, never removes a lock another process holds.
-    `part` names one share of an output written side by side (an extract shard)."""
-    out = Path(out)
+    `part` names one share of an output written side by side (an extract shard). Beside the real
+    path: an output reached through a symbolic link has the same lock as by its own name."""
+    out = Path(os.path.realpath(out))
     return out.parent / f".{out.name}{'.' + part if part else ''}.lock"
 
 
