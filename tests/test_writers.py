@@ -7,6 +7,7 @@ options that ask for the target fails when the target cannot be loaded."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,3 +251,14 @@ def test_train_killed_at_any_write_resumes_exactly(n, work, tmp_path):
           **{**FAST, "save_every": 2})
     step = "checkpoints/step_00000008/model.safetensors"
     assert (tmp_path / "killed" / step).read_bytes() == (tmp_path / "whole" / step).read_bytes()
+
+
+def test_a_cut_off_torch_file_is_named(work, tmp_path):
+    """A token_freq.pt cut short (a copy interrupted): torch's zip reader says nothing of the file."""
+    data = tmp_path / "data"
+    shutil.copytree(work["data"], data)
+    freq = data / "token_freq.pt"
+    freq.write_bytes(freq.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"^{freq}: not a readable torch file \(cut off or damaged: .*central "
+                                         r"directory.*\); restore it or write it again$"):
+        train(data, tmp_path / "run", total_steps=1, show_progress=False, **FAST)

@@ -331,6 +331,11 @@ def torch_load_safe(path: str | os.PathLike) -> Any:
                 "tensors as safetensors, or torch.save them as a plain dict of tensors") from e
         raise TorchFileRefused(f"{path}: not a readable torch file ({detail}); it is damaged or was not written "
                                "by torch.save: restore it or write it again") from e
+    except RuntimeError as e:  # torch.save writes a zip: a cut-off one fails in its zip reader, naming no file
+        if "PytorchStreamReader" not in str(e):
+            raise
+        raise TorchFileRefused(f"{path}: not a readable torch file (cut off or damaged: "
+                               f"{str(e).splitlines()[0][:160]}); restore it or write it again") from e
 
 
 def torch_load_safe_mmap(path: str | os.PathLike) -> Any:
