@@ -174,7 +174,7 @@ def folder_fingerprint(folder: Path) -> str:
     quantized head) is identified by the whole folder instead."""
     try:
         location = heads.locate_heads(folder)
-    except (heads.HeadsNotFound, ValueError):
+    except ValueError:  # HeadsNotFound is one; so is a quantized head
         return whole_folder_fingerprint(folder)
     return heads.heads_identity(location)
 
