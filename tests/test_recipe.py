@@ -70,7 +70,7 @@ def test_unknown_recipe_and_scale_keys_are_refused(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[recipe]\ntargt = "org/model"\n\n[prepare]\n')
     with pytest.raises(ValueError, match=r"bad\.toml \[recipe\]\.targt: unknown key \(did you mean 'target'\?\); "
-                                         r"\[recipe\] takes description, name, out, target$"):
+                                         r"\[recipe\] takes description, drafters, name, out, target$"):
         run_recipe(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     recipe = load_recipe("demo")
@@ -264,5 +264,26 @@ chain_depth = 3
         assert list(summary.stages) == ["regen", "prepare", "train", "eval"]
         assert summary.stages["train"]["result"]["steps"] == 3
         assert formats.read_json(tmp_path / "online" / "train" / "train_config.json")["online"] is True
+
+        # [recipe] drafters: one drafter per family on the finished data, each measured, the fastest kept
+        families = tmp_path / "families.toml"
+        families.write_text(text.replace('name = "tiny"', 'name = "tiny"\ndrafters = ["eagle3", "p-eagle"]'))
+        with pytest.raises(ValueError, match=r"other options \{'drafters': \(None, \['eagle3', 'p-eagle'\]\)\}"):
+            run_recipe(families, out, scale=1.5)
+        for stage in ("train", "eval"):  # as the refusal says: the data stages are reused
+            shutil.rmtree(out / stage)
+            (out / "stages" / f"{stage}.json").unlink()
+        summary = run_recipe(families, out, scale=1.5)
+        train_runs = summary.stages["train"]["result"]["families"]
+        assert list(train_runs) == ["eagle3", "p-eagle"] and train_runs["p-eagle"]["drafter"] == "p-eagle"
+        assert formats.read_json(out / "train" / "p-eagle" / "train_config.json")["drafter"] == "p-eagle"
+        evals = summary.stages["eval"]["result"]
+        assert set(evals["families"]["p-eagle"]["sets"]["prompts"]) == {"plain", "p-eagle"}  # its own block
+        assert evals["families"]["p-eagle"]["sets"]["prompts"]["p-eagle"]["identical_share"] == 1.0
+        kept = evals["kept"]
+        assert kept["family"] in ("eagle3", "p-eagle") and "plain greedy" in kept["why"]
+        assert f"kept {kept['family']}" in "\n".join(summary.lines())
+        with pytest.raises(ValueError, match="names a family twice"):
+            run_recipe(families, tmp_path / "x", overrides=['recipe.drafters=["dflash", "dflash"]'])
     finally:
         torch.set_num_threads(threads)

@@ -21,13 +21,19 @@ from eaglet import __version__, formats
 from eaglet.drafter import DraftConfig
 from eaglet.drafter.files import (WEIGHT_DTYPES, Drafter, expected_tensors, export_config, read_drafter,
                                   recorded_target, recorded_target_revision, write_gguf)
-from eaglet.options import DECLARED, EXPORT_DTYPE_NAMES, EXPORT_FORMAT_NAMES, declared_default, takes_options
-from eaglet.target import serving_name
+from eaglet.heads import LM_HEAD
+from eaglet.options import (DECLARED, EAGLE3, EXPORT_DTYPE_NAMES, EXPORT_FORMAT_NAMES, declared_default,
+                            takes_options)
+from eaglet.target import load_heads, resolve_target, serving_name
 
 log = logging.getLogger(__name__)
 
 def unservable(cfg: DraftConfig, fmt: str) -> list[str]:
-    """Variants a format's engine would load and then run wrongly."""
+    """Variants a format's engine would load and then run wrongly, or cannot load at all."""
+    if cfg.family != EAGLE3 and fmt == formats.FORMAT_GGUF:
+        return [f"llama.cpp serves EAGLE-3 drafters only, not {cfg.family}; use --format speculators (vLLM)"]
+    if cfg.family == "p-eagle" and fmt == formats.FORMAT_EAGLE:
+        return ["SGLang serves no P-EAGLE drafter (its parallel drafting is vLLM's); use --format speculators"]
     if fmt == formats.FORMAT_GGUF:
         return formats.gguf_unservable(cfg)
     if fmt == formats.FORMAT_EAGLE and cfg.fc_norm:
@@ -87,6 +93,8 @@ class ExportSummary:
         if self.format == formats.FORMAT_GGUF:  # `target` is the GGUF whose tokenizer it carries
             return out + [f"  llama.cpp: llama-server -m {target} -md {self.out} --spec-type draft-eagle3 "
                           f"--spec-draft-n-max {declared_default('export', 'speculative_tokens')}"]
+        if c.family != EAGLE3:
+            return out + parallel_commands(c, target, self.out, self.format) + [f"  note: {n}" for n in self.notes]
         out += [f"  vLLM:   vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
                f"\"{self.out}\", \"num_speculative_tokens\": {declared_default('export', 'speculative_tokens')}}}'"]
         if self.format == formats.FORMAT_EAGLE:
@@ -94,6 +102,36 @@ class ExportSummary:
                        f"--speculative-draft-model-path {self.out} --speculative-num-steps 3 "
                        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
         return out + [f"  note: {n}" for n in self.notes]
+
+
+def parallel_commands(c: DraftConfig, target: str, out: Path, fmt: str) -> list[str]:
+    """How the engines serve a parallel drafter: vLLM's parallel drafting (P-EAGLE) or dflash, SGLang's DFLASH."""
+    drafts = formats.parallel_drafts(c)
+    if c.family == "p-eagle":
+        spec = (f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {drafts}, '
+                f'"parallel_drafting": true}}')
+    else:
+        spec = f'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {drafts}}}'
+    lines = [f"  vLLM:   vllm serve {target} --speculative-config '{spec}'"]
+    if fmt == formats.FORMAT_EAGLE:
+        lines.append(f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+                     f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {c.block_size}")
+    return lines
+
+
+def refuse_own_head_for_sglang(d: Drafter, target: str | None) -> None:
+    """SGLang's DFlash drafts with the target's LM head, whatever the folder holds: a drafter whose
+    head is not the target's rows (trained, not frozen at --lm-head-init target) would draft
+    garbage there, silently. Checked against the target's head."""
+    if not target:
+        raise ValueError(f"{d.folder}: no target recorded; pass --verifier so the DFlash drafter's LM head can be "
+                         "checked against the target's (SGLang drafts with the target's own)")
+    head = load_heads(resolve_target(target), torch.float32, roles=(LM_HEAD,)).lm_head.weight
+    rows = head[torch.arange(d.config.draft_vocab_size) + d.tensors["d2t"]]
+    if not torch.allclose(rows, d.tensors["lm_head.weight"].float(), rtol=1e-3, atol=1e-5):
+        raise ValueError(f"{d.folder}: the drafter's LM head is its own, but SGLang's DFLASH drafts with the "
+                         f"target's: train with --lm-head-init target --freeze-lm-head for SGLang, or use "
+                         f"--format speculators (vLLM loads the drafter's own head)")
 
 
 @takes_options("export")
@@ -121,13 +159,22 @@ def export_locked(d: Drafter, out: Path, fmt: str, dtype: str, verifier: str | N
     if fmt == formats.FORMAT_GGUF:
         source, count, size = write_gguf(d, out, dtype, target_gguf)
         return ExportSummary(out, fmt, dtype, d.config, count, size, str(source), [])
-    tensors = cast_floats(formats.to_format_names(d.tensors, fmt), WEIGHT_DTYPES[dtype])
+    tensors = cast_floats(formats.to_format_names(d.tensors, fmt, d.config.family), WEIGHT_DTYPES[dtype])
     torch_dtype = formats.DTYPE_NAMES[WEIGHT_DTYPES[dtype]]
     recorded = recorded_target(d)
     target = verifier or (serving_name(recorded) if recorded else None)
     provenance = {"eaglet_version": __version__, "source_format": d.format, "target": target,
                   "target_revision": recorded_target_revision(d), "step": (d.source.get("eaglet") or {}).get("step")}
-    if fmt == formats.FORMAT_EAGLE:
+    if d.config.family == "dflash" and fmt == formats.FORMAT_EAGLE:
+        refuse_own_head_for_sglang(d, verifier or recorded)
+        config = formats.build_dflash_config(d.config, torch_dtype, provenance)
+    elif d.config.family != EAGLE3:
+        if not target:
+            raise ValueError(f"{d.folder}: no target recorded; pass --verifier (vLLM's speculators_config.verifier."
+                             f"name_or_path is required)")
+        config = formats.build_parallel_speculators_config(d.config, torch_dtype, target,
+                                                           verifier_architectures(target), provenance)
+    elif fmt == formats.FORMAT_EAGLE:
         config = formats.build_eagle_config(d.config, torch_dtype, provenance)
     else:
         if not target:

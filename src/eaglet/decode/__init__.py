@@ -1,4 +1,5 @@
-"""Speculative decoding with an EAGLE-3 drafter: EAGLE-2 dynamic trees (or chains), verified exactly.
+"""Speculative decoding with a drafter: EAGLE-3's EAGLE-2 dynamic trees (or chains), a parallel
+drafter's blocks, prompt lookup and their hybrid, verified exactly.
 
 The package, from the bottom up (a module imports only those listed before it):
 
@@ -9,6 +10,7 @@ The package, from the bottom up (a module imports only those listed before it):
     proposers  the `Proposer` interface, the drafter's `Eagle3Proposer` (chain or EAGLE-2
                dynamic tree, optional floor on draft probabilities) and prompt lookup
                (`NgramProposer`)
+    parallel   `ParallelProposer`: a P-EAGLE or DFlash drafter's block from one pass
     runner     `TargetRunner` (the HF target with its cache and aux-layer hooks) and the entry
                points `plain_generate` (the reference) and `speculative_generate`
     hybrid     experimental: `HybridProposer` (the drafter's and the lookup's proposals in one
@@ -22,6 +24,7 @@ from eaglet.decode.core import (BOTH, DRAFTER, NGRAM, DecodeStats, DraftTree, ac
                                 truncate_at_eos)
 from eaglet.decode.hybrid import (Calibration, HybridProposer, admit_by_cost, drop_rivals, expected_acceptance,
                                   keep_nodes, measure_pass_costs, merge_chain, path_nodes)
+from eaglet.decode.parallel import ParallelProposer
 from eaglet.decode.proposers import Eagle3Proposer, NgramProposer, Proposer
 from eaglet.decode.runner import TargetRunner, plain_generate, speculative_generate
 
@@ -31,6 +34,8 @@ __all__ = [
     "process_probs", "token_budget", "tree_attention_mask", "truncate_at_eos",
     # proposers
     "Eagle3Proposer", "NgramProposer", "Proposer",
+    # parallel
+    "ParallelProposer",
     # runner
     "TargetRunner", "plain_generate", "speculative_generate",
     # hybrid

@@ -15,7 +15,9 @@ from transformers import DynamicCache
 from eaglet.decode.core import (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, DecodeStats, TokenIds, as_id_list,
                                 decode_loop, keep_cache_entries, process_probs, sample_from,
                                 token_budget, tree_limits)
+from eaglet.decode.parallel import ParallelProposer
 from eaglet.decode.proposers import Eagle3Proposer, Proposer
+from eaglet.drafter import ParallelDraft
 from eaglet.target import LayerCapture, decoder_layers, input_device, max_positions
 
 
@@ -108,13 +110,15 @@ def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input
                          total_tokens: int = DEFAULT_TOTAL_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
                          generator: torch.Generator | None = None, min_prob: float = 0.0) -> tuple[list[int], DecodeStats]:
     """Generate like `plain_generate` (token for token at T=0, in distribution at T>0) with
-    drafts verified by the target. `drafter` is an `Eagle3Draft` or any `Proposer`; an
-    `Eagle3Draft` proposes only tokens whose path probability is >= `min_prob`."""
+    drafts verified by the target. `drafter` is a drafter model (EAGLE-3, P-EAGLE or DFlash) or any
+    `Proposer`; a model proposes only tokens whose path probability is >= `min_prob`."""
     limits = tree_limits(mode, depth, top_k, total_tokens)
     if hasattr(drafter, "propose"):
         if min_prob > 0:
-            raise ValueError("min_prob applies to an Eagle3Draft; give a Proposer its own threshold")
+            raise ValueError("min_prob applies to a drafter model; give a Proposer its own threshold")
         proposer: Proposer = drafter
+    elif isinstance(drafter, ParallelDraft):
+        proposer = ParallelProposer(drafter, min_prob)
     else:
         proposer = Eagle3Proposer(drafter, min_prob)
     if hasattr(proposer, "reset"):

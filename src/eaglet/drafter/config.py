@@ -59,8 +59,23 @@ class DraftConfig:
     norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g (speculators' default)
     sliding_window: int | None = None  # step-0 keys a query sees: the last W positions (None: all)
     target_hidden_size: int | None = None  # width of the aux states (defaults to hidden_size)
+    family: str = options.EAGLE3  # options.DRAFTER_FAMILIES: EAGLE-3, or a parallel drafter (drafter/parallel.py)
+    num_layers: int = 1  # decoder layers (EAGLE-3: its one midlayer)
+    block_size: int = 0  # parallel drafters: P-EAGLE's K drafts a pass, DFlash's block (anchor + B-1 drafts)
+    mask_token_id: int | None = None  # parallel drafters: the token whose embedding fills the unknown positions
 
     def __post_init__(self) -> None:
+        if self.family not in options.DRAFTER_FAMILIES:
+            raise ValueError(f"family {self.family!r}: one of {list(options.DRAFTER_FAMILIES)}")
+        if self.family == options.EAGLE3 and (self.num_layers != 1 or self.block_size or self.mask_token_id is not None):
+            raise ValueError("an EAGLE-3 drafter has one layer and no block_size or mask_token_id")
+        if self.family != options.EAGLE3:
+            if self.num_layers < 1 or self.block_size < 2:
+                raise ValueError(f"a {self.family} drafter needs num_layers >= 1 (got {self.num_layers}) and "
+                                 f"block_size >= 2 (got {self.block_size})")
+            if self.mask_token_id is None or not 0 <= self.mask_token_id < self.target_vocab_size:
+                raise ValueError(f"mask_token_id {self.mask_token_id}: a {self.family} drafter needs a target token "
+                                 f"id in [0, {self.target_vocab_size})")
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.num_heads % self.num_kv_heads:

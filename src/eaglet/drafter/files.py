@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from eaglet import __version__, formats, heads, layers
+from eaglet import __version__, formats, heads, layers, options
 from eaglet.drafter.config import DraftConfig
-from eaglet.drafter.model import Eagle3Draft
+from eaglet.drafter.parallel import DraftModel, build_model
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
 from eaglet.target import find_target_gguf, load_heads, resolve_target, text_config
 
@@ -30,11 +30,13 @@ log = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # an export's weights (options.EXPORT_DTYPE_NAMES)
 EMBEDDINGS = "embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
 # Why a missing tensor matters, for the error message.
 MISSING_WHY = {
     "d2t": " (without it the engines map draft id i to target id i: every draft would be wrong)",
     "t2d": " (the draft vocabulary's mask over the target vocabulary)",
     EMBEDDINGS: " (the folder relies on the target's embeddings: pass the target to copy them)",
+    LM_HEAD: " (a drafter over the whole vocabulary uses the target's LM head: pass the target to copy it)",
 }
 
 
@@ -54,7 +56,7 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, torch.Tensor]:
     """Names, shapes and dtypes of the drafter `cfg` describes, as meta tensors (nothing allocated),
     taken from the model itself so they cannot drift from eaglet.drafter."""
     with torch.device("meta"):
-        return dict(Eagle3Draft(cfg).state_dict())
+        return dict(build_model(cfg).state_dict())
 
 
 def layer_id_problems(cfg: DraftConfig) -> list[str]:
@@ -88,7 +90,7 @@ def vocab_problems(cfg: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor) -> li
 def weight_problems(cfg: DraftConfig, tensors: dict[str, torch.Tensor], fmt: str = formats.FORMAT_EAGLET) -> list[str]:
     """Problems of `tensors` (eaglet names) against `cfg`; messages use the names `fmt` stores."""
     expected = expected_tensors(cfg)
-    shown = {name: formats.format_name(name, fmt) for name in expected.keys() | tensors.keys()}
+    shown = {name: formats.format_name(name, fmt, cfg.family) for name in expected.keys() | tensors.keys()}
     problems = [f"field {shown[n]} missing{MISSING_WHY.get(n, '')}" for n in sorted(expected.keys() - tensors.keys())]
     problems += [f"unknown tensor {shown[n]} {list(tensors[n].shape)} (eaglet's drafter has no such weight)"
                  for n in sorted(tensors.keys() - expected.keys())]
@@ -138,6 +140,16 @@ def default_aux_layer_ids(target: str | None, where: Path) -> list[int]:
     return layers.default_aux_ids(text_config(resolve_target(target)).num_hidden_layers)
 
 
+def whole_vocabulary_head(cfg: DraftConfig, target: str) -> dict[str, torch.Tensor]:
+    """A parallel drafter that drafts over the target's whole vocabulary with the target's LM head
+    (z-lab's DFlash checkpoints store none): that head, and the identity vocabulary map."""
+    if cfg.draft_vocab_size != cfg.target_vocab_size:
+        return {}  # a reduced vocabulary needs its own head: left missing, and named so
+    head = load_heads(resolve_target(target), torch.float32, roles=(heads.LM_HEAD,)).lm_head.weight
+    return {LM_HEAD: head.detach().clone(), "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
+            "t2d": torch.ones(cfg.target_vocab_size, dtype=torch.bool)}
+
+
 def drop_ignorable(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
     dropped = sorted(k for k in tensors if k.endswith(formats.IGNORABLE_WEIGHT_SUFFIXES))
     if dropped:
@@ -165,17 +177,19 @@ def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
     if fmt == formats.FORMAT_EAGLET:
         cfg, tensors = eaglet_draft_config(c, config_path), stored
     else:
-        parse = formats.parse_eagle_config if fmt == formats.FORMAT_EAGLE else formats.parse_speculators_config
-        fields, ids = parse(c, str(config_path))
+        fields, ids = formats.parse_engine_config(c, fmt, str(config_path))
         ids = ids if ids is not None else default_aux_layer_ids(target, config_path)
         try:
             cfg = DraftConfig(**fields, aux_layer_ids=ids)
         except ValueError as e:
             raise ValueError(f"{config_path}: {e}") from e
-        tensors = formats.from_format_names(drop_ignorable(stored, weights_where), fmt, weights_where)
+        tensors = formats.from_format_names(drop_ignorable(stored, weights_where), fmt, weights_where,
+                                            cfg.family)
     from_target = EMBEDDINGS not in tensors and target is not None
     if from_target:
         tensors[EMBEDDINGS] = target_embeddings(target)
+    if LM_HEAD not in tensors and cfg.family != options.EAGLE3 and target is not None:
+        tensors.update(whole_vocabulary_head(cfg, target))
     tensors = bool_mask(tensors)
     check_drafter(cfg, tensors, config_path, weights_where, fmt)
     return Drafter(folder, fmt, cfg, tensors, c, from_target)
@@ -202,27 +216,28 @@ def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config.json: the EAGLE-3 / SGLang `LlamaForCausalLMEagle3` config (the same as
     `eaglet export --format eagle` writes, so a checkpoint is also a valid eagle folder in fp32),
     plus eaglet's own record, which `load_checkpoint` reads."""
-    return {**formats.build_eagle_config(cfg, "float32", None), "eaglet": {"draft_config": cfg.to_dict(), **extra}}
+    engine = formats.build_eagle_config(cfg, "float32", None) if cfg.family == options.EAGLE3 else {}
+    return {**engine, "eaglet": {"draft_config": cfg.to_dict(), **extra}}
 
 
-def load_draft_weights(model: Eagle3Draft, folder: Path) -> None:
+def load_draft_weights(model: DraftModel, folder: Path) -> None:
     model.load_state_dict(formats.read_safetensors(folder / MODEL_FILE))
 
 
-def load_checkpoint(folder: str | Path) -> Eagle3Draft:
+def load_checkpoint(folder: str | Path) -> DraftModel:
     """A trained drafter from a checkpoint folder (config.json + model.safetensors), in eval mode."""
     folder = Path(folder)
     config_path = folder / formats.DRAFTER_CONFIG_FILE
     config = formats.read_json(config_path)
     if "eaglet" not in config:
         raise ValueError(f"{config_path}: not an eaglet checkpoint (no 'eaglet' section)")
-    draft = Eagle3Draft(eaglet_draft_config(config, config_path))
+    draft = build_model(eaglet_draft_config(config, config_path))
     load_draft_weights(draft, folder)
     return draft.eval()
 
 
 class LoadedDrafter(NamedTuple):
-    model: Eagle3Draft
+    model: DraftModel
     target: str | None  # the target to run it with: the one given, else the one recorded
     target_revision: str | None  # the revision of the target it was trained for, where recorded
 
@@ -233,12 +248,12 @@ def load_drafter_for_target(path: str | Path, target: str | None = None) -> Load
     folder records. `target` supplies embeddings or layer ids a folder leaves to the target
     (see `read_drafter`)."""
     d = read_drafter(path, target)
-    model = Eagle3Draft(d.config)
+    model = build_model(d.config)
     model.load_state_dict(d.tensors)  # copy_ converts bf16 weights to the model's fp32
     return LoadedDrafter(model.eval(), target or recorded_target(d), recorded_target_revision(d))
 
 
-def load_drafter(path: str | Path, target: str | None = None) -> Eagle3Draft:
+def load_drafter(path: str | Path, target: str | None = None) -> DraftModel:
     return load_drafter_for_target(path, target).model
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.drafter.model import DraftOutput
+from eaglet.drafter.parallel import BlockOutput
 from eaglet.drafter.teacher import Teacher
 
 STEP_WEIGHT_DECAY = 0.8
@@ -127,3 +128,56 @@ def stats_summary(sums: torch.Tensor) -> dict[str, Any]:
     acc = [cr / c if c else 0.0 for cr, c in zip(correct, count)]
     drafted = [lc / c if c else 0.0 for lc, c in zip(loss_count, count)]
     return {"loss": loss, "acc": acc, "tau": acceptance_length(acc), "positions": count, "drafted": drafted}
+
+
+def block_loss(out: BlockOutput, teacher: Teacher, counted: torch.Tensor, weights: list[float],
+               documents: torch.Tensor | None = None, objective: str = "ce") -> tuple[torch.Tensor, StepStats]:
+    """A parallel drafter's loss over its blocks, and its per-position statistics.
+
+    Block position k predicts the token at row position `out.predicts[k]` from the target's
+    distribution one position before; it trains when that token counts (`counted` [B, L]: the
+    loss mask, or every real token) and lies in the anchor's sample, weighted `weights[k]`.
+    P-EAGLE's depth 0 trains at every counted position instead (EAGLE-3's step 0, free in its
+    forward). The statistics are what chain verification of the block accepts: position k's
+    accuracy is counted over the blocks whose positions before k were all right, so the product
+    of the first k accuracies is the share of blocks accepted that deep and `acceptance_length`
+    of them is the mean number of drafts accepted per block (exact for a drafter whose block
+    does not depend on its own drafts)."""
+    B, L = counted.shape
+    rows = torch.arange(B, device=counted.device)[:, None]
+    anchor_doc = None if documents is None else documents.gather(1, out.anchors.clamp(min=0))
+    total = counted.new_zeros((), dtype=torch.float32)
+    if out.everywhere is not None:
+        depth0, _ = ttt_loss(DraftOutput([out.everywhere], out.head), teacher, counted, documents=documents,
+                             objective=objective)
+        total = total + weights[0] * depth0
+    reached = out.anchors >= 0  # [B, A] blocks whose positions so far were all right
+    loss_sum, correct, count, loss_count = [], [], [], []
+    for k, (hidden, predicts) in enumerate(zip(out.hidden, out.predicts)):
+        p = predicts.clamp(0, L - 1)
+        ok = (predicts >= 0) & (predicts < L) & counted.gather(1, p).bool()
+        if anchor_doc is not None:
+            ok &= documents.gather(1, p) == anchor_doc
+        before = p - 1  # the target's distribution there predicts the token at p
+
+        def teacher_at(x: torch.Tensor) -> torch.Tensor:
+            return x[rows, before][ok]
+
+        drafted = teacher_at(teacher.in_draft)
+        logits = out.head(hidden[ok])
+        ce = objective_loss(logits, teacher_at(teacher.log_probs),
+                            None if teacher.ids is None else teacher_at(teacher.ids), objective)
+        n = drafted.sum()
+        step_sum = (ce * drafted).sum()
+        if out.everywhere is None or k > 0:
+            total = total + weights[k] * step_sum / n.clamp(min=1)
+        with torch.no_grad():
+            hit = torch.zeros_like(ok)
+            hit[ok] = (logits.argmax(-1) == teacher_at(teacher.argmax)) & drafted
+            reached = reached & ok
+            count.append(reached.sum().float())
+            reached = reached & hit
+            correct.append(reached.sum().float())
+        loss_sum.append(step_sum.detach())
+        loss_count.append(n.float())
+    return total, StepStats(*(torch.stack(x) for x in (loss_sum, correct, count, loss_count)))

@@ -4,7 +4,8 @@ For every prompt the same target decodes the same prompt with every method, in a
 order so that machine drift (frequency scaling, other jobs) spreads evenly over the methods:
 plain greedy, eaglet's engine with the drafter or prompt lookup, Hugging Face generate
 (`methods`), llama.cpp's llama-server (`engines`). Each method's sums over a prompt set become its
-figures, the table, eval.json and eval.png (`report`); `settings` is how every method decodes.
+figures, the table, eval.json and eval.png (`report`); `settings` is how every method decodes,
+`tuning` the dtype and threads each runs at (its fastest on this machine, measured).
 
 Entry point: `evaluate(drafter_path, ..., **decode_options) -> EvalResult`.
 """
@@ -23,14 +24,17 @@ from tqdm import tqdm
 
 from eaglet import llama_cpp, ranges
 from eaglet.chat import chat_prompt_ids, stop_token_ids
-from eaglet.drafter import Eagle3Draft
+from eaglet.drafter import DraftModel
 from eaglet.drafter.files import load_drafter_for_target
 from eaglet.evaluate.engines import FIRST_DRAFT_GAP, engine_run, engine_servers, first_draft_check, warn_on_gap
 from eaglet.evaluate.methods import (PROMPT_LOOKUP_TOKENS, Run, Variants, measured_pass_costs, reference_labels,
                                      run_method, variants_for, with_implied_methods, with_pass_costs)
 from eaglet.evaluate.report import EvalResult, MethodTotals, format_table, summarize
 from eaglet.evaluate.settings import DecodeSettings
-from eaglet.options import BASELINE, DECLARED, DRAFTER_METHODS, LLAMA_CPP_METHODS, takes_options
+from eaglet.evaluate.tuning import AUTO, Config
+from eaglet.evaluate import tuning
+from eaglet.decode import measure_pass_costs
+from eaglet.options import BASELINE, DECLARED, DRAFTER_METHODS, LLAMA_CPP_METHODS, LOOKUP_METHODS, takes_options
 from eaglet.placement import Placement, placement_from_options
 from eaglet.prompts import Prompt, load_prompt_set
 from eaglet.target import (TargetRef, cpu_description, decoder_layers, input_device, load_target, load_tokenizer,
@@ -40,14 +44,14 @@ log = logging.getLogger(__name__)
 
 # What callers use; the rest is reached through its module (evaluate.methods, .engines, .report).
 __all__ = ["evaluate", "EvalResult", "DecodeSettings", "MethodTotals", "Run", "FIRST_DRAFT_GAP", "evaluate_set",
-           "warm_up", "run_variant", "run_method", "summarize", "format_table", "with_pass_costs", "torch_threads",
+           "Lane", "warm_up", "run_variant", "run_method", "summarize", "format_table", "with_pass_costs", "torch_threads",
            "load_prompt_set"]
 
 
 @takes_options("eval")
 def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_sets: Sequence[str] = DECLARED,
              num_prompts: int | None = DECLARED, methods: Sequence[str] = DECLARED, dtype: str = DECLARED,
-             device: str | None = DECLARED, threads: int | None = DECLARED, out: str | Path | None = DECLARED,
+             device: str | None = DECLARED, threads: int | str | None = DECLARED, out: str | Path | None = DECLARED,
              plot: bool = DECLARED, progress: bool = True, other_target: bool = DECLARED,
              device_map: str | None = DECLARED, max_memory: str | None = DECLARED,
              offload_folder: str | None = DECLARED, target_gguf: str | Path | None = DECLARED,
@@ -57,23 +61,28 @@ def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_set
     preset, depth, chain_depth, ...). A target whose revision is not the one the drafter records is
     refused unless `other_target`. With `device_map` the target spans devices and the drafter runs
     where its inputs go. llama.cpp's methods run llama-server on `target_gguf` (default: the
-    embedded target's GGUF), with `engine_f32` on its weights dequantized to f32."""
-    ranges.at_least(1, num_prompts=num_prompts, threads=threads)
+    embedded target's GGUF), with `engine_f32` on its weights dequantized to f32. `dtype` and
+    `threads` "auto": each method at its fastest configuration on this machine (`tuning`)."""
+    ranges.at_least(1, num_prompts=num_prompts, threads=None if threads == AUTO else threads)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
     methods = with_implied_methods(methods)
     settings = DecodeSettings(**decode_options)  # checked before anything loads
-    with torch_threads(threads):
-        models = load_models(drafter_path, target, methods, dtype, device, placed, other_target)
+    configs = tuning.candidates(dtype, threads, pick_device(device).type if placed is None else "placed")
+    with torch_threads(configs[0].threads if len(configs) == 1 else None):
+        loaded = {c.dtype: load_models(drafter_path, target, methods, c.dtype, device, placed, other_target)
+                  for c in configs}
+        models = next(iter(loaded.values()))
         settings = replace(settings, eos_ids=tuple(sorted(stop_token_ids(models.target, models.tokenizer))))
         sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
         with engine_servers(methods, drafter_path, models.ref.name, target_gguf, out, settings,
                             torch.get_num_threads(), max_positions(models.target), engine_f32) as (servers, engine):
-            variants = with_pass_costs(variants_for(methods, settings), models.target)
-            warm_up(variants, models.target, models.drafter, models.tokenizer, first_prompt(sets), servers=servers)
-            results, records = measure(sets, variants, models, servers, engine, progress)
+            variants, lanes, tuned = tuned_lanes(variants_for(methods, settings), configs, loaded)
+            warm_up(variants, models.target, models.drafter, models.tokenizer, first_prompt(sets), servers=servers,
+                    lanes=lanes)
+            results, records = measure(sets, variants, models, servers, engine, progress, lanes)
         skipped = warn_skipped(records, max_positions(models.target))
         config = run_config(drafter_path, models, dtype, device_map, prompt_sets, num_prompts, methods, variants,
-                            skipped, engine)
+                            skipped, engine, tuned)
     result = EvalResult(config, results, records)
     if out is not None:
         result.save(Path(out), plot, title=f"drafter {drafter_path} | target {Path(models.ref.name).name} | {dtype}, "
@@ -93,7 +102,7 @@ class Models:
     ref: TargetRef
     target: nn.Module
     tokenizer: Any
-    drafter: Eagle3Draft | None
+    drafter: DraftModel | None
     drafter_revision: str | None  # the revision of the target the drafter was trained for, where recorded
 
 
@@ -118,7 +127,7 @@ def load_models(drafter_path: str | Path, target: str | None, methods: Sequence[
     return Models(ref, model, tokenizer, drafter, trained_for)
 
 
-def check_drafter_fits(drafter: Eagle3Draft, target: nn.Module) -> None:
+def check_drafter_fits(drafter: DraftModel, target: nn.Module) -> None:
     """A drafter for another model would verify fine and accept nothing: refuse it up front."""
     tc, dc = target.config, drafter.config
     problems = []
@@ -133,6 +142,48 @@ def check_drafter_fits(drafter: Eagle3Draft, target: nn.Module) -> None:
     if problems:
         raise ValueError("the drafter does not fit this target: " + "; ".join(problems)
                          + " (pass the target it was trained for with --target)")
+
+
+@dataclass
+class Lane:
+    """What one variant runs on: the target and drafter in its dtype, and its CPU threads."""
+
+    target: nn.Module
+    drafter: DraftModel | None
+    threads: int | None
+    config: Config
+
+
+def tuned_lanes(variants: Variants, configs: list[Config],
+                loaded: dict[str, Models]) -> tuple[Variants, dict[str, Lane], dict[str, Any]]:
+    """Each variant's lane: with several candidate configurations, the one where a pass of the
+    variant's size is cheapest, from the target's pass costs timed under each (`tuning`), which also
+    serve the variants that admit tokens by cost; with one, that one. Returns the variants (pass
+    costs filled in), their lanes and what eval.json records of the choice."""
+    drafter = next(iter(loaded.values())).drafter
+    if len(configs) == 1:
+        c = configs[0]
+        m = loaded[c.dtype]
+        with torch_threads(c.threads):
+            variants = with_pass_costs(variants, m.target, m.drafter)
+        lanes = {label: Lane(m.target, m.drafter, c.threads, c) for label in variants}
+        return variants, lanes, {"configs": {label: c.label for label in variants}}
+    max_q = max(2, *(tuning.verify_tokens(method, s, drafter) for method, s in variants.values()))
+    costs: dict[Config, list[float]] = {}
+    for c in configs:
+        with torch_threads(c.threads):
+            costs[c] = measure_pass_costs(loaded[c.dtype].target, max_q=max_q)
+        log.info("target pass costs at %s (ms, 1..%d tokens): %s", c.label, max_q,
+                 " ".join(f"{1000 * x:.0f}" for x in costs[c]))
+    chosen = tuning.choose(variants, costs, drafter)
+    # a variant the choice leaves out (a llama.cpp method, run by its server) keeps the first lane
+    chosen = {label: chosen.get(label, configs[0]) for label in variants}
+    variants = {label: (method, replace(s, pass_costs=tuple(costs[chosen[label]]))
+                        if method in LOOKUP_METHODS and s.admission == "cost" and not s.pass_costs else s)
+                for label, (method, s) in variants.items()}
+    lanes = {label: Lane(loaded[c.dtype].target, loaded[c.dtype].drafter, c.threads, c) for label, c in chosen.items()}
+    return variants, lanes, {"configs": {label: c.label for label, c in chosen.items()},
+                             "pass_costs_by_config_s": {c.label: costs[c] for c in configs}}
 
 
 @contextlib.contextmanager
@@ -151,7 +202,7 @@ def torch_threads(n: int | None) -> Iterator[None]:
 # The evaluation loop
 # ---------------------------------------------------------------------------------------------
 
-def run_variant(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids: list[int], s: DecodeSettings,
+def run_variant(method: str, target: nn.Module, drafter: DraftModel | None, ids: list[int], s: DecodeSettings,
                 servers: dict[str, llama_cpp.LlamaServer] | None = None) -> Run:
     """`run_method`, or the method's llama-server (`servers`, by method) for llama.cpp's methods."""
     if method in LLAMA_CPP_METHODS:
@@ -165,15 +216,26 @@ def first_prompt(sets: dict[str, list[Prompt]]) -> Prompt:
     return next(iter(sets.values()))[0]
 
 
-def warm_up(variants: Variants, target: nn.Module, drafter: Eagle3Draft | None, tokenizer, prompt: Prompt,
-            drafters: dict[str, Eagle3Draft] | None = None,
-            servers: dict[str, llama_cpp.LlamaServer] | None = None) -> None:
+def warm_up(variants: Variants, target: nn.Module, drafter: DraftModel | None, tokenizer, prompt: Prompt,
+            drafters: dict[str, DraftModel] | None = None,
+            servers: dict[str, llama_cpp.LlamaServer] | None = None, lanes: dict[str, Lane] | None = None) -> None:
     """One short untimed run per variant: first calls pay for allocations and kernel selection."""
     ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
     ids = ids[-(max_positions(target) // 2):]  # untimed: any prompt that fits will do
     for label, (method, s) in variants.items():
-        run_variant(method, target, (drafters or {}).get(label, drafter), ids,
-                    replace(s, max_new_tokens=min(8, s.max_new_tokens)), servers)
+        run_in_lane(label, method, target, (drafters or {}).get(label, drafter), ids,
+                    replace(s, max_new_tokens=min(8, s.max_new_tokens)), servers, lanes)
+
+
+def run_in_lane(label: str, method: str, target: nn.Module, drafter: DraftModel | None, ids: list[int],
+                s: DecodeSettings, servers: dict[str, llama_cpp.LlamaServer] | None,
+                lanes: dict[str, Lane] | None) -> Run:
+    """`run_variant` on the variant's lane (its dtype's models, its threads), where it has one."""
+    lane = (lanes or {}).get(label)
+    if lane is None:
+        return run_variant(method, target, drafter, ids, s, servers)
+    with torch_threads(lane.threads):
+        return run_variant(method, lane.target, lane.drafter, ids, s, servers)
 
 
 def rotated(labels: list[str], k: int) -> list[str]:
@@ -181,14 +243,15 @@ def rotated(labels: list[str], k: int) -> list[str]:
     return labels[k:] + labels[:k]
 
 
-def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, drafter: Eagle3Draft | None,
+def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, drafter: DraftModel | None,
                  tokenizer, on_turn: Callable[[dict[str, MethodTotals]], None],
-                 records: list[dict[str, Any]], drafters: dict[str, Eagle3Draft] | None = None,
-                 servers: dict[str, llama_cpp.LlamaServer] | None = None) -> dict[str, MethodTotals]:
+                 records: list[dict[str, Any]], drafters: dict[str, DraftModel] | None = None,
+                 servers: dict[str, llama_cpp.LlamaServer] | None = None,
+                 lanes: dict[str, Lane] | None = None) -> dict[str, MethodTotals]:
     """Decode every turn of every prompt with each variant, in a rotating order; sums per label.
     The next turn's history holds plain greedy's answer, so every variant sees the same prompt.
     `drafters`: another drafter for some labels (drafters compared in one run); `servers`: the
-    llama-servers of llama.cpp's methods."""
+    llama-servers of llama.cpp's methods; `lanes`: the models and threads of some labels (`tuned_lanes`)."""
     labels = list(variants)
     totals = {label: MethodTotals() for label in labels}
     references = reference_labels(variants)
@@ -210,7 +273,8 @@ def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, d
             runs = {}
             for label in rotated(labels, k):
                 method, settings = variants[label]
-                runs[label] = run_variant(method, target, (drafters or {}).get(label, drafter), ids, settings, servers)
+                runs[label] = run_in_lane(label, method, target, (drafters or {}).get(label, drafter), ids, settings,
+                                          servers, lanes)
             k += 1
             for label in labels:
                 totals[label].add(runs[label], runs[references[label]].tokens if greedy and label in references
@@ -229,8 +293,8 @@ def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, d
 
 
 def measure(sets: dict[str, list[Prompt]], variants: Variants, models: Models,
-            servers: dict[str, llama_cpp.LlamaServer], engine: dict[str, Any],
-            progress: bool) -> tuple[dict[str, dict[str, dict[str, Any]]], list[dict[str, Any]]]:
+            servers: dict[str, llama_cpp.LlamaServer], engine: dict[str, Any], progress: bool,
+            lanes: dict[str, Lane] | None = None) -> tuple[dict[str, dict[str, dict[str, Any]]], list[dict[str, Any]]]:
     """Each set's figures by method, and one record per prompt turn; a progress bar over all turns."""
     s = variants[BASELINE][1]
     n_turns = sum(len(p.turns) for prompts in sets.values() for p in prompts)
@@ -240,12 +304,15 @@ def measure(sets: dict[str, list[Prompt]], variants: Variants, models: Models,
             torch.inference_mode():
         for spec, prompts in sets.items():
             totals = evaluate_set(prompts, variants, models.target, models.drafter, models.tokenizer,
-                                  progress_step(bar), records, servers=servers)
+                                  progress_step(bar), records, servers=servers, lanes=lanes)
             if totals[BASELINE].turns == 0:
                 raise ValueError(f"prompt set {spec!r}: every prompt is too long for the target's "
                                  f"{max_positions(models.target)} positions")
             name = prompts[0].set_name
             results[name] = summarize(totals, s.temperature <= 0, reference_labels(variants))
+            for label, lane in (lanes or {}).items():
+                if variants[label][0] not in LLAMA_CPP_METHODS:
+                    results[name][label]["config"] = lane.config.label
             warn_on_gap(name, first_draft_check(results[name], engine.get("target_weights"), s.min_draft_prob))
     return results, records
 
@@ -273,7 +340,7 @@ def warn_skipped(records: list[dict[str, Any]], positions: int) -> int:
 
 def run_config(drafter_path: str | Path, models: Models, dtype: str, device_map: str | None,
                prompt_sets: Sequence[str], num_prompts: int | None, methods: Sequence[str], variants: Variants,
-               skipped: int, engine: dict[str, Any]) -> dict[str, Any]:
+               skipped: int, engine: dict[str, Any], tuned: dict[str, Any] | None = None) -> dict[str, Any]:
     """What eval.json records of the run: what was measured, on what, and how it decoded."""
     return {"drafter": str(drafter_path), "target": models.ref.name, "target_revision": models.ref.revision,
             "drafter_target_revision": models.drafter_revision, "dtype": dtype,
@@ -281,5 +348,5 @@ def run_config(drafter_path: str | Path, models: Models, dtype: str, device_map:
             "threads": torch.get_num_threads(), "cpu": cpu_description(),
             "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
             **variants[BASELINE][1].record(), "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
-            "pass_costs_s": measured_pass_costs(variants), "skipped_turns": skipped,
+            "pass_costs_s": measured_pass_costs(variants), "skipped_turns": skipped, **(tuned or {}),
             **({"llama_cpp": engine} if engine else {})}

@@ -1,7 +1,8 @@
 """One method's answer to one prompt turn in `eaglet eval`, and which methods a run compares.
 
     plain          eaglet's own greedy loop with a KV cache: the baseline of every speedup
-    chain, tree    speculative decoding with the drafter (`decode.speculative_generate`)
+    chain, tree    speculative decoding with an EAGLE-3 drafter (`decode.speculative_generate`)
+    p-eagle, dflash  ... with a parallel drafter of that family: its block, one drafter pass a cycle
     hybrid, ngram  the drafter's chain (hybrid) and prompt lookup's continuation in eaglet's engine
     prompt-lookup  Hugging Face `generate(prompt_lookup_num_tokens=10)`, the no-training baseline
     hf-greedy      Hugging Face `generate` greedy: prompt lookup's own-engine baseline
@@ -19,12 +20,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramProposer, Proposer, measure_pass_costs,
-                           plain_generate, speculative_generate, truncate_at_eos)
-from eaglet.drafter import Eagle3Draft
+from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramProposer, ParallelProposer, Proposer,
+                           measure_pass_costs, plain_generate, speculative_generate, truncate_at_eos)
+from eaglet.drafter import DraftModel, ParallelDraft, predicted_positions
 from eaglet.evaluate.settings import DecodeSettings
-from eaglet.options import (BASELINE, ENGINE_METHODS, HF_METHODS, LLAMA_CPP_BASELINE, LLAMA_CPP_METHODS,
-                            LOOKUP_METHODS, METHODS)
+from eaglet.options import (BASELINE, EAGLE3, ENGINE_METHODS, HF_METHODS, LLAMA_CPP_BASELINE, LLAMA_CPP_METHODS,
+                            LOOKUP_METHODS, METHODS, PARALLEL_METHODS)
 from eaglet.target import generation_config, input_device
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def run_method(method: str, target: nn.Module, drafter: Eagle3Draft | None, ids: list[int],
+def run_method(method: str, target: nn.Module, drafter: DraftModel | None, ids: list[int],
                s: DecodeSettings) -> Run:
     """Plain greedy, one of eaglet's engine methods or Hugging Face generate on one prompt."""
     gen = torch.Generator().manual_seed(s.seed) if s.temperature > 0 else None
@@ -99,24 +100,53 @@ def drafter_limits(mode: str, s: DecodeSettings, chain_depth: int | None = None)
     return (depth, 1, depth) if mode == "chain" else (s.depth, s.top_k, s.total_tokens)
 
 
-def engine_proposer(method: str, drafter: Eagle3Draft | None,
+def drafter_family(drafter: DraftModel | None) -> str | None:
+    return None if drafter is None else drafter.config.family
+
+
+def refuse_wrong_family(method: str, drafter: DraftModel | None) -> None:
+    """chain and tree draft with an EAGLE-3 drafter, p-eagle / dflash with a drafter of that family."""
+    family = drafter_family(drafter)
+    wanted = EAGLE3 if method in ("chain", "tree") else method if method in PARALLEL_METHODS else None
+    if wanted is not None and family != wanted:
+        fix = f"--methods {family}" if family in PARALLEL_METHODS else "--methods chain or tree"
+        raise ValueError(f"method {method} drafts with a {wanted} drafter; this drafter is {family}: use {fix}")
+
+
+def parallel_limits(drafter: ParallelDraft) -> tuple[int, int, int]:
+    """A parallel drafter's whole block, as a chain (the probability floor cuts it)."""
+    n = predicted_positions(drafter.config)
+    return n, 1, n
+
+
+def hybrid_drafter(drafter: DraftModel, s: DecodeSettings) -> tuple[Proposer, tuple[int, int, int]]:
+    """The drafter's part of a hybrid cycle: a parallel drafter's block (one pass: the cost rule
+    times it as such), or an EAGLE-3 chain / tree of the hybrid's shape."""
+    if isinstance(drafter, ParallelDraft):
+        return ParallelProposer(drafter, s.min_draft_prob), parallel_limits(drafter)
+    return Eagle3Proposer(drafter, s.min_draft_prob), drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth)
+
+
+def engine_proposer(method: str, drafter: DraftModel | None,
                     s: DecodeSettings) -> tuple[Proposer, tuple[int, int, int]]:
     """The proposer of an engine method and the tree limits the engine verifies it under."""
+    refuse_wrong_family(method, drafter)
     if method in ("chain", "tree"):
         return Eagle3Proposer(drafter, s.min_draft_prob), drafter_limits(method, s)
+    if method in PARALLEL_METHODS:
+        return ParallelProposer(drafter, s.min_draft_prob), parallel_limits(drafter)
+    drafted = None if method == "ngram" else hybrid_drafter(drafter, s)
     if s.admission == "cost":
         if not s.pass_costs:
             raise ValueError(f"{method} with cost admission needs the target's pass costs (with_pass_costs)")
         # the cost rule replaces the lookup's floor; the drafter keeps its own (it saves drafting work)
-        hybrid = HybridProposer(None if method == "ngram" else Eagle3Proposer(drafter, s.min_draft_prob),
-                                NgramProposer(s.max_ngram), drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth),
-                                s.lookup_tokens, pass_costs=s.pass_costs)
+        hybrid = HybridProposer(None if drafted is None else drafted[0], NgramProposer(s.max_ngram),
+                                (0, 1, 0) if drafted is None else drafted[1], s.lookup_tokens, pass_costs=s.pass_costs)
         return hybrid, hybrid.limits
     lookup = NgramProposer(s.max_ngram, min_prob=s.min_draft_prob)
-    if method == "ngram":
+    if drafted is None:
         return lookup, (s.lookup_tokens, 1, s.lookup_tokens)
-    hybrid = HybridProposer(Eagle3Proposer(drafter, s.min_draft_prob), lookup,
-                            drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth), s.lookup_tokens, s.drop_rivals)
+    hybrid = HybridProposer(drafted[0], lookup, drafted[1], s.lookup_tokens, s.drop_rivals)
     return hybrid, hybrid.limits
 
 
@@ -132,16 +162,20 @@ def variants_for(methods: Sequence[str], s: DecodeSettings) -> Variants:
     return {m: (m, s) for m in [BASELINE, *methods]}
 
 
-def with_pass_costs(variants: Variants, target: nn.Module) -> Variants:
+def with_pass_costs(variants: Variants, target: nn.Module, drafter: DraftModel | None = None) -> Variants:
     """`variants` with the target's pass costs measured (once, up to the largest tree any variant
-    verifies) filled in where a hybrid / ngram variant admits nodes by cost."""
+    verifies) filled in where a hybrid / ngram variant admits nodes by cost (`drafter`: the
+    hybrid's, whose block or chain sizes its part of the tree)."""
     needs = {label: s for label, (method, s) in variants.items()
              if method in LOOKUP_METHODS and s.admission == "cost" and not s.pass_costs}
     if not needs:
         return variants
-    largest = max(s.lookup_tokens + (0 if variants[label][0] == "ngram" else
-                                     drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth)[2])
-                  for label, s in needs.items())
+    def drafted(s: DecodeSettings) -> int:
+        if isinstance(drafter, ParallelDraft):
+            return parallel_limits(drafter)[2]
+        return drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth)[2]
+
+    largest = max(s.lookup_tokens + (0 if variants[label][0] == "ngram" else drafted(s)) for label, s in needs.items())
     costs = tuple(measure_pass_costs(target, max_q=max(2, largest + 1)))
     log.info("target pass costs (ms, 1..%d tokens): %s", len(costs), " ".join(f"{1000 * c:.0f}" for c in costs))
     return {label: (method, replace(s, pass_costs=costs) if label in needs else s)

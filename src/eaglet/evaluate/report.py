@@ -155,7 +155,10 @@ def fmt(x: Any, spec: str) -> str:
 
 
 def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
-    head = (f"{'prompt set':<16} {'method':<16} {'turns':>5} {'tokens':>7} {'tok/s':>8} {'speedup':>8} "
+    # each method's dtype / threads where eval chose them per method (evaluate.tuning)
+    configs = any("config" in r for methods in sets.values() for r in methods.values())
+    config_head = f" {'config':<17}" if configs else ""
+    head = (f"{'prompt set':<16} {'method':<16}{config_head} {'turns':>5} {'tokens':>7} {'tok/s':>8} {'speedup':>8} "
             f"{'ceiling':>8} {'tau':>6} {'identical':>9} {'1st diff':>8}  acceptance per position")
     lines = [head, "-" * len(head)]
     for name, methods in sets.items():
@@ -165,7 +168,8 @@ def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
             if len(sources) > 1:  # a hybrid: who proposed the accepted tokens
                 total = sum(sources.values())
                 acc += "  (accepted: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sources.items()) + ")"
-            lines.append(f"{name:<16} {m:<16} {r['turns']:>5} {r['new_tokens']:>7} {r['tokens_per_s']:>8.2f} "
+            config = f" {r.get('config', '-'):<17}" if configs else ""
+            lines.append(f"{name:<16} {m:<16}{config} {r['turns']:>5} {r['new_tokens']:>7} {r['tokens_per_s']:>8.2f} "
                          f"{fmt(r.get('speedup'), '.2f') + 'x' if 'speedup' in r else '-':>8} "
                          f"{fmt(r.get('ceiling_speedup'), '.2f') + 'x' if r.get('ceiling_speedup') else '-':>8} "
                          f"{fmt(r.get('tau'), '.2f'):>6} {fmt(r.get('identical_share'), '.0%'):>9} "

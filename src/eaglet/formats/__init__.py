@@ -53,9 +53,11 @@ from eaglet.formats.layouts import (ARROW_STATE_FILE, FORMAT_COMPACT, FORMAT_HS_
 from eaglet.formats.gguf_drafter import (GGUF_SUFFIX, gguf_unservable, write_gguf_drafter)
 from eaglet.formats.gguf_target import (UNQUANTIZED, GGUFDamaged, is_quantized, read_gguf, weight_type,
                                       write_gguf_as)
-from eaglet.formats.drafters import (DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE, DTYPE_NAMES, FORMAT_EAGLE,
-                                     FORMAT_EAGLET, FORMAT_GGUF, FORMAT_SPECULATORS, IGNORABLE_WEIGHT_SUFFIXES,
-                                     build_eagle_config, build_speculators_config, detect_drafter_format, format_name,
-                                     from_format_names, parse_eagle_config, parse_speculators_config,
+from eaglet.formats.drafters import (DFLASH_ARCHITECTURE, DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE, DTYPE_NAMES,
+                                     FORMAT_EAGLE, FORMAT_EAGLET, FORMAT_GGUF, FORMAT_SPECULATORS,
+                                     IGNORABLE_WEIGHT_SUFFIXES, build_dflash_config, build_eagle_config,
+                                     build_parallel_speculators_config, build_speculators_config,
+                                     detect_drafter_format, format_name, from_format_names, parallel_drafts,
+                                     parse_eagle_config, parse_engine_config, parse_speculators_config,
                                      read_weight_files, to_format_names, weight_files, write_drafter_files,
                                      write_drafter_folder)

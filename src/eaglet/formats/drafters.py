@@ -71,19 +71,25 @@ def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
-def format_name(name: str, fmt: str) -> str:
+def renames(fmt: str, family: str) -> tuple[tuple[str, str], ...]:
+    """The renames of `fmt` for a drafter family: the parallel drafters' names are the engines' already."""
+    return FORMAT_RENAMES[fmt] if family == "eagle3" else ()
+
+
+def format_name(name: str, fmt: str, family: str = "eagle3") -> str:
     """An eaglet tensor name as `fmt` stores it."""
-    return _rename(name, FORMAT_RENAMES[fmt])
+    return _rename(name, renames(fmt, family))
 
 
-def to_format_names(tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-    return {format_name(k, fmt): v for k, v in tensors.items()}
+def to_format_names(tensors: dict[str, torch.Tensor], fmt: str, family: str = "eagle3") -> dict[str, torch.Tensor]:
+    return {format_name(k, fmt, family): v for k, v in tensors.items()}
 
 
-def from_format_names(tensors: dict[str, torch.Tensor], fmt: str, where: str) -> dict[str, torch.Tensor]:
+def from_format_names(tensors: dict[str, torch.Tensor], fmt: str, where: str,
+                      family: str = "eagle3") -> dict[str, torch.Tensor]:
     """Names as stored in `fmt` -> eaglet names. SGLang also accepts each name with a `model.`
     prefix (its params live under `model.`), so an eagle folder may use either spelling."""
-    back = tuple((new, old) for old, new in FORMAT_RENAMES[fmt])
+    back = tuple((new, old) for old, new in renames(fmt, family))
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         plain = name[len("model."):] if fmt == FORMAT_EAGLE and name.startswith("model.") else name
@@ -94,11 +100,12 @@ def from_format_names(tensors: dict[str, torch.Tensor], fmt: str, where: str) ->
     return out
 
 
-def _llama_block(cfg: Any) -> dict[str, Any]:
-    """The Llama keys of the one decoder layer, as a LlamaConfig dict (eagle: top level;
-    speculators: `transformer_layer_config`). `vocab_size` is the target's vocabulary."""
+def _llama_block(cfg: Any, model_type: str = "llama") -> dict[str, Any]:
+    """The Llama keys of the decoder layers, as a LlamaConfig dict (eagle: top level; speculators:
+    `transformer_layer_config`; DFlash's Qwen3 layers: `model_type` qwen3, the same keys). `vocab_size`
+    is the target's vocabulary."""
     return {
-        "model_type": "llama", "num_hidden_layers": 1, "hidden_size": cfg.hidden_size,
+        "model_type": model_type, "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
@@ -126,13 +133,17 @@ def _refuse(where: str, field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{where}: field {field} = {value!r}: {why}")
 
 
-def _llama_fields(block: dict[str, Any], where: str) -> dict[str, Any]:
-    """DraftConfig fields from a Llama block; variants eaglet's drafter cannot run are refused."""
+def _llama_fields(block: dict[str, Any], where: str, layers_of: str | None = None) -> dict[str, Any]:
+    """DraftConfig fields from a Llama block; variants eaglet's drafter cannot run are refused.
+    `layers_of`: the parallel family whose drafters have num_hidden_layers layers (EAGLE-3: one)."""
     for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
         if not isinstance(block.get(key), int):
             raise ValueError(f"{where}: field {key} missing or not an integer")
-    if block.get("num_hidden_layers", 1) != 1:
-        raise _refuse(where, "num_hidden_layers", block["num_hidden_layers"], "eaglet drafters have one decoder layer")
+    layer_count = block.get("num_hidden_layers", 1)
+    if layers_of is None and layer_count != 1:
+        raise _refuse(where, "num_hidden_layers", layer_count, "eaglet's EAGLE-3 drafters have one decoder layer")
+    if not isinstance(layer_count, int) or layer_count < 1:
+        raise _refuse(where, "num_hidden_layers", layer_count, "a count of decoder layers >= 1 is needed")
     if block.get("hidden_act", "silu") != "silu":
         raise _refuse(where, "hidden_act", block["hidden_act"], "eaglet's MLP is SwiGLU (silu)")
     for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
@@ -148,7 +159,8 @@ def _llama_fields(block: dict[str, Any], where: str) -> dict[str, Any]:
                 rms_norm_eps=float(block.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(block.get("rope_theta", rope.get("rope_theta", 10000.0))),
                 max_position_embeddings=layers.config_positions(block),
-                target_vocab_size=block["vocab_size"], sliding_window=_sliding_window(block, where))
+                target_vocab_size=block["vocab_size"], sliding_window=_sliding_window(block, where),
+                **({"num_layers": layer_count, "family": layers_of} if layers_of else {}))
 
 
 def _draft_fields(c: dict[str, Any], fields: dict[str, Any], where: str, norm_before_residual: Any,
@@ -231,7 +243,8 @@ def build_speculators_config(cfg: Any, torch_dtype: str, verifier_name: str, ver
 def parse_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
     """(DraftConfig fields, aux ids in HF indexing or None) of a speculators eagle3 config."""
     if c.get("speculators_model_type") != "eagle3":
-        raise _refuse(where, "speculators_model_type", c.get("speculators_model_type"), "expected 'eagle3'")
+        raise _refuse(where, "speculators_model_type", c.get("speculators_model_type"),
+                      f"expected one of {['eagle3', *SPECULATORS_TYPES.values()]}")
     block = c.get("transformer_layer_config")
     if not isinstance(block, dict):
         raise ValueError(f"{where}: field transformer_layer_config missing or not a dict")
@@ -243,15 +256,142 @@ def parse_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, A
     return fields, (list(ids) if ids else None)
 
 
+# ---------------------------------------------------------------------------------------------
+# The parallel drafters (eaglet.drafter.parallel). Matched against:
+#   speculators 0.9 models/peagle/config.py (PEagleSpeculatorConfig: `peagle`, mask_token_id,
+#         embed_requires_grad, EAGLE-3's fields; `mask_hidden` [1, 1, 3H]) and models/dflash
+#         (DFlashSpeculatorConfig: block_size, aux_hidden_state_layer_ids, mask_token_id,
+#         sliding_window_non_causal, sample_from_anchor; Qwen3 layers with q_norm / k_norm);
+#   vLLM transformers_utils/configs/speculators/algos.py (update_peagle: method eagle3 with
+#         parallel_drafting, pard_token = mask_token_id, PeagleLlamaForCausalLM served by
+#         llama_eagle3.Eagle3LlamaForCausalLM, whose load_weights requires `mask_hidden`;
+#         update_dflash: DFlashDraftModel, dflash_config {mask_token_id, target_layer_ids = aux - 1,
+#         causal: not sliding_window_non_causal}) and models/qwen3_dflash.py (load_weights: `d2t` ->
+#         draft_id_to_target_id, `t2d` skipped, embed_tokens / lm_head from the target when absent);
+#   z-lab/dflash model.py and SGLang models/dflash.py (`DFlashDraftModel`: dflash_config
+#         {mask_token_id, target_layer_ids: output-of-layer ids, block_size}; no embeddings or LM head
+#         of its own: the target's are used, other names are skipped).
+# ---------------------------------------------------------------------------------------------
+
+SPECULATORS_TYPES = {"p-eagle": "peagle", "dflash": "dflash"}  # eaglet family -> speculators_model_type
+SPECULATORS_PARALLEL_ARCHITECTURES = {"p-eagle": "PEagleSpeculator", "dflash": "DFlashSpeculator"}
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # z-lab's layout, which SGLang (and vLLM) load
+
+
+def layer_model_type(family: str) -> str:
+    """DFlash's layers are Qwen3's (per-head q/k norms); P-EAGLE's, like EAGLE-3's, Llama's."""
+    return "qwen3" if family == "dflash" else "llama"
+
+
+def parallel_drafts(cfg: Any) -> int:
+    """Drafts one pass proposes: P-EAGLE's K, DFlash's block minus its anchor."""
+    return cfg.block_size - 1 if cfg.family == "dflash" else cfg.block_size
+
+
+def build_parallel_speculators_config(cfg: Any, torch_dtype: str, verifier_name: str,
+                                      verifier_architectures: list[str], provenance: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a speculators P-EAGLE (`peagle`) or DFlash folder, what vLLM's SpeculatorsConfig reads."""
+    kind = SPECULATORS_TYPES[cfg.family]
+    config: dict[str, Any] = {
+        "architectures": [SPECULATORS_PARALLEL_ARCHITECTURES[cfg.family]], "speculators_model_type": kind,
+        "transformer_layer_config": _llama_block(cfg, layer_model_type(cfg.family)),
+        "speculators_config": {
+            "algorithm": kind,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": parallel_drafts(cfg),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures)},
+        },
+        "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+        "mask_token_id": cfg.mask_token_id, "torch_dtype": torch_dtype,
+    }
+    if cfg.family == "dflash":
+        # vLLM turns sliding_window_non_causal into dflash_config.causal = not it, for every layer: an
+        # explicit false would make the block causal there (its default, the key absent, is non-causal);
+        # speculators' blocks are bidirectional without a sliding window whatever it says
+        config.update(block_size=cfg.block_size, aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
+                      sliding_window_non_causal=True, sample_from_anchor=False)
+    else:  # EAGLE-3's fields, all off: eaglet's P-EAGLE has none of those norms
+        config.update(eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids), norm_before_residual=False,
+                      norm_before_fc=False, fc_norm=False, norm_output=False, embed_requires_grad=False)
+    return {**config, "eaglet_export": provenance}
+
+
+def _parallel_fields(c: dict[str, Any], block: dict[str, Any], where: str, family: str,
+                     block_size: Any, mask_token_id: Any) -> dict[str, Any]:
+    """DraftConfig fields of a parallel drafter: its layers' (block), vocabulary, block and mask token."""
+    fields = _llama_fields(block, where, family)
+    for key, value in (("block size", block_size), ("mask_token_id", mask_token_id)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{where}: field {key} missing or not an integer")
+    draft_vocab = c.get("draft_vocab_size") or fields["target_vocab_size"]  # none: the whole vocabulary
+    return {**fields, "draft_vocab_size": int(draft_vocab),
+            "target_hidden_size": int(c.get("target_hidden_size") or fields["hidden_size"]),
+            "block_size": block_size, "mask_token_id": mask_token_id}
+
+
+def parse_parallel_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
+    """(DraftConfig fields, aux ids in HF indexing or None) of a speculators `peagle` / `dflash` config."""
+    family = {v: k for k, v in SPECULATORS_TYPES.items()}[c["speculators_model_type"]]
+    block = c.get("transformer_layer_config")
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}: field transformer_layer_config missing or not a dict")
+    if family == "dflash":
+        if c.get("sample_from_anchor"):
+            raise _refuse(where, "sample_from_anchor", True, "DSpark, not plain DFlash (eaglet's anchor predicts "
+                                                             "nothing)")
+        ids, block_size = c.get("aux_hidden_state_layer_ids"), c.get("block_size")
+    else:
+        for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+            if c.get(key):
+                raise _refuse(where, key, c[key], "eaglet's P-EAGLE drafter has no such norm")
+        methods = (c.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        ids, block_size = c.get("eagle_aux_hidden_state_layer_ids"), methods[0].get("speculative_tokens")
+    fields = _parallel_fields(c, block, f"{where} transformer_layer_config", family, block_size,
+                              c.get("mask_token_id"))
+    return fields, (list(ids) if ids else None)
+
+
+def build_dflash_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any]) -> dict[str, Any]:
+    """config.json of z-lab's `DFlashDraftModel` layout (SGLang's DFLASH loads it): Qwen3 keys, and
+    the target layers as output-of-layer ids (HF id - 1)."""
+    return {"architectures": [DFLASH_ARCHITECTURE], **_llama_block(cfg, "qwen3"), "torch_dtype": torch_dtype,
+            "block_size": cfg.block_size, "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size,
+                              "target_layer_ids": [i - 1 for i in cfg.aux_layer_ids]},
+            "eaglet_export": provenance}
+
+
+def parse_dflash_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
+    """(DraftConfig fields, aux ids in HF indexing or None) of a `DFlashDraftModel` config."""
+    dflash = c.get("dflash_config") or {}
+    ids = dflash.get("target_layer_ids")
+    fields = _parallel_fields(c, c, where, "dflash", dflash.get("block_size", c.get("block_size")),
+                              dflash.get("mask_token_id", c.get("mask_token_id")))
+    return fields, ([i + 1 for i in ids] if ids else None)
+
+
+def parse_engine_config(c: dict[str, Any], fmt: str, where: str) -> tuple[dict[str, Any], list[int] | None]:
+    """(DraftConfig fields, aux ids or None) of an engine folder's config.json, any family."""
+    if fmt == FORMAT_SPECULATORS:
+        kind = c.get("speculators_model_type")
+        return (parse_parallel_speculators_config if kind in SPECULATORS_TYPES.values()
+                else parse_speculators_config)(c, where)
+    if DFLASH_ARCHITECTURE in (c.get("architectures") or []):
+        return parse_dflash_config(c, where)
+    return parse_eagle_config(c, where)
+
+
 def detect_drafter_format(c: dict[str, Any], where: str) -> str:
     if "eaglet" in c:
         return FORMAT_EAGLET
     if "speculators_model_type" in c:
         return FORMAT_SPECULATORS
-    if any(a in EAGLE_ARCHITECTURES for a in c.get("architectures") or []):
+    if any(a in (*EAGLE_ARCHITECTURES, DFLASH_ARCHITECTURE) for a in c.get("architectures") or []):
         return FORMAT_EAGLE
     raise ValueError(f"{where}: not a drafter config (no 'eaglet' section, no speculators_model_type, "
-                     f"architectures {c.get('architectures')} not in {list(EAGLE_ARCHITECTURES)})")
+                     f"architectures {c.get('architectures')} not in {[*EAGLE_ARCHITECTURES, DFLASH_ARCHITECTURE]})")
 
 
 def weight_files(folder: Path) -> list[Path]:

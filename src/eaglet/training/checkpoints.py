@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from eaglet import formats
-from eaglet.drafter import Eagle3Draft
+from eaglet.drafter import DraftModel
 from eaglet.drafter.files import export_config, load_draft_weights
 from eaglet.formats.runs import (BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, LOCK_FILE, METRICS_FILE, STATE_FILE,
                                  TRAIN_CONFIG_FILE, checkpoint_name, read_pointer)
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
 
-def save_checkpoint(ckpt_root: Path, step: int, model: Eagle3Draft, config_json: dict[str, Any],
+def save_checkpoint(ckpt_root: Path, step: int, model: DraftModel, config_json: dict[str, Any],
                     state: dict[str, Any]) -> Path:
     """Write a checkpoint folder under a temp name, then rename: a folder that exists is complete."""
     final = ckpt_root / checkpoint_name(step)
@@ -75,7 +75,7 @@ class Checkpointer:
     def root(self) -> Path:
         return self.out / CHECKPOINTS_DIR
 
-    def restore_latest(self, resume: bool, draft: Eagle3Draft, opt: torch.optim.Optimizer,
+    def restore_latest(self, resume: bool, draft: DraftModel, opt: torch.optim.Optimizer,
                        sched: Any) -> dict[str, Any] | None:
         """With --resume, the training state of the latest checkpoint, its weights, optimizer,
         scheduler and RNG restored; None to start from scratch. Without --resume a folder that
@@ -90,7 +90,7 @@ class Checkpointer:
                              "to continue it, or use another --out")
         return None
 
-    def save(self, step: int, micro_position: int, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched: Any,
+    def save(self, step: int, micro_position: int, draft: DraftModel, opt: torch.optim.Optimizer, sched: Any,
              best: dict[str, Any], plan: Plan, done: dict[str, Any], last_eval: dict[str, Any] | None) -> Path:
         """Write the checkpoint at `step` with everything a resume needs, point latest.json (and
         best.json, when `step` is the best) at it, and prune older ones."""
@@ -124,7 +124,7 @@ def other_data_message(folder: Path, then: dict[str, Any] | None, now: dict[str,
             "step would mix both: resume on the run's own dataset, or train into another --out")
 
 
-def restore(folder: Path, draft: Eagle3Draft, opt: torch.optim.Optimizer, sched: Any,
+def restore(folder: Path, draft: DraftModel, opt: torch.optim.Optimizer, sched: Any,
             trajectory: dict[str, Any], data: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """Load weights, optimizer, scheduler and RNG from a checkpoint; (step, best, the saved
     training state) to continue from. Refuses other data (`data`: Source.fingerprint) or settings."""

@@ -15,13 +15,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import ranges
-from eaglet.options import LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
+from eaglet.options import DRAFTER_FAMILIES, EAGLE3, LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
 from eaglet.placement import Placement, placement_from_options, size_text
 
 BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
 CALIBRATION_STEPS = 20  # under --time-budget, steps timed before the schedule is sized (fewer if the budget is short)
 CALIBRATION_SKIP = 2  # first steps left out of the timing (one-time allocations and kernel setup)
 UNSIZED_STEPS = 1 << 40  # the schedule's length before --time-budget has sized it
+# The parallel families' defaults: two layers (the first multi-layer size; a CPU pays for every
+# layer at every pass), P-EAGLE's K = 8 and DFlash's block of 16 (the paper's), a block every 8th position.
+PARALLEL_DEFAULTS = {"draft_layers": 2, "block_size": {"p-eagle": 8, "dflash": 16}, "anchor_stride": 8}
+# EAGLE-3 drafter options a parallel drafter has no use for (its layers have no TTT unroll to feed)
+EAGLE3_ONLY = ("fc_norm", "norm_output", "norm_before_residual", "sliding_window", "feature_loss_weight")
 
 
 @dataclass
@@ -41,6 +46,10 @@ class TrainConfig:
     pack_tokens: int | None = declared("train", "pack_tokens")
     compile: bool | None = declared("train", "compile")  # torch.compile the training forward (None: when packed)
     max_length: int | None = declared("train", "max_length")  # truncate samples to this many tokens
+    drafter: str = declared("train", "drafter")  # options.DRAFTER_FAMILIES
+    draft_layers: int | None = declared("train", "draft_layers")  # parallel families: decoder layers
+    block_size: int | None = declared("train", "block_size")  # parallel families: K / the block
+    anchor_stride: int | None = declared("train", "anchor_stride")  # parallel families: a block every N positions
     ttt_steps: int = declared("train", "ttt_steps")
     # over this fraction of the schedule the unroll grows from 1 step to ttt_steps
     ttt_ramp: float = declared("train", "ttt_ramp")
@@ -86,14 +95,14 @@ class TrainConfig:
     offload_folder: str | None = declared("train", "offload_folder")
 
     # Options that define the trajectory: a resumed run must use the same ones.
-    TRAJECTORY = ("epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
+    TRAJECTORY = ("drafter", "draft_layers", "block_size", "anchor_stride", "epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
                   "batch_size", "pack_tokens", "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size",
                   "teacher_top_k", "loss_on", "objective", "feature_loss_weight", "lm_head_init", "freeze_lm_head",
                   "fc_norm", "norm_output", "norm_before_residual", "sliding_window", "bf16", "time_budget",
                   "eval_fraction", "seed")
 
     # Numeric options and what they may be (None: the option's default applies).
-    AT_LEAST_ONE = ("total_steps", "stop_after", "batch_size", "grad_accum", "max_length", "ttt_steps",
+    AT_LEAST_ONE = ("draft_layers", "anchor_stride", "total_steps", "stop_after", "batch_size", "grad_accum", "max_length", "ttt_steps",
                     "draft_vocab_size", "sliding_window", "eval_every", "evals", "save_every", "log_every")
     AT_LEAST_ZERO = ("warmup_steps", "keep_checkpoints", "weight_decay", "feature_loss_weight")
     ABOVE_ZERO = ("epochs", "lr", "max_grad_norm")
@@ -106,6 +115,7 @@ class TrainConfig:
         ranges.within(0, 1, min_lr_ratio=self.min_lr_ratio)
         ranges.within(0, 1, "a fraction of the schedule", high_open=True, ttt_ramp=self.ttt_ramp)
         ranges.seeds(seed=self.seed)
+        self.resolve_family()
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"--loss-on {self.loss_on!r}: choose one of {list(LOSS_ON)}")
         if self.objective not in OBJECTIVES:
@@ -137,6 +147,34 @@ class TrainConfig:
     def placement(self) -> Placement | None:
         """Where --online loads the target: a device map, or None for one device."""
         return placement_from_options(self.device_map, self.max_memory, self.offload_folder, self.device)
+
+    def resolve_family(self) -> None:
+        """The family's options checked, a parallel family's defaults filled in (so train_config.json
+        and a resume see them), an EAGLE-3 run's left None."""
+        family = self.drafter
+        if family not in DRAFTER_FAMILIES:
+            raise ValueError(f"--drafter {family!r}: choose one of {list(DRAFTER_FAMILIES)}")
+        parallel = {k: getattr(self, k) for k in PARALLEL_DEFAULTS}
+        if family == EAGLE3:
+            given = [k for k, v in parallel.items() if v is not None]
+            if given:
+                raise ValueError(f"--{given[0].replace('_', '-')} is a p-eagle / dflash option; --drafter eagle3 has "
+                                 "one layer and drafts by training-time test")
+            return
+        unused = [k for k in EAGLE3_ONLY if getattr(self, k)]
+        if unused:
+            raise ValueError(f"--{unused[0].replace('_', '-')} is an eagle3 option; --drafter {family} has no use for it")
+        for k, default in PARALLEL_DEFAULTS.items():
+            if getattr(self, k) is None:
+                setattr(self, k, default[family] if isinstance(default, dict) else default)
+        ranges.at_least(2, block_size=self.block_size)
+
+    @property
+    def stat_positions(self) -> int:
+        """Positions the per-position statistics have: TTT steps, P-EAGLE's K, DFlash's B - 1."""
+        if self.drafter == EAGLE3:
+            return self.ttt_steps
+        return self.block_size - 1 if self.drafter == "dflash" else self.block_size
 
     def ttt_steps_at(self, step: int, total_steps: int) -> int:
         """The unroll length at this optimizer step: ttt_steps, or growing 1..ttt_steps over the ramp."""

@@ -38,7 +38,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from eaglet import formats, layers
-from eaglet.drafter import STAT_ROWS, Eagle3Draft, make_teacher_head, num_parameters, stats_summary
+from eaglet.drafter import STAT_ROWS, DraftModel, make_teacher_head, num_parameters, stats_summary
 from eaglet.dataset import Dataset, check_target_matches, dataset_target
 from eaglet.options import DECLARED, takes_options
 from eaglet.heads import TargetHeads, heads_summary
@@ -107,7 +107,7 @@ class Run:
     d: Dist
     device: torch.device
     src: Source
-    draft: Eagle3Draft
+    draft: DraftModel
     model: nn.Module  # the drafter, or its DDP wrapper under torchrun
     teachers: TeacherSource
     split: Split
@@ -207,7 +207,7 @@ def run_config(out: Path, resume: bool, options: dict[str, Any]) -> TrainConfig:
 
 
 def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str | None, cfg: TrainConfig,
-                device: torch.device) -> tuple[Source, TargetRef, Eagle3Draft, TeacherSource]:
+                device: torch.device) -> tuple[Source, TargetRef, DraftModel, TeacherSource]:
     """The source of batches, the target it was checked against, the drafter built from the target's
     heads and the teacher. Offline only the heads are read; online the source holds the target."""
     if isinstance(data, Prepared):
@@ -352,7 +352,7 @@ def cpp_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
-def setup_optimizer(draft: Eagle3Draft, cfg: TrainConfig,
+def setup_optimizer(draft: DraftModel, cfg: TrainConfig,
                     state: RunState) -> tuple[list[nn.Parameter], torch.optim.Optimizer, LambdaLR]:
     """AdamW over the trainable parameters, warmup + cosine over the plan."""
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -366,7 +366,7 @@ def setup_optimizer(draft: Eagle3Draft, cfg: TrainConfig,
     return params, opt, sched
 
 
-def restore_or_start(saver: Checkpointer, resume: bool, state: RunState, draft: Eagle3Draft,
+def restore_or_start(saver: Checkpointer, resume: bool, state: RunState, draft: DraftModel,
                      opt: torch.optim.Optimizer, sched: LambdaLR) -> None:
     """With --resume, continue from the latest checkpoint: its step, best, plan and time done."""
     saved = saver.restore_latest(resume, draft, opt, sched)
@@ -421,7 +421,7 @@ class Progress:
 
 
 def start_progress(run: Run, state: RunState, show_progress: bool) -> Progress:
-    sums = torch.zeros(STAT_ROWS, run.cfg.ttt_steps, device=run.device)
+    sums = torch.zeros(STAT_ROWS, run.cfg.stat_positions, device=run.device)
     t0 = time.time()
     calibration = Calibration(state.step + CALIBRATION_SKIP)  # --time-budget: timing starts here
     bar = tqdm(total=state.stop if state.plan.calibrated else None, initial=state.step, desc="train", unit="step",
@@ -467,7 +467,7 @@ def train_step(run: Run, state: RunState, prefetch: Prefetcher) -> StepResult:
     cfg, d = run.cfg, run.d
     # the full unroll while --time-budget times the first steps: they set the schedule's length
     steps = cfg.ttt_steps_at(state.step, state.plan.total_steps) if state.plan.calibrated else cfg.ttt_steps
-    step_sums = torch.zeros(STAT_ROWS, cfg.ttt_steps, device=run.device)
+    step_sums = torch.zeros(STAT_ROWS, cfg.stat_positions, device=run.device)
     step_tokens = 0
     for a in range(cfg.grad_accum):
         m = state.step * run.split.micro_per_step + a * d.world + d.rank  # every W-th micro-batch of the global order
@@ -475,7 +475,8 @@ def train_step(run: Run, state: RunState, prefetch: Prefetcher) -> StepResult:
         batch = prefetch.get(m, None if last_micro else m + d.world).to(run.device)
         sync = a == cfg.grad_accum - 1 or d.world == 1
         with (contextlib.nullcontext() if sync else run.model.no_sync()):
-            loss, sums = forward_stats(run.model, run.teachers, batch, cfg, run.device, steps, cfg.loss_on)
+            loss, sums = forward_stats(run.model, run.teachers, batch, cfg, run.device, steps, cfg.loss_on,
+                                       state.step)
             refuse_non_finite(loss, state.step + 1, batch)
             (loss / cfg.grad_accum).backward()
         step_sums += sums

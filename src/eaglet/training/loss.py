@@ -6,18 +6,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eaglet.drafter import STAT_ROWS, ttt_loss
+from eaglet.drafter import DFLASH, STAT_ROWS, anchor_grid, block_loss, position_weights, ttt_loss
+from eaglet.options import EAGLE3
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
+from eaglet.drafter import Teacher
 from eaglet.training.teacher import TeacherSource, autocast
 
 
 def forward_stats(model: nn.Module, teachers: TeacherSource, batch: Batch, cfg: TrainConfig, device: torch.device,
-                  steps: int, loss_on: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and per-step sums [STAT_ROWS, cfg.ttt_steps] of one micro-batch (model may be the DDP
-    wrapper of the drafter); steps past `steps` (a TTT ramp) count nothing."""
+                  steps: int, loss_on: str, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and per-position sums [STAT_ROWS, cfg.stat_positions] of one micro-batch (model may be
+    the DDP wrapper of the drafter); TTT steps past `steps` (a TTT ramp) count nothing. A parallel
+    drafter's anchor grid turns with the optimizer `step` (held-out: 0)."""
     teacher = teachers(batch)
     positions = batch.loss_mask if loss_on == "assistant" else batch.real()
+    if cfg.drafter != EAGLE3:
+        return block_stats(model, teacher, batch, cfg, device, positions, step)
     with autocast(device, cfg.bf16):
         out = model(batch.input_ids, batch.aux_hidden.float(), steps=steps, documents=batch.documents,
                     positions=batch.positions)
@@ -26,6 +31,19 @@ def forward_stats(model: nn.Module, teachers: TeacherSource, batch: Batch, cfg: 
     sums = torch.zeros(STAT_ROWS, cfg.ttt_steps, device=device)
     sums[:, :steps] = stats.as_tensor()
     return loss, sums
+
+
+def block_stats(model: nn.Module, teacher: Teacher, batch: Batch, cfg: TrainConfig, device: torch.device,
+                counted: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_stats` of a parallel drafter: blocks on the anchor grid of the counted positions."""
+    first = 1 if cfg.drafter == DFLASH else 2  # the block's first prediction: anchor + 1 (DFlash) or + 2
+    anchors = anchor_grid(counted, batch.documents, cfg.anchor_stride, step, first)
+    with autocast(device, cfg.bf16):
+        out = model(batch.input_ids, batch.aux_hidden.float(), anchors, documents=batch.documents,
+                    positions=batch.positions)
+        loss, stats = block_loss(out, teacher, counted, position_weights(cfg.drafter, cfg.block_size),
+                                 documents=batch.documents, objective=cfg.objective)
+    return loss, stats.as_tensor()
 
 
 def refuse_non_finite(loss: torch.Tensor, step: int, batch: Batch) -> None:

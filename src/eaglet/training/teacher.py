@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from eaglet.drafter import (DraftConfig, DraftFirstHead, Eagle3Draft, Teacher, TeacherHead, build_draft_vocab,
+from eaglet.drafter import (DraftConfig, DraftFirstHead, DraftModel, Teacher, TeacherHead, build_draft_vocab, build_model,
                             load_embeddings_from, make_teacher, teacher_from_top_k)
 from eaglet.heads import TargetHeads
+from eaglet.options import EAGLE3
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
 
@@ -88,7 +89,7 @@ class TeacherSource:
         return hit
 
 
-def init_lm_head_from_target(draft: Eagle3Draft, head: TargetHeads | TeacherHead, freeze: bool) -> None:
+def init_lm_head_from_target(draft: DraftModel, head: TargetHeads | TeacherHead, freeze: bool) -> None:
     """The target's LM head rows of the draft ids and its final norm (optionally frozen), so the
     drafter starts out speaking the target's output space."""
     norm_weight = getattr(head.final_norm, "weight", None)
@@ -103,17 +104,29 @@ def init_lm_head_from_target(draft: Eagle3Draft, head: TargetHeads | TeacherHead
         draft.norm.weight.requires_grad_(False)
 
 
+def mask_token(token_freq: dict[int, int], vocab_size: int) -> int:
+    """The token a parallel drafter's unknown positions are fed: the highest target id the data's
+    answers never use (the last id when they use every one). Its embedding is the target's, frozen,
+    so the engines, which embed it with the target's table, feed the same vector."""
+    used = {t for t, c in token_freq.items() if c > 0}
+    return next((t for t in range(vocab_size - 1, -1, -1) if t not in used), vocab_size - 1)
+
+
 def build_drafter(heads: TargetHeads, aux_layer_ids: list[int], token_freq: dict[int, int],
-                  cfg: TrainConfig, device: torch.device | str = "cpu") -> Eagle3Draft:
+                  cfg: TrainConfig, device: torch.device | str = "cpu") -> DraftModel:
     """A drafter shaped like the target's layers, with its embeddings (frozen), a draft vocab from
     the data and, with --lm-head-init target, the target's LM head rows and final norm. Built on
     `device` (a real target's vocabulary makes its embeddings gigabytes: not a second host copy)."""
     torch.manual_seed(cfg.seed)
+    family = {} if cfg.drafter == EAGLE3 else dict(
+        family=cfg.drafter, num_layers=cfg.draft_layers, block_size=cfg.block_size,
+        mask_token_id=mask_token(token_freq, heads.config.vocab_size))
     dcfg = DraftConfig.from_target(heads.config, aux_layer_ids, cfg.draft_vocab_size,
                                    fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
-                                   norm_before_residual=cfg.norm_before_residual, sliding_window=cfg.sliding_window)
+                                   norm_before_residual=cfg.norm_before_residual, sliding_window=cfg.sliding_window,
+                                   **family)
     with torch.device(device):
-        draft = Eagle3Draft(dcfg)
+        draft = build_model(dcfg)
     load_embeddings_from(draft, heads.embeddings)
     draft.set_draft_vocab(*build_draft_vocab(token_freq, dcfg.target_vocab_size, dcfg.draft_vocab_size))
     if cfg.lm_head_init == "target":

@@ -1,0 +1,163 @@
+"""The parallel drafters as proposers: a P-EAGLE or DFlash drafter's block of drafts, one pass.
+
+`ParallelProposer` keeps, per layer, the keys/values of the committed positions (P-EAGLE: its
+layers' own at every committed position; DFlash: the injected context, the target's fused
+states) and runs ONE drafter pass per cycle: the positions committed since the last pass (their
+keys/values are kept) together with the block, whose keys/values are scratch. The block is
+proposed as a chain, cut where the product of the drafts' probabilities under the drafter falls
+below `min_prob`. The training forward (`eaglet.drafter.ParallelDraft`) is the reference these
+incremental passes are tested against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from eaglet.decode.core import DraftTree
+from eaglet.drafter import DFLASH, ParallelDraft, predicted_positions
+
+
+class ParallelProposer:
+    """Proposes the block of a `ParallelDraft` as a chain (top_k is ignored: one pass, one guess
+    per position). `observe` only queues the new positions; `propose` runs the pass."""
+
+    def __init__(self, drafter: ParallelDraft, min_prob: float = 0.0):
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob {min_prob}: a probability in [0, 1]")
+        self.drafter, self.cfg = drafter, drafter.config
+        self.name = self.cfg.family
+        self.min_log_prob = math.log(min_prob) if min_prob > 0 else -math.inf
+        self.aux_layer_ids = list(self.cfg.aux_layer_ids)
+        self.draft_to_target = drafter.draft_to_target_ids()
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * self.cfg.num_layers  # [1, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor | None] = [None] * self.cfg.num_layers
+        self.context_len = 0  # committed positions whose keys/values are kept
+        self.pending: list[torch.Tensor] = []  # aux states [m, 3H] not yet through the drafter
+        self.seq: list[int] = []
+        self.last_out: torch.Tensor | None = None  # P-EAGLE: the normed output at the last committed position
+        self.draft_forwards = 0
+        self.path_log_probs: list[float] = []
+
+    def observe(self, seq: list[int], aux: torch.Tensor | None) -> None:
+        if aux is None:
+            raise ValueError(f"a {self.name} drafter needs the target's aux states")
+        queued = sum(a.shape[0] for a in self.pending)
+        if self.context_len + queued + aux.shape[0] != len(seq) - 1:
+            raise ValueError(f"drafter context {self.context_len + queued} + {aux.shape[0]} new positions != "
+                             f"committed {len(seq) - 1}")
+        if aux.shape[0]:
+            self.pending.append(aux)
+        self.seq = seq
+
+    # -- the pass ---------------------------------------------------------------------------------
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Keep keys/values [1, kv, m, d] of committed positions start .. start+m-1."""
+        end = start + k.shape[2]
+        cache = self.keys[layer]
+        if cache is None or cache.shape[2] < end:
+            cap = max(end, 256, 0 if cache is None else 2 * cache.shape[2])
+            grown_k, grown_v = k.new_zeros(1, k.shape[1], cap, k.shape[3]), v.new_zeros(1, v.shape[1], cap, v.shape[3])
+            if cache is not None:
+                grown_k[:, :, :start], grown_v[:, :, :start] = cache[:, :, :start], self.values[layer][:, :, :start]
+            self.keys[layer], self.values[layer] = grown_k, grown_v
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+
+    def cached(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is None:
+            d = self.drafter.layers[layer].self_attn
+            empty = self.drafter.fc.weight.new_zeros(1, d.num_kv_heads, 0, d.head_dim)
+            return empty, empty
+        return self.keys[layer][:, :, :n], self.values[layer][:, :, :n]
+
+    @torch.no_grad()
+    def block_outputs(self) -> torch.Tensor:
+        """The normed outputs [n, H] of the block's predicting positions, after taking in the queue."""
+        new = torch.cat(self.pending) if self.pending else None
+        self.pending = []
+        start = self.context_len
+        m = 0 if new is None else new.shape[0]
+        if self.cfg.family == DFLASH:
+            out = self.dflash_pass(new, start, m)
+        else:
+            out = self.p_eagle_pass(new, start, m)
+        self.context_len = start + m
+        self.draft_forwards += 1
+        return out
+
+    def dflash_pass(self, new: torch.Tensor | None, start: int, m: int) -> torch.Tensor:
+        d, B = self.drafter, self.cfg.block_size
+        device = d.fc.weight.device
+        n = start + m  # the block's anchor position: the root, committed but not yet fed to the target
+        block_pos = torch.arange(n, n + B, device=device)
+        cos_q, sin_q = d.rope(block_pos)
+        if m:
+            ctx = d.fuse(new.to(device)[None])
+            cos_c, sin_c = d.rope(torch.arange(start, n, device=device))
+        tokens = torch.full((1, B), self.cfg.mask_token_id, device=device)
+        tokens[0, 0] = self.seq[-1]
+        x = d.embed_tokens(tokens).to(d.dtype)
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            if m:
+                self.store(i, *attn.keys_values(ctx, cos_c, sin_c), start)
+            k_ctx, v_ctx = self.cached(i, n)
+            h = layer.input_layernorm(x)
+            k_blk, v_blk = attn.keys_values(h, cos_q, sin_q)
+            allowed = torch.ones(1, 1, B, n + B, dtype=torch.bool, device=device)
+            x = layer.finish(x, attn.attend(attn.query(h, cos_q, sin_q), torch.cat([k_ctx, k_blk], 2),
+                                            torch.cat([v_ctx, v_blk], 2), allowed))
+        return d.norm(x)[0, 1:]
+
+    def p_eagle_pass(self, new: torch.Tensor | None, start: int, m: int) -> torch.Tensor:
+        d, K = self.drafter, self.cfg.block_size
+        device = d.fc.weight.device
+        last = start + m - 1  # the last committed position with aux states: depth 0 predicts 2 ahead of it
+        real_tokens = torch.tensor(self.seq[start + 1: start + m + 1], dtype=torch.long, device=device)
+        g = d.fuse(new.to(device)) if m else d.fc.weight.new_zeros(0, self.cfg.hidden_size)
+        hidden = torch.cat([g, d.parallel_hidden()[0].expand(K - 1, -1)])[None]
+        x = torch.cat([d.embed_tokens(real_tokens), d.mask_embedding((K - 1,), device)]).to(d.dtype)[None]
+        q_pos = torch.cat([torch.arange(start, start + m, device=device),
+                           torch.arange(last + 1, last + K, device=device)])
+        cos, sin = d.rope(q_pos)
+        q = m + K - 1
+        # queries see every kept position, the new real ones causally, the parallel ones causally after all real
+        keys = torch.arange(start + q, device=device)
+        queries = torch.arange(start, start + q, device=device)
+        allowed = (keys[None, :] <= queries[:, None])[None, None]
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            inp = layer.layer_input(hidden, x if i == 0 else None)
+            k, v = attn.keys_values(inp, cos, sin)
+            if m:
+                self.store(i, k[:, :, :m], v[:, :, :m], start)
+            k_old, v_old = self.cached(i, start)
+            hidden = layer.finish(hidden, attn.attend(attn.query(inp, cos, sin), torch.cat([k_old, k], 2),
+                                                      torch.cat([v_old, v], 2), allowed))
+        normed = d.norm(hidden)[0]
+        if m:
+            self.last_out = normed[m - 1]
+        if self.last_out is None:
+            raise ValueError("P-EAGLE proposes after the target's aux states of at least one position")
+        return torch.cat([self.last_out[None], normed[m:]])
+
+    # -- Proposer interface --------------------------------------------------------------------
+
+    def propose(self, max_depth: int, top_k: int, total_tokens: int) -> DraftTree:
+        self.path_log_probs = []
+        limit = min(max_depth, total_tokens, predicted_positions(self.cfg))
+        if limit < 1 or not self.seq:
+            return DraftTree.empty()
+        out = self.block_outputs()[:limit]
+        log_probs = torch.log_softmax(self.drafter.lm_head(out).float(), dim=-1)
+        best, ids = log_probs.max(-1)
+        path = best.cumsum(0).tolist()
+        keep = next((i for i, lp in enumerate(path) if lp < self.min_log_prob), len(path))
+        self.path_log_probs = path[:keep]
+        return DraftTree.chain(self.draft_to_target[ids[:keep]].tolist())
