@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -301,3 +302,41 @@ def test_gap_verdict_tells_quantization_from_a_mismatch():
         assert gap_verdict({"first_acceptance_gap": 0.2, "engine_target_weights": weights}).startswith("MISMATCH")
     floored = gap_verdict({"first_acceptance_gap": -0.09, "engine_target_weights": "F32", "min_draft_prob": 0.35})
     assert "--min-draft-prob 0.35" in floored and "renormalised" in floored and "MISMATCH" not in floored
+
+
+# ---------------------------------------------------------------------------------------------
+# Each method at its fastest configuration (--dtype auto --threads auto)
+# ---------------------------------------------------------------------------------------------
+
+def test_tuning_picks_per_method_the_configuration_cheapest_for_its_pass():
+    from eaglet.evaluate.settings import DecodeSettings
+    from eaglet.evaluate.tuning import Config, candidates, choose, verify_tokens
+
+    one, two = Config("bf16", 1), Config("fp32", 2)
+    # a one-token pass is cheapest on one thread, a four-token pass on two
+    costs = {one: [1.0, 1.9, 2.8, 3.7, 4.6], two: [1.2, 1.4, 1.6, 1.8, 2.0]}
+    s = DecodeSettings(chain_depth=3, lookup_tokens=2, hybrid_chain_depth=1)
+    chosen = choose({"plain": ("plain", s), "chain": ("chain", s), "hybrid": ("hybrid", s),
+                     "llama.cpp": ("llama.cpp", s)}, costs, None)
+    assert chosen == {"plain": one, "chain": two, "hybrid": two}  # llama.cpp's servers keep their own
+    assert verify_tokens("plain", s, None) == 1 and verify_tokens("chain", s, None) == 4
+    assert verify_tokens("hybrid", s, None) == 4 and verify_tokens("prompt-lookup", s, None) == 11
+    assert candidates("fp32", 1, "cpu") == [Config("fp32", 1)]
+    assert {c.dtype for c in candidates("auto", 1, "cpu")} == {"bf16", "fp32"}
+    assert candidates("auto", "auto", "cuda") == [Config("bf16", None)]
+    assert {c.threads for c in candidates("fp32", "auto", "cpu")} == {1, os.cpu_count() or 1}
+
+
+def test_eval_auto_runs_each_method_at_a_measured_configuration(tiny_target, drafter_ckpt, tmp_path):
+    """Which configuration wins is this machine's business; that every method ran at one of the
+    timed ones, said in the table and eval.json, is not."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Write a function."}])
+    result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain", "hybrid"],
+                      max_new_tokens=6, chain_depth=2, device="cpu", out=tmp_path / "eval", progress=False)
+    timed = result.config["pass_costs_by_config_s"]
+    assert {label.split("/")[0] for label in timed} == {"bf16", "fp32"}
+    assert set(result.config["configs"]) == {"plain", "chain", "hybrid"}
+    assert all(c in timed for c in result.config["configs"].values())
+    r = result.sets["prompts"]
+    assert all(r[m]["config"] == result.config["configs"][m] for m in r)
+    assert "config" in result.table().splitlines()[0]

@@ -411,3 +411,19 @@ def test_import_of_a_whole_vocabulary_dflash_folder_takes_the_targets_head(tmp_p
     import_drafter(tmp_path / "zlab", tmp_path / "back", target=str(tiny_target))
     model = load_checkpoint(tmp_path / "back")
     assert model.config.draft_vocab_size == 400 and bool(model.t2d.all()) and not bool(model.d2t.any())
+
+
+def test_eval_runs_a_parallel_drafter_by_its_family_name_exactly(tmp_path, tiny_target):
+    from conftest import write_jsonl
+    from eaglet.evaluate import evaluate
+
+    ckpt = parallel_checkpoint(tmp_path, DFLASH, tiny_target)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Write a function that adds."}])
+    result = evaluate(ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["dflash", "hybrid"],
+                      max_new_tokens=10, dtype="fp32", threads=1, device="cpu", progress=False, plot=False)
+    r = result.sets["prompts"]
+    assert r["dflash"]["identical_share"] == r["hybrid"]["identical_share"] == 1.0
+    with pytest.raises(ValueError, match="method chain drafts with the eagle3 family; this drafter is dflash: use "
+                                         "--methods dflash"):
+        evaluate(ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain"], dtype="fp32",
+                 threads=1, device="cpu", progress=False, plot=False)

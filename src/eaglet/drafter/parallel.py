@@ -309,7 +309,8 @@ def anchor_grid(counted: torch.Tensor, documents: torch.Tensor | None, stride: i
     """Anchors [B, A] (-1 padded): every `stride`-th of the row positions a whose first predicted
     token (a + first_shift: 1 for DFlash, 2 for P-EAGLE) counts (`counted` [B, L]) and lies in
     a's sample, starting at the `offset % stride`-th. Training turns `offset` with the optimizer
-    step, so over `stride` steps every such position is an anchor once; held-out uses 0."""
+    step, so over `stride` steps every such position is an anchor once; held-out uses 0. The width
+    is ceil(L / stride) whatever the row holds, so packed rows give every step the same shapes."""
     B, L = counted.shape
     valid = torch.zeros_like(counted, dtype=torch.bool)
     if L > first_shift:
@@ -321,7 +322,7 @@ def anchor_grid(counted: torch.Tensor, documents: torch.Tensor | None, stride: i
     for b in range(B):
         where = valid[b].nonzero().flatten()
         rows.append(where[offset % stride::stride])
-    width = max(1, max(len(r) for r in rows))
+    width = max(1, -(-L // stride))  # the most a row can hold: one shape per row length (one compiled graph)
     out = torch.full((B, width), -1, dtype=torch.long, device=counted.device)
     for b, r in enumerate(rows):
         out[b, :len(r)] = r

@@ -110,7 +110,7 @@ def refuse_wrong_family(method: str, drafter: DraftModel | None) -> None:
     wanted = EAGLE3 if method in ("chain", "tree") else method if method in PARALLEL_METHODS else None
     if wanted is not None and family != wanted:
         fix = f"--methods {family}" if family in PARALLEL_METHODS else "--methods chain or tree"
-        raise ValueError(f"method {method} drafts with a {wanted} drafter; this drafter is {family}: use {fix}")
+        raise ValueError(f"method {method} drafts with the {wanted} family; this drafter is {family}: use {fix}")
 
 
 def parallel_limits(drafter: ParallelDraft) -> tuple[int, int, int]:

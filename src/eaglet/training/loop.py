@@ -40,7 +40,7 @@ from tqdm import tqdm
 from eaglet import formats, layers
 from eaglet.drafter import STAT_ROWS, DraftModel, make_teacher_head, num_parameters, stats_summary
 from eaglet.dataset import Dataset, check_target_matches, dataset_target
-from eaglet.options import DECLARED, takes_options
+from eaglet.options import DECLARED, EAGLE3, takes_options
 from eaglet.heads import TargetHeads, heads_summary
 from eaglet.target import (LAYER_CHECK_MAX_BYTES, TargetRef, fast_bf16, heads_of_model, load_heads, load_target,
                            parse_dtype, prepared_target, resolve_target, whole_target_size)
@@ -71,6 +71,7 @@ class TrainSummary:
     seconds: float
     trainable_parameters: int
     extra: dict[str, Any] = field(default_factory=dict)
+    drafter: str = EAGLE3  # the family trained
 
     def lines(self) -> list[str]:
         rate = self.train_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -78,7 +79,8 @@ class TrainSummary:
                f"{self.train_tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
         if self.last_eval:
             acc = " ".join(f"{a:.3f}" for a in self.last_eval["acc"])
-            out.append(f"held-out: acc per TTT step [{acc}], simulated acceptance length {self.last_eval['tau']:.3f}")
+            where = "TTT step" if self.drafter == EAGLE3 else "block position"
+            out.append(f"held-out: acc per {where} [{acc}], simulated acceptance length {self.last_eval['tau']:.3f}")
         if self.best_step is not None:
             out.append(f"best checkpoint: step {self.best_step} (tau {self.best_tau:.3f}) in "
                        f"{self.out / CHECKPOINTS_DIR / checkpoint_name(self.best_step)}")
@@ -568,4 +570,5 @@ def finish(run: Run, state: RunState) -> TrainSummary:
         state.last_eval = evaluate(run.draft, run.teachers, run.src.load, run.split.eval_batches, run.cfg,
                                    run.device, run.d)
     return TrainSummary(run.out, state.step, state.plan.total_steps, state.best["step"], state.best["tau"],
-                        state.last_eval, state.done["tokens"], state.done["seconds"], num_parameters(run.draft))
+                        state.last_eval, state.done["tokens"], state.done["seconds"], num_parameters(run.draft),
+                        drafter=run.cfg.drafter)
