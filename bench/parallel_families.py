@@ -107,6 +107,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--chain-depth", type=int, default=2, help="EAGLE-3's chain alone (the cpu preset's)")
+    ap.add_argument("--min-draft-prob", type=float, default=0.35,
+                    help="drafts verified only down to this path probability (the demo recipe's)")
+    ap.add_argument("--no-ngram", action="store_true", help="leave eaglet's lookup out (saves a variant)")
     ap.add_argument("--dtypes", default="auto")
     ap.add_argument("--threads", default="auto")
     ap.add_argument("--out", type=Path, default=Path("docs/results/parallel"))
@@ -122,10 +125,12 @@ def main() -> None:
     targets = {d: load_target(ref, parse_dtype(d), torch.device("cpu")) for d in {c.dtype for c in configs}}
     drafters = {(f, d): x.model.to(dtype=parse_dtype(d)).eval() for f, x in loaded.items() for d in targets}
     base = DecodeSettings(max_new_tokens=args.max_new_tokens, chain_depth=args.chain_depth,
+                          min_draft_prob=args.min_draft_prob,
                           eos_ids=tuple(sorted(stop_token_ids(next(iter(targets.values())), tokenizer))))
 
-    variants, owner = {BASELINE: (BASELINE, base), "prompt-lookup": ("prompt-lookup", base),
-                       "ngram": ("ngram", base)}, {}
+    variants, owner = {BASELINE: (BASELINE, base), "prompt-lookup": ("prompt-lookup", base)}, {}
+    if not args.no_ngram:
+        variants["ngram"] = ("ngram", base)
     for family in runs:
         own = "chain" if family == "eagle3" else family
         variants[f"{family}"] = (own, base)

@@ -76,7 +76,12 @@ def test_demo_command(smollm2_dir, tmp_path, capsys):
     assert len(formats.list_v1_files(tmp_path / "demo" / "data")) == 3  # regen.num_samples=3
     for stage in ("regen", "prepare", "extract", "check", "train", "eval"):
         assert f"\n{stage} " in text, stage  # one summary row per stage
-    assert "mtbench chain: tau" in text and (tmp_path / "demo" / "eval" / "eval.png").exists()
+    for family, method in (("eagle3", "chain"), ("p-eagle", "p-eagle"), ("dflash", "dflash")):
+        assert f"{family}: mtbench {method}: tau" in text, family  # each family measured by its own proposal
+        assert (tmp_path / "demo" / "eval" / family / "eval.png").exists(), family
+    kept = json.loads((tmp_path / "demo" / "stages" / "eval.json").read_text())["result"]["kept"]
+    assert kept["family"] in ("eagle3", "p-eagle", "dflash") and f"kept {kept['family']}" in text
+    assert kept["why"].startswith("fastest against plain greedy here: ")
     assert main(["demo", "--out", str(tmp_path / "demo"), *tiny]) == 0
     assert capsys.readouterr().out.count("reusing it") == 6
 

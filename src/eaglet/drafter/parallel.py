@@ -40,14 +40,20 @@ PARALLEL_FAMILIES = options.DRAFTER_FAMILIES[1:]
 P_EAGLE, DFLASH = PARALLEL_FAMILIES
 
 
+P_EAGLE_KEEP, P_EAGLE_KEEP_MIN = 0.7, 0.2  # P-EAGLE's sampling: depth d keeps max(0.7^d, 0.2) of the positions
+
+
 def position_weights(family: str, block_size: int) -> list[float]:
     """The loss weight of each predicted block position. DFlash: exp(-(k-1)/gamma) over block
     positions k = 1..B-1, gamma 7 for blocks of 16 (5 for 10, 4 for 8; the paper's), since a
-    later position counts only when every earlier one was accepted. P-EAGLE: every depth alike."""
+    later position counts only when every earlier one was accepted. P-EAGLE: its paper averages
+    the loss over sampled elements alike, and samples depth d at max(0.7^d, 0.2) of the positions
+    depth 0 trains at, so depth d weighs that much against depth 0 (eaglet trains every depth on
+    the same anchor grid and weights them instead of sampling)."""
     if family == DFLASH:
         gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
         return [math.exp(-k / gamma) for k in range(block_size - 1)]
-    return [1.0] * block_size
+    return [max(P_EAGLE_KEEP ** d, P_EAGLE_KEEP_MIN) for d in range(block_size)]
 
 
 def predicted_positions(cfg: DraftConfig) -> int:
