@@ -147,3 +147,33 @@ def llama_server_stand_in(folder: Path, script: str, monkeypatch) -> Path:
     exe.chmod(0o755)
     monkeypatch.setenv("EAGLET_LLAMA_SERVER", str(exe))
     return exe
+
+
+# The embedded target's greedy answers to a few HumanEval prompts, and an EAGLE-3 drafter trained to
+# memorise them: what the real-engine tests (llama.cpp, vLLM) serve, so that what they measure is
+# the engine's handling of the drafter (its conventions), not generalisation.
+MEMORISED_PROMPTS = 4
+MEMORISED_TOKENS = 48
+
+
+@pytest.fixture(scope="session")
+def memorised_eagle3(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
+    from eaglet.extract import extract
+    from eaglet.prepare import prepare
+    from eaglet.prompts import load_prompt_set
+    from eaglet.regen import regenerate
+    from eaglet.training.loop import train
+
+    root = tmp_path_factory.mktemp("memorised")
+    prompts = load_prompt_set("humaneval", MEMORISED_PROMPTS)
+    chats = write_jsonl(root / "chats.jsonl", [{"id": p.id, "messages": [{"role": "user", "content": p.turns[0]},
+                                                                        {"role": "assistant", "content": "-"}]}
+                                               for p in prompts])  # the answer is regenerated
+    eval_prompts = write_jsonl(root / "prompts.jsonl", [{"id": p.id, "prompt": p.turns[0]} for p in prompts])
+    regenerate(str(chats), root / "hf.jsonl", backend="local", dtype="fp32", max_new_tokens=MEMORISED_TOKENS,
+               progress_bar=False)
+    prepare(None, str(root / "hf.jsonl"), root / "prepared")
+    extract(root / "prepared", root / "data", dtype="fp32", show_progress=False)
+    train(root / "data", root / "train", bf16=False, total_steps=60, lr=5e-3, warmup_steps=5, draft_vocab_size=2048,
+          teacher_top_k=8, eval_fraction=0.0, evals=1, show_progress=False)
+    return {"root": root, "chats": chats, "prompts": eval_prompts, "data": root / "data", "run": root / "train"}

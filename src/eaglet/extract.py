@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -32,17 +34,25 @@ from eaglet import __version__, formats, layers, ranges
 from eaglet.chat import template_hash
 from eaglet.drafter.teacher import StoredTeacherMaker
 from eaglet.formats import DataConfig, TokenizedSample
-from eaglet.options import DECLARED, takes_options
+from eaglet.options import DECLARED, HF_ENGINE, VLLM_ENGINE, takes_options
 from eaglet.placement import placement_from_options
 from eaglet.target import (LayerCapture, TargetRef, config_positions, config_where, decoder_layers, dtype_name,
-                           load_target, load_tokenizer, parse_dtype, pick_device, prepared_target, run_batch,
-                           text_config)
+                           load_heads, load_target, load_tokenizer, parse_dtype, pick_device, prepared_target,
+                           run_batch, text_config)
+from eaglet.vllm_engine import EngineOptions, engine_options_from, engine_record, vllm_engine
 
 log = logging.getLogger(__name__)
 
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> None:
     layers.check_stored_ids(layer_ids, num_layers, "--layer-ids")
+
+
+def chosen_layer_ids(given: list[int] | None, num_layers: int) -> list[int]:
+    """--layer-ids, checked, or the default [2, N//2, N-3, N]."""
+    ids = list(given) if given else layers.default_layer_ids(num_layers)
+    validate_layer_ids(ids, num_layers)
+    return ids
 
 
 def length_batches(indices: list[int], lengths: list[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
@@ -76,11 +86,12 @@ def prepared_sha256(samples: list[TokenizedSample]) -> str:
     return h.hexdigest()[:16]
 
 
-def build_data_config(out: Path, ref, model: nn.Module, tokenizer_template_sha: str, pconfig: dict,
+def build_data_config(out: Path, ref, cfg: Any, tokenizer_template_sha: str, pconfig: dict,
                       samples: list[TokenizedSample], layer_ids: list[int], compute_dtype: torch.dtype,
                       store_dtype: torch.dtype, command: str, layout: formats.Layout = formats.V1_LAYOUT,
-                      stored_top_k: int = 0) -> DataConfig:
-    cfg = model.config
+                      stored_top_k: int = 0, engine: str = HF_ENGINE) -> DataConfig:
+    """data_config.json of this extraction; `cfg` the target's (text) config, `engine` what
+    computed the states ("hf", or "vllm <version>")."""
     return formats.data_config_from({
         "format": layout.name,
         **layout.config_fields(min(stored_top_k, cfg.vocab_size)),
@@ -89,7 +100,7 @@ def build_data_config(out: Path, ref, model: nn.Module, tokenizer_template_sha: 
         "target": ref.name,
         "target_path": ref.path,
         "target_revision": ref.revision,
-        "architecture": (cfg.architectures or [type(model).__name__])[0],
+        "architecture": (cfg.architectures or [type(cfg).__name__.removesuffix("Config")])[0],
         "model_type": cfg.model_type,
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
@@ -99,6 +110,7 @@ def build_data_config(out: Path, ref, model: nn.Module, tokenizer_template_sha: 
         "layer_id_convention": formats.LAYER_ID_CONVENTION,
         "last_hidden_state": formats.LAST_STATE_PRE_NORM,
         "compute_dtype": dtype_name(compute_dtype),
+        "engine": engine,
         "hidden_states_dtype": dtype_name(store_dtype),
         "chat_template_sha256": tokenizer_template_sha,
         "max_length": pconfig["max_length"],
@@ -140,13 +152,20 @@ class ExtractSummary:
     tokens_on_disk: int
     hidden_size: int
     num_states: int
+    engine_start_s: float = 0.0  # --engine vllm: the engine's start-up, part of `seconds`
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Extraction throughput, the engine's start-up left out."""
+        busy = self.seconds - self.engine_start_s
+        return self.tokens / busy if busy > 0 else 0.0
 
     def lines(self) -> list[str]:
-        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
         per_tok = self.bytes_on_disk / max(self.tokens_on_disk, 1)
         floor = formats.v1_min_bytes_per_token(self.hidden_size, self.num_states)
+        started = f", after vLLM's start-up of {self.engine_start_s:.0f} s" if self.engine_start_s else ""
         return [
-            f"extracted {self.written} samples ({self.tokens} tokens, {rate:,.0f} tok/s); "
+            f"extracted {self.written} samples ({self.tokens} tokens, {self.tokens_per_s:,.0f} tok/s{started}); "
             f"{self.already_done} of this shard's {self.shard_samples} were already done",
             f"hidden states in {self.out}: {self.bytes_on_disk / 2**20:,.1f} MiB, "
             f"{per_tok:,.0f} bytes/token ({per_tok / floor:.2f}x the v1 minimum, {floor})",
@@ -202,33 +221,149 @@ def plan_shard(out: Path, fmt: formats.Layout, count: int, num_shards: int, shar
     return Shard(mine, todo)
 
 
+class WriteQueue:
+    """A pool of writer threads fed sample by sample; at most `4 x threads` writes wait, so memory
+    stays flat when the disk is slower than the engine."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(max_workers=threads)
+        self.pending: list[Future] = []
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        while len(self.pending) > 4 * self.threads:
+            self.pending.pop(0).result()
+        self.pending.append(self.pool.submit(fn, *args))
+
+    def __enter__(self) -> WriteQueue:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if exc[0] is None:
+                for f in self.pending:
+                    f.result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=exc[0] is not None)
+
+
 def run_and_write(model: nn.Module, samples: list[TokenizedSample], batches: list[list[int]], layer_ids: list[int],
                   dev: torch.device, save_dtype: torch.dtype, out: Path, fmt: formats.Layout, config: DataConfig,
                   teacher: StoredTeacherMaker | None, write_threads: int, bar: tqdm) -> None:
     """The target over every batch, each sample's states written by a pool of writers."""
     capture = LayerCapture(decoder_layers(model), layer_ids)
-    pending: list[Future] = []
     try:
-        with ThreadPoolExecutor(max_workers=write_threads) as pool:
+        with WriteQueue(write_threads) as writes:
             for batch in batches:
                 batch_samples = [samples[i] for i in batch]
                 per_sample = run_batch(model, capture, batch_samples, dev, save_dtype)
                 # Another run may have replaced a config that had no sample file yet (see
                 # formats.ensure_data_config): then this run's files would join another dataset.
                 formats.refuse_other_dataset(out, config)
-                # Bound the write queue so memory stays flat when the disk is slower than the model.
-                while len(pending) > 4 * write_threads:
-                    pending.pop(0).result()
                 for i, s, states in zip(batch, batch_samples, per_sample):
                     # The compact layout's teacher (the target's LM head) is computed by the writer,
                     # overlapping the next batch's forward.
-                    pending.append(pool.submit(write_one, out, fmt, i, s, states, teacher))
+                    writes.submit(write_one, out, fmt, i, s, states, teacher)
                 bar.update(sum(len(s.input_ids) for s in batch_samples))
-            for f in pending:
-                f.result()
     finally:
         bar.close()
         capture.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# --engine vllm: vLLM computes the states, eaglet writes them
+# ---------------------------------------------------------------------------------------------
+
+def engine_scratch(out: Path, shard_id: int, num_shards: int) -> Path:
+    """Where vLLM writes this shard's per-request files before eaglet consumes them: inside the
+    output (one filesystem, so disk never holds a sample twice for long), emptied of an earlier
+    run's leftovers, removed when the shard is done."""
+    scratch = out / f".vllm-states-shard-{shard_id}-of-{num_shards}"
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    return scratch
+
+
+def refuse_beyond_engine_context(prepared: str | Path, samples: list[TokenizedSample], todo: Iterable[int],
+                                 options: EngineOptions | None) -> None:
+    """Before anything is written: a sample of this shard longer than the engine's context (an
+    explicit --max-model-len) would be refused by vLLM mid-run; name the first and say what fits."""
+    if options is None or not options.max_model_len:
+        return
+    max_model_len = options.max_model_len
+    longer = [i for i in todo if len(samples[i].input_ids) + 1 > max_model_len]
+    if longer:
+        i = longer[0]
+        raise ValueError(f"{Path(prepared) / formats.PREPARED_FILE}:{i + 1}: sample {samples[i].sample_id} has "
+                         f"{len(samples[i].input_ids)} tokens; vLLM's --max-model-len {max_model_len} holds "
+                         f"{max_model_len - 1} (one position goes to the token it generates); {len(longer)} samples "
+                         "are that long: raise --max-model-len, or prepare with a smaller --max-length")
+
+
+def extract_with_vllm(ref: TargetRef, prepared: str | Path, samples: list[TokenizedSample], batches: list[list[int]],
+                      layer_ids: list[int], options: EngineOptions, save_dtype: torch.dtype, out: Path,
+                      fmt: formats.Layout, config: DataConfig, teacher: StoredTeacherMaker | None, write_threads: int,
+                      shard: tuple[int, int], bar: tqdm) -> float:
+    """vLLM's extraction over every batch: each request's file read back, checked against its
+    sample (tokens, layers, width), written in `fmt`, and deleted. Returns the engine's start-up
+    seconds."""
+    scratch = engine_scratch(out, *shard)
+    hidden = config.hidden_size or 0
+    try:
+        with vllm_engine(ref.path, options, extract={"layer_ids": layer_ids, "folder": str(scratch)}) as engine, \
+                WriteQueue(write_threads) as writes:
+            log.info("vLLM %s started in %.0f s", engine.version, engine.start_seconds)
+            started = engine.start_seconds
+            for batch in batches:
+                paths, _ = engine.extract([samples[i].input_ids for i in batch])
+                formats.refuse_other_dataset(out, config)
+                for i, path in zip(batch, paths):
+                    where = f"{Path(prepared) / formats.PREPARED_FILE}:{i + 1}, sample {samples[i].sample_id}"
+                    states = [x.to(save_dtype) for x in
+                              formats.read_vllm_states(path, samples[i].input_ids, len(layer_ids), hidden, where)]
+                    path.unlink()
+                    writes.submit(write_one, out, fmt, i, samples[i], states, teacher)
+                bar.update(sum(len(samples[i].input_ids) for i in batch))
+    finally:
+        bar.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return started
+
+
+def engine_choice(engine: str, device_map: str | None, tensor_parallel_size: int, pipeline_parallel_size: int,
+                  max_model_len: int | None, gpu_memory_utilization: float | None, vllm_kv_cache_gib: float,
+                  vllm_args: str | None) -> EngineOptions | None:
+    """The vLLM engine's options (None: the hf engine), each checked before anything is read."""
+    if engine not in (HF_ENGINE, VLLM_ENGINE):
+        raise ValueError(f"--engine {engine!r}: choose {HF_ENGINE} or {VLLM_ENGINE}")
+    if engine == HF_ENGINE:
+        return None
+    if device_map is not None:
+        raise ValueError(f"--device-map {device_map}: places the target of --engine {HF_ENGINE}; vLLM places its "
+                         "own (--tensor-parallel-size, --pipeline-parallel-size)")
+    return engine_options_from(tensor_parallel_size, pipeline_parallel_size, max_model_len, gpu_memory_utilization,
+                               vllm_kv_cache_gib, vllm_args)
+
+
+def vllm_options(options: EngineOptions, compute_dtype: torch.dtype, samples: list[TokenizedSample],
+                 todo: list[int]) -> EngineOptions:
+    """The engine's options for this shard: the compute dtype, and a context of the longest sample
+    to extract (plus the one token vLLM generates) unless one is given."""
+    longest = max((len(samples[i].input_ids) for i in todo), default=1)
+    return replace(options, dtype=dtype_name(compute_dtype), max_model_len=options.max_model_len or longest + 1)
+
+
+def load_engine_side(engine: EngineOptions | None, ref: TargetRef, compute_dtype: torch.dtype, dev: torch.device, placed,
+                     fmt: formats.Layout, stored_top_k: int) -> tuple[nn.Module | None, Any, StoredTeacherMaker | None]:
+    """What this process loads: with the hf engine (`engine` None) the whole target (its config, and its head for
+    the compact layout's teacher); with vLLM only the config, and the head alone when the layout
+    stores a teacher."""
+    if engine is None:
+        model = load_target(ref, compute_dtype, dev, placed)
+        return model, model.config, StoredTeacherMaker(model, stored_top_k) if fmt.stores_teacher else None
+    heads = load_heads(ref, torch.float32) if fmt.stores_teacher else None
+    return None, text_config(ref), StoredTeacherMaker(heads, stored_top_k) if heads is not None else None
 
 
 @takes_options("extract")
@@ -238,16 +373,21 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
             num_shards: int = DECLARED, shard_id: int = DECLARED, command: str = "", write_threads: int = 2,
             show_progress: bool = True, layout: str = DECLARED, stored_top_k: int = DECLARED,
             device_map: str | None = DECLARED, max_memory: str | None = DECLARED,
-            offload_folder: str | None = DECLARED) -> ExtractSummary:
+            offload_folder: str | None = DECLARED, engine: str = DECLARED, tensor_parallel_size: int = DECLARED,
+            pipeline_parallel_size: int = DECLARED, max_model_len: int | None = DECLARED,
+            gpu_memory_utilization: float | None = DECLARED, vllm_kv_cache_gib: float = DECLARED,
+            vllm_args: str | None = DECLARED) -> ExtractSummary:
     """Extract the hidden states of every prepared sample of this shard into `out`, in `layout`
     (a `formats.WRITTEN_LAYOUTS` name); the compact layout stores the target's `stored_top_k`
-    most likely next tokens in place of the last state. With `device_map` the target is placed
-    across devices (`eaglet.placement`); the stored states are the same, computed layer by layer
-    where each layer lives."""
+    most likely next tokens in place of the last state. `engine` "hf" runs the target here (with
+    `device_map` across devices, `eaglet.placement`); "vllm" has vLLM compute the same states
+    (`eaglet.vllm_engine`, with its parallelism and memory options) and writes them the same way."""
     ranges.at_least(1, num_shards=num_shards, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
                     write_threads=write_threads, stored_top_k=stored_top_k)
     check_shard(num_shards, shard_id)
     fmt = formats.written_layout(layout)
+    options = engine_choice(engine, device_map, tensor_parallel_size, pipeline_parallel_size, max_model_len,
+                            gpu_memory_utilization, vllm_kv_cache_gib, vllm_args)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
     out = Path(out)
     # one writer per shard of the output; the shards of one run (--shard-id) write side by side
@@ -255,17 +395,16 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
         samples, pconfig = formats.read_prepared(prepared)
         ref = prepared_target(prepared, pconfig, target)
         refuse_unrunnable_samples(prepared, samples, ref)
+        refuse_beyond_engine_context(prepared, samples, range(shard_id, len(samples), num_shards), options)
         template_sha = template_hash(load_tokenizer(ref))
         dev = pick_device(device)
         compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
-        model = load_target(ref, compute_dtype, dev, placed)
-        fmt.check_hidden_size(model.config.hidden_size, ref.name)
-        num_layers = model.config.num_hidden_layers
-        layer_ids = list(layer_ids) if layer_ids else layers.default_layer_ids(num_layers)
-        validate_layer_ids(layer_ids, num_layers)
-        config = build_data_config(out, ref, model, template_sha, pconfig, samples, layer_ids, compute_dtype,
-                                   save_dtype, command, fmt, stored_top_k)
-        teacher = StoredTeacherMaker(model, stored_top_k) if fmt.stores_teacher else None
+        model, target_config, teacher = load_engine_side(options, ref, compute_dtype, dev, placed, fmt, stored_top_k)
+        fmt.check_hidden_size(target_config.hidden_size, ref.name)
+        layer_ids = chosen_layer_ids(layer_ids, target_config.num_hidden_layers)
+        config = build_data_config(out, ref, target_config, template_sha, pconfig, samples, layer_ids, compute_dtype,
+                                   save_dtype, command, fmt, stored_top_k,
+                                   HF_ENGINE if options is None else engine_record())
         out.mkdir(parents=True, exist_ok=True)
         formats.ensure_data_config(out, config)
         lengths = {i: len(s.input_ids) for i, s in enumerate(samples)}
@@ -273,11 +412,18 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
         shard = plan_shard(out, fmt, len(samples), num_shards, shard_id, lengths, len(layer_ids))
         batches = length_batches(shard.todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
         total_tokens = sum(lengths[i] for i in shard.todo)
-        t0 = time.time()
+        t0, started = time.time(), 0.0
         bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract shard {shard_id}/{num_shards}",
                    file=sys.stderr, dynamic_ncols=True, disable=not show_progress)
-        run_and_write(model, samples, batches, layer_ids, dev, save_dtype, out, fmt, config, teacher, write_threads,
-                      bar)
+        if model is not None:
+            run_and_write(model, samples, batches, layer_ids, dev, save_dtype, out, fmt, config, teacher,
+                          write_threads, bar)
+        elif options is not None and shard.todo:
+            started = extract_with_vllm(ref, prepared, samples, batches, layer_ids,
+                                        vllm_options(options, compute_dtype, samples, shard.todo), save_dtype, out,
+                                        fmt, config, teacher, write_threads, (shard_id, num_shards), bar)
+        bar.close()
         disk_bytes, disk_tokens = dataset_disk_usage(out, lengths)
         return ExtractSummary(out, len(shard.todo), len(shard.mine) - len(shard.todo), len(shard.mine), total_tokens,
-                              time.time() - t0, disk_bytes, disk_tokens, model.config.hidden_size, len(layer_ids))
+                              time.time() - t0, disk_bytes, disk_tokens, target_config.hidden_size, len(layer_ids),
+                              started)

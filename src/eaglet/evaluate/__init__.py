@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -22,11 +23,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from eaglet import llama_cpp, ranges
+from eaglet import ranges
 from eaglet.chat import chat_prompt_ids, stop_token_ids
 from eaglet.drafter import DraftModel
 from eaglet.drafter.files import load_drafter_for_target
 from eaglet.evaluate.engines import FIRST_DRAFT_GAP, engine_run, engine_servers, first_draft_check, warn_on_gap
+from eaglet.evaluate.vllm_methods import vllm_engines
 from eaglet.evaluate.methods import (PROMPT_LOOKUP_TOKENS, Run, Variants, measured_pass_costs, reference_labels,
                                      run_method, variants_for, with_implied_methods, with_pass_costs)
 from eaglet.evaluate.report import EvalResult, MethodTotals, format_table, summarize
@@ -34,11 +36,13 @@ from eaglet.evaluate.settings import DecodeSettings
 from eaglet.evaluate.tuning import AUTO, Config
 from eaglet.evaluate import tuning
 from eaglet.decode import measure_pass_costs
-from eaglet.options import BASELINE, DECLARED, DRAFTER_METHODS, LLAMA_CPP_METHODS, LOOKUP_METHODS, takes_options
+from eaglet.options import (BASELINE, DECLARED, DRAFTER_METHODS, LLAMA_CPP_METHODS, LOOKUP_METHODS, OUTSIDE_METHODS,
+                            OWN_COUNTERPART, takes_options)
 from eaglet.placement import Placement, placement_from_options
 from eaglet.prompts import Prompt, load_prompt_set
-from eaglet.target import (TargetRef, cpu_description, decoder_layers, input_device, load_target, load_tokenizer,
-                           max_positions, parse_dtype, pick_device, resolve_target)
+from eaglet.target import (TargetRef, cpu_description, decoder_layers, dtype_name, input_device, load_target,
+                           load_tokenizer, max_positions, parse_dtype, pick_device, resolve_target)
+from eaglet.vllm_engine import EngineOptions, engine_options_from
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +59,24 @@ def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_set
              plot: bool = DECLARED, progress: bool = True, other_target: bool = DECLARED,
              device_map: str | None = DECLARED, max_memory: str | None = DECLARED,
              offload_folder: str | None = DECLARED, target_gguf: str | Path | None = DECLARED,
-             engine_f32: bool = DECLARED, **decode_options: Any) -> EvalResult:
+             engine_f32: bool = DECLARED, tensor_parallel_size: int = DECLARED, pipeline_parallel_size: int = DECLARED,
+             max_model_len: int | None = DECLARED, gpu_memory_utilization: float | None = DECLARED,
+             vllm_kv_cache_gib: float = DECLARED, vllm_args: str | None = DECLARED,
+             **decode_options: Any) -> EvalResult:
     """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot.
     `decode_options`: how every method decodes, the fields of `DecodeSettings` (max_new_tokens,
     preset, depth, chain_depth, ...). A target whose revision is not the one the drafter records is
     refused unless `other_target`. With `device_map` the target spans devices and the drafter runs
     where its inputs go. llama.cpp's methods run llama-server on `target_gguf` (default: the
-    embedded target's GGUF), with `engine_f32` on its weights dequantized to f32. `dtype` and
-    `threads` "auto": each method at its fastest configuration on this machine (`tuning`)."""
+    embedded target's GGUF), with `engine_f32` on its weights dequantized to f32. vLLM's methods run
+    vLLM's engine on the target with the vLLM options (`eaglet.vllm_engine.engine_options_from`).
+    `dtype` and `threads` "auto": each method at its fastest configuration on this machine (`tuning`;
+    vLLM: `auto` is bf16 where fast, and its engines use every core)."""
     ranges.at_least(1, num_prompts=num_prompts, threads=None if threads == AUTO else threads)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
+    vllm_options = engine_options_from(tensor_parallel_size, pipeline_parallel_size, max_model_len,
+                                       gpu_memory_utilization, vllm_kv_cache_gib, vllm_args,
+                                       threads=None if threads == AUTO else threads)
     methods = with_implied_methods(methods)
     settings = DecodeSettings(**decode_options)  # checked before anything loads
     configs = tuning.candidates(dtype, threads, pick_device(device).type if placed is None else "placed")
@@ -74,15 +86,17 @@ def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_set
         models = next(iter(loaded.values()))
         settings = replace(settings, eos_ids=tuple(sorted(stop_token_ids(models.target, models.tokenizer))))
         sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
-        with engine_servers(methods, drafter_path, models.ref.name, target_gguf, out, settings,
-                            torch.get_num_threads(), max_positions(models.target), engine_f32) as (servers, engine):
+        vllm_options = replace(vllm_options, dtype=dtype_name(parse_dtype(dtype, "cpu" if placed else device)),
+                               max_model_len=vllm_options.max_model_len or max_positions(models.target))
+        with outside_engines(methods, drafter_path, models, target_gguf, out, settings, engine_f32, vllm_options,
+                             first_prompt_ids(models.tokenizer, sets)) as (runners, engines):
             variants, lanes, tuned = tuned_lanes(variants_for(methods, settings), configs, loaded)
-            warm_up(variants, models.target, models.drafter, models.tokenizer, first_prompt(sets), servers=servers,
+            warm_up(variants, models.target, models.drafter, models.tokenizer, first_prompt(sets), servers=runners,
                     lanes=lanes)
-            results, records = measure(sets, variants, models, servers, engine, progress, lanes)
+            results, records = measure(sets, variants, models, runners, engines, progress, lanes)
         skipped = warn_skipped(records, max_positions(models.target))
         config = run_config(drafter_path, models, dtype, device_map, prompt_sets, num_prompts, methods, variants,
-                            skipped, engine, tuned)
+                            skipped, engines, tuned)
     result = EvalResult(config, results, records)
     if out is not None:
         result.save(Path(out), plot, title=f"drafter {drafter_path} | target {Path(models.ref.name).name} | {dtype}, "
@@ -144,6 +158,30 @@ def check_drafter_fits(drafter: DraftModel, target: nn.Module) -> None:
                          + " (pass the target it was trained for with --target)")
 
 
+# An outside engine's method on one prompt (llama.cpp's servers, vLLM's engines): ids, settings -> Run
+Runner = Callable[[list[int], DecodeSettings], Run]
+
+
+@contextlib.contextmanager
+def outside_engines(methods: Sequence[str], drafter_path: str | Path, models: Models, target_gguf: str | Path | None,
+                    out: str | Path | None, s: DecodeSettings, engine_f32: bool, vllm_options: EngineOptions,
+                    cost_prompt: list[int]) -> Iterator[tuple[dict[str, Runner], dict[str, Any]]]:
+    """The engines of the methods that run outside eaglet's process, started for the whole run: a
+    llama-server per llama.cpp method, a vLLM engine per vLLM method. Yields each such method's
+    runner and what eval.json records of the engines ({"llama_cpp": ..., "vllm": ...})."""
+    with engine_servers(methods, drafter_path, models.ref.name, target_gguf, out, s, torch.get_num_threads(),
+                        max_positions(models.target), engine_f32) as (servers, llama), \
+            vllm_engines(methods, drafter_path, models.drafter, models.ref.path, out, s, vllm_options,
+                         cost_prompt) as (vllm_runners, vllm):
+        runners: dict[str, Runner] = {m: partial(engine_run, server, m) for m, server in servers.items()}
+        yield {**runners, **vllm_runners}, {k: v for k, v in (("llama_cpp", llama), ("vllm", vllm)) if v}
+
+
+def first_prompt_ids(tokenizer: Any, sets: dict[str, list[Prompt]]) -> list[int]:
+    p = first_prompt(sets)
+    return chat_prompt_ids(tokenizer, [*p.context, {"role": "user", "content": p.turns[0]}])
+
+
 @dataclass
 class Lane:
     """What one variant runs on: the target and drafter in its dtype, and its CPU threads."""
@@ -203,12 +241,13 @@ def torch_threads(n: int | None) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------
 
 def run_variant(method: str, target: nn.Module, drafter: DraftModel | None, ids: list[int], s: DecodeSettings,
-                servers: dict[str, llama_cpp.LlamaServer] | None = None) -> Run:
-    """`run_method`, or the method's llama-server (`servers`, by method) for llama.cpp's methods."""
-    if method in LLAMA_CPP_METHODS:
+                servers: dict[str, Runner] | None = None) -> Run:
+    """`run_method`, or the method's outside engine (`servers`: its runner, by method) for the
+    methods of llama.cpp and vLLM."""
+    if method in OUTSIDE_METHODS:
         if not servers or method not in servers:
-            raise ValueError(f"{method}: no llama-server is running for it")
-        return engine_run(servers[method], method, ids, s)
+            raise ValueError(f"{method}: no engine is running for it")
+        return servers[method](ids, s)
     return run_method(method, target, drafter, ids, s)
 
 
@@ -218,7 +257,7 @@ def first_prompt(sets: dict[str, list[Prompt]]) -> Prompt:
 
 def warm_up(variants: Variants, target: nn.Module, drafter: DraftModel | None, tokenizer, prompt: Prompt,
             drafters: dict[str, DraftModel] | None = None,
-            servers: dict[str, llama_cpp.LlamaServer] | None = None, lanes: dict[str, Lane] | None = None) -> None:
+            servers: dict[str, Runner] | None = None, lanes: dict[str, Lane] | None = None) -> None:
     """One short untimed run per variant: first calls pay for allocations and kernel selection."""
     ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
     ids = ids[-(max_positions(target) // 2):]  # untimed: any prompt that fits will do
@@ -228,7 +267,7 @@ def warm_up(variants: Variants, target: nn.Module, drafter: DraftModel | None, t
 
 
 def run_in_lane(label: str, method: str, target: nn.Module, drafter: DraftModel | None, ids: list[int],
-                s: DecodeSettings, servers: dict[str, llama_cpp.LlamaServer] | None,
+                s: DecodeSettings, servers: dict[str, Runner] | None,
                 lanes: dict[str, Lane] | None) -> Run:
     """`run_variant` on the variant's lane (its dtype's models, its threads), where it has one."""
     lane = (lanes or {}).get(label)
@@ -246,7 +285,7 @@ def rotated(labels: list[str], k: int) -> list[str]:
 def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, drafter: DraftModel | None,
                  tokenizer, on_turn: Callable[[dict[str, MethodTotals]], None],
                  records: list[dict[str, Any]], drafters: dict[str, DraftModel] | None = None,
-                 servers: dict[str, llama_cpp.LlamaServer] | None = None,
+                 servers: dict[str, Runner] | None = None,
                  lanes: dict[str, Lane] | None = None) -> dict[str, MethodTotals]:
     """Decode every turn of every prompt with each variant, in a rotating order; sums per label.
     The next turn's history holds plain greedy's answer, so every variant sees the same prompt.
@@ -293,7 +332,7 @@ def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, d
 
 
 def measure(sets: dict[str, list[Prompt]], variants: Variants, models: Models,
-            servers: dict[str, llama_cpp.LlamaServer], engine: dict[str, Any], progress: bool,
+            servers: dict[str, Runner], engines: dict[str, Any], progress: bool,
             lanes: dict[str, Lane] | None = None) -> tuple[dict[str, dict[str, dict[str, Any]]], list[dict[str, Any]]]:
     """Each set's figures by method, and one record per prompt turn; a progress bar over all turns."""
     s = variants[BASELINE][1]
@@ -311,9 +350,11 @@ def measure(sets: dict[str, list[Prompt]], variants: Variants, models: Models,
             name = prompts[0].set_name
             results[name] = summarize(totals, s.temperature <= 0, reference_labels(variants))
             for label, lane in (lanes or {}).items():
-                if variants[label][0] not in LLAMA_CPP_METHODS:
+                if variants[label][0] not in OUTSIDE_METHODS:
                     results[name][label]["config"] = lane.config.label
-            warn_on_gap(name, first_draft_check(results[name], engine.get("target_weights"), s.min_draft_prob))
+            for method, own in OWN_COUNTERPART.items():
+                weights = engines.get("llama_cpp", {}).get("target_weights") if method in LLAMA_CPP_METHODS else None
+                warn_on_gap(name, first_draft_check(results[name], weights, s.min_draft_prob, method, own), method)
     return results, records
 
 
@@ -340,7 +381,7 @@ def warn_skipped(records: list[dict[str, Any]], positions: int) -> int:
 
 def run_config(drafter_path: str | Path, models: Models, dtype: str, device_map: str | None,
                prompt_sets: Sequence[str], num_prompts: int | None, methods: Sequence[str], variants: Variants,
-               skipped: int, engine: dict[str, Any], tuned: dict[str, Any] | None = None) -> dict[str, Any]:
+               skipped: int, engines: dict[str, Any], tuned: dict[str, Any] | None = None) -> dict[str, Any]:
     """What eval.json records of the run: what was measured, on what, and how it decoded."""
     return {"drafter": str(drafter_path), "target": models.ref.name, "target_revision": models.ref.revision,
             "drafter_target_revision": models.drafter_revision, "dtype": dtype,
@@ -349,4 +390,4 @@ def run_config(drafter_path: str | Path, models: Models, dtype: str, device_map:
             "prompt_sets": list(prompt_sets), "num_prompts": num_prompts, "methods": [BASELINE, *methods],
             **variants[BASELINE][1].record(), "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
             "pass_costs_s": measured_pass_costs(variants), "skipped_turns": skipped, **(tuned or {}),
-            **({"llama_cpp": engine} if engine else {})}
+            **engines}

@@ -1,4 +1,5 @@
-"""llama.cpp's methods in `eaglet eval`: llama-server on the target's GGUF, beside eaglet's own.
+"""llama.cpp's methods in `eaglet eval`: llama-server on the target's GGUF, beside eaglet's own;
+and the first-draft check every outside engine's drafter method gets (llama.cpp's, vLLM's).
 
     llama.cpp         plain greedy: the baseline of llama.cpp's speculative methods
     llama.cpp-eagle3  the drafter exported to GGUF (`--spec-type draft-eagle3`)
@@ -110,8 +111,8 @@ def engine_servers(methods: Sequence[str], drafter_path: str | Path, target_name
 def first_draft_check(summary: dict[str, dict[str, Any]], weights: str | None = None, p_min: float = 0.0,
                       engine: str = "llama.cpp-eagle3", own: str = "chain") -> dict[str, Any] | None:
     """The engine's first-draft acceptance beside eaglet's own for the same drafter and prompts,
-    the ggml type of the engine's target weights and the drafts' probability floor, written into
-    the engine's row; None when either acceptance is missing."""
+    the ggml type of the engine's target weights (llama.cpp) and the drafts' probability floor,
+    written into the engine's row; None when either acceptance is missing."""
     try:
         theirs = summary[engine]["acceptance_rates"][0]
         ours = summary[own]["acceptance_rates"][0]
@@ -120,15 +121,15 @@ def first_draft_check(summary: dict[str, dict[str, Any]], weights: str | None = 
     if theirs is None or ours is None:
         return None
     check = {"eaglet_first_acceptance": ours, "first_acceptance_gap": round(theirs - ours, 4),
-             "engine_target_weights": weights, "min_draft_prob": p_min}
+             "engine_target_weights": weights, "min_draft_prob": p_min, "compared_with": own}
     summary[engine].update(check)
     return check
 
 
-def gap_verdict(check: dict[str, Any]) -> str:
+def gap_verdict(check: dict[str, Any], engine: str = "llama.cpp") -> str:
     """What a first-draft gap means: within the bound; beyond it on a quantized engine target,
-    where quantization alone moves it, or with a probability floor, which the two engines apply
-    to different probabilities; or beyond it on the same weights without a floor, a convention
+    where quantization alone moves it, or with a probability floor, which the engines apply
+    differently from eaglet; or beyond it on the same weights without a floor, a convention
     mismatch."""
     weights, p_min = check.get("engine_target_weights"), check.get("min_draft_prob") or 0.0
     if abs(check["first_acceptance_gap"]) <= FIRST_DRAFT_GAP:
@@ -137,20 +138,29 @@ def gap_verdict(check: dict[str, Any]) -> str:
         return (f"beyond {FIRST_DRAFT_GAP}, but the engine's target is {weights}, whose kernels move the states the "
                 f"drafter reads; --engine-f32 runs eaglet's own weights and tells that from a convention mismatch")
     if p_min > 0:
-        return (f"beyond {FIRST_DRAFT_GAP}, but with --min-draft-prob {p_min:g}: llama.cpp gates a draft on its top "
-                f"token's probability among the drafter's 10 best, renormalised, eaglet among all of them, so "
-                f"llama.cpp drafts tokens eaglet would not; --min-draft-prob 0 compares the conventions alone")
+        how = ("llama.cpp gates a draft on its top token's probability among the drafter's 10 best, renormalised, "
+               "eaglet among all of them, so llama.cpp drafts tokens eaglet would not" if engine == "llama.cpp" else
+               f"{engine} drafts every token, eaglet only those above the floor")
+        return f"beyond {FIRST_DRAFT_GAP}, but with --min-draft-prob {p_min:g}: {how}; --min-draft-prob 0 compares " \
+               "the conventions alone"
     return (f"MISMATCH: beyond {FIRST_DRAFT_GAP} on the same weights, the engine does not run the drafter as eaglet "
             f"does; check the export's conventions (aux layer ids, d2t, norms) before trusting either figure")
 
 
-def warn_on_gap(set_name: str, check: dict[str, Any] | None) -> None:
+def engine_name(method: str) -> str:
+    """The engine a method runs on: "llama.cpp-eagle3" -> "llama.cpp", "vllm-p-eagle" -> "vLLM"."""
+    return "vLLM" if method.startswith("vllm") else "llama.cpp"
+
+
+def warn_on_gap(set_name: str, check: dict[str, Any] | None, method: str = "llama.cpp-eagle3") -> None:
     if check is not None and abs(check["first_acceptance_gap"]) > FIRST_DRAFT_GAP:
-        log.warning("%s: llama.cpp's first-draft acceptance is %+.3f from eaglet's chain (%.3f): %s", set_name,
-                    check["first_acceptance_gap"], check["eaglet_first_acceptance"], gap_verdict(check))
+        log.warning("%s: %s's first-draft acceptance is %+.3f from eaglet's %s (%.3f): %s", set_name, method,
+                    check["first_acceptance_gap"], check.get("compared_with", "chain"),
+                    check["eaglet_first_acceptance"], gap_verdict(check, engine_name(method)))
 
 
 def first_draft_line(set_name: str, method: str, r: dict[str, Any]) -> str:
     """The table's line under a set for a method with a first-draft check."""
-    return (f"{set_name}: {method} first-draft acceptance {r['acceptance_rates'][0]:.3f} vs eaglet's chain "
-            f"{r['eaglet_first_acceptance']:.3f} (gap {r['first_acceptance_gap']:+.3f}, {gap_verdict(r)})")
+    return (f"{set_name}: {method} first-draft acceptance {r['acceptance_rates'][0]:.3f} vs eaglet's "
+            f"{r.get('compared_with', 'chain')} {r['eaglet_first_acceptance']:.3f} (gap {r['first_acceptance_gap']:+.3f}, "
+            f"{gap_verdict(r, engine_name(method))})")

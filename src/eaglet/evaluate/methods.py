@@ -7,7 +7,8 @@
     prompt-lookup  Hugging Face `generate(prompt_lookup_num_tokens=10)`, the no-training baseline
     hf-greedy      Hugging Face `generate` greedy: prompt lookup's own-engine baseline
 
-llama.cpp's methods answer through their llama-servers (`engines`).
+llama.cpp's methods answer through their llama-servers (`engines`), vLLM's through its engines
+(`vllm_methods`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramPro
                            measure_pass_costs, plain_generate, speculative_generate, truncate_at_eos)
 from eaglet.drafter import DraftModel, ParallelDraft, predicted_positions
 from eaglet.evaluate.settings import DecodeSettings
-from eaglet.options import (BASELINE, EAGLE3, ENGINE_METHODS, HF_METHODS, LLAMA_CPP_BASELINE, LLAMA_CPP_METHODS,
-                            LOOKUP_METHODS, METHODS, PARALLEL_METHODS)
+from eaglet.options import (BASELINE, EAGLE3, ENGINE_METHODS, HF_METHODS, LOOKUP_METHODS, METHODS, OUTSIDE_BASELINES,
+                            OWN_COUNTERPART, PARALLEL_METHODS)
 from eaglet.target import generation_config, input_device
 
 log = logging.getLogger(__name__)
@@ -188,23 +189,23 @@ def measured_pass_costs(variants: Variants) -> list[float]:
 
 
 def with_implied_methods(methods: Sequence[str]) -> list[str]:
-    """`methods` (once each) with what they are compared against: llama.cpp's speculative
-    methods need llama.cpp plain (their baseline), llama.cpp-eagle3 needs eaglet's chain (the
-    first-draft acceptance it is checked against)."""
+    """`methods` (once each) with what they are compared against: an outside engine's speculative
+    methods need that engine's plain decoding (their baseline), and its drafter methods eaglet's
+    own decoding of the same drafter (the first-draft acceptance they are checked against)."""
     methods = list(dict.fromkeys(methods))
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}")
-    if set(methods) & set(LLAMA_CPP_METHODS) - {LLAMA_CPP_BASELINE} and LLAMA_CPP_BASELINE not in methods:
-        methods.insert(0, LLAMA_CPP_BASELINE)
-    if "llama.cpp-eagle3" in methods and "chain" not in methods:
-        methods.insert(0, "chain")
+    for m in list(methods):
+        for needed in (OUTSIDE_BASELINES.get(m), OWN_COUNTERPART.get(m)):
+            if needed is not None and needed not in methods:
+                methods.insert(0, needed)
     return methods
 
 
 def reference_labels(variants: Variants) -> dict[str, str]:
-    """The label each variant is compared with (speedup, identical outputs): llama.cpp's
-    speculative methods with llama.cpp plain, everything else with eaglet's plain greedy."""
-    engine_plain = next((label for label, (m, _) in variants.items() if m == LLAMA_CPP_BASELINE), None)
-    return {label: engine_plain if m in LLAMA_CPP_METHODS and m != LLAMA_CPP_BASELINE and engine_plain else BASELINE
+    """The label each variant is compared with (speedup, identical outputs): an outside engine's
+    speculative methods with that engine's plain decoding, everything else with eaglet's plain greedy."""
+    plain = {m: label for label, (m, _) in variants.items()}
+    return {label: plain.get(OUTSIDE_BASELINES.get(m, BASELINE), BASELINE)
             for label, (m, _) in variants.items() if label != BASELINE}

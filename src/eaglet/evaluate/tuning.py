@@ -19,7 +19,7 @@ from typing import Sequence
 
 from eaglet.drafter import DraftModel, ParallelDraft, predicted_positions
 from eaglet.evaluate.settings import DecodeSettings
-from eaglet.options import BASELINE, HF_METHODS, LLAMA_CPP_METHODS, PARALLEL_METHODS
+from eaglet.options import BASELINE, HF_METHODS, OUTSIDE_METHODS, PARALLEL_METHODS
 
 AUTO = "auto"
 CPU_DTYPES = ("bf16", "fp32")
@@ -77,6 +77,6 @@ def pick(costs: dict[Config, Sequence[float]], q: int) -> Config:
 
 def choose(methods: dict[str, tuple[str, DecodeSettings]], costs: dict[Config, Sequence[float]],
            drafter: DraftModel | None) -> dict[str, Config]:
-    """label -> the configuration each variant runs at (llama.cpp's methods: their servers' own)."""
+    """label -> the configuration each variant runs at (outside engines' methods: their engines' own)."""
     return {label: pick(costs, verify_tokens(method, s, drafter)) for label, (method, s) in methods.items()
-            if method not in LLAMA_CPP_METHODS}
+            if method not in OUTSIDE_METHODS}

@@ -61,3 +61,4 @@ from eaglet.formats.drafters import (DFLASH_ARCHITECTURE, DRAFTER_CONFIG_FILE, D
                                      parse_eagle_config, parse_engine_config, parse_speculators_config,
                                      read_weight_files, to_format_names, weight_files, write_drafter_files,
                                      write_drafter_folder)
+from eaglet.formats.vllm_states import read_vllm_states

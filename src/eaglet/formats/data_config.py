@@ -50,6 +50,7 @@ class DataConfig:
     layer_id_convention: str | None = None
     last_hidden_state: str | None = None  # pre_norm or post_norm
     compute_dtype: str | None = None
+    engine: str | None = None  # what computed the states: "hf" (eaglet's own forwards) or "vllm <version>"
     hidden_states_dtype: str | None = None
     chat_template_sha256: str | None = None
     max_length: int | None = None
@@ -79,7 +80,7 @@ class DataConfig:
 # What each recorded field must be; a field of another kind is a problem named with its value.
 FIELD_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{name: _STR for name in ("format", "target", "target_path", "target_revision", "architecture", "model_type",
-                               "layer_id_convention", "last_hidden_state", "compute_dtype", "hidden_states_dtype",
+                               "layer_id_convention", "last_hidden_state", "compute_dtype", "engine", "hidden_states_dtype",
                                "chat_template_sha256", "prepared_data", "prepared_sha256", "eaglet_version",
                                "command")},
     **{name: _INT for name in ("num_hidden_layers", "hidden_size", "vocab_size", "max_length", "seq_length",

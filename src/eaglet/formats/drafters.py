@@ -189,7 +189,8 @@ def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any] | 
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers.to_sglang(cfg.aux_layer_ids),
                          "use_aux_hidden_state": True},
-        "norm_before_residual": cfg.norm_before_residual, "norm_output": cfg.norm_output,
+        # SGLang >= 0.5.23 reads norm_before_fc (its input_norm, eaglet's fc_norm)
+        "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.fc_norm, "norm_output": cfg.norm_output,
     }
     return {**config, "eaglet_export": provenance} if provenance is not None else config
 

@@ -5,9 +5,10 @@ on whatever model wrote the chat originally. Every assistant turn is regenerated
 turn: turn k is generated from the chat so far *with the regenerated answers* of turns < k,
 exactly what the target would have seen serving that conversation.
 
-Three backends (`Backend`, in `backend`), one module each: `local` (the target with Hugging Face
-`generate`), `openai` (any OpenAI-compatible endpoint: vLLM, SGLang) and `llama_server`
-(llama-server on the target's GGUF, run by eaglet). `conversations` holds the pure part (turns,
+Four backends (`Backend`, in `backend`), one module each: `local` (the target with Hugging Face
+`generate`), `openai` (any OpenAI-compatible endpoint: vLLM, SGLang), `llama_server`
+(llama-server on the target's GGUF, run by eaglet) and `vllm_backend` (vLLM's offline engine, run
+by eaglet). `conversations` holds the pure part (turns,
 conversations, the input's chats), `run` a run's bookkeeping that every backend reports into.
 
 Output: one JSONL line per finished conversation, `{"id", "messages", "regen"}` (OpenAI-style
@@ -40,10 +41,13 @@ from eaglet.regen.llama_server import LlamaCppBackend
 from eaglet.regen.local import LocalBackend
 from eaglet.regen.openai import OpenAIBackend
 from eaglet.regen.run import RegenSummary, Run
+from eaglet.regen.vllm_backend import VllmBackend
+from eaglet.vllm_engine import engine_options_from
 
 # options.REGEN_BACKENDS names them; this is what each name makes
 BACKENDS: dict[str, Callable[[Settings], Backend]] = {
-    "local": LocalBackend.open, "openai": OpenAIBackend.open, "llama.cpp": LlamaCppBackend.open}
+    "local": LocalBackend.open, "openai": OpenAIBackend.open, "llama.cpp": LlamaCppBackend.open,
+    "vllm": VllmBackend.open}
 assert tuple(BACKENDS) == REGEN_BACKENDS, "a backend declared in eaglet.options without an implementation here"
 
 
@@ -101,16 +105,23 @@ def regenerate(data: str = DECLARED, out: str | os.PathLike = DECLARED, target: 
                time_budget: float | None = DECLARED, device_map: str | None = DECLARED,
                max_memory: str | None = DECLARED, offload_folder: str | None = DECLARED,
                target_gguf: str | os.PathLike | None = DECLARED, threads: int | None = DECLARED,
-               engine_f32: bool = DECLARED, progress_bar: bool = True) -> RegenSummary:
+               engine_f32: bool = DECLARED, tensor_parallel_size: int = DECLARED,
+               pipeline_parallel_size: int = DECLARED, max_model_len: int | None = DECLARED,
+               gpu_memory_utilization: float | None = DECLARED, vllm_kv_cache_gib: float = DECLARED,
+               vllm_args: str | None = DECLARED, progress_bar: bool = True) -> RegenSummary:
     """Regenerate every assistant turn of the chats in `data` with the target; write `out` (JSONL).
     With `time_budget` (seconds) no new chat starts after that long. The local backend places the
     target with `device_map` (`eaglet.placement`) or on `device`; the llama.cpp backend runs
-    llama-server on `target_gguf` with `concurrency` slots and `threads` threads."""
+    llama-server on `target_gguf` with `concurrency` slots and `threads` threads; the vllm backend
+    vLLM's offline engine with the vLLM options, `batch_size` prompts a call."""
     out = Path(out)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
     settings = Settings(out, target, temperature, top_p, max_new_tokens, max_prompt_tokens, seed, concurrency,
                         batch_size, dtype, device, placed, base_url, model, api_key, max_retries, timeout, backoff,
-                        None if target_gguf is None else str(target_gguf), threads, engine_f32)
+                        None if target_gguf is None else str(target_gguf), threads, engine_f32,
+                        engine_options_from(tensor_parallel_size, pipeline_parallel_size, max_model_len,
+                                            gpu_memory_utilization, vllm_kv_cache_gib, vllm_args)
+                        if backend == "vllm" else None)
     check_options(backend, settings, skip, num_samples, max_turns, time_budget, device_map)
     with formats.output_lock(out, "regen"):  # one writer per output: two resumes would write each chat twice
         done = open_output(out, resume)

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from eaglet.placement import Placement
 from eaglet.regen.conversations import Conversation
 from eaglet.regen.run import Run
+from eaglet.vllm_engine import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Settings:
     target_gguf: str | None  # llama.cpp
     threads: int | None  # llama.cpp
     engine_f32: bool  # llama.cpp
+    vllm: EngineOptions | None = None  # vllm: the engine's options (parallelism, memory, any vllm.LLM keyword)
 
 
 class Backend(Protocol):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -52,7 +52,15 @@ class LocalGenerator:
         return turns
 
 
-def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: int, max_prompt_tokens: int | None,
+class Generator(Protocol):
+    """What `run_local` generates with: the local target (`LocalGenerator`) or vLLM's engine."""
+
+    def prompt_ids(self, messages: list[Message]) -> list[int]: ...
+
+    def generate(self, prompts: list[list[int]]) -> list[Turn]: ...
+
+
+def run_local(convs: Iterator[Conversation], gen: Generator, batch_size: int, max_prompt_tokens: int | None,
               emit: Callable[[Conversation], None], fail: Callable[[Conversation, str], None],
               progress: Callable[[int], None], tick: Callable[[], None],
               out_of_time: Callable[[], bool] = lambda: False) -> None:
@@ -95,7 +103,7 @@ def run_local(convs: Iterator[Conversation], gen: LocalGenerator, batch_size: in
                 return
 
 
-def next_prompts(pool: list[Conversation], gen: LocalGenerator, max_prompt_tokens: int | None,
+def next_prompts(pool: list[Conversation], gen: Generator, max_prompt_tokens: int | None,
                  emit: Callable[[Conversation], None], fail: Callable[[Conversation, str], None]
                  ) -> list[tuple[Conversation, list[int]]]:
     """Each pooled conversation's next prompt, rendered; a conversation whose prompt cannot be
@@ -117,7 +125,7 @@ def next_prompts(pool: list[Conversation], gen: LocalGenerator, max_prompt_token
     return pending
 
 
-def generate_or_split(gen: LocalGenerator, prompts: list[list[int]]) -> list[Turn | str]:
+def generate_or_split(gen: Generator, prompts: list[list[int]]) -> list[Turn | str]:
     """Generate a batch; when it runs out of memory, halve it, down to single prompts (whose
     failure becomes that conversation's error) instead of stopping the whole run."""
     try:
