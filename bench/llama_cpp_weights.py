@@ -37,22 +37,6 @@ def decode_all(server: llama_cpp.LlamaServer, prompts: list[list[int]], n: int) 
     return tokens, seconds
 
 
-def pass_costs(server: llama_cpp.LlamaServer, base: list[int], extra: list[int], sizes: tuple[int, ...],
-               repeats: int = 3) -> list[float]:
-    """Milliseconds the target takes to process k new tokens after a cached prompt (what verifying
-    k - 1 drafts costs), for each k in `sizes`: the best of `repeats`."""
-    server.complete(base, 1, cache_prompt=True)
-    costs = []
-    for k in sizes:
-        best = float("inf")
-        for r in range(repeats):
-            c = server.complete(base + extra[r:r + k], 1, cache_prompt=True)
-            if int(c.timings.get("prompt_n", -1)) == k:  # only the k new tokens were processed
-                best = min(best, float(c.timings["prompt_ms"]))
-        costs.append(round(best, 1))
-    return costs
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("drafter", help="eaglet run folder or checkpoint")
@@ -89,7 +73,7 @@ def main() -> None:
             plain = decode_all(servers["plain"], prompts, args.max_new_tokens)
             eagle3 = decode_all(servers["eagle3"], prompts, args.max_new_tokens)
             counts = servers["eagle3"].spec_counts().minus(before)
-            costs = pass_costs(servers["plain"], prompts[0], prompts[1], PASS_SIZES)
+            costs = servers["plain"].pass_costs(prompts[0], prompts[1], PASS_SIZES)
         reached = counts.reached_per_position
         acceptance = [round(a / r, 2) if r else 0.0 for a, r in zip(reached[1:], reached)]
         plain_tps, eagle3_tps = plain[0] / plain[1], eagle3[0] / eagle3[1]

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from eaglet.chat import stop_token_ids
-from eaglet.decode import Eagle3Proposer, ParallelProposer, measure_pass_costs
-from eaglet.drafter import ParallelDraft, predicted_positions
+from eaglet.decode import measure_drafter_pass, measure_pass_costs
 from eaglet.drafter.files import load_drafter_for_target
 from eaglet.evaluate import DecodeSettings, evaluate_set, format_table, load_prompt_set, summarize, torch_threads
 from eaglet.evaluate import Lane, tuning, warm_up
@@ -54,22 +51,8 @@ def heldout_at_best(run: Path) -> dict:
 
 def drafter_pass_ms(drafter: torch.nn.Module, chain_depth: int, threads: int | None) -> float:
     """Median ms of one proposal (a parallel block; EAGLE-3's chain of chain_depth) after one new position."""
-    cfg = drafter.config
-    aux = torch.randn(CONTEXT, 3 * cfg.target_hidden_size, dtype=drafter.fc.weight.dtype)
-    seq = torch.randint(0, cfg.target_vocab_size, (CONTEXT + 2,)).tolist()
-    proposer = ParallelProposer(drafter) if isinstance(drafter, ParallelDraft) else Eagle3Proposer(drafter)
-    depth = predicted_positions(cfg) if isinstance(drafter, ParallelDraft) else chain_depth
-    times = []
-    with torch_threads(threads), torch.inference_mode():
-        for _ in range(12):
-            proposer.reset()
-            proposer.observe(seq[:CONTEXT], aux[: CONTEXT - 1])
-            proposer.propose(depth, 1, depth)
-            t0 = time.perf_counter()
-            proposer.observe(seq[: CONTEXT + 1], aux[CONTEXT - 1: CONTEXT])
-            proposer.propose(depth, 1, depth)
-            times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[2:])
+    with torch_threads(threads):
+        return 1000 * measure_drafter_pass(drafter, CONTEXT, chain_depth)
 
 
 def plot(heldout: dict, measured: dict, path: Path) -> None:

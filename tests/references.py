@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eaglet.decode import plain_generate
+from eaglet.decode import TargetRunner, token_budget
 from eaglet.formats.gguf_drafter import (D2T, EMBEDDINGS, GGUF_ARCH, GGUF_NAMES, ROPE_ROWS, TOKENIZER_PREFIX,
                                          from_ggml_rope_rows, key)
 from eaglet.formats.io import atomic_path, torch_save_atomic
@@ -26,7 +26,18 @@ from eaglet.formats.layouts import V1Sample, flat_v1_relative_path, specforge_re
 
 def plain_greedy(target: nn.Module, input_ids: Sequence[int], max_new_tokens: int,
                  eos_ids: Sequence[int] = ()) -> list[int]:
-    return plain_generate(target, input_ids, max_new_tokens, eos_ids)[0]
+    """Greedy decoding through Hugging Face's own forward (`TargetRunner`), token by token: the
+    reference eaglet's decoding (its fast target included) must equal."""
+    runner, out, feed = TargetRunner(target), [], list(input_ids)
+    budget = token_budget(len(feed), max_new_tokens, runner.max_positions)
+    with torch.inference_mode():
+        while len(out) < budget:
+            token = int(runner.forward(feed, last_only=True)[0][-1].argmax())
+            out.append(token)
+            if token in eos_ids:
+                break
+            feed = [token]
+    return out
 
 
 def write_flat_v1_sample(folder: str | os.PathLike, index: int, sample: V1Sample) -> Path:

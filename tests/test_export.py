@@ -249,8 +249,9 @@ def vllm_load(folder: Path) -> tuple[dict, dict]:
 
 
 def sglang_load(folder: Path) -> tuple[list[int], torch.Tensor, dict]:
-    """SGLang: LlamaForCausalLMEagle3.load_weights (llama_eagle3.py) and the target's capture
-    layers from eagle_config (llama.py set_eagle3_layers_to_capture adds 1)."""
+    """A replay of SGLang 0.5.23 (a GPU engine: none runs here): LlamaForCausalLMEagle3.load_weights
+    (llama_eagle3.py; for drafters without norm_before_fc, whose input_norm that version also reads)
+    and the target's capture layers from eagle_config (llama.py set_eagle3_layers_to_capture adds 1)."""
     c = config(folder)
     assert not c.get("tie_word_embeddings") and c["eagle_config"]["use_aux_hidden_state"]
     params, loaded, hot = engine_params(c, "midlayer"), {}, None

@@ -225,3 +225,37 @@ def test_every_declared_default_of_a_real_entry_function_is_looked_up(monkeypatc
     with_default(monkeypatch, "prepare", "data", str(tmp_path / "no-such-chats.jsonl"))
     with pytest.raises(Exception, match="no-such-chats.jsonl"):
         prepare(out=tmp_path / "out")
+
+
+CITED_TEST = re.compile(r"\b(test_\w+)(?:::(test_\w+)(\[[^\]]*\])?)?")
+
+
+def cited_tests(text: str) -> list[tuple[str, str | None]]:
+    """(test file, test name or None) of every `test_file::test_name` a page cites; a bare
+    `test_name` after a cited file (`(test_x::test_a, test_b)`) belongs to that file."""
+    cited, current = [], None
+    for group in re.findall(r"\(([^()]*\btest_\w+[^()]*)\)", text):
+        current = None
+        for file_or_name, name, _ in CITED_TEST.findall(group):
+            if name:
+                current = file_or_name
+                cited.append((current, name))
+            elif current is not None and not (ROOT / "tests" / f"{file_or_name}.py").exists():
+                cited.append((current, file_or_name))
+            else:
+                current = file_or_name
+                cited.append((current, None))
+    return cited
+
+
+def test_the_readmes_peer_table_cites_tests_that_exist():
+    """Each claim of the README's peer table names the test behind it; a renamed or removed test
+    (or a claim made up) fails here."""
+    table = (ROOT / "README.md").read_text().split("## Which peer reads and writes what")[1].split("\n## ")[0]
+    cited = cited_tests(table)
+    assert len(cited) > 20
+    for file, name in cited:
+        path = ROOT / "tests" / f"{file}.py"
+        assert path.is_file(), f"README cites {file}, which is no test file"
+        if name is not None:
+            assert re.search(rf"^def {name}\(", path.read_text(), re.M), f"README cites {file}::{name}, which is no test"

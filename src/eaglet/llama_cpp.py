@@ -174,6 +174,22 @@ class LlamaServer:
                     out[name] = float(value)
         return out
 
+    def pass_costs(self, base: Sequence[int], extra: Sequence[int], sizes: Sequence[int],
+                   repeats: int = 3) -> list[float]:
+        """Milliseconds the target takes to process k new tokens after a cached prompt `base` (what
+        verifying k - 1 drafts costs), for each k in `sizes`, by the engine's clock: the best of
+        `repeats` (each with other new tokens, taken from `extra`)."""
+        self.complete(base, 1, cache_prompt=True)
+        costs = []
+        for k in sizes:
+            best = float("inf")
+            for r in range(repeats):
+                c = self.complete(list(base) + list(extra[r:r + k]), 1, cache_prompt=True)
+                if int(c.timings.get("prompt_n", -1)) == k:  # only the k new tokens were processed
+                    best = min(best, float(c.timings["prompt_ms"]))
+            costs.append(round(best, 2))
+        return costs
+
     def spec_counts(self) -> SpecCounts:
         return SpecCounts.of(self.metrics())
 

@@ -11,8 +11,11 @@ The package, from the bottom up (a module imports only those listed before it):
                dynamic tree, optional floor on draft probabilities) and prompt lookup
                (`NgramProposer`)
     parallel   `ParallelProposer`: a P-EAGLE or DFlash drafter's block from one pass
-    runner     `TargetRunner` (the HF target with its cache and aux-layer hooks) and the entry
-               points `plain_generate` (the reference) and `speculative_generate`
+    fast       `FastTarget`: a Llama-family target's forward as packed matrix products over a
+               preallocated KV cache (the target near the machine, on a CPU)
+    runner     `target_runner` (the fast target where it applies, else `TargetRunner`: the HF
+               target with its cache and aux-layer hooks) and the entry points `plain_generate`
+               (the reference) and `speculative_generate`
     hybrid     experimental: `HybridProposer` (the drafter's and the lookup's proposals in one
                tree), admission by measured pass costs, and the calibrations it learns
 
@@ -23,10 +26,11 @@ from eaglet.decode.core import (BOTH, DRAFTER, NGRAM, DecodeStats, DraftTree, ac
                                 ancestor_matrix, process_probs, token_budget, tree_attention_mask,
                                 truncate_at_eos)
 from eaglet.decode.hybrid import (Calibration, HybridProposer, admit_by_cost, drop_rivals, expected_acceptance,
-                                  keep_nodes, measure_pass_costs, merge_chain, path_nodes)
+                                  keep_nodes, measure_drafter_pass, measure_pass_costs, merge_chain, path_nodes)
 from eaglet.decode.parallel import ParallelProposer
 from eaglet.decode.proposers import Eagle3Proposer, NgramProposer, Proposer
-from eaglet.decode.runner import TargetRunner, plain_generate, speculative_generate
+from eaglet.decode.fast import FAST_TARGET_ENV, FastTarget, fast_target_refused
+from eaglet.decode.runner import TargetRunner, plain_generate, speculative_generate, target_runner
 
 __all__ = [
     # core
@@ -36,9 +40,11 @@ __all__ = [
     "Eagle3Proposer", "NgramProposer", "Proposer",
     # parallel
     "ParallelProposer",
+    # fast
+    "FAST_TARGET_ENV", "FastTarget", "fast_target_refused",
     # runner
-    "TargetRunner", "plain_generate", "speculative_generate",
+    "TargetRunner", "plain_generate", "speculative_generate", "target_runner",
     # hybrid
     "Calibration", "HybridProposer", "admit_by_cost", "drop_rivals", "expected_acceptance", "keep_nodes",
-    "measure_pass_costs", "merge_chain", "path_nodes",
+    "measure_drafter_pass", "measure_pass_costs", "merge_chain", "path_nodes",
 ]

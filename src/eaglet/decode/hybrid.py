@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from eaglet.decode.core import BOTH, DRAFTER, NGRAM, DraftTree, children_lists, node_depths
-from eaglet.decode.proposers import NgramProposer, Proposer
-from eaglet.decode.runner import TargetRunner
+from eaglet.decode.parallel import ParallelProposer
+from eaglet.decode.proposers import Eagle3Proposer, NgramProposer, Proposer
+from eaglet.decode.runner import target_runner
+from eaglet.drafter import ParallelDraft, predicted_positions
 from eaglet.target import max_positions
 
 
@@ -169,12 +171,12 @@ def admit_by_cost(parents: list[int], expected: list[float], pass_costs: Sequenc
 def measure_pass_costs(model: nn.Module, context: int = 256, max_q: int = 8, repeats: int = 5,
                        seed: int = 0) -> list[float]:
     """Median seconds of a target pass over q = 1..max_q new tokens after `context` cached tokens,
-    as the decoder runs it (`TargetRunner`). Each round times every q once, so drift of the
+    as the decoder runs it (`target_runner`: the fast target where it applies). Each round times every q once, so drift of the
     machine spreads over all of them."""
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     context = min(context, max_positions(model) - max_q)
-    runner = TargetRunner(model)
+    runner = target_runner(model)
     try:
         runner.forward(torch.randint(0, vocab, (context,), generator=g).tolist())
         times: list[list[float]] = [[] for _ in range(max_q)]
@@ -191,6 +193,32 @@ def measure_pass_costs(model: nn.Module, context: int = 256, max_q: int = 8, rep
     medians = [sorted(t)[len(t) // 2] for t in times]
     # a pass over more tokens never costs less: noise must not make verifying more look free
     return [max(medians[: q + 1]) for q in range(max_q)]
+
+
+@torch.inference_mode()
+def measure_drafter_pass(drafter: nn.Module, context: int = 256, depth: int = 1, repeats: int = 9,
+                         seed: int = 0) -> float:
+    """Median seconds of one drafting cycle after `context` committed positions: the drafter fed
+    one new position, then its proposal (an EAGLE-3 chain of `depth`, a parallel drafter's block),
+    as decoding runs it each cycle."""
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(drafter.parameters()).dtype
+    aux = torch.randn(context + 1, 3 * cfg.target_hidden_size, generator=g).to(dtype)
+    seq = torch.randint(0, cfg.target_vocab_size, (context + 2,), generator=g).tolist()
+    proposer = ParallelProposer(drafter) if isinstance(drafter, ParallelDraft) else Eagle3Proposer(drafter)
+    if isinstance(drafter, ParallelDraft):
+        depth = predicted_positions(cfg)
+    times = []
+    for r in range(repeats + 1):  # round 0 warms up
+        proposer.reset()
+        proposer.observe(seq[:context + 1], aux[:context])
+        t0 = time.perf_counter()
+        proposer.observe(seq[:context + 2], aux[context:context + 1])
+        proposer.propose(depth, 1, depth)
+        if r > 0:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ drafter's cache needs compaction.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import Counter
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,6 +24,7 @@ from torch import nn
 
 from eaglet.decode.core import DraftTree
 from eaglet.drafter import allowed_keys, apply_rope, rope_cos_sin
+from eaglet.packed import PackedLinear
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,6 +55,44 @@ class Proposer(Protocol):
 # The EAGLE-3 proposer
 # ---------------------------------------------------------------------------------------------
 
+@dataclass
+class DrafterProducts:
+    """An EAGLE-3 drafter's matrix products, packed for decoding (`eaglet.packed`): q/k/v fused,
+    gate/up fused, the LM head and fc. Made from the drafter's weights as they are now."""
+
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    lm_head: PackedLinear
+    fc: PackedLinear
+    versions: tuple[int, ...]  # the weights' version counters when packed: training changes them in place
+
+
+def weight_versions(drafter: nn.Module) -> tuple[int, ...]:
+    return tuple(p._version for p in drafter.parameters())
+
+
+_PACKED: weakref.WeakKeyDictionary[nn.Module, DrafterProducts] = weakref.WeakKeyDictionary()
+
+
+def drafter_products(drafter: nn.Module) -> DrafterProducts:
+    """The drafter's packed products, made once per drafter and again after its weights changed
+    (held-out evaluation during training decodes with a drafter whose weights move between calls)."""
+    versions = weight_versions(drafter)
+    packed = _PACKED.get(drafter)
+    if packed is None or packed.versions != versions:
+        a, m = drafter.midlayer.self_attn, drafter.midlayer.mlp
+        with torch.no_grad():
+            packed = DrafterProducts(PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                                     PackedLinear(a.o_proj.weight),
+                                     PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                                     PackedLinear(m.down_proj.weight), PackedLinear(drafter.lm_head.weight),
+                                     PackedLinear(drafter.fc.weight), versions)
+        _PACKED[drafter] = packed
+    return packed
+
+
 class Eagle3Proposer:
     """Drafts EAGLE-2 dynamic trees with an `Eagle3Draft`, keeping its own KV cache.
 
@@ -76,6 +117,7 @@ class Eagle3Proposer:
         self.aux_layer_ids = list(cfg.aux_layer_ids)
         # draft id i is target id i + d2t[i]: the layer embeds target ids, the head scores draft ids
         self.draft_to_target = drafter.draft_to_target_ids()
+        self.products = drafter_products(drafter)
         self.reset()
 
     def reset(self) -> None:
@@ -110,16 +152,18 @@ class Eagle3Proposer:
         [q]. Their keys/values go to buffer slots [slot, slot + q); they attend to slots
         [0, slot + q) as `allowed` [q, slot + q] says. Returns the outputs [q, H]."""
         d = self.drafter
-        ml, attn, cfg = d.midlayer, d.midlayer.self_attn, self.cfg
+        ml, cfg = d.midlayer, self.cfg
         q_len = hidden.shape[0]
         self.reserve(slot + q_len, live=slot)
         hidden = hidden.to(d.fc.weight.dtype)
         embeds = d.embed_tokens(token_ids).to(hidden.dtype)
         normed = ml.hidden_norm(hidden)
-        x = torch.cat([ml.input_layernorm(embeds), normed], dim=-1)[None]
-        q = attn.q_proj(x).view(1, q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        x = torch.cat([ml.input_layernorm(embeds), normed], dim=-1)
+        q, k, v = self.products.qkv(x).split([cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                                              cfg.num_kv_heads * cfg.head_dim], dim=-1)
+        q = q.view(1, q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = k.view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         q = apply_rope(q, cos, sin)
         self.k_buf[:, :, slot: slot + q_len] = apply_rope(k, cos, sin)
@@ -127,14 +171,21 @@ class Eagle3Proposer:
         o = F.scaled_dot_product_attention(q, self.k_buf[:, :, : slot + q_len], self.v_buf[:, :, : slot + q_len],
                                            attn_mask=allowed[None, None],
                                            enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-        h = ml.residual(hidden, normed) + attn.o_proj(o.transpose(1, 2).reshape(1, q_len, -1))[0]
-        h = h + ml.mlp(ml.post_attention_layernorm(h))
+        h = ml.residual(hidden, normed) + self.products.o(o.transpose(1, 2).reshape(q_len, -1))
+        gate, up = self.products.gate_up(ml.post_attention_layernorm(h)).chunk(2, dim=-1)
+        h = h + self.products.down(F.silu(gate) * up)
         self.draft_forwards += 1
         return h
 
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """g = fc(concat aux) of new context positions [m, 3H] (`Eagle3Draft.fuse`, packed)."""
+        if self.cfg.fc_norm:
+            aux = self.drafter.fc_norm(aux)
+        return self.products.fc(aux.to(self.drafter.fc.weight.dtype))
+
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocab log-probabilities of the next token from a layer output [q, H]."""
-        return torch.log_softmax(self.drafter.lm_head(self.drafter.norm(out)).float(), dim=-1)
+        return torch.log_softmax(self.products.lm_head(self.drafter.norm(out)).float(), dim=-1)
 
     def fed_back(self, out: torch.Tensor) -> torch.Tensor:
         """The hidden a node passes to its children (what TTT step k+1 got from step k)."""
@@ -152,7 +203,7 @@ class Eagle3Proposer:
         if m == 0:
             return
         device = self.drafter.fc.weight.device
-        g = self.drafter.fuse(aux.to(device)[None])[0]
+        g = self.fuse(aux.to(device))
         next_tokens = torch.tensor(seq[start + 1: start + m + 1], device=device)
         positions = torch.arange(start, start + m, device=device)
         allowed = allowed_keys(positions, torch.arange(start + m, device=device), self.cfg.sliding_window)

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from eaglet.decode.core import (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, DecodeStats, TokenIds, as_id_list,
                                 decode_loop, keep_cache_entries, process_probs, sample_from,
                                 token_budget, tree_limits)
+from eaglet.decode.fast import FastTarget, fast_target_refused
 from eaglet.decode.parallel import ParallelProposer
 from eaglet.decode.proposers import Eagle3Proposer, Proposer
 from eaglet.drafter import ParallelDraft
@@ -24,6 +25,14 @@ from eaglet.target import LayerCapture, decoder_layers, input_device, max_positi
 # ---------------------------------------------------------------------------------------------
 # The target
 # ---------------------------------------------------------------------------------------------
+
+def target_runner(model: nn.Module, aux_layer_ids: list[int] | None = None) -> TargetRunner | FastTarget:
+    """The runner a generation uses: `FastTarget` where it runs this model (a Llama-family target
+    on one device, unless EAGLET_FAST_TARGET=0), else Hugging Face's forward (`TargetRunner`)."""
+    if fast_target_refused(model) is None:
+        return FastTarget(model, aux_layer_ids)
+    return TargetRunner(model, aux_layer_ids)
+
 
 class TargetRunner:
     """The HF target with its DynamicCache and (optionally) hooks on the aux layers."""
@@ -80,7 +89,7 @@ def plain_generate(target: nn.Module, input_ids: TokenIds, max_new_tokens: int, 
     """Token by token with the KV cache: greedy at temperature 0, else sampling from
     `process_probs`. Returns the new tokens (ending at the first EOS, if any) and stats."""
     prompt = as_id_list(input_ids)
-    runner = TargetRunner(target)
+    runner = target_runner(target)
     budget = token_budget(len(prompt), max_new_tokens, runner.max_positions)
     eos = set(eos_ids)
     out: list[int] = []
@@ -124,7 +133,7 @@ def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input
     if hasattr(proposer, "reset"):
         proposer.reset()
     prompt = as_id_list(input_ids)
-    runner = TargetRunner(target, proposer.aux_layer_ids)
+    runner = target_runner(target, proposer.aux_layer_ids)
     try:
         return decode_loop(runner, proposer, prompt, max_new_tokens, eos_ids, limits, temperature, top_p, generator)
     finally:

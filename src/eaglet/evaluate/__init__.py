@@ -35,7 +35,7 @@ from eaglet.evaluate.report import EvalResult, MethodTotals, format_table, summa
 from eaglet.evaluate.settings import DecodeSettings
 from eaglet.evaluate.tuning import AUTO, Config
 from eaglet.evaluate import tuning
-from eaglet.decode import measure_pass_costs
+from eaglet.decode import measure_drafter_pass, measure_pass_costs, target_runner
 from eaglet.options import (BASELINE, DECLARED, DRAFTER_METHODS, LLAMA_CPP_METHODS, LOOKUP_METHODS, OUTSIDE_METHODS,
                             OWN_COUNTERPART, takes_options)
 from eaglet.placement import Placement, placement_from_options
@@ -91,6 +91,7 @@ def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_set
         with outside_engines(methods, drafter_path, models, target_gguf, out, settings, engine_f32, vllm_options,
                              first_prompt_ids(models.tokenizer, sets)) as (runners, engines):
             variants, lanes, tuned = tuned_lanes(variants_for(methods, settings), configs, loaded)
+            tuned["costs"] = pass_costs_record(lanes[BASELINE], variants)
             warm_up(variants, models.target, models.drafter, models.tokenizer, first_prompt(sets), servers=runners,
                     lanes=lanes)
             results, records = measure(sets, variants, models, runners, engines, progress, lanes)
@@ -222,6 +223,19 @@ def tuned_lanes(variants: Variants, configs: list[Config],
     lanes = {label: Lane(loaded[c.dtype].target, loaded[c.dtype].drafter, c.threads, c) for label, c in chosen.items()}
     return variants, lanes, {"configs": {label: c.label for label, c in chosen.items()},
                              "pass_costs_by_config_s": {c.label: costs[c] for c in configs}}
+
+
+def pass_costs_record(lane: Lane, variants: Variants) -> dict[str, Any]:
+    """What a pass costs on plain greedy's lane (its dtype and threads), for eval.json and the line
+    under the table: the target over 1..q new tokens (q: the largest any variant verifies, at
+    least 4) as the decoder runs it, and the drafter's cycle after one new position."""
+    with torch_threads(lane.threads):
+        largest = max(4, *(tuning.verify_tokens(method, s, lane.drafter) for method, s in variants.values()))
+        record: dict[str, Any] = {"config": lane.config.label, "runner": type(target_runner(lane.target)).__name__,
+                                  "target_pass_s": measure_pass_costs(lane.target, max_q=min(largest, 16))}
+        if lane.drafter is not None:
+            record["drafter_pass_s"] = measure_drafter_pass(lane.drafter)
+    return record
 
 
 @contextlib.contextmanager

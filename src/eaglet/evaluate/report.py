@@ -135,7 +135,7 @@ class EvalResult:
     plot_path: Path | None = None
 
     def table(self) -> str:
-        return format_table(self.sets)
+        return format_table(self.sets) + costs_line(self.config.get("costs"))
 
     def save(self, out: Path, plot: bool, title: str) -> None:
         out.mkdir(parents=True, exist_ok=True)
@@ -176,6 +176,19 @@ def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
                          f"{fmt(r.get('mean_first_divergence'), '.1f'):>8}  {acc}")
         lines += [first_draft_line(name, m, r) for m, r in methods.items() if "first_acceptance_gap" in r]
     return "\n".join(lines)
+
+
+def costs_line(costs: dict[str, Any] | None) -> str:
+    """The line under the table: what a target pass and a drafter pass cost on plain's lane."""
+    if not costs:
+        return ""
+    target = costs["target_pass_s"]
+    line = (f"\npass costs ({costs['config']}, {costs['runner']}): target over 1..{len(target)} new tokens "
+            + " ".join(f"{1000 * c:.1f}" for c in target) + f" ms (4 tokens: {target[3] / target[0]:.2f}x one)")
+    if "drafter_pass_s" in costs:
+        line += (f"; drafter cycle {1000 * costs['drafter_pass_s']:.1f} ms "
+                 f"({costs['drafter_pass_s'] / target[0]:.2f}x a one-token target pass)")
+    return line
 
 
 def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) -> None:
