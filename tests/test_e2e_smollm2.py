@@ -76,12 +76,9 @@ def test_demo_command(smollm2_dir, tmp_path, capsys):
     assert len(formats.list_v1_files(tmp_path / "demo" / "data")) == 3  # regen.num_samples=3
     for stage in ("regen", "prepare", "extract", "check", "train", "eval"):
         assert f"\n{stage} " in text, stage  # one summary row per stage
-    for family, method in (("eagle3", "chain"), ("p-eagle", "p-eagle"), ("dflash", "dflash")):
-        assert f"{family}: mtbench {method}: tau" in text, family  # each family measured by its own proposal
-        assert (tmp_path / "demo" / "eval" / family / "eval.png").exists(), family
-    kept = json.loads((tmp_path / "demo" / "stages" / "eval.json").read_text())["result"]["kept"]
-    assert kept["family"] in ("eagle3", "p-eagle", "dflash") and f"kept {kept['family']}" in text
-    assert kept["why"].startswith("fastest against plain greedy here: ")
+    assert "mtbench chain: tau" in text and "mtbench hybrid: tau" in text  # the one drafter, measured
+    assert (tmp_path / "demo" / "eval" / "eval.png").exists()
+    assert "why: one family, EAGLE-3, for the whole training budget" in text  # the summary says why
     assert main(["demo", "--out", str(tmp_path / "demo"), *tiny]) == 0
     assert capsys.readouterr().out.count("reusing it") == 6
 

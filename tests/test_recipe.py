@@ -70,7 +70,7 @@ def test_unknown_recipe_and_scale_keys_are_refused(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[recipe]\ntargt = "org/model"\n\n[prepare]\n')
     with pytest.raises(ValueError, match=r"bad\.toml \[recipe\]\.targt: unknown key \(did you mean 'target'\?\); "
-                                         r"\[recipe\] takes description, drafters, name, out, target$"):
+                                         r"\[recipe\] takes description, drafters, name, out, target, why$"):
         run_recipe(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     recipe = load_recipe("demo")

@@ -21,12 +21,14 @@ from eaglet.extract import extract
 from eaglet.vllm_engine import EngineOptions, VllmError, VllmMissing, engine_options_from, vllm_engine as engine_ctx
 
 # A stand-in for the worker: speaks its protocol (one JSON request a line on stdin, replies on
-# --reply-fd), answers `generate` with the prompt reversed, and fails as its MODE says.
+# --reply-fd), answers `generate` with the prompt reversed and `extract` with random states of
+# the model's width (a file per prompt, as vLLM's connector writes them), and fails as its MODE says.
 STAND_IN = '''\
 import json, os, sys
 args = sys.argv
 reply = os.fdopen(int(args[args.index("--reply-fd") + 1]), "w", buffering=1)
 mode = os.environ.get("STAND_IN_MODE", "ok")
+served = 0
 for line in sys.stdin:
     req = json.loads(line)
     if req["op"] == "quit":
@@ -36,7 +38,22 @@ for line in sys.stdin:
         if mode == "die-at-start":
             print("RuntimeError: no memory for the KV cache", file=sys.stderr, flush=True)
             sys.exit(3)
+        start = req
         reply.write(json.dumps({"ok": True, "vllm_version": "0.0.stand-in", "start_seconds": 0.1}) + "\\n")
+    elif req["op"] == "extract":
+        import torch
+        from safetensors.torch import save_file
+        served += 1
+        if mode == "die-in-second-extract" and served == 2:
+            os._exit(9)
+        hidden = json.load(open(os.path.join(start["engine"]["model"], "config.json")))["hidden_size"]
+        paths = []
+        for n, ids in enumerate(req["prompts"]):
+            path = os.path.join(start["extract"]["folder"], f"{served}-{n}.safetensors")
+            save_file({"hidden_states": torch.randn(len(ids), len(start["extract"]["layer_ids"]), hidden),
+                       "token_ids": torch.tensor(ids)}, path)
+            paths.append(path)
+        reply.write(json.dumps({"ok": True, "paths": paths, "seconds": 0.01}) + "\\n")
     elif req["op"] == "generate":
         if mode == "refuse":
             reply.write(json.dumps({"ok": False, "type": "ValueError", "error": "prompt too long"}) + "\\n")
@@ -177,3 +194,36 @@ def test_the_worker_imports_nothing_of_eaglets():
         assert "eaglet." not in "".join(line for line in path.read_text().splitlines(True)
                                         if line.startswith(("import", "from"))), path
     assert (folder / f"{vllm_engine.WORKER_MODULE}.py").is_file() and os.access(folder, os.R_OK)
+
+
+def test_an_engine_that_dies_mid_extraction_leaves_complete_files_and_a_rerun_finishes(stand_in, tiny_target,
+                                                                                     chats_jsonl, tmp_path,
+                                                                                     monkeypatch):
+    """The engine killed after its first batch: the error names it, every file written is whole,
+    the engine's scratch folder is gone, and the rerun writes the rest."""
+    from eaglet.prepare import prepare
+
+    monkeypatch.setattr("eaglet.extract.engine_record", lambda: "vllm 0.0.stand-in")
+    prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prepared")
+    out = tmp_path / "data"
+    monkeypatch.setenv("STAND_IN_MODE", "die-in-second-extract")
+    with pytest.raises(VllmError, match="vLLM extract: the engine exited with code 9"):
+        extract(tmp_path / "prepared", out, engine="vllm", batch_tokens=64, max_batch_size=4, show_progress=False)
+    first = formats.list_dataset_files(out).files
+    assert 0 < len(first) < 12
+    assert not [p for p in out.iterdir() if p.name.startswith(".vllm")]
+    monkeypatch.setenv("STAND_IN_MODE", "ok")
+    again = extract(tmp_path / "prepared", out, engine="vllm", batch_tokens=64, max_batch_size=4, show_progress=False)
+    assert again.already_done == len(first) and again.written == 12 - len(first)
+    assert formats.read_data_config(out).engine == "vllm 0.0.stand-in"
+
+
+def test_an_engine_missing_from_the_set_up_is_named_before_anything_is_written(tiny_target, chats_jsonl, tmp_path,
+                                                                                 monkeypatch):
+    from eaglet.prepare import prepare
+
+    prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prepared")
+    monkeypatch.setenv(vllm_engine.PYTHON_ENV, str(tmp_path / "no-python"))
+    with pytest.raises(VllmMissing, match="EAGLET_VLLM_PYTHON=.*no-python: not an executable file"):
+        extract(tmp_path / "prepared", tmp_path / "data", engine="vllm", show_progress=False)
+    assert not (tmp_path / "data").exists()

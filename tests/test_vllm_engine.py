@@ -220,3 +220,14 @@ def test_a_family_this_vllm_does_not_serve_is_refused_at_once(memorised, monkeyp
     with pytest.raises(ValueError, match="method vllm-dflash serves a dflash drafter; this drafter is eagle3"):
         evaluate(memorised["eagle3"], prompt_sets=[str(memorised["prompts"])], methods=["vllm-dflash"],
                  num_prompts=1, dtype="fp32", plot=False, progress=False)
+
+
+def test_an_engine_that_cannot_start_is_named_and_a_rerun_resumes(vllm_version, prepared, tmp_path):
+    """A keyword vLLM does not take: the error is vLLM's own, with the engine's log; no sample file
+    is written, and the corrected rerun fills the folder."""
+    out = tmp_path / "data"
+    with pytest.raises(vllm_engine.VllmError, match=r"vLLM refused start: .*no_such_keyword"):
+        extract(prepared, out, dtype="fp32", engine="vllm", vllm_args='{"no_such_keyword": 1}', show_progress=False)
+    assert formats.list_dataset_files(out).files == []
+    done = extract(prepared, out, dtype="fp32", engine="vllm", show_progress=False)
+    assert done.written == 3

@@ -40,6 +40,10 @@ ROLE_ALIASES = {
 }
 
 Message = dict[str, str]
+BOM = "\ufeff"
+BOM_BYTES = BOM.encode("utf-8")
+# OpenAI-style content parts whose text is the message's text; other parts (images, audio) are not
+TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 class TemplateSpanError(ValueError):
@@ -87,6 +91,8 @@ class ReadStats:
 def iter_json_array(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
     """Stream `(where, item)` of a JSON array; a file cut off mid-record yields every complete one."""
     with open(path, "rb") as f:
+        if f.read(len(BOM_BYTES)) != BOM_BYTES:  # a leading UTF-8 BOM is not JSON: read past it
+            f.seek(0)
         try:
             for n, item in enumerate(ijson.items(f, "item", use_float=True)):
                 yield f"{path}[{n}]", item
@@ -119,6 +125,8 @@ def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
         for line_no, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
+                if line_no == 1:
+                    line = line.removeprefix(BOM)  # many editors start a UTF-8 file with one
                 if not line.strip():
                     continue
                 record = json.loads(line)
@@ -141,7 +149,7 @@ def iter_records(source: str, stats: ReadStats) -> Iterator[tuple[str, Any]]:
     is_array = path.suffix == ".json"
     if is_array:
         with open(path, "rb") as f:
-            head = f.read(4096).lstrip()
+            head = f.read(4096).removeprefix(BOM_BYTES).lstrip()
         is_array = head.startswith(b"[")
     items = iter_json_array(path, stats) if is_array else iter_jsonl(path, stats)
     for n, (where, rec) in enumerate(items):
@@ -149,6 +157,40 @@ def iter_records(source: str, stats: ReadStats) -> Iterator[tuple[str, Any]]:
         rid = rec.get("id") if isinstance(rec, dict) else None
         stats.where = where if rid is None else f"{where} (id {rid})"
         yield (str(rid) if rid is not None else f"{path.name}:{n}"), rec
+
+
+def message_text(turn: dict[str, Any], key: str, stats: ReadStats) -> str | None:
+    """A message's text: a string, or OpenAI's list of content parts with the text parts joined
+    (other parts, e.g. images, dropped and counted per message); None when it has no text."""
+    content = turn.get(key)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        return None
+    texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PARTS]
+    if len(texts) < len(content):
+        stats.trim("non-text content parts dropped (counted per message)")
+    texts = [t for t in texts if isinstance(t, str)]
+    return "\n".join(texts) if texts else None
+
+
+def within_chars(messages: list[Message], budget: int, stats: ReadStats) -> list[Message]:
+    """The chat cut to `budget` characters before it is rendered and tokenized, so that one huge
+    record costs memory by the tokens kept, not by its size: the message that crosses the budget is
+    cut there, later ones are dropped, and the chat ends at its last assistant message."""
+    kept: list[Message] = []
+    used = 0
+    for m in messages:
+        if used + len(m["content"]) > budget:
+            stats.trim("text far beyond --max-length cut before tokenizing")
+            if budget - used > 0:
+                kept.append({"role": m["role"], "content": m["content"][:budget - used]})
+            break
+        kept.append(m)
+        used += len(m["content"])
+    while kept and kept[-1]["role"] != ASSISTANT:
+        kept.pop()
+    return kept
 
 
 def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
@@ -173,8 +215,11 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
         if role is None:
             stats.dropped_roles.add(turn[role_key], stats.where)
             continue
-        text = turn.get(text_key)
-        if not isinstance(text, str):
+        text = message_text(turn, text_key, stats)
+        if text is None:
+            if role == ASSISTANT and turn.get("tool_calls"):
+                stats.trim("assistant tool-call turns skipped (counted per turn)")
+                continue
             return f"message with non-string '{text_key}'"
         expected = (USER if not messages or messages[-1]["role"] in (SYSTEM, ASSISTANT) else ASSISTANT)
         if role == SYSTEM and not messages:

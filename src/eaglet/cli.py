@@ -11,12 +11,13 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from eaglet.options import APPEND, BOOL, FLAG, STAGES, Option, Stage
+from eaglet.options import APPEND, BOOL, FLAG, REMOTE_CODE_ENV, STAGES, Option, Stage
 
 
 def resolve(ref: str) -> Any:
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models and prove they speed up "
                                                                 "decoding.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let a model folder's own Python code run (its auto_map: custom model types, "
+                             "tokenizers such as Kimi-K2.5's), in eaglet and in the engines it starts; without it "
+                             "such a target is refused (same as EAGLET_TRUST_REMOTE_CODE=1)")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     parser.stage_parsers = sub.choices  # name -> subparser (read by given_options)
     for stage in STAGES.values():
@@ -142,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     stage = STAGES[args.stage]
+    if args.trust_remote_code:  # read by every loader of a target, and inherited by the engines eaglet starts
+        os.environ[REMOTE_CODE_ENV] = "1"
     try:
         RUNNERS.get(stage.name, run_default)(stage, args)
     except KeyboardInterrupt:

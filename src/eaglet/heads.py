@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from eaglet import formats
+from eaglet.options import REMOTE_CODE_ENV, env_switch
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,17 @@ def text_config_dict(folder: Path) -> dict[str, Any]:
     return raw
 
 
+# A model folder's own Python code (config.json / tokenizer_config.json `auto_map`) runs only when
+# asked: `eaglet --trust-remote-code STAGE ...` sets this for the process and the engines it starts.
+REMOTE_CODE_HINT = (f"eaglet runs no code from a model folder unless told to: pass --trust-remote-code (eaglet "
+                    f"--trust-remote-code STAGE ..., or set {REMOTE_CODE_ENV}=1) if you trust that code")
+
+
+def trust_remote_code() -> bool:
+    """Whether a model folder's own code may run (never, unless EAGLET_TRUST_REMOTE_CODE=1)."""
+    return env_switch(REMOTE_CODE_ENV, "run a model folder's own code", "never run it") is True
+
+
 def text_config(folder: str | Path) -> Any:
     """The target's text config as a transformers config, read without weights. A model type
     transformers knows only through the checkpoint's own code (Kimi-K2.5's `kimi_k25`) is read from
@@ -208,12 +220,13 @@ def text_config(folder: str | Path) -> Any:
 
     folder = Path(folder)
     try:
-        return AutoConfig.from_pretrained(folder).get_text_config()
+        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code()).get_text_config()
     except (ValueError, KeyError):
-        text = text_config_dict(folder)
+        text = dict(text_config_dict(folder))
+        kind = text.pop("model_type", "")
         try:
-            return AutoConfig.for_model(text.get("model_type", ""), **text)
-        except ValueError:
+            return AutoConfig.for_model(kind, **text)
+        except ValueError:  # a model type transformers does not know: its fields, read as data
             return PretrainedConfig(**text)
 
 

@@ -79,6 +79,8 @@ def preset_text(stage: str, key: str) -> str:
     """How the presets set an option, for its help: 'cpu 4, cuda 7'."""
     return ", ".join(f"{name} {p[stage][key]}" for name, p in PRESETS.items() if key in p.get(stage, {}))
 DEMO_OUT = "runs/demo"
+# "1": a model folder's own code (auto_map) may run; `eaglet --trust-remote-code` sets it (eaglet.heads)
+REMOTE_CODE_ENV = "EAGLET_TRUST_REMOTE_CODE"
 # prepare's --max-length when none is given, capped at the target's positions (a declared default of
 # 2048 would refuse targets with fewer, where this default only caps)
 PREPARE_MAX_LENGTH = 2048

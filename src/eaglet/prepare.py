@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from eaglet import __version__, formats, ranges
 from eaglet.chat import (ReadStats, Tally, TemplateSpanError, iter_records, special_token_ids, template_hash,
-                         tokenize_chat, to_messages)
+                         tokenize_chat, to_messages, within_chars)
 from eaglet.formats import PREPARE_CONFIG_FILE, PREPARED_FILE, PreparedWriter, TokenizedSample
 from eaglet.options import DECLARED, PREPARE_MAX_LENGTH, takes_options
 from eaglet.target import (TargetRef, config_positions, config_where, load_chat_tokenizer, resolve_target,
@@ -20,6 +20,10 @@ from eaglet.target import (TargetRef, config_positions, config_where, load_chat_
 
 TRUNCATED_AWAY = "no assistant token left after truncation to --max-length"
 FAILED_START = 20  # the first this many chats all failing the template: the template, not the data, is wrong
+# Characters a chat keeps before it is tokenized, per token of --max-length: far more than any
+# tokenizer's tokens span (~4 characters on average), so what --max-length keeps is never cut, and
+# a record of any size costs the memory of its first max_length x 64 characters.
+MAX_CHARS_PER_TOKEN = 64
 
 
 def checked_max_length(max_length: int | None, limit: int, ref: TargetRef) -> int:
@@ -132,6 +136,10 @@ def tokenized(record: object, tokenizer, special_ids: set[int], max_length: int,
     messages = to_messages(record, stats)
     if isinstance(messages, str):
         stats.skip(messages)
+        return None
+    messages = within_chars(messages, max_length * MAX_CHARS_PER_TOKEN, stats)
+    if not messages:
+        stats.skip(TRUNCATED_AWAY)
         return None
     try:
         ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids)

@@ -25,6 +25,7 @@ import difflib
 import json
 import logging
 import shutil
+import textwrap
 import time
 import tomllib
 import types
@@ -56,7 +57,8 @@ SUMMARY_FILE = "summary.json"
 CHATS_FILE = "chats.jsonl"
 # The keys of [recipe] and [scale] and their types; `out` is the default of --out; `drafters`: train
 # one drafter of each family (an equal share of [train]'s time budget each), evaluate each, keep the winner.
-RECIPE_KEYS: dict[str, Any] = {"name": str, "target": str, "description": str, "out": str, "drafters": list[str]}
+RECIPE_KEYS: dict[str, Any] = {"name": str, "target": str, "description": str, "out": str, "drafters": list[str],
+                               "why": str}
 SCALE_KEYS: dict[str, Any] = {"multiply": list[str]}
 # What the runner reads of a finished stage's marker: key -> (its Python types, its JSON name).
 # "target" is read too, but may be missing (markers written before they recorded it).
@@ -458,6 +460,7 @@ class RecipeSummary:
     name: str
     out: Path
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)  # stage -> {seconds, result, reused}
+    why: str = ""  # [recipe] why: the reason for the recipe's choices, said under the table
 
     def lines(self) -> list[str]:
         return summary_lines(self)
@@ -489,7 +492,7 @@ def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, s
         ref = resolve_target(target)
         ran_with = target_record(ref)
         done = finished_stages(recipe, paths, ref)
-        summary = RecipeSummary(meta["name"], paths.root)
+        summary = RecipeSummary(meta["name"], paths.root, why=meta.get("why", ""))
         runners: dict[str, Callable[..., dict[str, Any]]] = {
             "regen": run_regen, "prepare": lambda o, p, t, c: run_prepare(o, p, t, c, "regen" in stages),
             "extract": run_extract, "check": run_check,
@@ -718,4 +721,6 @@ def summary_lines(s: RecipeSummary) -> list[str]:
         lines.append(f"{stage:<8} {format_seconds(rec['seconds']):>9}  {recorded_figures(stage, rec['result'])}"
                      + ("  (reused)" if rec.get("reused") else ""))
     lines.append(f"{'total':<8} {format_seconds(total):>9}")
+    if s.why:
+        lines += textwrap.wrap(f"why: {s.why}", width=110, subsequent_indent="  ")
     return lines

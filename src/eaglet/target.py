@@ -273,7 +273,7 @@ def resolve_target(spec: str | None) -> TargetRef:
     from transformers import AutoConfig  # seconds to import: only where a target is read
 
     try:
-        config = AutoConfig.from_pretrained(spec)
+        config = AutoConfig.from_pretrained(spec, trust_remote_code=heads.trust_remote_code())
     except OSError as e:
         raise FileNotFoundError(f"--target {spec}: not a local folder, and the hub id could not be resolved: {e}") from e
     return TargetRef(spec, spec, getattr(config, "_commit_hash", None) or "unknown")
@@ -289,7 +289,7 @@ def text_config(ref: TargetRef) -> Any:
         return heads.text_config(ref.path)
     from transformers import AutoConfig  # seconds to import: only where a target is read
 
-    return AutoConfig.from_pretrained(ref.path).get_text_config()
+    return from_pretrained(AutoConfig, ref).get_text_config()
 
 
 def max_positions(model: nn.Module) -> int:
@@ -312,10 +312,32 @@ def prepared_target(prepared: str | Path, pconfig: dict[str, Any], target: str |
     return ref
 
 
+def from_pretrained(kind: Any, ref: TargetRef, **kwargs: Any) -> Any:
+    """`kind.from_pretrained(ref.path)` without the folder's own code unless it was allowed
+    (`heads.trust_remote_code`); a target that needs code, or has a model type transformers does not
+    know, is refused saying so."""
+    try:
+        return kind.from_pretrained(ref.path, trust_remote_code=heads.trust_remote_code(), **kwargs)
+    except (ValueError, KeyError, TypeError) as e:
+        text = str(e)
+        if "trust_remote_code" in text or "custom code" in text:
+            raise ValueError(f"target {ref.name}: its {kind.__name__} needs the model folder's own code (auto_map); "
+                             f"{heads.REMOTE_CODE_HINT}") from None
+        kinds = heads.text_config_dict(Path(ref.path)).get("model_type") if Path(ref.path).is_dir() else None
+        if kinds and ("model_type" in text or "Unrecognized" in text or "does not recognize" in text):
+            missing = ("its own code (auto_map) gives no class for it" if heads.trust_remote_code() else
+                       f"eaglet ran no code from the model folder to learn it: with an auto_map that provides it, "
+                       f"pass --trust-remote-code")
+            raise ValueError(f"target {ref.name}: model_type {kinds!r} is not one transformers knows to load as "
+                             f"{kind.__name__}; {missing}; else use a transformers release that knows {kinds!r} "
+                             f"({type(e).__name__}: {text[:160]})") from None
+        raise
+
+
 def load_tokenizer(ref: TargetRef):
     from transformers import AutoTokenizer  # seconds to import: only where a target is read
 
-    tokenizer = AutoTokenizer.from_pretrained(ref.path)
+    tokenizer = from_pretrained(AutoTokenizer, ref)
     if not tokenizer.is_fast:
         raise ValueError(f"target {ref.name}: eaglet needs a fast tokenizer (character offsets for the loss mask)")
     return tokenizer
@@ -338,12 +360,12 @@ def load_target(ref: TargetRef, dtype: torch.dtype, device: torch.device,
 
     t0 = time.time()
     if placed is None:
-        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype).to(device)
+        model = from_pretrained(AutoModelForCausalLM, ref, dtype=dtype).to(device)
         where = str(device)
     else:
         device_map, folder = plan_device_map(ref, dtype, placed)
-        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype, device_map=device_map,
-                                                     offload_folder=folder)
+        model = from_pretrained(AutoModelForCausalLM, ref, dtype=dtype, device_map=device_map,
+                                offload_folder=folder)
         where = f"{placed.source}: " + ", ".join(
             f"{placement.device_name(d)} {n}" for d, n in module_counts(device_map).items())
     model.eval().requires_grad_(False)
@@ -364,7 +386,7 @@ def empty_target(ref: TargetRef, dtype: torch.dtype) -> nn.Module:
     from accelerate import init_empty_weights  # seconds to import: only where a target is placed
     from transformers import AutoConfig, AutoModelForCausalLM  # seconds to import: only where a target is read
 
-    config = AutoConfig.from_pretrained(ref.path)
+    config = from_pretrained(AutoConfig, ref)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # a tied LM head is the embeddings' tensor: counted, and placed, once

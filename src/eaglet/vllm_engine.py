@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from eaglet import ranges
+from eaglet.options import REMOTE_CODE_ENV, env_switch
 from eaglet.subprocesses import die_with_parent, log_tail, stop
 
 PYTHON_ENV = "EAGLET_VLLM_PYTHON"
@@ -107,6 +108,8 @@ class EngineOptions:
         return {"model": model, "tensor_parallel_size": self.tensor_parallel_size,
                 "pipeline_parallel_size": self.pipeline_parallel_size, "enforce_eager": self.enforce_eager,
                 "seed": self.seed, "skip_tokenizer_init": True, **({EXECUTOR: "uni"} if self.in_process else {}),
+                # the model folder's own code runs in vLLM only where eaglet was allowed to run it
+                "trust_remote_code": env_switch(REMOTE_CODE_ENV, "run a model folder's code", "never") is True,
                 **{k: v for k, v in given.items() if v is not None}, **self.extra}
 
     def environment(self) -> dict[str, str]:

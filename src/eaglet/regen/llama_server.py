@@ -91,7 +91,7 @@ def target_generation(ref: TargetRef) -> Any:
     from transformers import GenerationConfig  # seconds to import: only the llama.cpp backend here
 
     try:
-        return GenerationConfig.from_pretrained(ref.path)
+        return GenerationConfig.from_pretrained(ref.path)  # a JSON file: no code runs
     except OSError:  # no generation_config.json: the tokenizer's EOS alone
         return None
 

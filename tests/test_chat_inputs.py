@@ -1,0 +1,80 @@
+"""Chat files as users write them: a leading UTF-8 BOM, OpenAI's multi-part content, tool-call
+turns; and one record far beyond --max-length, which must cost memory by what is kept."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import write_jsonl
+from eaglet.chat import ReadStats, iter_records, to_messages
+from eaglet.formats import read_prepared
+from eaglet.prepare import prepare
+
+CHAT = {"id": "a", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+
+
+def read_all(path: Path) -> tuple[list, ReadStats]:
+    stats = ReadStats()
+    records = [to_messages(rec, stats) for _, rec in iter_records(str(path), stats)]
+    return records, stats
+
+
+def test_a_leading_bom_is_read_past_in_jsonl_and_json_arrays(tmp_path):
+    jsonl = tmp_path / "chats.jsonl"
+    jsonl.write_bytes("\ufeff".encode() + (json.dumps(CHAT) + "\n").encode() * 2)
+    array = tmp_path / "chats.json"
+    array.write_bytes("\ufeff".encode() + json.dumps([CHAT, CHAT]).encode())
+    for path in (jsonl, array):
+        records, stats = read_all(path)
+        assert records == [CHAT["messages"]] * 2, path
+        assert not stats.skipped, path
+
+
+def test_multi_part_content_keeps_its_text_and_counts_what_it_drops(tmp_path):
+    parts = {"id": "p", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {}},
+                                     {"type": "text", "text": "this."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
+    records, stats = read_all(write_jsonl(tmp_path / "c.jsonl", [parts]))
+    assert records == [[{"role": "user", "content": "Describe\nthis."}, {"role": "assistant", "content": "A cat."}]]
+    assert stats.trimmed["non-text content parts dropped (counted per message)"] == 1
+
+
+def test_tool_call_turns_are_skipped_and_counted_and_the_chat_kept(tmp_path):
+    tools = {"id": "t", "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w"}}]},
+        {"role": "tool", "content": "18C"},
+        {"role": "assistant", "content": "It is 18C."}]}
+    records, stats = read_all(write_jsonl(tmp_path / "c.jsonl", [tools]))
+    assert records == [[{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "It is 18C."}]]
+    assert stats.trimmed["assistant tool-call turns skipped (counted per turn)"] == 1
+    assert stats.dropped_roles["tool"] == 1
+
+
+def test_a_record_far_beyond_max_length_costs_memory_by_what_is_kept(tiny_target, tmp_path):
+    """A 40 MB answer with --max-length 64: cut to its first 64 x 64 characters before it is
+    rendered and tokenized, so prepare's peak memory stays near its baseline (the whole text once
+    took 14.5 GB for 50 MB), and the sample keeps its first 64 tokens."""
+    huge = {"id": "huge", "messages": [{"role": "user", "content": "Tell me a long story."},
+                                       {"role": "assistant", "content": "The quick brown fox jumps. " * 1_500_000}]}
+    data = write_jsonl(tmp_path / "chats.jsonl", [CHAT, huge])
+    code = (f"import resource\nfrom eaglet.prepare import prepare\n"
+            f"prepare({str(tiny_target)!r}, {str(data)!r}, {str(tmp_path / 'out')!r}, max_length=64)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak_mib = int(done.stdout.split()[-1]) / 1024
+    assert peak_mib < 1500, f"peak {peak_mib:.0f} MiB"
+    samples, _ = read_prepared(tmp_path / "out")
+    assert len(samples) == 2 and len(samples[1].input_ids) == 64 and sum(samples[1].loss_mask) > 20
+
+
+def test_prepare_reads_a_bom_file_end_to_end(tiny_target, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes("\ufeff".encode() + (json.dumps(CHAT) + "\n").encode())
+    prepare(str(tiny_target), str(data), tmp_path / "out")
+    assert len(read_prepared(tmp_path / "out")[0]) == 1
