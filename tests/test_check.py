@@ -511,3 +511,46 @@ def test_mask_template_issues_pure():
 
 def test_length_histogram():
     assert check_dataset_module.length_histogram([1, 63, 64, 127, 128, 1000]) == {"0-63": 2, "64-127": 2, "128-255": 1, "512-1023": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Every file's slots against the dataset's typical scales (SmolLM2's real states)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_data(smollm2_dir, tmp_path_factory) -> Path:
+    from eaglet.extract import extract
+    from eaglet.prepare import prepare
+
+    root = tmp_path_factory.mktemp("slots")
+    prepare(None, "sharegpt", root / "prepared", num_samples=8, max_length=128)
+    extract(root / "prepared", root / "data", dtype="fp32", show_progress=False)
+    return root / "data"
+
+
+def tampered(data: Path, tmp_path: Path, change) -> Path:
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    path = sorted(formats.list_v1_files(copy).values())[3]
+    sample = torch.load(path, weights_only=True)
+    sample["hidden_states"] = change(list(sample["hidden_states"]))
+    torch.save(sample, path)
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, slots", [
+    (lambda h: [h[0], h[2], h[1], h[3]], {1, 2}),  # aux slots swapped in one file
+    (lambda h: [h[0], h[1], h[3], h[2]], {2, 3}),  # the last state swapped with the aux one next to it
+    (lambda h: [h[1], h[0], h[2], h[3]], {0, 1}),
+    (lambda h: [h[0], h[2], h[2], h[3]], {1}),  # a slot filled from another layer
+])
+def test_one_file_with_another_layer_in_a_slot_is_caught_in_every_file(smollm2_data, tmp_path, change, slots):
+    """Without the target and in every file (not a sample): each slot's scale against the
+    dataset's typical scale for it; train runs the same check before its first step."""
+    assert C.check_dataset(smollm2_data, use_target=False).clean
+    report = C.check_dataset(tampered(smollm2_data, tmp_path, change), use_target=False)
+    found = {int(p.message.split()[1]) for p in report.errors if p.kind == C.LAYER_IDENTITY}
+    # the file is refused, for a slot it changed (a slot whose scale varies much from file to file,
+    # as the last layer's does, may not be named itself when it holds a steadier layer's states)
+    assert not report.clean and found and found <= slots, [p.message for p in report.errors]

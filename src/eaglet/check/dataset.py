@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import os
 import time
 from collections import Counter, defaultdict
@@ -225,6 +226,54 @@ def rms_outlier_problems(results: list[FileResult]) -> list[Problem]:
     return out
 
 
+# A slot whose scale (log of the file's median row RMS) is SLOT_FAR median absolute deviations from
+# its slot's typical scale, and SLOT_NEAR times closer to another slot's typical scale than to its
+# own, holds another layer's states (two slots swapped, or one slot filled from the wrong layer):
+# checked in every file, from figures the scan computes anyway. Only between slots whose typical
+# scales are SLOT_APART deviations apart, so noise is never read as a swap.
+SLOT_FAR, SLOT_NEAR, SLOT_APART = 8.0, 3.0, 3.0
+SLOT_MIN_FILES = 5
+SLOT_MIN_SPREAD = 0.01  # log units: a floor on the deviation of a slot that every file has at one scale
+
+
+def slot_scales(results: list[FileResult]) -> tuple[list[FileResult], list[list[float]]]:
+    """The files whose every slot has a positive finite median row RMS, and those scales (logs)."""
+    files = [r for r in results if r.slot_median_row_rms and
+             all(math.isfinite(v) and v > 0 for v in r.slot_median_row_rms)]
+    width = max((len(r.slot_median_row_rms) for r in files), default=0)
+    files = [r for r in files if len(r.slot_median_row_rms) == width]
+    return files, [[math.log(v) for v in r.slot_median_row_rms] for r in files]
+
+
+def slot_order_problems(results: list[FileResult], layer_names: list[str]) -> list[Problem]:
+    """Files in which a slot's scale is another slot's: the states of one layer stored under
+    another's id in that file (a swap, or a wrong layer), which a check that samples files with
+    the target would miss and training would learn from."""
+    files, scales = slot_scales(results)
+    if len(files) < SLOT_MIN_FILES:
+        return []
+    width = len(scales[0])
+    typical = [statistics.median(x[j] for x in scales) for j in range(width)]
+    spread = [max(SLOT_MIN_SPREAD, statistics.median(abs(x[j] - typical[j]) for x in scales)) for j in range(width)]
+    name = lambda j: layer_names[j] if j < len(layer_names) else f"slot {j}"  # noqa: E731
+    out = []
+    for r, x in zip(files, scales):
+        for j in range(width):
+            own = abs(x[j] - typical[j])
+            if own / spread[j] <= SLOT_FAR:
+                continue
+            for k in range(width):
+                apart = abs(typical[j] - typical[k]) / max(spread[j], spread[k])
+                if k != j and apart > SLOT_APART and abs(x[j] - typical[k]) * SLOT_NEAR <= own:
+                    out.append(Problem(LAYER_IDENTITY, r.path, (
+                        f"slot {j} ({name(j)}) has the scale of slot {k} ({name(k)}): median row RMS "
+                        f"{math.exp(x[j]):.3g}, where this dataset's slot {j} has {math.exp(typical[j]):.3g} and "
+                        f"slot {k} {math.exp(typical[k]):.3g}; its states are another layer's (slots swapped or "
+                        f"filled from the wrong layer): re-extract this file")))
+                    break
+    return out
+
+
 def slot_stats(results: list[FileResult], layer_names: list[str]) -> list[SlotStats]:
     out = []
     num = max((len(r.slot_sumsq) for r in results), default=0)
@@ -337,6 +386,12 @@ def side_file_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.D
     return out
 
 
+def slot_names(cfg: formats.DataConfig | None) -> list[str]:
+    """"layer K" for each stored slot, as data_config.json records them (none when it does not)."""
+    ids = cfg.layer_ids if cfg is not None else None
+    return [f"layer {k}" for k in ids] if isinstance(ids, list) else []
+
+
 def fill_totals(report: CheckReport, results: list[FileResult], unique: list[FileResult],
                 layer_ids: Any) -> None:
     names = [f"layer {k}" for k in layer_ids] if isinstance(layer_ids, list) else []
@@ -393,7 +448,7 @@ def dataset_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.Dat
         out += config_totals_problems(cfg, unique)
     if model is not None:
         out += too_long_problems(unique, model)
-    return out + rms_outlier_problems(results)
+    return out + rms_outlier_problems(results) + slot_order_problems(results, slot_names(cfg))
 
 
 @takes_options("check")
