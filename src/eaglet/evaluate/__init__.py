@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from eaglet import ranges
+from eaglet import formats, ranges
 from eaglet.chat import chat_prompt_ids, stop_token_ids
 from eaglet.drafter import DraftModel
 from eaglet.drafter.files import load_drafter_for_target
@@ -73,6 +73,8 @@ def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_set
     `dtype` and `threads` "auto": each method at its fastest configuration on this machine (`tuning`;
     vLLM: `auto` is bf16 where fast, and its engines use every core)."""
     ranges.at_least(1, num_prompts=num_prompts, threads=None if threads == AUTO else threads)
+    if out is not None:
+        formats.claim_output(out, "eval")  # not a file, nor another stage's folder: refused before any work
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
     vllm_options = engine_options_from(tensor_parallel_size, pipeline_parallel_size, max_model_len,
                                        gpu_memory_utilization, vllm_kv_cache_gib, vllm_args,

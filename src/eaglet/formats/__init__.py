@@ -22,7 +22,8 @@ Callers use the names re-exported here (`formats.read_json`, `formats.layout(nam
 code outside the package uses, no more; anything else is reached through its module.
 """
 
-from eaglet.formats.io import (PICKLED_CODE_MARKERS, TMP_MARK, OutputBusy, WriteFailed, atomic_dir, atomic_path,
+from eaglet.formats.io import (OUTPUT_MARKER, PICKLED_CODE_MARKERS, TMP_MARK, OutputBusy, WriteFailed, atomic_dir,
+                               atomic_path, claim_output, mark_output,
                                lock_path, os_error_reason, output_lock, read_json, read_jsonl_log, read_safetensors,
                                remove_stale_temp_files, torch_load_safe, torch_save_atomic, write_json_atomic,
                                write_text_atomic)

@@ -169,9 +169,70 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
         f.write(f"{stage}\npid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
         try:
+            claim_output(out, stage)
             yield
         finally:
+            mark_output(out, stage)
             lock.unlink(missing_ok=True)  # while still held: see held_lock
+
+
+# ---------------------------------------------------------------------------------------------
+# Which stage an output folder belongs to
+# ---------------------------------------------------------------------------------------------
+
+# The kind of folder each stage writes (stages of one kind may share a folder: extract's shards,
+# convert into an extract's dataset, which data_config.json then checks). regen writes one file.
+OUTPUT_KINDS = {"prepare": "prepared dataset", "extract": "hidden-state dataset", "convert": "hidden-state dataset",
+                "train": "train run", "eval": "eval results", "run": "recipe run", "export": "drafter",
+                "import": "drafter"}
+# The files that say which kind a folder is: written by the stage (the marker, from now on), or
+# its own files (folders written before the marker).
+OUTPUT_MARKER = ".eaglet-output"
+KIND_FILES = {"prepared dataset": ("prepared.jsonl", "prepare_config.json"),
+              "hidden-state dataset": ("data_config.json", "hidden_states"),
+              "train run": ("train_config.json", "checkpoints", "metrics.jsonl"),
+              "eval results": ("eval.json",), "recipe run": ("stages",),
+              "drafter": ("config.json", "model.safetensors")}
+# stages whose output is not a folder of their own kind: the file a stage writes (regen's JSONL,
+# export's GGUF) and drafter folders, which appear whole by rename and are refused when not empty
+UNMARKED = ("regen", "export", "import")
+
+
+def claim_output(out: str | os.PathLike, stage: str) -> None:
+    """Before a stage writes anything into `out`: refuse a path that is a file where the stage
+    writes a folder, and a folder that holds another kind of output (its marker, or that kind's own
+    files, named)."""
+    kind = OUTPUT_KINDS.get(stage)
+    out = Path(out)
+    if kind is None or stage in UNMARKED:
+        return
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out}: an existing file; `eaglet {stage}` writes a folder ({kind}): give a "
+                              f"folder path that does not exist yet, or an empty one")
+    if out.is_dir():
+        refuse_other_kind(out, stage, kind)
+
+
+def mark_output(out: str | os.PathLike, stage: str) -> None:
+    """When a stage leaves its output folder: mark it as this stage's kind of output (once)."""
+    kind, marker = OUTPUT_KINDS.get(stage), Path(out) / OUTPUT_MARKER
+    if kind is not None and stage not in UNMARKED and Path(out).is_dir() and not marker.exists():
+        with contextlib.suppress(OSError):  # a marker that cannot be written (full disk) leaves the output as it is
+            write_text_atomic(marker, f"{kind}\n")
+
+
+def refuse_other_kind(out: Path, stage: str, kind: str) -> None:
+    marker = out / OUTPUT_MARKER
+    if marker.is_file():
+        recorded = marker.read_text(encoding="utf-8", errors="replace").strip()
+        found = [f"{OUTPUT_MARKER} says {recorded!r}"] if recorded != kind else []
+    else:
+        found = [name for other, names in KIND_FILES.items() if other != kind for name in names
+                 if (out / name).exists()]
+    if found:
+        raise FileExistsError(f"--out {out}: holds another stage's output ({', '.join(found)}), and `eaglet {stage}` "
+                              f"writes a {kind}: nothing was written; choose another --out (each stage writes a "
+                              f"folder of its own)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""Each stage writes a folder of its own: one that holds another stage's output (marked, or by its
+own files) is refused before anything is written, naming what is there, and so is an existing
+file given as --out; a stage's folder says which kind of output it is."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglet import formats
+from eaglet.evaluate import evaluate
+from eaglet.extract import extract
+from eaglet.prepare import prepare
+from eaglet.training.loop import train
+
+
+@pytest.fixture
+def outputs(tiny_target, chats_jsonl, tmp_path):
+    prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prepared")
+    extract(tmp_path / "prepared", tmp_path / "data", dtype="fp32", show_progress=False)
+    return tmp_path
+
+
+def snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_each_output_folder_says_which_kind_it_is(outputs):
+    assert (outputs / "prepared" / formats.OUTPUT_MARKER).read_text().strip() == "prepared dataset"
+    assert (outputs / "data" / formats.OUTPUT_MARKER).read_text().strip() == "hidden-state dataset"
+
+
+@pytest.mark.parametrize("stage", ["prepare", "extract", "train"])
+def test_a_stage_refuses_another_stages_folder_and_leaves_it_whole(outputs, tiny_target, chats_jsonl, stage):
+    """prepare into a dataset once overwrote its token_freq.pt; now nothing is written."""
+    victim = outputs / ("prepared" if stage == "extract" else "data")
+    before = snapshot(victim)
+    with pytest.raises(FileExistsError, match=r"holds another stage's output .*nothing was written"):
+        if stage == "prepare":
+            prepare(str(tiny_target), str(chats_jsonl), victim)
+        elif stage == "extract":
+            extract(outputs / "prepared", victim, dtype="fp32", show_progress=False)
+        else:
+            train(outputs / "data", victim, total_steps=1, show_progress=False)
+    assert snapshot(victim) == before
+
+
+def test_an_unmarked_folder_is_known_by_its_files(outputs, tiny_target, chats_jsonl):
+    (outputs / "data" / formats.OUTPUT_MARKER).unlink()  # a dataset written before markers
+    with pytest.raises(FileExistsError, match=r"data_config.json, hidden_states"):
+        prepare(str(tiny_target), str(chats_jsonl), outputs / "data")
+
+
+def test_an_existing_file_as_out_is_refused(outputs, tiny_target, chats_jsonl):
+    afile = outputs / "afile"
+    afile.write_text("mine")
+    for run in (lambda: prepare(str(tiny_target), str(chats_jsonl), afile),
+                lambda: extract(outputs / "prepared", afile, show_progress=False),
+                lambda: train(outputs / "data", afile, total_steps=1, show_progress=False),
+                lambda: evaluate(outputs / "nothing", out=afile)):
+        with pytest.raises(FileExistsError, match=r"--out .*afile: an existing file; `eaglet \w+` writes a folder"):
+            run()
+    assert afile.read_text() == "mine"
