@@ -60,3 +60,22 @@ def test_an_existing_file_as_out_is_refused(outputs, tiny_target, chats_jsonl):
         with pytest.raises(FileExistsError, match=r"--out .*afile: an existing file; `eaglet \w+` writes a folder"):
             run()
     assert afile.read_text() == "mine"
+
+
+def test_paths_read_from_files_stay_inside_their_folder(tmp_path, monkeypatch):
+    """A recipe's name or out, a weight index's shard: refused when they lead out of their folder."""
+    from eaglet.recipe import run_recipe
+
+    monkeypatch.chdir(tmp_path)
+    for line, said in (('name = "../../escaped"', r"\[recipe\]\.name '\.\./\.\./escaped': a plain name"),
+                       ('name = "x"\nout = "../../escaped"', r"\[recipe\]\.out: '\.\./\.\./escaped' leads out of")):
+        recipe = tmp_path / "r.toml"
+        recipe.write_text(f"[recipe]\n{line}\n\n[prepare]\n")
+        with pytest.raises(ValueError, match=said):
+            run_recipe(recipe)
+    assert not (tmp_path.parent.parent / "escaped").exists()
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"fc.weight": "../../secret.safetensors"}}')
+    with pytest.raises(ValueError, match=r"'\.\./\.\./secret\.safetensors' leads out of"):
+        formats.weight_files(folder)

@@ -131,7 +131,7 @@ def weight_map(folder: Path) -> dict[str, str]:
 
 def stored_tensor(folder: Path, shard: str, name: str) -> StoredTensor:
     """A tensor's header entry; its shard must be in the folder (`--include` it when downloading)."""
-    path = folder / shard
+    path = formats.inside_folder(folder, shard, str(folder / INDEX_FILE))
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing; it holds {name}, which eaglet reads from the target (download it "
                                 f"too: `huggingface-cli download REPO {shard} ...`, docs/large-targets.md)")

@@ -455,6 +455,19 @@ def log_lines(lines: list[str]) -> None:
 # Running a recipe
 # ---------------------------------------------------------------------------------------------
 
+def recipe_out(meta: dict[str, Any], source: Any) -> Path:
+    """The run folder a recipe names itself (`[recipe] out`, else runs/NAME): a path the recipe
+    file may only name inside the working folder (a downloaded recipe never writes elsewhere);
+    --out is the user's own and goes anywhere."""
+    if meta.get("out"):
+        return formats.inside_folder(Path.cwd(), meta["out"], f"{source} [recipe].out")
+    name = meta["name"]
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise ValueError(f"{source} [recipe].name {name!r}: a plain name (it names the folder runs/NAME), without "
+                         "'/' or '..'")
+    return Path("runs") / name
+
+
 @dataclass
 class RecipeSummary:
     name: str
@@ -479,7 +492,7 @@ def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, s
     validate(recipe, source, set_by)  # what --scale wrote is checked too, not assumed of its type
     check_ranges(recipe, source)
     meta = recipe["recipe"]
-    paths = Paths(Path(out or meta.get("out") or Path("runs") / meta["name"]))
+    paths = Paths(Path(out) if out else recipe_out(meta, source))
     target = meta.get("target") or None
     families = check_families(meta.get("drafters") or [], recipe, source)
     stages = [s for s in STAGES if s in recipe]

@@ -176,6 +176,20 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
             lock.unlink(missing_ok=True)  # while still held: see held_lock
 
 
+def inside_folder(folder: str | os.PathLike, relative: str, where: str) -> Path:
+    """`folder / relative` for a path read from a file (a weight index's shard, a recipe's folder):
+    refused unless it is a plain relative path that stays inside `folder`, links resolved, so a
+    file can never lead eaglet to read or write elsewhere."""
+    folder = Path(folder)
+    if not isinstance(relative, str) or not relative or Path(relative).is_absolute():
+        raise ValueError(f"{where}: {relative!r} is not a path relative to {folder}")
+    path = folder / relative
+    base = os.path.realpath(folder)
+    if os.path.commonpath([base, os.path.realpath(path)]) != base:
+        raise ValueError(f"{where}: {relative!r} leads out of {folder}; it must name a file inside that folder")
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # Which stage an output folder belongs to
 # ---------------------------------------------------------------------------------------------
