@@ -79,3 +79,22 @@ def test_paths_read_from_files_stay_inside_their_folder(tmp_path, monkeypatch):
     (folder / "model.safetensors.index.json").write_text('{"weight_map": {"fc.weight": "../../secret.safetensors"}}')
     with pytest.raises(ValueError, match=r"'\.\./\.\./secret\.safetensors' leads out of"):
         formats.weight_files(folder)
+
+
+def test_written_files_honour_the_umask(outputs):
+    """Files appear by rename from temp files (0600 as made); what a stage leaves is as the umask says."""
+    for path in (outputs / "prepared" / "prepared.jsonl", outputs / "data" / formats.DATA_CONFIG_FILE,
+                 next((outputs / "data" / formats.HIDDEN_STATES_DIR).rglob("*.pt"))):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~formats.io.current_umask(), path
+
+
+def test_bounds_no_run_reaches_and_contradictory_options_are_refused(outputs):
+    from eaglet.check.dataset import check_dataset
+    from eaglet.recipe import apply_scale
+
+    with pytest.raises(ValueError, match=r"--time-budget 1e\+30: must be in \(0, "):
+        train(outputs / "data", outputs / "run", time_budget=1e30, show_progress=False)
+    with pytest.raises(ValueError, match=r"--scale 1e\+30: must be in \(0, "):
+        apply_scale({}, 1e30)
+    with pytest.raises(ValueError, match="--no-target skips them: give one"):
+        check_dataset(outputs / "data", target="some/model", use_target=False)

@@ -58,3 +58,14 @@ SEED_MAX = 2**64 - 1  # torch.manual_seed takes no larger seed (and a negative o
 def seeds(**values: Any) -> None:
     """Random seeds torch takes."""
     within(0, SEED_MAX, "the seeds torch takes", **values)
+
+
+# A duration or a data scale no run reaches: an hour a day for a century is still under this,
+# and a schedule or chat count made from a larger one overflows later, far from the option.
+MAX_SECONDS = 10 * 365 * 24 * 3600.0
+MAX_SCALE = 1e6
+
+
+def seconds(**values: Any) -> None:
+    """Durations: above 0 and at most ten years."""
+    within(0, MAX_SECONDS, "ten years at most", low_open=True, **values)

@@ -141,7 +141,8 @@ def overridden(overrides: list[str]) -> dict[str, str]:
 
 def apply_scale(recipe: dict[str, Any], scale: float) -> dict[str, Any]:
     """Multiply the options `[scale] multiply` names (e.g. "regen.num_samples") by `scale`."""
-    ranges.above(0, scale=scale)  # inf or nan would reach round() below as an OverflowError
+    # inf, nan or a size no run reaches would reach round() below as an OverflowError
+    ranges.within(0, ranges.MAX_SCALE, "data sizes no run reaches beyond", low_open=True, scale=scale)
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in recipe.items()}
     for path in recipe.get("scale", {}).get("multiply", []):
         stage, _, name = path.partition(".")

@@ -461,6 +461,8 @@ def check_dataset(path: str | os.PathLike = DECLARED, target: str | None = DECLA
     ranges.at_least(0, identity_samples=identity_samples)
     ranges.at_least(1, workers=workers)
     placed = placement_from_options(device_map, max_memory, offload_folder)
+    if target is not None and not use_target:
+        raise ValueError(f"--target {target} asks for the checks with the target, and --no-target skips them: give one")
     if placed is not None and not use_target:
         raise ValueError(f"--device-map {device_map} places the target, and --no-target skips it: give one")
     root = Path(path)

@@ -253,6 +253,13 @@ def refuse_other_kind(out: Path, stage: str, kind: str) -> None:
 # Atomic writes: files and folders
 # ---------------------------------------------------------------------------------------------
 
+def current_umask() -> int:
+    """The process's umask (read by setting it, and setting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success rename it onto `path`, else delete it.
@@ -269,6 +276,7 @@ def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
             if fsync:
                 with open(tmp_path, "rb+") as f:
                     os.fsync(f.fileno())
+            os.chmod(tmp_path, 0o666 & ~current_umask())  # mkstemp makes 0600; a file written plainly honours the umask
             os.replace(tmp_path, path)
         finally:
             tmp_path.unlink(missing_ok=True)
@@ -291,6 +299,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
                     os.fsync(fh.fileno())
             if final.exists():
                 final.rmdir()
+            os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700; a folder made plainly honours the umask
             os.rename(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

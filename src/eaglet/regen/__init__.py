@@ -68,7 +68,8 @@ def check_options(backend: str, s: Settings, skip: int, num_samples: int | None,
     if backend != "llama.cpp" and (s.target_gguf is not None or s.threads is not None or s.engine_f32):
         raise ValueError(f"--target-gguf, --threads and --engine-f32 are the llama.cpp backend's (this is --backend "
                          f"{backend})")
-    ranges.above(0, timeout=s.timeout, time_budget=time_budget)
+    ranges.above(0, timeout=s.timeout)
+    ranges.seconds(time_budget=time_budget)
 
 
 def record_meta(backend: str, s: Settings, own: dict[str, Any]) -> dict[str, Any]:

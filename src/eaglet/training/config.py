@@ -110,7 +110,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         ranges.at_least(1, **{k: getattr(self, k) for k in self.AT_LEAST_ONE})
         ranges.at_least(0, **{k: getattr(self, k) for k in self.AT_LEAST_ZERO})
-        ranges.above(0, **{k: getattr(self, k) for k in self.ABOVE_ZERO}, time_budget=self.time_budget)
+        ranges.above(0, **{k: getattr(self, k) for k in self.ABOVE_ZERO})
+        ranges.seconds(time_budget=self.time_budget)
         ranges.within(0, 1, "the share of samples held out", high_open=True, eval_fraction=self.eval_fraction)
         ranges.within(0, 1, min_lr_ratio=self.min_lr_ratio)
         ranges.within(0, 1, "a fraction of the schedule", high_open=True, ttt_ramp=self.ttt_ramp)
