@@ -11,7 +11,8 @@ drift spreads evenly); prints tau, acceptance per draft position, tokens/s, spee
 greedy and its ceiling, all measured in this one run. The cpu preset of `eaglet eval`
 (src/eaglet/presets.toml: tree and chain shapes, the draft-probability floor) and
 eval's --lookup-tokens default were chosen with it. With several drafters (for one target), every
-shape that uses one runs once per drafter, labelled "[1]", "[2]", ..., in the same run. `--min-draft-probs` crosses every shape with each draft-probability floor
+shape that uses one runs once per drafter, labelled "[1]", "[2]", ..., in the same run.
+`--min-draft-probs` crosses every shape with each draft-probability floor
 (`eaglet eval --min-draft-prob`): drafts the drafter itself finds unlikely are not verified.
 """
 

@@ -69,7 +69,8 @@ def main() -> None:
     print(f"{'eaglet extract (+writes)':28}{tokens / summary.seconds:>10,.0f}{summary.seconds:>10.2f}")
     print(f"extract / plain throughput: {plain / summary.seconds:.3f} (goal >= 0.9)")
     print(f"bytes on disk per token: {summary.bytes_on_disk / summary.tokens_on_disk:,.1f} "
-          f"(v1 minimum 4*{hidden}*2+16 = {floor}; overhead {summary.bytes_on_disk / summary.tokens_on_disk / floor - 1:.2%})")
+          f"(v1 minimum 4*{hidden}*2+16 = {floor}; overhead "
+          f"{summary.bytes_on_disk / summary.tokens_on_disk / floor - 1:.2%})")
     print(f"files in {work}")
 
 

@@ -91,7 +91,8 @@ def worker(impl: str, ttt: int, seq: int, iters: int, bf16: bool) -> dict:
 
 
 def run_config(impl: str, ttt: int, seq: int, iters: int, bf16: bool) -> dict:
-    cmd = [sys.executable, __file__, "--worker", impl, str(ttt), str(seq), "--iters", str(iters)] + (["--bf16"] if bf16 else [])
+    cmd = [sys.executable, __file__, "--worker", impl, str(ttt), str(seq), "--iters", str(iters)]
+    cmd += ["--bf16"] if bf16 else []
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         return {"impl": impl, "ttt": ttt, "seq": seq, "error": res.stderr.strip().splitlines()[-1:]}
@@ -100,7 +101,8 @@ def run_config(impl: str, ttt: int, seq: int, iters: int, bf16: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, nargs="+", default=None, help="sequence lengths (default CPU 256 1024, GPU 2048 8192)")
+    ap.add_argument("--seq", type=int, nargs="+", default=None,
+                    help="sequence lengths (default CPU 256 1024, GPU 2048 8192)")
     ap.add_argument("--ttt", type=int, nargs="+", default=[1, 7])
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--bf16", action="store_true")

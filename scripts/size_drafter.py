@@ -55,7 +55,7 @@ def compact_bytes_per_token(hidden_size: int, top_k: int) -> int:
 
 def activation_bytes_per_token(cfg: DraftConfig, dense_teacher: bool = False) -> int:
     """Bytes autograd keeps per token for one TTT step (bf16 autocast, fp32 logits and loss)."""
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    H, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     bf16_values = (
         2 * H          # the norms' inputs: embeddings and the fused hidden state
@@ -63,7 +63,7 @@ def activation_bytes_per_token(cfg: DraftConfig, dense_teacher: bool = False) ->
         + q + 2 * kv   # roped q, k, v (kept by attention)
         + q            # attention output (the input of o_proj)
         + 2 * H        # post-attention norm input and output (the MLP's input)
-        + 4 * I        # gate, up, act(gate), act(gate) * up (the input of down)
+        + 4 * inter        # gate, up, act(gate), act(gate) * up (the input of down)
         + 2 * H        # final norm input and output (the LM head's input)
     )
     fp32_values = (cfg.num_heads          # attention log-sum-exp per head

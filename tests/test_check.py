@@ -386,7 +386,8 @@ def test_post_norm_last_state_where_pre_norm_recorded(copy, tiny_target, LAYER_I
                 o["hidden_states"][3] = norm(o["hidden_states"][3].float()).to(torch.bfloat16)
         edit(ds, i, to_post_norm)
     report = C.check_dataset(ds)
-    p = assert_found(report, C.LAYER_IDENTITY, None, f"slot 3 (last) matches layer {LAYER_IDS[-1]} post-norm, recorded pre_norm")
+    p = assert_found(report, C.LAYER_IDENTITY, None,
+                     f"slot 3 (last) matches layer {LAYER_IDS[-1]} post-norm, recorded pre_norm")
     assert p.path.endswith(".pt")
 
 
@@ -510,7 +511,8 @@ def test_mask_template_issues_pure():
 
 
 def test_length_histogram():
-    assert check_dataset_module.length_histogram([1, 63, 64, 127, 128, 1000]) == {"0-63": 2, "64-127": 2, "128-255": 1, "512-1023": 1}
+    histogram = check_dataset_module.length_histogram([1, 63, 64, 127, 128, 1000])
+    assert histogram == {"0-63": 2, "64-127": 2, "128-255": 1, "512-1023": 1}
 
 
 # ---------------------------------------------------------------------------------------------

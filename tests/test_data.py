@@ -179,7 +179,8 @@ def test_non_alternating_chat_is_cut_there():
 
 
 def test_truncated_json_array_keeps_complete_records(tmp_path, caplog):
-    good = [{"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]} for i in range(3)]
+    good = [{"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+            for i in range(3)]
     text = json.dumps(good)
     path = tmp_path / "cut.json"
     path.write_text(text[:-1] + ', {"id": "3", "conversations": [{"from": "hum')
@@ -285,7 +286,8 @@ def test_prepare_never_replaces_a_prepared_dataset_unasked(tiny_target, chats_js
 def test_prepare_drops_samples_with_no_assistant_token_after_truncation(tiny_target, tmp_path):
     long_user = "word " * 300
     chats = tmp_path / "c.jsonl"
-    chats.write_text(json.dumps({"messages": [{"role": "user", "content": long_user}, {"role": "assistant", "content": "ok"}]})
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": long_user},
+                                              {"role": "assistant", "content": "ok"}]})
                      + "\n" + json.dumps({"messages": TEST_CHATS[0]}) + "\n")
     summary = prepare(str(tiny_target), str(chats), tmp_path / "out", max_length=64)
     assert summary.samples == 1 and summary.dropped_after_truncation == 1

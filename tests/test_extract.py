@@ -137,7 +137,8 @@ def test_rerun_with_other_settings_is_refused(tiny_target, prepared, tmp_path):
 @pytest.mark.parametrize("ids,msg", [([2, 3, 4, 5], "last id must be 8"), ([3, 2, 5, 8], "strictly increasing"),
                                      ([0, 3, 5, 8], r"ids in 1\.\.7 for this 8-layer target"),
                                      ([8], "the 3 aux ids EAGLE-3 fuses, then the last layer N"),
-                                     ([2, 5, 8], "the 3 aux ids EAGLE-3 fuses"), ([1, 2, 3, 5, 8], "expected 4 integer ids")])
+                                     ([2, 5, 8], "the 3 aux ids EAGLE-3 fuses"),
+                                     ([1, 2, 3, 5, 8], "expected 4 integer ids")])
 def test_bad_layer_ids(tiny_target, prepared, tmp_path, ids, msg):
     with pytest.raises(ValueError, match=msg):
         extract(prepared, tmp_path / "d", str(tiny_target), layer_ids=ids, show_progress=False)
@@ -148,7 +149,8 @@ def test_other_target_than_prepared_with_is_refused(tiny_target, prepared, tmp_p
     other.mkdir()
     for f in tiny_target.iterdir():
         (other / f.name).write_bytes(f.read_bytes())
-    (other / "config.json").write_text((tiny_target / "config.json").read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1e-06'))
+    config = (tiny_target / "config.json").read_text()
+    (other / "config.json").write_text(config.replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1e-06'))
     with pytest.raises(ValueError, match="not the one"):
         extract(prepared, tmp_path / "d", str(other), show_progress=False)
 

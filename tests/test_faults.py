@@ -96,7 +96,8 @@ def test_read_only_output_folder(tiny_target, chats_jsonl, tmp_path, capsys, mon
 def test_a_folder_that_cannot_be_created_is_named(tiny_target, prepared, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("a file where a folder should go")
-    rc, err = run(capsys, "extract", "--prepared", str(prepared), "--out", str(blocker / "data"), "--target", str(tiny_target))
+    rc, err = run(capsys, "extract", "--prepared", str(prepared), "--out", str(blocker / "data"),
+                  "--target", str(tiny_target))
     assert rc == 2
     assert_one_line(err, str(blocker))
 

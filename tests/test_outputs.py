@@ -98,3 +98,36 @@ def test_bounds_no_run_reaches_and_contradictory_options_are_refused(outputs):
         apply_scale({}, 1e30)
     with pytest.raises(ValueError, match="--no-target skips them: give one"):
         check_dataset(outputs / "data", target="some/model", use_target=False)
+
+
+def test_extract_shards_of_another_count_exclude_each_other(outputs):
+    """A run split into 2 shards writing the folder now keeps one split into 3 out of it."""
+    out = outputs / "data"
+    with formats.output_lock(out, "extract", lock=formats.lock_path(out, "shard-0-of-2")):
+        with pytest.raises(formats.OutputBusy, match=r"--num-shards 2 is writing it now"):
+            extract(outputs / "prepared", out, dtype="fp32", num_shards=3, shard_id=1, show_progress=False)
+        # the same count (another shard of the same run) goes ahead
+        extract(outputs / "prepared", out, dtype="fp32", num_shards=2, shard_id=1, show_progress=False)
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "under a file", "under /proc"])
+def test_an_offload_folder_that_cannot_be_one_is_said_plainly(tmp_path, kind):
+    from eaglet.placement import placement_from_options
+
+    if kind == "dangling link":
+        folder = tmp_path / "link"
+        folder.symlink_to(tmp_path / "nowhere")
+        said = "does not exist"
+    elif kind == "under a file":
+        (tmp_path / "afile").write_text("x")
+        folder, said = tmp_path / "afile" / "offload", "is a file"
+    else:
+        folder, said = "/proc/self/offload", "cannot be written"
+    with pytest.raises(ValueError, match=rf"--offload-folder .*{said}"):
+        placement_from_options("auto", offload_folder=str(folder))
+
+
+def test_a_stage_marker_that_is_a_folder_is_named(tmp_path):
+    (tmp_path / "x.json").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"x\.json: a folder where eaglet expects a JSON file"):
+        formats.read_json(tmp_path / "x.json")

@@ -701,3 +701,17 @@ def test_llama_cpp_kill_leaves_no_server_and_resume_loses_nothing(llama_stand_in
     assert 3 <= len(kept) < 12
     assert subprocess.run(argv + ["--resume"], capture_output=True).returncode == 0
     assert read_out(out) == read_out(whole)
+
+
+def test_llama_cpp_backend_names_a_damaged_target_gguf_before_the_server_starts(chats_jsonl, tmp_path, monkeypatch):
+    """A cut-off --target-gguf is named with what is wrong, nothing written, no server started
+    (before, llama-server's own words and an empty output)."""
+    from eaglet import embedded
+
+    llama_server_stand_in(tmp_path, LLAMA_STAND_IN_PREAMBLE + "raise SystemExit('started')\n", monkeypatch)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(embedded.smollm2_gguf().read_bytes()[:4096])
+    with pytest.raises(ValueError, match=r"cut\.gguf"):
+        regen.regenerate(str(chats_jsonl), tmp_path / "out.jsonl", backend="llama.cpp", target_gguf=cut,
+                         progress_bar=False)
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()

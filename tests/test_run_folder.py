@@ -120,7 +120,8 @@ def test_resume_refuses_other_data(data, tiny_target, tmp_path):
                                          rf"samples\); {other} is other data \({v1} layout, 12 samples, other samples\)"):
         train(other, run, resume=True, show_progress=False)
     convert(data / "v1", tmp_path / "cmp", "compact", stored_top_k=16)  # the same samples, other stored values
-    with pytest.raises(ValueError, match=rf"is other data \({formats.FORMAT_COMPACT} layout, 12 samples\), and the run.s held-out"):
+    said = rf"is other data \({formats.FORMAT_COMPACT} layout, 12 samples\), and the run.s held-out"
+    with pytest.raises(ValueError, match=said):
         train(tmp_path / "cmp", run, resume=True, show_progress=False)
     moved = Path(shutil.copytree(data / "v1", tmp_path / "moved"))  # a moved copy is the same data
     assert train(moved, run, resume=True, show_progress=False).step == 4

@@ -44,12 +44,12 @@ def test_the_page_shows_what_the_script_computes():
 
 def test_sizes_are_the_real_modules_and_the_formats_bytes(tmp_path):
     sd = load_script()
-    H, I, V = 7168, 18432, 8192
+    H, inter, V = 7168, 18432, 8192
 
     def by_hand(q: int, kv: int) -> int:  # q = heads x head_dim, kv = KV heads x head_dim
         # fc 3H -> H; q/k/v from the 2H concat of embedding and hidden; o q -> H; SwiGLU; LM head;
         # hidden_norm, input_layernorm, post_attention_layernorm, norm
-        return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * I + H * V + 4 * H
+        return 3 * H * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * inter + H * V + 4 * H
 
     # MLA targets: heads of the value width, 128. DeepSeek-V3's 128 heads would be 16384 wide
     # (> 1.25 H), so hidden / 128 = 56 heads over 8 KV heads; Kimi-K2 keeps its 64 heads, all KV.

@@ -88,7 +88,8 @@ def resolve_last_state(root: Path, cfg: DataConfig, given: str | None, layout: s
     value = recorded or given or formats.layout(layout).last_state
     if value not in formats.LAST_STATE_CONVENTIONS:
         raise ValueError(f"{root}: last_hidden_state is {value!r}; training knows "
-                         f"{list(formats.LAST_STATE_CONVENTIONS)} (with {formats.LAST_STATE_PRE_NORM!r} it applies the target's final norm itself)")
+                         f"{list(formats.LAST_STATE_CONVENTIONS)} (with {formats.LAST_STATE_PRE_NORM!r} it applies "
+                         "the target's final norm itself)")
     return value
 
 

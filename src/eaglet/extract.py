@@ -331,6 +331,16 @@ def extract_with_vllm(ref: TargetRef, prepared: str | Path, samples: list[Tokeni
     return started
 
 
+def refuse_before_writing(out: Path, prepared: str | Path, samples: list[TokenizedSample], ref: TargetRef,
+                          shard: tuple[int, int], options: EngineOptions | None) -> None:
+    """What must be refused before anything is written: a run of another --num-shards writing the
+    folder now, samples the target cannot take, samples beyond vLLM's context."""
+    shard_id, num_shards = shard
+    formats.refuse_other_sharding(out, num_shards)
+    refuse_unrunnable_samples(prepared, samples, ref)
+    refuse_beyond_engine_context(prepared, samples, range(shard_id, len(samples), num_shards), options)
+
+
 def engine_choice(engine: str, device_map: str | None, tensor_parallel_size: int, pipeline_parallel_size: int,
                   max_model_len: int | None, gpu_memory_utilization: float | None, vllm_kv_cache_gib: float,
                   vllm_args: str | None) -> EngineOptions | None:
@@ -394,8 +404,7 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
     with formats.output_lock(out, "extract", lock=formats.lock_path(out, f"shard-{shard_id}-of-{num_shards}")):
         samples, pconfig = formats.read_prepared(prepared)
         ref = prepared_target(prepared, pconfig, target)
-        refuse_unrunnable_samples(prepared, samples, ref)
-        refuse_beyond_engine_context(prepared, samples, range(shard_id, len(samples), num_shards), options)
+        refuse_before_writing(out, prepared, samples, ref, (shard_id, num_shards), options)
         template_sha = template_hash(load_tokenizer(ref))
         dev = pick_device(device)
         compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)

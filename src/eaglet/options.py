@@ -341,10 +341,11 @@ CONVERT = Stage(
     "eaglet.convert:convert", FILES_KEPT)
 
 DEMO = Stage(
-    "demo", "the main job on the embedded default: regen -> ... -> eval (~20 min)",
+    "demo", "the main job on the embedded default: regen -> ... -> eval",
     "Run the built-in demo recipe on the embedded default (SmolLM2-135M-Instruct + ShareGPT): regenerate a slice of "
-    "ShareGPT, prepare, extract, check, train a drafter, evaluate it on MT-bench, and print one summary table. Every "
-    "stage resumes, so a second run reuses finished work.",
+    "ShareGPT, prepare, extract, check, train an EAGLE-3 drafter for the recipe's time budget, evaluate it on MT-bench "
+    "against plain greedy and prompt lookup, and print one summary table. Every stage resumes, so a second run "
+    "reuses finished work.",
     (Option("out", "output folder", default=DEMO_OUT), *RUN_OPTIONS),
     "eaglet.recipe:run_recipe", STAGES_KEPT)
 
@@ -374,8 +375,9 @@ CHECK = Stage(
     "eaglet.check.dataset:check_dataset", f"check writes nothing; {STARTS_OVER}")
 
 TRAIN = Stage(
-    "train", "train an EAGLE-3 drafter on a hidden-state dataset",
-    "Train the one-layer EAGLE-3 drafter with training-time test on stored hidden states (any layout `eaglet check` "
+    "train", "train a drafter (EAGLE-3, P-EAGLE or DFlash) on a hidden-state dataset",
+    "Train a drafter of the --drafter family (EAGLE-3's one layer with training-time test by default) on stored "
+    "hidden states (any layout `eaglet check` "
     "reads) or, with --online, on an `eaglet prepare` output with the target run inside the loop; metrics.jsonl, "
     "checkpoints (safetensors + config.json), best by simulated acceptance length. Multi-process: torchrun "
     "--nproc_per_node N -m eaglet.cli train ...",
@@ -483,7 +485,8 @@ REGEN = Stage(
      Option("temperature", "0 = greedy", type=parse_float, default=0.0),
      Option("top_p", "nucleus sampling mass", type=parse_float, default=1.0),
      Option("max_new_tokens", "tokens per answer at most", type=int, default=512),
-     Option("max_prompt_tokens", "local, llama.cpp and vllm: longest prompt to answer; a chat stops at a longer turn (default: the "
+     Option("max_prompt_tokens", "local, llama.cpp and vllm: longest prompt to answer; a chat stops at a longer turn "
+                                 "(default: the "
                                  "target's context minus --max-new-tokens)", type=int),
      Option("batch_size", "local and vllm: prompts per generate call", type=int, default=16),
      Option("concurrency", "openai: conversations in flight; llama.cpp: the server's parallel slots", type=int,
@@ -554,7 +557,8 @@ EVAL = Stage(
                      "fp16, fp32", default="auto"),
      device_option(), *placement_options(),
      Option("threads", "CPU threads: auto (each method at 1 or all cores, whichever makes a pass of its size "
-                       "fastest, timed like --dtype auto), or N for every method and the llama.cpp and vLLM engines (vLLM: all cores under auto)",
+                       "fastest, timed like --dtype auto), or N for every method and the llama.cpp and vLLM engines "
+                       "(vLLM: all cores under auto)",
             type=parse_threads, default="auto"),
      Option("target_gguf", "llama.cpp methods: the target's GGUF file the servers run (default: the embedded "
                            "SmolLM2 GGUF, for the embedded target)"),
@@ -582,7 +586,8 @@ EXPORT = Stage(
                            "SmolLM2 GGUF, for a drafter of the embedded target)"),
      Option("dtype", "weight dtype", default="bf16", choices=EXPORT_DTYPE_NAMES),
      Option("verifier", "target name or path recorded as the verifier (default: the checkpoint's target)"),
-     Option("num_speculative_tokens", "speculators: the draft length vLLM reads from the folder when its config sets none", type=int,
+     Option("num_speculative_tokens", "speculators: the draft length vLLM reads from the folder when its config "
+                                      "sets none", type=int,
             default=3, param="speculative_tokens")),
     "eaglet.export:export_drafter", FOLDER_NOT_WRITTEN)
 

@@ -17,6 +17,7 @@ in order), then the CPU, then disk.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +62,29 @@ def placement_from_options(device_map: str | None, max_memory: str | None = None
         raise ValueError(f"--device {device} and --device-map {device_map} together: the device map places the "
                          "target (its first device is where inputs go); leave out --device")
     limits = parse_max_memory(max_memory) if max_memory else None
+    if offload_folder:
+        check_offload_folder(offload_folder)
     if device_map in DEVICE_MAP_STRATEGIES:
         return Placement(device_map, limits, offload_folder, f"--device-map {device_map}")
     return Placement(read_device_map(device_map), limits, offload_folder, f"--device-map {device_map}")
+
+
+def check_offload_folder(folder: str) -> None:
+    """--offload-folder: a folder eaglet can create and write in, said plainly before anything loads
+    (a dangling link, a path under a file or in /proc otherwise fails deep in accelerate with a bare errno)."""
+    path = Path(folder)
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"--offload-folder {folder}: a symbolic link to {os.readlink(path)}, which does not exist; "
+                         "give a folder (or create the link's target)")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"--offload-folder {folder}: {probe} is a file, so no folder can be made there; give a "
+                         "folder path")
+    if not os.access(probe, os.W_OK) or str(probe.resolve()).startswith(("/proc", "/sys")):
+        raise ValueError(f"--offload-folder {folder}: {probe} cannot be written; give a folder on a disk you can "
+                         "write to")
 
 
 def parse_size(text: str) -> int:

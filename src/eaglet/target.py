@@ -215,6 +215,7 @@ def find_target_gguf(given: str | Path | None, target: str | None, why: str) -> 
         path = Path(given)
         if not path.is_file():
             raise FileNotFoundError(f"--target-gguf {given}: no such file")
+        formats.read_gguf(path)  # a cut-off or damaged file is named here, not left to the engine's own words
         return path
     if is_embedded(target):
         return embedded.smollm2_gguf()
@@ -326,8 +327,8 @@ def from_pretrained(kind: Any, ref: TargetRef, **kwargs: Any) -> Any:
         kinds = heads.text_config_dict(Path(ref.path)).get("model_type") if Path(ref.path).is_dir() else None
         if kinds and ("model_type" in text or "Unrecognized" in text or "does not recognize" in text):
             missing = ("its own code (auto_map) gives no class for it" if heads.trust_remote_code() else
-                       f"eaglet ran no code from the model folder to learn it: with an auto_map that provides it, "
-                       f"pass --trust-remote-code")
+                       "eaglet ran no code from the model folder to learn it: with an auto_map that provides it, "
+                       "pass --trust-remote-code")
             raise ValueError(f"target {ref.name}: model_type {kinds!r} is not one transformers knows to load as "
                              f"{kind.__name__}; {missing}; else use a transformers release that knows {kinds!r} "
                              f"({type(e).__name__}: {text[:160]})") from None

@@ -177,7 +177,8 @@ def sample_lengths_problems(root: Path, results: list[FileResult], required: boo
     if only_rec:
         out.append(Problem(SAMPLE_LENGTHS, name, f"lists {len(only_rec)} samples with no file: {fmt_rows(only_rec)}"))
     if only_files:
-        out.append(Problem(SAMPLE_LENGTHS, name, f"misses {len(only_files)} samples that have files: {fmt_rows(only_files)}"))
+        out.append(Problem(SAMPLE_LENGTHS, name,
+                           f"misses {len(only_files)} samples that have files: {fmt_rows(only_files)}"))
     return out
 
 
@@ -214,8 +215,8 @@ def rms_outlier_problems(results: list[FileResult]) -> list[Problem]:
     out = []
     num = max((len(r.slot_median_row_rms) for r in results), default=0)
     for j in range(num):
-        vals = [(r, r.slot_median_row_rms[j]) for r in results
-                if len(r.slot_median_row_rms) > j and math.isfinite(r.slot_median_row_rms[j]) and r.slot_median_row_rms[j] > 0]
+        vals = [(r, r.slot_median_row_rms[j]) for r in results if len(r.slot_median_row_rms) > j
+                and math.isfinite(r.slot_median_row_rms[j]) and r.slot_median_row_rms[j] > 0]
         if len(vals) < 3:
             continue
         med = sorted(v for _, v in vals)[len(vals) // 2]
@@ -438,7 +439,8 @@ def table_rows_of(report: CheckReport, root: Path, layout: formats.Layout) -> tu
 
 
 def dataset_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.DataConfig | None,
-                     table_rows: int | None, results: list[FileResult], unique: list[FileResult], recorded_freq: Any, required: bool,
+                     table_rows: int | None, results: list[FileResult], unique: list[FileResult], recorded_freq: Any,
+                     required: bool,
                      model: Any) -> list[Problem]:
     """What only the whole dataset shows: side files, token counts, totals, lengths, RMS outliers."""
     out = side_file_problems(root, listing, cfg, table_rows, unique, required)

@@ -69,7 +69,8 @@ def target_revision_problem(cfg: formats.DataConfig | None, ref: Any) -> Problem
         return None
     return Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
                    f"target_revision {recorded} ({(cfg.target if cfg and cfg.target else '?')}) is not the "
-                   f"revision of the target checked against, {ref.name} ({ref.revision}): other weights, so no stored state will match; "
+                   f"revision of the target checked against, {ref.name} ({ref.revision}): other weights, so no "
+                   "stored state will match; "
                    "check against the target the data was extracted with")
 
 

@@ -154,7 +154,8 @@ def slot_lines(r: CheckReport) -> list[str]:
         out.append("  per-layer statistics (RMS over all tokens; median row RMS: mean [min..max] over files; max row RMS):")
         for s in r.slots:
             out.append(f"    slot {s.slot} ({s.layer}): rms {s.rms:.4g}, median row rms {s.median_row_rms:.4g} "
-                       f"[{s.min_file_median_row_rms:.4g}..{s.max_file_median_row_rms:.4g}], max row rms {s.max_row_rms:.4g}")
+                       f"[{s.min_file_median_row_rms:.4g}..{s.max_file_median_row_rms:.4g}], "
+                       f"max row rms {s.max_row_rms:.4g}")
     if r.identity:
         out.append(f"  layer identity vs {r.target} on {len(r.identity_files)} sampled files (worst file per slot):")
         for s in r.identity:

@@ -350,6 +350,7 @@ def decode_loop(runner: TargetRunner, proposer: Proposer, prompt: list[int], max
     depth, top_k, total_tokens = limits
     sampling = temperature > 0
     stats = DecodeStats()
+    out: list[int] = []  # the new tokens so far (counted in `stats` however the loop ends)
     t_start = time.perf_counter()
     try:
         budget = token_budget(len(prompt), max_new_tokens, runner.max_positions)
@@ -363,7 +364,7 @@ def decode_loop(runner: TargetRunner, proposer: Proposer, prompt: list[int], max
             return int(logits_row.argmax())
 
         logits, aux = runner.forward(prompt, last_only=True)
-        out = [choose(logits[-1])]
+        out.append(choose(logits[-1]))
         eos = set(eos_ids)
         seq = prompt + out
         while True:
@@ -395,7 +396,7 @@ def decode_loop(runner: TargetRunner, proposer: Proposer, prompt: list[int], max
             seq += new
             # tokens cut after an EOS or the budget are never fed again: the loop stops next
     finally:
-        stats.new_tokens = len(out) if "out" in locals() else 0
+        stats.new_tokens = len(out)
         stats.target_forwards = runner.forwards
         stats.target_s = runner.seconds
         stats.draft_forwards = getattr(proposer, "draft_forwards", 0)

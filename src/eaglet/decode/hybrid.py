@@ -171,8 +171,8 @@ def admit_by_cost(parents: list[int], expected: list[float], pass_costs: Sequenc
 def measure_pass_costs(model: nn.Module, context: int = 256, max_q: int = 8, repeats: int = 5,
                        seed: int = 0) -> list[float]:
     """Median seconds of a target pass over q = 1..max_q new tokens after `context` cached tokens,
-    as the decoder runs it (`target_runner`: the fast target where it applies). Each round times every q once, so drift of the
-    machine spreads over all of them."""
+    as the decoder runs it (`target_runner`: the fast target where it applies). Each round times
+    every q once, so drift of the machine spreads over all of them."""
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     context = min(context, max_positions(model) - max_q)

@@ -148,9 +148,9 @@ def teacher_from_top_k(ids: torch.Tensor, log_probs: torch.Tensor, d2t: torch.Te
     keep &= rank < top_k
     out_ids = torch.zeros(*ids.shape[:-1], top_k, dtype=torch.long, device=ids.device)
     out_lp = torch.full(out_ids.shape, float("-inf"), device=ids.device)
-    b, l, j = keep.nonzero(as_tuple=True)  # each kept entry goes to its rank among the kept
-    out_ids[b, l, rank[b, l, j]] = dids[b, l, j]
-    out_lp[b, l, rank[b, l, j]] = log_probs[b, l, j].float()
+    b, t, j = keep.nonzero(as_tuple=True)  # each kept entry goes to its rank among the kept
+    out_ids[b, t, rank[b, t, j]] = dids[b, t, j]
+    out_lp[b, t, rank[b, t, j]] = log_probs[b, t, j].float()
     none = ~keep.any(-1)  # no drafted token among the stored K: the target's argmax is not drafted either
     out_lp[..., 0] = torch.where(none, 0.0, out_lp[..., 0])
     out_lp = out_lp - torch.logsumexp(out_lp, dim=-1, keepdim=True)

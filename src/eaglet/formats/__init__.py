@@ -23,7 +23,7 @@ code outside the package uses, no more; anything else is reached through its mod
 """
 
 from eaglet.formats.io import (OUTPUT_MARKER, PICKLED_CODE_MARKERS, TMP_MARK, OutputBusy, WriteFailed, atomic_dir,
-                               atomic_path, claim_output, inside_folder, mark_output,
+                               atomic_path, claim_output, inside_folder, mark_output, refuse_other_sharding,
                                lock_path, os_error_reason, output_lock, read_json, read_jsonl_log, read_safetensors,
                                remove_stale_temp_files, torch_load_safe, torch_save_atomic, write_json_atomic,
                                write_text_atomic)

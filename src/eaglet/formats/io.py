@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import io
 import json
 import logging
@@ -145,6 +146,32 @@ def held_lock(lock: Path) -> int | None:
         except FileNotFoundError:
             pass
         os.close(fd)
+
+
+def lock_is_held(lock: Path) -> bool:
+    """Whether another process holds `lock` now (probed without taking it for long)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def refuse_other_sharding(out: str | os.PathLike, num_shards: int) -> None:
+    """Shards of another --num-shards writing the same folder now would split the samples another
+    way and write some twice at once: refused, naming the lock of the run that holds them."""
+    out = Path(os.path.realpath(out))
+    for lock in out.parent.glob(f".{glob.escape(out.name)}.shard-*-of-*.lock"):
+        count = lock.name.rsplit("-of-", 1)[1].removesuffix(".lock")
+        if count != str(num_shards) and lock_is_held(lock):
+            raise OutputBusy(f"{out}: an `eaglet extract` with --num-shards {count} is writing it now ({lock}); this "
+                             f"one splits the samples into {num_shards}: wait for it, or use the same --num-shards")
 
 
 @contextlib.contextmanager
@@ -337,7 +364,11 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """The parsed file; a malformed one is a ValueError that names it (and line/column)."""
+    """The parsed file; a malformed one is a ValueError that names it (and line/column), a folder
+    where the file should be one that says so."""
+    if Path(path).is_dir():
+        raise IsADirectoryError(errno.EISDIR, f"{path}: a folder where eaglet expects a JSON file; remove or rename "
+                                              "it", str(path))
     with open(path, encoding="utf-8") as f:
         try:
             return json.load(f)

@@ -95,15 +95,16 @@ class TrainConfig:
     offload_folder: str | None = declared("train", "offload_folder")
 
     # Options that define the trajectory: a resumed run must use the same ones.
-    TRAJECTORY = ("drafter", "draft_layers", "block_size", "anchor_stride", "epochs", "total_steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
-                  "batch_size", "pack_tokens", "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size",
-                  "teacher_top_k", "loss_on", "objective", "feature_loss_weight", "lm_head_init", "freeze_lm_head",
-                  "fc_norm", "norm_output", "norm_before_residual", "sliding_window", "bf16", "time_budget",
-                  "eval_fraction", "seed")
+    TRAJECTORY = ("drafter", "draft_layers", "block_size", "anchor_stride", "epochs", "total_steps", "lr",
+                  "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "batch_size", "pack_tokens",
+                  "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size", "teacher_top_k", "loss_on", "objective",
+                  "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm", "norm_output",
+                  "norm_before_residual", "sliding_window", "bf16", "time_budget", "eval_fraction", "seed")
 
     # Numeric options and what they may be (None: the option's default applies).
-    AT_LEAST_ONE = ("draft_layers", "anchor_stride", "total_steps", "stop_after", "batch_size", "grad_accum", "max_length", "ttt_steps",
-                    "draft_vocab_size", "sliding_window", "eval_every", "evals", "save_every", "log_every")
+    AT_LEAST_ONE = ("draft_layers", "anchor_stride", "total_steps", "stop_after", "batch_size", "grad_accum",
+                    "max_length", "ttt_steps", "draft_vocab_size", "sliding_window", "eval_every", "evals",
+                    "save_every", "log_every")
     AT_LEAST_ZERO = ("warmup_steps", "keep_checkpoints", "weight_decay", "feature_loss_weight")
     ABOVE_ZERO = ("epochs", "lr", "max_grad_norm")
 
