@@ -177,3 +177,30 @@ def memorised_eagle3(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
     train(root / "data", root / "train", bf16=False, total_steps=60, lr=5e-3, warmup_steps=5, draft_vocab_size=2048,
           teacher_top_k=8, eval_fraction=0.0, evals=1, show_progress=False)
     return {"root": root, "chats": chats, "prompts": eval_prompts, "data": root / "data", "run": root / "train"}
+
+
+# Module-scoped fixtures several test modules use (a module that defines its own wins).
+@pytest.fixture(scope="module")
+def dataset(tiny_target, tmp_path_factory) -> Path:
+    """The tiny target's hidden-state dataset of 20 chats of mixed lengths (helpers.chat_records)."""
+    from eaglet.extract import extract
+    from eaglet.prepare import prepare
+    from helpers import chat_records
+
+    work = tmp_path_factory.mktemp("train_data")
+    records = chat_records()
+    prepare(str(tiny_target), str(write_jsonl(work / "chats.jsonl", records)), work / "prep", max_length=512)
+    extract(work / "prep", work / "data", str(tiny_target), show_progress=False)
+    return work / "data"
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    """The tiny target loaded in fp32, on one thread: this tiny model is all per-op overhead, and a
+    second thread only spins (about 10x slower on a shared 2-core machine)."""
+    from transformers import AutoModelForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    torch.set_num_threads(threads)

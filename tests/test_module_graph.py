@@ -7,6 +7,7 @@ no function over 60 lines in a stage's entry module."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "eaglet"
@@ -189,3 +190,12 @@ def test_entry_modules_read_top_to_bottom():
                 if n > MAX_ENTRY_FUNCTION_LINES:
                     long.append(f"{name}.{node.name}: {n} lines")
     assert len(entry_modules()) >= 7 and long == [], "functions over the limit:\n" + "\n".join(long)
+
+
+def test_no_test_module_imports_another():
+    """Shared builders live in tests/helpers.py, fixtures in conftest.py, the engines' replayed loaders
+    in tests/replays.py: a test module that imports another would run that one's fixtures too."""
+    tests = PACKAGE.parents[1] / "tests"
+    bad = [f"{p.relative_to(tests)}: {line.strip()}" for p in sorted(tests.rglob("test_*.py"))
+           for line in p.read_text().splitlines() if re.match(r"(from|import) (tests\.)?test_", line.strip())]
+    assert bad == [], "\n".join(bad)

@@ -27,7 +27,7 @@ from eaglet.recipe import run_recipe
 from eaglet.regen import regenerate
 from eaglet.training.checkpoints import iter_metrics
 from eaglet.training.loop import train
-from test_train import FAST, chat_records
+from helpers import FAST, chat_records
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -190,12 +190,10 @@ def test_a_prepare_killed_before_its_config_is_replaced_by_the_rerun(tiny_target
         prepare(str(tiny_target), str(chats), out, max_length=256)
 
 
-def test_check_fails_when_options_that_ask_for_the_target_cannot_load_it(work, tmp_path):
-    """--device-map with the recorded target: asked for, so not run is not clean."""
-    folder_as_file = tmp_path / "offload"
-    folder_as_file.write_text("a file")
-    report = check_dataset(work["data"], device_map="sequential", max_memory="cpu=100KB",
-                           offload_folder=str(folder_as_file))
+def test_check_fails_when_options_that_ask_for_the_target_cannot_load_it(work):
+    """--device-map with the recorded target: asked for, so not run is not clean (100 KB of memory and no
+    offload folder: the weights have nowhere to go)."""
+    report = check_dataset(work["data"], device_map="sequential", max_memory="cpu=100KB")
     assert not report.clean
     assert any(p.kind == "not checked" and "could not run" in p.message for p in report.errors)
     quiet = check_dataset(work["data"])  # nothing asked beyond the recorded target, which loads: clean

@@ -19,7 +19,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from eaglet.subprocesses import die_with_parent, log_tail, stop
+from eaglet.subprocesses import log_tail, spawn, stop
 
 SERVER_ENV = "EAGLET_LLAMA_SERVER"
 SERVER_NAME = "llama-server"
@@ -238,9 +237,7 @@ def llama_server(model: str | Path, draft: str | Path | None = None, spec_type: 
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"llama-server-{port}.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True,
-                                   preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        process = spawn(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     server = LlamaServer(f"http://127.0.0.1:{port}", process, log_path, command)
     try:
         wait_healthy(server, start_timeout)

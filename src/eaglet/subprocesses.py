@@ -4,19 +4,35 @@ Ctrl-C reaches eaglet alone, killed with eaglet however it dies, and always stop
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
+import sys
+from typing import Any
 
 STOP_GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
+# Runs first in the child, then becomes the engine (exec keeps the death signal): the kernel sends
+# the engine SIGTERM when the process that started it dies, however it dies (a SIGKILL leaves no
+# `finally` to stop it). A launcher, not Popen's preexec_fn: with preexec_fn Python must fork(),
+# which copies eaglet's page tables and can fail with ENOMEM once eaglet holds gigabytes of
+# weights; without one it vforks, whatever eaglet's size.
+DIE_WITH_PARENT = f"""
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):  # eaglet died before the line above: nobody would stop us
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
-def die_with_parent() -> None:
-    """Run in the child before exec: the kernel sends it SIGTERM when the process that started it
-    dies, however it dies (a SIGKILL leaves no `finally` to stop it)."""
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+def spawn(command: list[str], **popen: Any) -> subprocess.Popen:
+    """Start `command` in a session of its own (a Ctrl-C reaches eaglet alone), killed with eaglet on
+    Linux; `popen` goes to subprocess.Popen."""
+    if sys.platform.startswith("linux"):
+        command = [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT, str(os.getpid()), *command]
+    return subprocess.Popen(command, start_new_session=True, **popen)
 
 
 def stop(process: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:

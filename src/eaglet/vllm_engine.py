@@ -30,7 +30,7 @@ from typing import Any, Iterator, Sequence
 
 from eaglet import ranges
 from eaglet.options import REMOTE_CODE_ENV, env_switch
-from eaglet.subprocesses import die_with_parent, log_tail, stop
+from eaglet.subprocesses import log_tail, spawn, stop
 
 PYTHON_ENV = "EAGLET_VLLM_PYTHON"
 VENV = ".venv-vllm"
@@ -243,10 +243,9 @@ def vllm_engine(model: str | Path, options: EngineOptions = EngineOptions(), spe
     env = {**os.environ, **options.environment(), "PYTHONPATH": str(WORKER_DIR)}
     with open(log_path, "wb") as log:
         # -P: the working folder is not put on sys.path, so nothing in it can shadow a module vLLM imports
-        process = subprocess.Popen([str(python), "-P", "-m", WORKER_MODULE, "--reply-fd", str(write_fd)],
-                                   stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
-                                   pass_fds=(write_fd,), start_new_session=True,
-                                   preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        process = spawn([str(python), "-P", "-m", WORKER_MODULE, "--reply-fd", str(write_fd)],
+                        stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                        pass_fds=(write_fd,))
     os.close(write_fd)
     replies = os.fdopen(read_fd, "r")
     engine = VllmEngine(process, replies, log_path)

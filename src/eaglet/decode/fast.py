@@ -9,7 +9,7 @@ product, RoPE from the model's own rotary module, the new keys and values writte
 allocated once per model and grown by doubling, attention by `scaled_dot_product_attention` over
 the filled part (the tree mask of a verification pass as given, causal otherwise), one fused
 gate/up product, then the final norm and the LM head. In fp32 its logits equal Hugging Face's bit
-for bit (tests/test_fast_target.py).
+for bit (tests/decode/test_fast_target.py).
 
 It takes what the decoding core asks of `TargetRunner` (`forward`, `keep`, `cached`, the aux states
 of the drafter's layers) and serves Llama, Mistral, Qwen2 and Qwen3 on one device; anything else

@@ -21,23 +21,7 @@ from eaglet.formats import gguf_drafter
 from eaglet.cli import main as cli_main
 from eaglet.export import export_drafter
 from references import read_gguf_drafter  # tests/references.py
-from tests.test_export import random_drafter, tiny_config, write_checkpoint
-
-TOKENS = [f"tok{i}" for i in range(50)]  # tiny_config's target vocabulary
-
-
-def target_gguf(path: Path, n_tokens: int = len(TOKENS)) -> Path:
-    """A stand-in for the target's GGUF: just the tokenizer keys the drafter copies."""
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"tok{i}" for i in range(n_tokens)])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+from helpers import TOKENS, random_drafter, target_gguf, tiny_config, write_checkpoint
 
 
 def raw_tensors(path: Path) -> dict[str, torch.Tensor]:

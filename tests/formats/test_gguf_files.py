@@ -15,8 +15,7 @@ import pytest
 from eaglet import embedded, formats
 from eaglet.cli import main as cli_main
 from eaglet.target import f32_target_gguf
-from tests.test_export import random_drafter, tiny_config, write_checkpoint
-from tests.test_gguf_export import TOKENS
+from helpers import TOKENS, random_drafter, tiny_config, write_checkpoint
 
 NUMPY_WORDS = ("reshape", "dtype", "divisor", "index", "out of bounds")  # what the unchecked reader said
 

@@ -19,8 +19,7 @@ from eaglet.extract import extract
 from eaglet.training.checkpoints import iter_metrics
 from eaglet.dataset import open_dataset
 from eaglet.training.loop import train
-from references import write_flat_v1_sample, write_specforge_sample  # tests/references.py
-from test_train import FAST, chat_records
+from helpers import FAST, chat_records, final_norm, write_foreign
 
 AUX = [2, 4, 5]  # the default aux ids of the tiny 8-layer target, which the fixture's extraction used
 RUN = dict(FAST, total_steps=4, show_progress=False)
@@ -47,36 +46,6 @@ def v1_run(work, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("v1_run") / "run"
     train(work / "data", run, **RUN)
     return run
-
-
-def final_norm(target: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    from eaglet.target import heads_of_model
-
-    return heads_of_model(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)).final_norm
-
-
-def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Path:
-    """The same samples in another layout, without any side file (speculators' keeps its table)."""
-    rows = []
-    for i, path in sorted(formats.list_v1_files(v1).items()):
-        s = formats.read_v1_sample(path)
-        rows.append((s.input_ids, s.loss_mask))
-        if layout == formats.FORMAT_V1_FLAT:
-            write_flat_v1_sample(out, i, s)
-        elif layout == formats.FORMAT_SPECFORGE:
-            with torch.no_grad():  # SpecForge stores the last state after the final norm
-                last = norm(s.hidden_states[-1])
-            write_specforge_sample(out, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:-1], -1),
-                                           compressed=i % 2 == 1)  # .ckpt and .ckpt.gz side by side
-        elif layout == formats.FORMAT_SPECULATORS_ARROW:
-            formats.write_speculators_sample(out, i, s.input_ids, s.hidden_states)
-        else:
-            formats.write_hs_safetensors_sample(out, i, s.input_ids, torch.stack(s.hidden_states, 1), s.loss_mask)
-    if layout == formats.FORMAT_SPECULATORS_ARROW:
-        formats.write_speculators_rows(out, rows)
-    return out
 
 
 def records(run: Path) -> list[dict]:

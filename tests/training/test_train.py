@@ -13,45 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import CHATS, write_jsonl
 from eaglet import formats
 from eaglet.cli import main as cli_main
-from eaglet.prepare import prepare
-from eaglet.extract import extract
 from eaglet.drafter.files import load_checkpoint
 from eaglet.training.checkpoints import iter_metrics
 from eaglet.training.config import lr_lambda
 from eaglet.dataset import open_dataset
 from eaglet.training.data import BatchStream, bucketed_batches, pack, read_samples, split_indices
 from eaglet.training.loop import train
-
-FAST = dict(ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4, log_every=2, batch_size=2,
-            eval_fraction=0.1)
-
-
-def chat_records(count: int = 20) -> list[dict]:
-    """Chats of mixed lengths, so batches mix lengths."""
-    records = []
-    for n in range(count):
-        chat = [dict(m) for m in CHATS[n % len(CHATS)]]
-        chat[-1]["content"] += " " + " ".join(["More words."] * (n % 6))
-        records.append({"id": f"chat{n}", "messages": chat})
-    return records
-
-
-@pytest.fixture(scope="module")
-def dataset(tiny_target, tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("train_data")
-    records = chat_records()
-    prepare(str(tiny_target), str(write_jsonl(work / "chats.jsonl", records)), work / "prep", max_length=512)
-    extract(work / "prep", work / "data", str(tiny_target), show_progress=False)
-    return work / "data"
-
-
-def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
+from helpers import FAST, run_weights
 
 
 def test_split_and_batches_are_deterministic():
@@ -86,7 +57,7 @@ def test_train_writes_metrics_and_checkpoints(dataset, tmp_path):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 400
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # hidden_states ids (vLLM)
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang adds 1
-    w = weights(run, 8)
+    w = run_weights(run, 8)
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "d2t", "t2d", "lm_head.weight"} <= set(w)
     assert w["t2d"].dtype == torch.bool and w["d2t"].dtype == torch.int64
     assert not any(p.name.startswith(".") for p in ckpt.iterdir())  # no temp folders left
@@ -106,7 +77,7 @@ def test_resume_continues_exactly(dataset, tmp_path, capsys):
     half_written.mkdir()
     (half_written / "model.safetensors").write_bytes(b"cut")
     assert cli_main(["train", str(dataset), "--out", str(resumed), "--resume", "--log-every", "2"]) == 0
-    a, b = weights(straight, 8), weights(resumed, 8)
+    a, b = run_weights(straight, 8), run_weights(resumed, 8)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["step"] for r in iter_metrics(resumed)] == [r["step"] for r in iter_metrics(straight)]
     assert not half_written.exists()
@@ -173,7 +144,7 @@ def test_torchrun_two_processes_match_one(dataset, tmp_path):
     one = train(dataset, tmp_path / "one", show_progress=False, device="cpu", grad_accum=2, total_steps=4,
                 ttt_steps=2, lr=3e-3, warmup_steps=1, batch_size=2, eval_every=2, log_every=1, eval_fraction=0.1)
     assert one.step == 4
-    a, b = weights(tmp_path / "one", 4), weights(tmp_path / "two", 4)
+    a, b = run_weights(tmp_path / "one", 4), run_weights(tmp_path / "two", 4)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
     m_one = [r for r in iter_metrics(tmp_path / "one")]
@@ -302,7 +273,7 @@ def test_packed_training_resumes_exactly(dataset, tmp_path, compile):
         return
     train(dataset, resumed, total_steps=6, stop_after=2, show_progress=False, **opts)
     train(dataset, resumed, total_steps=6, resume=True, show_progress=False, **opts)
-    a, b = weights(straight, 6), weights(resumed, 6)
+    a, b = run_weights(straight, 6), run_weights(resumed, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
     config = json.loads((straight / "train_config.json").read_text())
     assert config["pack_tokens"] == 160 and config["compile"] is False and config["compile_mode"] == "eager"
@@ -334,7 +305,7 @@ def test_ttt_ramp_lm_head_init_and_loss_on_all(dataset, tiny_target, tmp_path):
     run = tmp_path / "run"
     train(dataset, run, total_steps=6, show_progress=False, lm_head_init="target", freeze_lm_head=True,
           loss_on="all", teacher_top_k=8, **{**FAST, "eval_every": 6, "save_every": 6})
-    w = weights(run, 6)
+    w = run_weights(run, 6)
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     ids = torch.arange(w["d2t"].shape[0]) + w["d2t"]
     assert torch.equal(w["lm_head.weight"], target.lm_head.weight[ids].detach())  # frozen: still the target's rows
@@ -395,7 +366,6 @@ def test_train_options_are_validated_in_one_place(options, message):
         TrainConfig(**options)
     with pytest.raises(ValueError, match=message):
         train("no-such-dataset", "no-such-run", show_progress=False, **options)
-
 
 
 class FakeRank:

@@ -15,6 +15,7 @@ from eaglet import check as C
 from eaglet import formats
 from eaglet.convert import convert
 from eaglet.drafter import build_draft_vocab, make_teacher, target_top_k, teacher_from_top_k
+from helpers import final_norm, write_foreign
 
 LAYER_IDS = [2, 3, 4, 8]
 
@@ -185,7 +186,6 @@ def test_convert_to_compact_equals_extraction(made, tmp_path):
 @pytest.mark.parametrize("layout", [formats.FORMAT_V1_FLAT, formats.FORMAT_SPECFORGE, formats.FORMAT_HS_SAFETENSORS,
                                     formats.FORMAT_SPECULATORS_ARROW])
 def test_every_layout_converts_to_compact_and_trains(made, tiny_target, tmp_path, layout):
-    from test_train_sources import final_norm, write_foreign
 
     from eaglet.training.loop import train
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
+from helpers import target_gguf
 from eaglet import regen
 from eaglet.cli import main
 from eaglet.formats import errors_path, read_prepared
@@ -612,8 +613,7 @@ def running_commands(part: str) -> list[str]:
 
 
 def llama_regen(data: Path, out: Path, target: Path, **kw):
-    gguf = out.parent / "target.gguf"
-    gguf.write_bytes(b"GGUF")  # the stand-in does not read it
+    gguf = target_gguf(out.parent / "target.gguf")  # a whole GGUF, as checked before the server starts
     kw = {"target": str(target), "target_gguf": gguf, "concurrency": 3, "threads": 1, "max_new_tokens": 4,
           "progress_bar": False, **kw}
     return regen.regenerate(str(data), out, backend="llama.cpp", **kw)
@@ -683,7 +683,7 @@ def test_llama_cpp_kill_leaves_no_server_and_resume_loses_nothing(llama_stand_in
     data = chats_file(tmp_path / "chats.jsonl", 12)
     whole = tmp_path / "whole.jsonl"
     llama_regen(data, whole, tiny_target)
-    gguf = tmp_path / "target.gguf"
+    gguf = target_gguf(tmp_path / "target.gguf")
     out = tmp_path / "out.jsonl"
     argv = [sys.executable, "-m", "eaglet", "regen", "--data", str(data), "--out", str(out), "--backend", "llama.cpp",
             "--target", str(tiny_target), "--target-gguf", str(gguf), "--concurrency", "2", "--threads", "1",

@@ -14,22 +14,9 @@ from eaglet.decode import (BOTH, DRAFTER, NGRAM, Calibration, DraftTree, Eagle3P
                            plain_generate, process_probs, speculative_generate, tree_attention_mask)
 from eaglet.drafter import DraftConfig, Eagle3Draft, allowed_keys
 from references import plain_greedy  # tests/references.py
+from helpers import AUX_IDS, PROMPTS, REPO
 
-AUX_IDS = [2, 4, 5]
-PROMPTS = [[5, 17, 99, 3, 42, 7], [1, 200, 201, 202], [300, 12, 12, 12, 12, 88, 91, 150, 2, 77, 31]]
 COSTS = (1.0, 1.3, 1.6, 1.9, 2.2, 2.5, 2.8, 3.1)  # pass seconds over 1..8 tokens, for cost-aware admission
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    from transformers import AutoModelForCausalLM
-
-    # One thread: this tiny model is all per-op overhead, and a second thread only spins
-    # (about 10x slower on a shared 2-core machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    torch.set_num_threads(threads)
 
 
 def make_drafter(target, seed: int = 0, **overrides) -> Eagle3Draft:
@@ -471,9 +458,8 @@ def test_verify_cost_bench_break_even(target):
     """bench/verify_cost.py: the break-even acceptance solves 1 + p + ... + p^d = cost ratio, and
     its timing loop runs passes of 1..MAX_Q tokens through the decoder's TargetRunner."""
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(REPO / "bench"))
     import verify_cost
 
     assert verify_cost.break_even_acceptance(1.15, 1) == pytest.approx(0.15, abs=1e-9)
@@ -607,7 +593,6 @@ def test_calibration_starts_at_the_proposers_word_and_learns():
         c.record(0.85, False)
     assert c.rate(0.83) < 0.1  # a drafter sure of itself and wrong is not trusted
     assert c.rate(0.35) == pytest.approx(0.35)  # other tenths are untouched
-
 
 
 @pytest.mark.parametrize("drafted", ["random", "oracle", None])

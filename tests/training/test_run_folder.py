@@ -23,7 +23,7 @@ from eaglet.extract import extract
 from eaglet.formats.runs import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE
 from eaglet.training.checkpoints import RunFolderBusy
 from eaglet.training.loop import train
-from test_train import chat_records
+from helpers import chat_records
 
 QUICK = dict(total_steps=4, ttt_steps=2, eval_every=2, log_every=1, batch_size=2, eval_fraction=0.2)
 

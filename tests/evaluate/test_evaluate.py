@@ -21,6 +21,7 @@ from eaglet.drafter.files import export_config
 from eaglet.training.checkpoints import save_checkpoint
 
 from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
+from helpers import target_gguf
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +242,6 @@ def test_eval_runs_llama_cpp_methods_beside_eaglets(tiny_target, drafter_ckpt, t
     plain answers prompt x with plain greedy's own answer and y with another: half its outputs equal
     eaglet's plain greedy, prompt by prompt."""
     import os
-
-    from test_gguf_export import target_gguf
 
     runs = tmp_path / "runs.jsonl"
     llama_server_stand_in(tmp_path, ENGINE_STAND_IN, monkeypatch)
