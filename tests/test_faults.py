@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from eaglet import formats
 from eaglet.cli import main
@@ -172,3 +173,31 @@ def test_token_id_outside_the_vocabulary_names_the_sample_and_the_fixed_input_re
     path.write_text(good)
     rc, _ = run(capsys, *argv)
     assert rc == 0 and len(formats.list_v1_files(tmp_path / "data")) == 12
+
+
+def test_a_target_weight_file_cut_short_is_named_by_extract(tiny_target, chats_jsonl, tmp_path, capsys):
+    """A safetensors header that claims bytes past the end of the file: the file and the remedy,
+    not the safetensors reader's own words."""
+    target = Path(shutil.copytree(tiny_target, tmp_path / "target"))
+    weights = target / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 1000)
+    prepared = tmp_path / "prep"  # prepare reads the tokenizer only: the cut-off weights pass
+    assert main(["prepare", "--data", str(chats_jsonl), "--out", str(prepared), "--target", str(target), *FITS]) == 0
+    rc, err = run(capsys, "extract", "--prepared", str(prepared), "--out", str(tmp_path / "data"),
+                  "--target", str(target))
+    assert rc == 2
+    assert_one_line(err, f"{weights}: truncated: tensor", "ends at byte", "download or copy it again")
+    assert not (tmp_path / "data" / "rows_0-2000").exists()
+
+
+def test_a_full_disk_inside_safetensors_names_the_file(tmp_path, monkeypatch):
+    """safetensors reports a full disk in its own words only ("... os error 28"): the write is named
+    like any other, with the remedy."""
+    def full(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(formats_io, "save_file", full)
+    with pytest.raises(formats_io.WriteFailed, match=r"could not write .*w\.safetensors: no space left on the device"):
+        formats_io.write_safetensors_atomic(tmp_path / "w.safetensors", {"x": torch.zeros(2)})
+    assert not temp_files(tmp_path)

@@ -128,7 +128,7 @@ def convert(src: str | Path = DECLARED, out: str | Path = DECLARED, layout: str 
     name). `aux_layer_ids` / `last_hidden_state` / `target` describe a source whose
     data_config.json does not (as for `eaglet train`)."""
     ranges.at_least(1, workers=workers, stored_top_k=stored_top_k)
-    fmt = formats.written_layout(layout)
+    written = formats.written_layout(layout)
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve():
         raise ValueError(f"--out {out} is the source folder; convert into another folder")
@@ -141,14 +141,14 @@ def convert(src: str | Path = DECLARED, out: str | Path = DECLARED, layout: str 
         gaps = sorted(set(range(indices[-1] + 1)) - set(indices))
         raise ValueError(f"{src}: sample indices are not 0..{len(indices) - 1} (no file for {gaps[:10]}); every "
                          f"layout pairs sample i with file i, so fill the gaps first (`eaglet check {src}`)")
-    if fmt.fixed_last_state and ds.last_hidden_state != fmt.last_state:
+    if written.fixed_last_state and ds.last_hidden_state != written.last_state:
         raise ValueError(f"{src}: its last state is {ds.last_hidden_state} (after the target's final norm); "
                          "speculators applies that norm itself, and it cannot be undone: extract the states again "
                          "(`eaglet extract --layout speculators`), or convert to v1, which records the convention")
-    fmt.check_hidden_size(ds.config.hidden_size, str(src))
+    written.check_hidden_size(ds.config.hidden_size, str(src))
     with formats.output_lock(out, "convert"):  # one writer per output: a second is refused, naming the first
-        config = converted_config(ds, fmt, target, command, stored_top_k)
-        teacher = teacher_maker(ds, target, stored_top_k) if fmt.stores_teacher else None
+        config = converted_config(ds, written, target, command, stored_top_k)
+        teacher = teacher_maker(ds, target, stored_top_k) if written.stores_teacher else None
         formats.remove_stale_temp_files(out)  # what a killed convert left half-written; this one is the only writer
         out.mkdir(parents=True, exist_ok=True)
         formats.ensure_data_config(out, config)
@@ -156,20 +156,20 @@ def convert(src: str | Path = DECLARED, out: str | Path = DECLARED, layout: str 
             formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, ds.lengths)
         if not (out / formats.TOKEN_FREQ_FILE).exists():
             formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, ds.token_freq)
-        if fmt.table is not None and not fmt.table.exists(out):
-            formats.start_dataset(out, fmt, [(ids.numpy(), mask.numpy()) for ids, mask in read_rows(ds, show_progress)])
+        if written.table is not None and not written.table.exists(out):
+            formats.start_dataset(out, written, [(ids.numpy(), mask.numpy()) for ids, mask in read_rows(ds, show_progress)])
         num_states = formats.EAGLE3_NUM_STATES
         todo = [i for i in indices
-                if formats.sample_file_problem(formats.sample_path(out, fmt, i), fmt, ds.lengths[i], num_states)]
+                if formats.sample_file_problem(formats.sample_path(out, written, i), written, ds.lengths[i], num_states)]
         t0 = time.time()
         tokens = 0
         with ThreadPoolExecutor(max_workers=workers) as pool, \
                 tqdm(total=sum(ds.lengths[i] for i in todo), unit="tok", unit_scale=True, desc=f"convert to {layout}",
                      file=sys.stderr, dynamic_ncols=True, disable=not show_progress) as bar:
-            for n in pool.map(lambda i: copy_sample(ds, out, fmt, i, teacher), todo):
+            for n in pool.map(lambda i: copy_sample(ds, out, written, i, teacher), todo):
                 tokens += n
                 bar.update(n)
         bytes_in = sum(p.stat().st_size for p in ds.files.values())
-        bytes_out = sum(formats.sample_path(out, fmt, i).stat().st_size for i in indices)
+        bytes_out = sum(formats.sample_path(out, written, i).stat().st_size for i in indices)
         return ConvertSummary(out, layout, ds.layout, len(todo), len(indices) - len(todo), tokens, time.time() - t0,
                               bytes_in, bytes_out)

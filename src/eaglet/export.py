@@ -11,16 +11,16 @@ is written; the on-disk layouts themselves are defined in `eaglet.formats`.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-
-from eaglet import formats
+from eaglet import families, formats
 from eaglet.drafter import DraftConfig
 from eaglet.drafter.files import (Drafter, expected_tensors, export_config, read_drafter, recorded_target,
                                   unservable, write_engine_folder, write_gguf)
-from eaglet.options import (DECLARED, EAGLE3, EXPORT_DTYPE_NAMES, EXPORT_FORMAT_NAMES, declared_default,
+from eaglet.options import (DECLARED, EXPORT_DTYPE_NAMES, EXPORT_FORMAT_NAMES, declared_default,
                             takes_options)
 
 log = logging.getLogger(__name__)
@@ -45,29 +45,21 @@ class ExportSummary:
         if self.format == formats.FORMAT_GGUF:  # `target` is the GGUF whose tokenizer it carries
             return out + [f"  llama.cpp: llama-server -m {target} -md {self.out} --spec-type draft-eagle3 "
                           f"--spec-draft-n-max {declared_default('export', 'speculative_tokens')}"]
-        if c.family != EAGLE3:
-            return out + parallel_commands(c, target, self.out, self.format) + [f"  note: {n}" for n in self.notes]
-        out += [f"  vLLM:   vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
-               f"\"{self.out}\", \"num_speculative_tokens\": {declared_default('export', 'speculative_tokens')}}}'"]
-        if self.format == formats.FORMAT_EAGLE:
-            out.append(f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-                       f"--speculative-draft-model-path {self.out} --speculative-num-steps 3 "
-                       f"--speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
-        return out + [f"  note: {n}" for n in self.notes]
+        return out + serving_commands(c, target, self.out, self.format) + [f"  note: {n}" for n in self.notes]
 
 
-def parallel_commands(c: DraftConfig, target: str, out: Path, fmt: str) -> list[str]:
-    """How the engines serve a parallel drafter: vLLM's parallel drafting (P-EAGLE) or dflash, SGLang's DFLASH."""
-    drafts = formats.parallel_drafts(c)
-    if c.family == "p-eagle":
-        spec = (f'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {drafts}, '
-                f'"parallel_drafting": true}}')
-    else:
-        spec = f'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {drafts}}}'
+def serving_commands(c: DraftConfig, target: str, out: Path, fmt: str) -> list[str]:
+    """How vLLM (and SGLang, for the eagle format) serve the exported drafter, from its family's traits."""
+    family = families.family(c.family)
+    drafts = (family.drafts_per_pass(c.block_size) if family.parallel
+              else declared_default("export", "speculative_tokens"))
+    spec = json.dumps(family.vllm_speculative_config(str(out), drafts))
     lines = [f"  vLLM:   vllm serve {target} --speculative-config '{spec}'"]
-    if fmt == formats.FORMAT_EAGLE:
-        lines.append(f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-                     f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {c.block_size}")
+    if fmt == formats.FORMAT_EAGLE and family.sglang_algorithm:
+        shape = (f"--speculative-num-draft-tokens {c.block_size}" if family.parallel else
+                 "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
+        lines.append(f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm "
+                     f"{family.sglang_algorithm} --speculative-draft-model-path {out} {shape}")
     return lines
 
 

@@ -190,10 +190,10 @@ def check_shard(num_shards: int, shard_id: int) -> None:
         raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
 
 
-def write_side_files(out: Path, prepared: str | Path, fmt: formats.Layout, samples: list[TokenizedSample],
+def write_side_files(out: Path, prepared: str | Path, written: formats.Layout, samples: list[TokenizedSample],
                      lengths: dict[int, int]) -> None:
     """The dataset's table (speculators' layout), sample_lengths.json and token_freq.pt, once."""
-    formats.start_dataset(out, fmt, [(s.input_ids, s.loss_mask) for s in samples])
+    formats.start_dataset(out, written, [(s.input_ids, s.loss_mask) for s in samples])
     if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
         formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, lengths)
     if not (out / formats.TOKEN_FREQ_FILE).exists():
@@ -201,19 +201,19 @@ def write_side_files(out: Path, prepared: str | Path, fmt: formats.Layout, sampl
                                  formats.read_token_freq(Path(prepared) / formats.TOKEN_FREQ_FILE))
 
 
-def plan_shard(out: Path, fmt: formats.Layout, count: int, num_shards: int, shard_id: int, lengths: dict[int, int],
+def plan_shard(out: Path, written: formats.Layout, count: int, num_shards: int, shard_id: int, lengths: dict[int, int],
                num_states: int) -> Shard:
     """This shard's samples and those of them still to write: a file that exists is complete (files
     appear only by rename), unless something else wrote it, and then it is redone."""
     mine = [i for i in range(count) if i % num_shards == shard_id]
-    paths = {i: formats.sample_path(out, fmt, i) for i in mine}
-    stale = formats.remove_stale_temp_files(formats.files_dir(out, fmt), {p.name for p in paths.values()})
+    paths = {i: formats.sample_path(out, written, i) for i in mine}
+    stale = formats.remove_stale_temp_files(formats.files_dir(out, written), {p.name for p in paths.values()})
     if stale:
         log.info("removed %d partial files left by an earlier run", stale)
     todo = [i for i in mine if not paths[i].exists()]
     missing = set(todo)
     redo = [(i, why) for i in mine if i not in missing
-            for why in [formats.sample_file_problem(paths[i], fmt, lengths[i], num_states)] if why]
+            for why in [formats.sample_file_problem(paths[i], written, lengths[i], num_states)] if why]
     if redo:
         log.warning("%d existing file(s) are not complete safe samples and will be redone (first: %s: %s)",
                     len(redo), paths[redo[0][0]].relative_to(out), redo[0][1])
@@ -248,7 +248,7 @@ class WriteQueue:
 
 
 def run_and_write(model: nn.Module, samples: list[TokenizedSample], batches: list[list[int]], layer_ids: list[int],
-                  dev: torch.device, save_dtype: torch.dtype, out: Path, fmt: formats.Layout, config: DataConfig,
+                  dev: torch.device, save_dtype: torch.dtype, out: Path, written: formats.Layout, config: DataConfig,
                   teacher: StoredTeacherMaker | None, write_threads: int, bar: tqdm) -> None:
     """The target over every batch, each sample's states written by a pool of writers."""
     capture = LayerCapture(decoder_layers(model), layer_ids)
@@ -263,7 +263,7 @@ def run_and_write(model: nn.Module, samples: list[TokenizedSample], batches: lis
                 for i, s, states in zip(batch, batch_samples, per_sample):
                     # The compact layout's teacher (the target's LM head) is computed by the writer,
                     # overlapping the next batch's forward.
-                    writes.submit(write_one, out, fmt, i, s, states, teacher)
+                    writes.submit(write_one, out, written, i, s, states, teacher)
                 bar.update(sum(len(s.input_ids) for s in batch_samples))
     finally:
         bar.close()
@@ -303,10 +303,10 @@ def refuse_beyond_engine_context(prepared: str | Path, samples: list[TokenizedSa
 
 def extract_with_vllm(ref: TargetRef, prepared: str | Path, samples: list[TokenizedSample], batches: list[list[int]],
                       layer_ids: list[int], options: EngineOptions, save_dtype: torch.dtype, out: Path,
-                      fmt: formats.Layout, config: DataConfig, teacher: StoredTeacherMaker | None, write_threads: int,
+                      written: formats.Layout, config: DataConfig, teacher: StoredTeacherMaker | None, write_threads: int,
                       shard: tuple[int, int], bar: tqdm) -> float:
     """vLLM's extraction over every batch: each request's file read back, checked against its
-    sample (tokens, layers, width), written in `fmt`, and deleted. Returns the engine's start-up
+    sample (tokens, layers, width), written in the `written` layout, and deleted. Returns the engine's start-up
     seconds."""
     scratch = engine_scratch(out, *shard)
     hidden = config.hidden_size or 0
@@ -323,7 +323,7 @@ def extract_with_vllm(ref: TargetRef, prepared: str | Path, samples: list[Tokeni
                     states = [x.to(save_dtype) for x in
                               formats.read_vllm_states(path, samples[i].input_ids, len(layer_ids), hidden, where)]
                     path.unlink()
-                    writes.submit(write_one, out, fmt, i, samples[i], states, teacher)
+                    writes.submit(write_one, out, written, i, samples[i], states, teacher)
                 bar.update(sum(len(samples[i].input_ids) for i in batch))
     finally:
         bar.close()
@@ -365,14 +365,14 @@ def vllm_options(options: EngineOptions, compute_dtype: torch.dtype, samples: li
 
 
 def load_engine_side(engine: EngineOptions | None, ref: TargetRef, compute_dtype: torch.dtype, dev: torch.device, placed,
-                     fmt: formats.Layout, stored_top_k: int) -> tuple[nn.Module | None, Any, StoredTeacherMaker | None]:
+                     written: formats.Layout, stored_top_k: int) -> tuple[nn.Module | None, Any, StoredTeacherMaker | None]:
     """What this process loads: with the hf engine (`engine` None) the whole target (its config, and its head for
     the compact layout's teacher); with vLLM only the config, and the head alone when the layout
     stores a teacher."""
     if engine is None:
         model = load_target(ref, compute_dtype, dev, placed)
-        return model, model.config, StoredTeacherMaker(model, stored_top_k) if fmt.stores_teacher else None
-    heads = load_heads(ref, torch.float32) if fmt.stores_teacher else None
+        return model, model.config, StoredTeacherMaker(model, stored_top_k) if written.stores_teacher else None
+    heads = load_heads(ref, torch.float32) if written.stores_teacher else None
     return None, text_config(ref), StoredTeacherMaker(heads, stored_top_k) if heads is not None else None
 
 
@@ -395,7 +395,7 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
     ranges.at_least(1, num_shards=num_shards, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
                     write_threads=write_threads, stored_top_k=stored_top_k)
     check_shard(num_shards, shard_id)
-    fmt = formats.written_layout(layout)
+    written = formats.written_layout(layout)
     options = engine_choice(engine, device_map, tensor_parallel_size, pipeline_parallel_size, max_model_len,
                             gpu_memory_utilization, vllm_kv_cache_gib, vllm_args)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
@@ -408,29 +408,29 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
         template_sha = template_hash(load_tokenizer(ref))
         dev = pick_device(device)
         compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
-        model, target_config, teacher = load_engine_side(options, ref, compute_dtype, dev, placed, fmt, stored_top_k)
-        fmt.check_hidden_size(target_config.hidden_size, ref.name)
+        model, target_config, teacher = load_engine_side(options, ref, compute_dtype, dev, placed, written, stored_top_k)
+        written.check_hidden_size(target_config.hidden_size, ref.name)
         layer_ids = chosen_layer_ids(layer_ids, target_config.num_hidden_layers)
         config = build_data_config(out, ref, target_config, template_sha, pconfig, samples, layer_ids, compute_dtype,
-                                   save_dtype, command, fmt, stored_top_k,
+                                   save_dtype, command, written, stored_top_k,
                                    HF_ENGINE if options is None else engine_record())
         out.mkdir(parents=True, exist_ok=True)
         formats.ensure_data_config(out, config)
         lengths = {i: len(s.input_ids) for i, s in enumerate(samples)}
-        write_side_files(out, prepared, fmt, samples, lengths)
-        shard = plan_shard(out, fmt, len(samples), num_shards, shard_id, lengths, len(layer_ids))
+        write_side_files(out, prepared, written, samples, lengths)
+        shard = plan_shard(out, written, len(samples), num_shards, shard_id, lengths, len(layer_ids))
         batches = length_batches(shard.todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
         total_tokens = sum(lengths[i] for i in shard.todo)
         t0, started = time.time(), 0.0
         bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract shard {shard_id}/{num_shards}",
                    file=sys.stderr, dynamic_ncols=True, disable=not show_progress)
         if model is not None:
-            run_and_write(model, samples, batches, layer_ids, dev, save_dtype, out, fmt, config, teacher,
+            run_and_write(model, samples, batches, layer_ids, dev, save_dtype, out, written, config, teacher,
                           write_threads, bar)
         elif options is not None and shard.todo:
             started = extract_with_vllm(ref, prepared, samples, batches, layer_ids,
                                         vllm_options(options, compute_dtype, samples, shard.todo), save_dtype, out,
-                                        fmt, config, teacher, write_threads, (shard_id, num_shards), bar)
+                                        written, config, teacher, write_threads, (shard_id, num_shards), bar)
         bar.close()
         disk_bytes, disk_tokens = dataset_disk_usage(out, lengths)
         return ExtractSummary(out, len(shard.todo), len(shard.mine) - len(shard.todo), len(shard.mine), total_tokens,

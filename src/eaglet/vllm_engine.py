@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from eaglet import ranges
+from eaglet import families, ranges
 from eaglet.options import REMOTE_CODE_ENV, env_switch
 from eaglet.subprocesses import log_tail, spawn, stop
 
@@ -291,16 +291,8 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-# (first, last) vLLM versions that serve a family's speculators export (None: no bound known):
-# P-EAGLE (`parallel_drafting` on an eagle3 config) was dropped in 0.34.0, whose
-# transformers_utils/configs/speculators/algos.py (update_peagle) raises "P-EAGLE (parallel
-# drafting EAGLE-3) is not supported"; 0.32.0 and 0.33.0 load it as PeagleLlamaForCausalLM.
-SERVED_BY: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {
-    "eagle3": (None, None), "p-eagle": ((0, 32), (0, 33)), "dflash": ((0, 32), None)}
-
-
 def serving_versions(family: str) -> str:
-    first, last = SERVED_BY[family]
+    first, last = families.family(family).vllm_served  # (first, last) vLLM that load its export
     show = lambda v: ".".join(map(str, v))  # noqa: E731
     if first and last:
         return f"vLLM {show(first)} to {show(last)}.x"
@@ -308,7 +300,7 @@ def serving_versions(family: str) -> str:
 
 
 def serves(family: str, version: str) -> bool:
-    first, last = SERVED_BY[family]
+    first, last = families.family(family).vllm_served  # (first, last) vLLM that load its export
     v = version_tuple(version)
     return (first is None or v[:len(first)] >= first) and (last is None or v[:len(last)] <= last)
 

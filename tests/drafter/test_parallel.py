@@ -308,7 +308,7 @@ def test_sglang_dflash_export_loads_and_needs_the_targets_head(tmp_path, tiny_ta
         export_drafter(tmp_path / "own", tmp_path / "own_out", "eagle", dtype="fp32")
     with pytest.raises(ValueError, match="SGLang serves no P-EAGLE"):
         export_drafter(parallel_checkpoint(tmp_path, P_EAGLE, tiny_target), tmp_path / "p", "eagle")
-    with pytest.raises(ValueError, match="llama.cpp serves EAGLE-3 drafters only"):
+    with pytest.raises(ValueError, match="llama.cpp serves no DFlash drafter"):
         export_drafter(ckpt, tmp_path / "x.gguf", "gguf")
 
 

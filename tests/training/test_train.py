@@ -394,11 +394,11 @@ def test_time_budget_calibration_follows_rank_0_on_every_rank():
     bar = SimpleNamespace(reset=lambda total: None, update=lambda n: None)
     progress = SimpleNamespace(calibration=Calibration(start=10 ** 9), bar=bar)  # this rank never timed enough
     state = RunState(Plan.first(cfg, 100), None, step=5)
-    run = SimpleNamespace(cfg=cfg, d=FakeRank([0]), split=SimpleNamespace(tokens_per_step=100.0))
+    run = SimpleNamespace(cfg=cfg, dist=FakeRank([0]), split=SimpleNamespace(tokens_per_step=100.0))
     calibrate_budget(run, state, progress)  # rank 0 not ready: one broadcast, the plan stays open
-    assert run.d.calls == 1 and not state.plan.calibrated
-    run.d = FakeRank([1, 321])  # rank 0 is ready and sized 321 steps
+    assert run.dist.calls == 1 and not state.plan.calibrated
+    run.dist = FakeRank([1, 321])  # rank 0 is ready and sized 321 steps
     calibrate_budget(run, state, progress)
-    assert run.d.calls == 2 and state.plan.calibrated and state.plan.total_steps == 321
+    assert run.dist.calls == 2 and state.plan.calibrated and state.plan.total_steps == 321
     calibrate_budget(run, state, progress)  # sized once: no more collectives
-    assert run.d.calls == 2
+    assert run.dist.calls == 2

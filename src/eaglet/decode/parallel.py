@@ -15,8 +15,9 @@ import math
 
 import torch
 
+from eaglet import families
 from eaglet.decode.core import DraftTree
-from eaglet.drafter import DFLASH, ParallelDraft, predicted_positions
+from eaglet.drafter import ParallelDraft, predicted_positions
 
 
 class ParallelProposer:
@@ -83,7 +84,7 @@ class ParallelProposer:
         self.pending = []
         start = self.context_len
         m = 0 if new is None else new.shape[0]
-        if self.cfg.family == DFLASH:
+        if families.family(self.cfg.family).anchor_in_block:  # DFlash: the context enters as keys/values
             out = self.dflash_pass(new, start, m)
         else:
             out = self.p_eagle_pass(new, start, m)

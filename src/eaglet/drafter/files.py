@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from eaglet import __version__, formats, heads, layers, options, vllm_engine
+from eaglet import __version__, families, formats, heads, layers, options, vllm_engine
 from eaglet.drafter.config import DraftConfig
 from eaglet.drafter.parallel import DraftModel, build_model
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
@@ -294,10 +294,11 @@ def export_gguf_file(path: str | Path, out: str | Path, target_gguf: str | Path 
 
 def unservable(cfg: DraftConfig, fmt: str) -> list[str]:
     """Variants a format's engine would load and then run wrongly, or cannot load at all."""
-    if cfg.family != options.EAGLE3 and fmt == formats.FORMAT_GGUF:
-        return [f"llama.cpp serves EAGLE-3 drafters only, not {cfg.family}; use --format speculators (vLLM)"]
-    if cfg.family == "p-eagle" and fmt == formats.FORMAT_EAGLE:
-        return ["SGLang serves no P-EAGLE drafter (its parallel drafting is vLLM's); use --format speculators"]
+    family = families.family(cfg.family)
+    if not family.llama_cpp and fmt == formats.FORMAT_GGUF:
+        return [f"llama.cpp serves no {family.title} drafter; use --format speculators (vLLM)"]
+    if not family.sglang_algorithm and fmt == formats.FORMAT_EAGLE:
+        return [f"SGLang serves no {family.title} drafter; use --format speculators (vLLM)"]
     if fmt == formats.FORMAT_GGUF:
         return formats.gguf_unservable(cfg)
     return []
@@ -320,9 +321,9 @@ def format_warnings(cfg: DraftConfig, fmt: str) -> list[str]:
     if fmt == formats.FORMAT_EAGLE and cfg.fc_norm:
         notes.append("fc_norm (norm_before_fc: one RMSNorm before fc, input_norm.weight): SGLang reads it from 0.5.23 "
                      "on (llama_eagle3.py); older SGLang skips input_norm.weight without a word and drafts wrongly")
-    if fmt == formats.FORMAT_SPECULATORS and cfg.family == "p-eagle":
-        notes.append(f"P-EAGLE is served by {vllm_engine.serving_versions('p-eagle')} (PeagleLlamaForCausalLM); vLLM "
-                     "0.34 and newer refuse it ('P-EAGLE (parallel drafting EAGLE-3) is not supported')")
+    if fmt == formats.FORMAT_SPECULATORS and families.family(cfg.family).vllm_served[1] is not None:
+        notes.append(f"{families.family(cfg.family).title} is served by {vllm_engine.serving_versions(cfg.family)} "
+                     "only; newer vLLM refuse it")
     if fmt == formats.FORMAT_EAGLE and cfg.aux_layer_ids[0] != 2:
         notes.append(f"aux layer ids {cfg.aux_layer_ids} do not start at 2: SGLang releases with sgl-project/sglang"
                      f"#25454 read eagle_config ids whose first is not 1 without the +1, one layer off")

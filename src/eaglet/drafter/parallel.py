@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglet import options
+from eaglet import families, options
 from eaglet.drafter.attention import apply_rope, rope_cos_sin
 from eaglet.drafter.config import DraftConfig, build_draft_vocab
 from eaglet.drafter.model import MLP, Eagle3Draft, RMSNorm
@@ -58,7 +58,7 @@ def position_weights(family: str, block_size: int) -> list[float]:
 
 def predicted_positions(cfg: DraftConfig) -> int:
     """Draft tokens one pass proposes: K for P-EAGLE, B-1 for DFlash."""
-    return cfg.block_size - 1 if cfg.family == DFLASH else cfg.block_size
+    return families.family(cfg.family).drafts_per_pass(cfg.block_size)
 
 
 class Attention(nn.Module):

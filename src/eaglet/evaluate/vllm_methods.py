@@ -25,13 +25,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from eaglet import formats
+from eaglet import families, formats
 from eaglet.decode import DecodeStats, truncate_at_eos
 from eaglet.drafter import DraftModel
 from eaglet.drafter.files import read_drafter, write_engine_folder
 from eaglet.evaluate.methods import Run
 from eaglet.evaluate.settings import DecodeSettings
-from eaglet.options import EAGLE3, VLLM_BASELINE, VLLM_FAMILY_METHODS, VLLM_METHODS
+from eaglet.options import VLLM_BASELINE, VLLM_FAMILY_METHODS, VLLM_METHODS
 from eaglet.vllm_engine import EngineOptions, VllmEngine, installed_version, refuse_unserved, vllm_engine
 
 log = logging.getLogger(__name__)
@@ -48,14 +48,10 @@ def speculative_config(method: str, s: DecodeSettings, export: Path | None,
     if method == "vllm-ngram":
         return {"method": "ngram", "num_speculative_tokens": s.lookup_tokens, "prompt_lookup_max": s.max_ngram,
                 "prompt_lookup_min": 1}
-    family = VLLM_FAMILY_METHODS[method]
+    family = families.family(VLLM_FAMILY_METHODS[method])
     assert export is not None and drafter is not None
-    if family == EAGLE3:
-        return {"method": "eagle3", "model": str(export), "num_speculative_tokens": s.chain_depth}
-    drafts = formats.parallel_drafts(drafter.config)
-    if family == "p-eagle":
-        return {"method": "eagle3", "model": str(export), "num_speculative_tokens": drafts, "parallel_drafting": True}
-    return {"method": "dflash", "model": str(export), "num_speculative_tokens": drafts}
+    drafts = family.drafts_per_pass(drafter.config.block_size) if family.parallel else s.chain_depth
+    return family.vllm_speculative_config(str(export), drafts)
 
 
 def refuse_unfit(methods: Sequence[str], drafter: DraftModel | None, version: str) -> None:

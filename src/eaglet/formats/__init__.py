@@ -58,7 +58,7 @@ from eaglet.formats.drafters import (DFLASH_ARCHITECTURE, DRAFTER_CONFIG_FILE, D
                                      FORMAT_EAGLE, FORMAT_EAGLET, FORMAT_GGUF, FORMAT_SPECULATORS,
                                      IGNORABLE_WEIGHT_SUFFIXES, build_dflash_config, build_eagle_config,
                                      build_parallel_speculators_config, build_speculators_config,
-                                     detect_drafter_format, format_name, from_format_names, parallel_drafts,
+                                     detect_drafter_format, format_name, from_format_names,
                                      parse_eagle_config, parse_engine_config, parse_speculators_config,
                                      read_weight_files, to_format_names, weight_files, write_drafter_files,
                                      write_drafter_folder)

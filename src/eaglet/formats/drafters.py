@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eaglet import layers
+from eaglet import families, layers
 from eaglet.formats.io import atomic_dir, inside_folder, read_json, read_safetensors, torch_load_safe
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ FORMAT_EAGLE = "eagle"  # official EAGLE-3 / SGLang `LlamaForCausalLMEagle3`
 FORMAT_SPECULATORS = "speculators"  # vLLM / speculators `Eagle3Speculator`
 FORMAT_GGUF = "gguf"  # one llama.cpp eagle3 GGUF file (formats/gguf_drafter.py)
 EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+SPECULATORS_ARCHITECTURE = families.EAGLE3.speculators_architecture
 # eaglet name prefix -> name prefix in the format. `fc_norm` is eaglet's single RMSNorm over the
 # 3H concat; the engines call that `norm_before_fc` / `input_norm` (their `fc_norm` is per layer).
 FORMAT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -274,31 +274,22 @@ def parse_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, A
 #         of its own: the target's are used, other names are skipped).
 # ---------------------------------------------------------------------------------------------
 
-SPECULATORS_TYPES = {"p-eagle": "peagle", "dflash": "dflash"}  # eaglet family -> speculators_model_type
-SPECULATORS_PARALLEL_ARCHITECTURES = {"p-eagle": "PEagleSpeculator", "dflash": "DFlashSpeculator"}
+# eaglet's parallel family -> its speculators_model_type (families.Family.speculators_type)
+SPECULATORS_TYPES = {f.name: f.speculators_type for f in families.FAMILIES.values() if f.parallel}
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # z-lab's layout, which SGLang (and vLLM) load
-
-
-def layer_model_type(family: str) -> str:
-    """DFlash's layers are Qwen3's (per-head q/k norms); P-EAGLE's, like EAGLE-3's, Llama's."""
-    return "qwen3" if family == "dflash" else "llama"
-
-
-def parallel_drafts(cfg: Any) -> int:
-    """Drafts one pass proposes: P-EAGLE's K, DFlash's block minus its anchor."""
-    return cfg.block_size - 1 if cfg.family == "dflash" else cfg.block_size
 
 
 def build_parallel_speculators_config(cfg: Any, torch_dtype: str, verifier_name: str,
                                       verifier_architectures: list[str], provenance: dict[str, Any]) -> dict[str, Any]:
     """config.json of a speculators P-EAGLE (`peagle`) or DFlash folder, what vLLM's SpeculatorsConfig reads."""
-    kind = SPECULATORS_TYPES[cfg.family]
+    family = families.family(cfg.family)
+    kind = family.speculators_type
     config: dict[str, Any] = {
-        "architectures": [SPECULATORS_PARALLEL_ARCHITECTURES[cfg.family]], "speculators_model_type": kind,
-        "transformer_layer_config": _llama_block(cfg, layer_model_type(cfg.family)),
+        "architectures": [family.speculators_architecture], "speculators_model_type": kind,
+        "transformer_layer_config": _llama_block(cfg, family.layer_model_type),
         "speculators_config": {
             "algorithm": kind,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": parallel_drafts(cfg),
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": family.drafts_per_pass(cfg.block_size),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures)},

@@ -24,12 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from eaglet.formats.io import atomic_path
+from eaglet.formats.io import REDO, atomic_path
 
 UNQUANTIZED = ("F32", "F16", "BF16", "F64")  # ggml tensor types that are plain floats
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS: llama.cpp refuses a tensor with more
-REDO = "download or copy it again (a download or copy that stopped early, or a disk fault, leaves a file like this)"
 NOT_GGUF = "pass the target's GGUF (the model file llama.cpp runs)"
 
 

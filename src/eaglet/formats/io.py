@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import socket
 import tempfile
@@ -45,6 +46,9 @@ class WriteFailed(OSError):
         return self.strerror or super().__str__()
 
 
+# what to do about a file that a copy or download cut short
+REDO = "download or copy it again (a download or copy that stopped early, or a disk fault, leaves a file like this)"
+
 # Below this much free space a failed write is taken to be a full disk: torch.save reports one as
 # "[enforce fail at inline_container.cc] unexpected pos", with neither errno nor file name.
 LOW_SPACE_BYTES = 64 << 20
@@ -64,10 +68,23 @@ def disk_nearly_full(folder: Path) -> bool:
     return free is not None and free < LOW_SPACE_BYTES
 
 
+# safetensors (Rust) reports an OS error in its message only: "... (os error 28)" or "Os { code: 28, ..."
+RUST_OS_ERROR = re.compile(r"os error (\d+)|Os \{ code: (\d+)")
+
+
+def error_code(error: BaseException) -> int | None:
+    """The errno of a failed file operation, from Python's OSError or from safetensors' message."""
+    code = getattr(error, "errno", None)
+    if code is None and isinstance(error, SafetensorError):
+        found = RUST_OS_ERROR.search(str(error))
+        code = int(found.group(1) or found.group(2)) if found else None
+    return code
+
+
 def os_error_reason(error: BaseException, path: Path) -> str:
     """Why a file operation on `path` failed, with the recovery step for the kinds a user can fix."""
     folder = path.parent if path.parent.exists() else Path.cwd()  # where free space is measured
-    code = getattr(error, "errno", None)
+    code = error_code(error)
     if code == errno.ENOSPC or disk_nearly_full(folder):
         return (f"no space left on the device ({(free_bytes(folder) or 0) >> 20} MiB free); free some space and "
                 "run the same command again: finished files are kept and the stage resumes where it stopped")
@@ -78,7 +95,7 @@ def os_error_reason(error: BaseException, path: Path) -> str:
 
 def write_failure(path: Path, error: BaseException) -> WriteFailed:
     """A failed write of `path` as one line: the file, why, what to do (every eaglet stage resumes)."""
-    code = getattr(error, "errno", None) or errno.EIO
+    code = error_code(error) or errno.EIO
     return WriteFailed(code, f"could not write {path}: {os_error_reason(error, path)}")
 
 
@@ -89,10 +106,10 @@ def failures_named(path: Path) -> Iterator[None]:
         yield
     except WriteFailed:
         raise
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, SafetensorError) as e:
         # Only what a write can fail with: the block may also read (prepare streams its input
         # inside one), and a missing input file is not a failed write.
-        if getattr(e, "errno", None) in WRITE_ERRNOS or disk_nearly_full(path.parent):
+        if error_code(e) in WRITE_ERRNOS or disk_nearly_full(path.parent):
             raise write_failure(path, e) from e
         raise
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from eaglet import ranges
-from eaglet.options import DRAFTER_FAMILIES, EAGLE3, LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
+from eaglet import families, ranges
+from eaglet.options import DRAFTER_FAMILIES, LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
 from eaglet.placement import Placement, placement_from_options, size_text
 
 BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
@@ -23,8 +23,8 @@ CALIBRATION_STEPS = 20  # under --time-budget, steps timed before the schedule i
 CALIBRATION_SKIP = 2  # first steps left out of the timing (one-time allocations and kernel setup)
 UNSIZED_STEPS = 1 << 40  # the schedule's length before --time-budget has sized it
 # The parallel families' defaults: two layers (the first multi-layer size; a CPU pays for every
-# layer at every pass), P-EAGLE's K = 8 and DFlash's block of 16 (the paper's), a block every 8th position.
-PARALLEL_DEFAULTS = {"draft_layers": 2, "block_size": {"p-eagle": 8, "dflash": 16}, "anchor_stride": 8}
+# layer at every pass), the family's own block (families.Family.default_block_size), a block every 8th position.
+PARALLEL_DEFAULTS = {"draft_layers": 2, "block_size": None, "anchor_stride": 8}
 # EAGLE-3 drafter options a parallel drafter has no use for (its layers have no TTT unroll to feed)
 EAGLE3_ONLY = ("fc_norm", "norm_output", "norm_before_residual", "sliding_window", "feature_loss_weight")
 
@@ -157,7 +157,7 @@ class TrainConfig:
         if family not in DRAFTER_FAMILIES:
             raise ValueError(f"--drafter {family!r}: choose one of {list(DRAFTER_FAMILIES)}")
         parallel = {k: getattr(self, k) for k in PARALLEL_DEFAULTS}
-        if family == EAGLE3:
+        if not families.family(family).parallel:
             given = [k for k, v in parallel.items() if v is not None]
             if given:
                 raise ValueError(f"--{given[0].replace('_', '-')} is a p-eagle / dflash option; --drafter eagle3 has "
@@ -166,17 +166,17 @@ class TrainConfig:
         unused = [k for k in EAGLE3_ONLY if getattr(self, k)]
         if unused:
             raise ValueError(f"--{unused[0].replace('_', '-')} is an eagle3 option; --drafter {family} has no use for it")
-        for k, default in PARALLEL_DEFAULTS.items():
+        defaults = {**PARALLEL_DEFAULTS, "block_size": families.family(family).default_block_size}
+        for k, default in defaults.items():
             if getattr(self, k) is None:
-                setattr(self, k, default[family] if isinstance(default, dict) else default)
+                setattr(self, k, default)
         ranges.at_least(2, block_size=self.block_size)
 
     @property
     def stat_positions(self) -> int:
         """Positions the per-position statistics have: TTT steps, P-EAGLE's K, DFlash's B - 1."""
-        if self.drafter == EAGLE3:
-            return self.ttt_steps
-        return self.block_size - 1 if self.drafter == "dflash" else self.block_size
+        family = families.family(self.drafter)
+        return family.drafts_per_pass(self.block_size) if family.parallel else self.ttt_steps
 
     def ttt_steps_at(self, step: int, total_steps: int) -> int:
         """The unroll length at this optimizer step: ttt_steps, or growing 1..ttt_steps over the ramp."""

@@ -76,16 +76,16 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def wrap(draft: nn.Module, device: torch.device, d: Dist) -> nn.Module:
+def wrap(draft: nn.Module, device: torch.device, group: Dist) -> nn.Module:
     """The module the loop runs: the drafter itself, or under torchrun its DDP wrapper."""
-    if d.world == 1:
+    if group.world == 1:
         return draft
     return DDP(draft, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
 
 
-def teardown(d: Dist) -> None:
+def teardown(group: Dist) -> None:
     """Leave the process group at the end of a run; the caller has dropped its DDP wrapper."""
-    if d.world > 1:
+    if group.world > 1:
         # DDP's reducer holds the gloo/NCCL group and its work objects in reference cycles; free them
         # while the interpreter is alive: freed at exit, a gloo thread can abort the process (SIGABRT)
         gc.collect()

@@ -9,10 +9,10 @@ from typing import Any, Callable
 
 import torch
 
+from eaglet import families
 from eaglet.drafter import DEFAULT_TTT_STEPS, STAT_ROWS, DraftModel, make_teacher_head, stats_summary
 from eaglet.drafter.files import load_drafter
 from eaglet.heads import FINAL_NORM, LM_HEAD
-from eaglet.options import EAGLE3
 from eaglet.target import fast_bf16, load_heads, pick_device, resolve_target
 from eaglet.training.config import TrainConfig
 from eaglet.dataset import dataset_target, open_dataset
@@ -24,16 +24,16 @@ from eaglet.training.teacher import TeacherSource
 
 @torch.no_grad()
 def evaluate(draft: DraftModel, teachers: TeacherSource, load: Callable[[list[int]], Batch],
-             batches: list[list[int]], cfg: TrainConfig, device: torch.device, d: Dist) -> dict[str, Any] | None:
+             batches: list[list[int]], cfg: TrainConfig, device: torch.device, dist: Dist) -> dict[str, Any] | None:
     """Held-out per-step acceptance on assistant tokens, whatever positions the loss trains on."""
     if not batches:
         return None
     draft.eval()
     sums = torch.zeros(STAT_ROWS, cfg.stat_positions, device=device)
-    for b in batches[d.rank::d.world]:
+    for b in batches[dist.rank::dist.world]:
         sums += forward_stats(draft, teachers, load(b).to(device), cfg, device, cfg.ttt_steps, "assistant")[1]
     draft.train()
-    return stats_summary(d.all_sum(sums).cpu())
+    return stats_summary(dist.all_sum(sums).cpu())
 
 
 def evaluate_heldout(drafter: str | Path, dataset_dir: str | Path, eval_fraction: float = 0.05, seed: int = 0,
@@ -49,7 +49,8 @@ def evaluate_heldout(drafter: str | Path, dataset_dir: str | Path, eval_fraction
     ref = resolve_target(dataset_target(ds, target))
     head = make_teacher_head(load_heads(ref, None, dev, (FINAL_NORM, LM_HEAD)), ds.last_hidden_state, None).to(dev)
     c = draft.config
-    family = {} if c.family == EAGLE3 else dict(drafter=c.family, draft_layers=c.num_layers, block_size=c.block_size)
+    family = (dict(drafter=c.family, draft_layers=c.num_layers, block_size=c.block_size)
+              if families.family(c.family).parallel else {})
     cfg = TrainConfig(ttt_steps=ttt_steps or DEFAULT_TTT_STEPS, bf16=bf16, batch_size=batch_size,
                       max_length=max_length, eval_fraction=eval_fraction, seed=seed, **family)
     _, eval_idx = split_indices(list(ds.lengths), eval_fraction, seed)

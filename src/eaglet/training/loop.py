@@ -37,7 +37,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from eaglet import formats, layers
+from eaglet import families, formats, layers
 from eaglet.drafter import STAT_ROWS, DraftModel, make_teacher_head, num_parameters, stats_summary
 from eaglet.dataset import Dataset, check_target_matches, dataset_target
 from eaglet.options import DECLARED, EAGLE3, takes_options
@@ -79,7 +79,7 @@ class TrainSummary:
                f"{self.train_tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
         if self.last_eval:
             acc = " ".join(f"{a:.3f}" for a in self.last_eval["acc"])
-            where = "TTT step" if self.drafter == EAGLE3 else "block position"
+            where = families.family(self.drafter).position_name
             out.append(f"held-out: acc per {where} [{acc}], simulated acceptance length {self.last_eval['tau']:.3f}")
         if self.best_step is not None:
             out.append(f"best checkpoint: step {self.best_step} (tau {self.best_tau:.3f}) in "
@@ -106,7 +106,7 @@ class Run:
 
     cfg: TrainConfig
     out: Path
-    d: Dist
+    dist: Dist
     device: torch.device
     src: Source
     draft: DraftModel
@@ -156,41 +156,44 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
                  show_progress: bool, command: str, **options: Any) -> TrainSummary:
     """`train` with the run folder's lock held."""
     out = Path(out_dir)
-    cfg = run_config(out, resume, options)
+    cfg = options_of_run(out, resume, options)
+    if env_rank() == 0:
+        formats.remove_stale_temp_files(out / CHECKPOINTS_DIR)  # checkpoint folders a kill left half-written
     data = open_training_data(dataset_dir, cfg, show_progress and env_rank() == 0)
     device = process_device(cfg.device)  # under torchrun, one device per process
-    d = init_distributed(device)
+    dist = init_distributed(device)
     if cfg.bf16 is None:  # resolved here, so train_config.json and a resume see what ran
         cfg = replace(cfg, bf16=fast_bf16(device))
     src, ref, draft, teachers = setup_model(dataset_dir, data, target, cfg, device)
     cfg = resolve_packing(cfg, max(src.cut_lengths().values()))  # before the trajectory is recorded
     refuse_unfit_micro_batch(cfg, max(src.cut_lengths().values()), draft.config.target_hidden_size, str(device))
-    split = setup_data(src, cfg, d)
+    split = setup_data(src, cfg, dist)
     state = RunState(Plan.first(cfg, split.epoch_steps), cfg.stop_after)
     params, opt, sched = setup_optimizer(draft, cfg, state)
     record = {"dataset": str(src.path.resolve()), "online": cfg.online, "target": ref.name,
               "target_revision": ref.revision}
-    saver = Checkpointer(out, cfg.keep_checkpoints, {**cfg.trajectory(d.world), **src.identity()}, src.fingerprint(),
+    saver = Checkpointer(out, cfg.keep_checkpoints, {**cfg.trajectory(dist.world), **src.identity()}, src.fingerprint(),
                          record)
     refuse_too_short(src.lengths, split.train_idx, cfg)
     restore_or_start(saver, resume, state, draft, opt, sched)
-    if d.main:  # drop lines a killed run wrote after the checkpoint we start from (all, when from scratch)
+    if dist.main:  # drop lines a killed run wrote after the checkpoint we start from (all, when from scratch)
         truncate_metrics(out / METRICS_FILE, state.step)
-    d.barrier()
+    dist.barrier()
 
-    model, compilation = compiled(wrap(draft, device, d), cfg.compile)
-    if d.main:
-        write_run_config(out, {**asdict(cfg), "world_size": d.world, "total_steps": state.plan.total_steps,
+    model, compilation = compiled(wrap(draft, device, dist), cfg.compile)
+    if dist.main:
+        write_run_config(out, {**asdict(cfg), "world_size": dist.world, "total_steps": state.plan.total_steps,
                                "warmup_steps": state.plan.warmup, "dataset": record["dataset"], "target": ref.name,
                                "target_revision": ref.revision, "train_samples": len(split.train_idx),
                                "eval_samples": len(split.eval_idx), "command": command, **compilation.record()})
-    run = Run(cfg, out, d, device, src, draft, model, teachers, split, params, opt, sched, saver,
-              MetricsLog(out, d.main), compilation)
+    run = Run(cfg=cfg, out=out, dist=dist, device=device, src=src, draft=draft, model=model, teachers=teachers,
+              split=split, params=params, opt=opt, sched=sched, saver=saver, metrics=MetricsLog(out, dist.main),
+              compilation=compilation)
     log_start(run, state)
     run_steps(run, state, show_progress)
     summary = finish(run, state)
     del run, model  # the DDP wrapper goes before the process group does (see distributed.teardown)
-    teardown(d)
+    teardown(dist)
     return summary
 
 
@@ -198,14 +201,11 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
 # Setup: options, target and drafter, data, optimizer, resume
 # ---------------------------------------------------------------------------------------------
 
-def run_config(out: Path, resume: bool, options: dict[str, Any]) -> TrainConfig:
+def options_of_run(out: Path, resume: bool, options: dict[str, Any]) -> TrainConfig:
     """The options of this invocation, checked; with --resume the run's own, then those given now."""
     if resume:  # the run's own settings, then the options given now (a differing trajectory one is refused at restore)
         options = {**resumed_options(out), **options}
-    cfg = TrainConfig(**options)
-    if env_rank() == 0:
-        formats.remove_stale_temp_files(out / CHECKPOINTS_DIR)  # checkpoint folders a kill left half-written
-    return cfg
+    return TrainConfig(**options)
 
 
 def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str | None, cfg: TrainConfig,
@@ -270,12 +270,12 @@ def check_layer_ids(ds: Dataset, ref: TargetRef) -> None:
     del tmodel
 
 
-def setup_data(src: Source, cfg: TrainConfig, d: Dist) -> Split:
+def setup_data(src: Source, cfg: TrainConfig, dist: Dist) -> Split:
     """The seeded split, the global order of micro-batches, and the sizes of a step and an epoch."""
     train_idx, eval_idx = split_indices(list(src.lengths), cfg.eval_fraction, cfg.seed)
     cut = src.cut_lengths()
     stream = BatchStream(train_idx, cut, cfg.batch_size, cfg.seed, cfg.pack_tokens or None)
-    micro_per_step = cfg.grad_accum * d.world
+    micro_per_step = cfg.grad_accum * dist.world
     epoch_steps = max(1, int(cfg.epochs * stream.per_epoch) // micro_per_step)
     tokens_per_step = micro_per_step * sum(cut[i] for i in train_idx) / max(1, stream.per_epoch)
     # held-out batches stay one sample per row, packed or not: comparable across runs
@@ -344,7 +344,7 @@ def record_compilation(run: Run) -> None:
     c.stepped = True
     if c.wrapped and not c.graphs:
         log.warning("--compile: torch.compile built no graph in the first step; the steps run eager")
-    if run.d.main:
+    if run.dist.main:
         config = formats.read_json(run.out / TRAIN_CONFIG_FILE)
         write_run_config(run.out, {**config, **c.record()})
 
@@ -427,7 +427,7 @@ def start_progress(run: Run, state: RunState, show_progress: bool) -> Progress:
     t0 = time.time()
     calibration = Calibration(state.step + CALIBRATION_SKIP)  # --time-budget: timing starts here
     bar = tqdm(total=state.stop if state.plan.calibrated else None, initial=state.step, desc="train", unit="step",
-               file=sys.stderr, dynamic_ncols=True, disable=not (show_progress and run.d.main))
+               file=sys.stderr, dynamic_ncols=True, disable=not (show_progress and run.dist.main))
     return Progress(sums, t0, calibration, bar)
 
 
@@ -446,7 +446,7 @@ def run_steps(run: Run, state: RunState, show_progress: bool) -> None:
                 record_compilation(run)  # the first step built the compiled graphs, or ran eager
             progress.bar.update(1)
             progress.add(result)
-            state.done["tokens"] += int(run.d.all_sum(torch.tensor([result.tokens], device=run.device)).item())
+            state.done["tokens"] += int(run.dist.all_sum(torch.tensor([result.tokens], device=run.device)).item())
             state.done["seconds"] += time.perf_counter() - t_step
             calibrate_budget(run, state, progress)
             maybe_log(run, state, progress, result)
@@ -466,16 +466,16 @@ def micro_batch(run: Run, m: int) -> Batch:
 def train_step(run: Run, state: RunState, prefetch: Prefetcher) -> StepResult:
     """One optimizer step over this process's grad_accum micro-batches; under DDP the gradients
     are averaged on the last one only."""
-    cfg, d = run.cfg, run.d
+    cfg, dist = run.cfg, run.dist
     # the full unroll while --time-budget times the first steps: they set the schedule's length
     steps = cfg.ttt_steps_at(state.step, state.plan.total_steps) if state.plan.calibrated else cfg.ttt_steps
     step_sums = torch.zeros(STAT_ROWS, cfg.stat_positions, device=run.device)
     step_tokens = 0
     for a in range(cfg.grad_accum):
-        m = state.step * run.split.micro_per_step + a * d.world + d.rank  # every W-th micro-batch of the global order
+        m = state.step * run.split.micro_per_step + a * dist.world + dist.rank  # every W-th micro-batch of the global order
         last_micro = state.step + 1 == state.stop and a == cfg.grad_accum - 1
-        batch = prefetch.get(m, None if last_micro else m + d.world).to(run.device)
-        sync = a == cfg.grad_accum - 1 or d.world == 1
+        batch = prefetch.get(m, None if last_micro else m + dist.world).to(run.device)
+        sync = a == cfg.grad_accum - 1 or dist.world == 1
         with (contextlib.nullcontext() if sync else run.model.no_sync()):
             loss, sums = forward_stats(run.model, run.teachers, batch, cfg, run.device, steps, cfg.loss_on,
                                        state.step)
@@ -500,15 +500,15 @@ def calibrate_budget(run: Run, state: RunState, progress: Progress) -> None:
     measured = progress.calibration.rate(state.step, state.done["tokens"], state.done["seconds"], cfg.time_budget)
     # Rank 0's timing decides when, as it decides how many steps: ranks that timed their steps
     # differently would otherwise wait forever on each other's broadcast.
-    if not run.d.from_main(int(measured is not None)):
+    if not run.dist.from_main(int(measured is not None)):
         return
     rate, timed = measured or (0.0, 0)  # another rank's figures: only rank 0's are broadcast
-    total = run.d.from_main(budget_steps(cfg.time_budget, state.step, state.done["seconds"], rate,
+    total = run.dist.from_main(budget_steps(cfg.time_budget, state.step, state.done["seconds"], rate,
                                          run.split.tokens_per_step))
     state.plan = Plan.sized(cfg, total, state.step)  # the same schedule on every rank
     progress.bar.reset(total=state.stop)
     progress.bar.update(state.step)
-    if run.d.main:
+    if run.dist.main:
         log.info("--time-budget %.0f s: %.0f tok/s over %d steps -> %d steps in all", cfg.time_budget, rate, timed,
                  state.plan.total_steps)
         # train_config.json was written before the schedule had a length: give it the sized one
@@ -521,9 +521,9 @@ def maybe_log(run: Run, state: RunState, progress: Progress, result: StepResult)
     """Every log_every steps and at the last: a train metrics line over the steps since the last one."""
     if state.step % run.cfg.log_every != 0 and state.step != state.stop:
         return
-    d, done = run.d, state.done
-    tokens = int(d.all_sum(torch.tensor([progress.tokens], device=run.device)).item())
-    summary = stats_summary(d.all_sum(progress.sums).cpu())
+    dist, done = run.dist, state.done
+    tokens = int(dist.all_sum(torch.tensor([progress.tokens], device=run.device)).item())
+    summary = stats_summary(dist.all_sum(progress.sums).cpu())
     run.metrics.write({"step": state.step, "split": "train", "lr": run.sched.get_last_lr()[0],
                        "grad_norm": float(result.grad_norm), "tokens": tokens, "elapsed": time.time() - progress.t0,
                        "train_tokens": done["tokens"], "train_seconds": round(done["seconds"], 3),
@@ -540,7 +540,7 @@ def maybe_evaluate(run: Run, state: RunState) -> bool:
     plan = state.plan
     if not (plan.calibrated and (state.step % plan.eval_every == 0 or state.step == state.stop)):
         return False
-    result = evaluate(run.draft, run.teachers, run.src.load, run.split.eval_batches, run.cfg, run.device, run.d)
+    result = evaluate(run.draft, run.teachers, run.src.load, run.split.eval_batches, run.cfg, run.device, run.dist)
     if result is None:
         return False
     run.metrics.write({"step": state.step, "split": "eval", "train_tokens": state.done["tokens"],
@@ -558,17 +558,17 @@ def maybe_save(run: Run, state: RunState, new_best: bool) -> None:
     plan = state.plan
     if not (plan.calibrated and (state.step % plan.save_every == 0 or state.step == state.stop or new_best)):
         return
-    if run.d.main:
+    if run.dist.main:
         run.saver.save(state.step, state.step * run.split.micro_per_step, run.draft, run.opt, run.sched, state.best,
                        plan, state.done, state.last_eval)
-    run.d.barrier()
+    run.dist.barrier()
 
 
 def finish(run: Run, state: RunState) -> TrainSummary:
     """The summary, with a held-out evaluation of the last weights if the loop made none."""
     if state.last_eval is None and run.split.eval_batches:
         state.last_eval = evaluate(run.draft, run.teachers, run.src.load, run.split.eval_batches, run.cfg,
-                                   run.device, run.d)
+                                   run.device, run.dist)
     return TrainSummary(run.out, state.step, state.plan.total_steps, state.best["step"], state.best["tau"],
                         state.last_eval, state.done["tokens"], state.done["seconds"], num_parameters(run.draft),
                         drafter=run.cfg.drafter)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eaglet.drafter import DFLASH, STAT_ROWS, anchor_grid, block_loss, position_weights, ttt_loss
-from eaglet.options import EAGLE3
+from eaglet import families
+from eaglet.drafter import STAT_ROWS, anchor_grid, block_loss, position_weights, ttt_loss
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
 from eaglet.drafter import Teacher
@@ -21,7 +21,7 @@ def forward_stats(model: nn.Module, teachers: TeacherSource, batch: Batch, cfg: 
     drafter's anchor grid turns with the optimizer `step` (held-out: 0)."""
     teacher = teachers(batch)
     positions = batch.loss_mask if loss_on == "assistant" else batch.real()
-    if cfg.drafter != EAGLE3:
+    if families.family(cfg.drafter).parallel:
         return block_stats(model, teacher, batch, cfg, device, positions, step)
     with autocast(device, cfg.bf16):
         out = model(batch.input_ids, batch.aux_hidden.float(), steps=steps, documents=batch.documents,
@@ -36,8 +36,8 @@ def forward_stats(model: nn.Module, teachers: TeacherSource, batch: Batch, cfg: 
 def block_stats(model: nn.Module, teacher: Teacher, batch: Batch, cfg: TrainConfig, device: torch.device,
                 counted: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`forward_stats` of a parallel drafter: blocks on the anchor grid of the counted positions."""
-    first = 1 if cfg.drafter == DFLASH else 2  # the block's first prediction: anchor + 1 (DFlash) or + 2
-    anchors = anchor_grid(counted, batch.documents, cfg.anchor_stride, step, first)
+    anchors = anchor_grid(counted, batch.documents, cfg.anchor_stride, step,
+                          families.family(cfg.drafter).first_prediction)
     with autocast(device, cfg.bf16):
         out = model(batch.input_ids, batch.aux_hidden.float(), anchors, documents=batch.documents,
                     positions=batch.positions)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from eaglet import families
 from eaglet.drafter import (DraftConfig, DraftFirstHead, DraftModel, Teacher, TeacherHead, build_draft_vocab, build_model,
                             load_embeddings_from, make_teacher, teacher_from_top_k)
 from eaglet.heads import TargetHeads
-from eaglet.options import EAGLE3
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
 
@@ -118,7 +118,7 @@ def build_drafter(heads: TargetHeads, aux_layer_ids: list[int], token_freq: dict
     the data and, with --lm-head-init target, the target's LM head rows and final norm. Built on
     `device` (a real target's vocabulary makes its embeddings gigabytes: not a second host copy)."""
     torch.manual_seed(cfg.seed)
-    family = {} if cfg.drafter == EAGLE3 else dict(
+    family = {} if not families.family(cfg.drafter).parallel else dict(
         family=cfg.drafter, num_layers=cfg.draft_layers, block_size=cfg.block_size,
         mask_token_id=mask_token(token_freq, heads.config.vocab_size))
     dcfg = DraftConfig.from_target(heads.config, aux_layer_ids, cfg.draft_vocab_size,
