@@ -402,3 +402,41 @@ def test_time_budget_calibration_follows_rank_0_on_every_rank():
     assert run.dist.calls == 2 and state.plan.calibrated and state.plan.total_steps == 321
     calibrate_budget(run, state, progress)  # sized once: no more collectives
     assert run.dist.calls == 2
+
+
+def test_time_budget_resizes_the_plan_at_the_rate_of_the_last_steps():
+    """The first steps run slower (kernels warming up, the first epoch read from disk): every
+    RESIZE_STEPS steps until half the budget is spent, the plan is sized again at the rate of those
+    steps, keeping its warm-up; a rate within RESIZE_SLACK leaves it as it was."""
+    from types import SimpleNamespace
+
+    from eaglet.training.config import RESIZE_STEPS, Plan, TrainConfig
+    from eaglet.training.loop import RunState, resize_budget
+
+    cfg = TrainConfig(time_budget=600)
+    bar = SimpleNamespace(reset=lambda total: None, update=lambda n: None)
+    # sized at step 20 after 10 s, at 100 tokens a step and 200 tok/s: 20 + 590 * 200 / 100 = 1200 steps
+    for later_rate, resized in ((300.0, True), (202.0, False)):
+        state = RunState(Plan.sized(cfg, 1200, 20), None, step=20)
+        warmup = state.plan.warmup
+        state.done.update(tokens=2000, seconds=10.0)
+        progress = SimpleNamespace(bar=bar, resize_from=(20, 2000, 10.0))
+        run = SimpleNamespace(cfg=cfg, dist=FakeRank([]), split=SimpleNamespace(tokens_per_step=100.0))
+        state.step, state.done["tokens"] = 20 + RESIZE_STEPS - 1, 2000 + 100 * (RESIZE_STEPS - 1)
+        resize_budget(run, state, progress)  # not yet timed long enough: nothing, no broadcast
+        assert run.dist.calls == 0 and state.plan.total_steps == 1200
+        state.step, state.done["tokens"] = 20 + RESIZE_STEPS, 2000 + 100 * RESIZE_STEPS
+        state.done["seconds"] = 10.0 + 100 * RESIZE_STEPS / later_rate
+        expected = state.step + int((600 - state.done["seconds"]) * later_rate / 100)
+        run.dist = FakeRank([expected])
+        resize_budget(run, state, progress)
+        assert run.dist.calls == 1 and state.plan.warmup == warmup
+        assert state.plan.total_steps == (expected if resized else 1200), later_rate
+        assert progress.resize_from == (state.step, state.done["tokens"], state.done["seconds"])  # the next window
+        resize_budget(run, state, progress)  # not again until RESIZE_STEPS more steps
+        assert run.dist.calls == 1
+    state.done["seconds"] = 301.0  # half the budget spent: the plan is left as it is from here on
+    state.step += RESIZE_STEPS
+    run.dist = FakeRank([10 ** 6])
+    resize_budget(run, state, progress)
+    assert progress.resize_from is None

@@ -21,6 +21,8 @@ from eaglet.placement import Placement, placement_from_options, size_text
 BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
 CALIBRATION_STEPS = 20  # under --time-budget, steps timed before the schedule is sized (fewer if the budget is short)
 CALIBRATION_SKIP = 2  # first steps left out of the timing (one-time allocations and kernel setup)
+RESIZE_STEPS = 4 * CALIBRATION_STEPS  # steps after the sizing that are timed once more (training.loop.resize_budget)
+RESIZE_SLACK = 0.05  # a re-sized plan within this share of the first is left as it was
 UNSIZED_STEPS = 1 << 40  # the schedule's length before --time-budget has sized it
 # The parallel families' defaults: two layers (the first multi-layer size; a CPU pays for every
 # layer at every pass), the family's own block (families.Family.default_block_size), a block every 8th position.

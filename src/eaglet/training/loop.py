@@ -46,8 +46,8 @@ from eaglet.target import (LAYER_CHECK_MAX_BYTES, TargetRef, fast_bf16, heads_of
                            parse_dtype, prepared_target, resolve_target, whole_target_size)
 from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
                                          checkpoint_name, resumed_options, run_lock, truncate_metrics)
-from eaglet.training.config import (CALIBRATION_SKIP, Calibration, Plan, TrainConfig, budget_steps, lr_lambda,
-                                    refuse_unfit_micro_batch, resolve_packing)
+from eaglet.training.config import (CALIBRATION_SKIP, RESIZE_SLACK, RESIZE_STEPS, Calibration, Plan, TrainConfig,
+                                    budget_steps, lr_lambda, refuse_unfit_micro_batch, resolve_packing)
 from eaglet.training.data import (Batch, BatchStream, Prefetcher, Prepared, Source, bucketed_batches, offline_source,
                                   online_source, open_training_data, refuse_beyond_positions, refuse_too_short,
                                   refuse_wrong_last_state, refuse_wrong_layer_ids, split_indices)
@@ -416,6 +416,8 @@ class Progress:
     calibration: Calibration
     bar: tqdm
     tokens: int = 0
+    # (step, tokens, seconds) where this invocation sized the plan: timed again RESIZE_STEPS later
+    resize_from: tuple[int, int, float] | None = None
 
     def add(self, result: StepResult) -> None:
         self.sums += result.sums
@@ -449,6 +451,7 @@ def run_steps(run: Run, state: RunState, show_progress: bool) -> None:
             state.done["tokens"] += int(run.dist.all_sum(torch.tensor([result.tokens], device=run.device)).item())
             state.done["seconds"] += time.perf_counter() - t_step
             calibrate_budget(run, state, progress)
+            resize_budget(run, state, progress)
             maybe_log(run, state, progress, result)
             maybe_save(run, state, maybe_evaluate(run, state))
     finally:
@@ -505,16 +508,42 @@ def calibrate_budget(run: Run, state: RunState, progress: Progress) -> None:
     rate, timed = measured or (0.0, 0)  # another rank's figures: only rank 0's are broadcast
     total = run.dist.from_main(budget_steps(cfg.time_budget, state.step, state.done["seconds"], rate,
                                          run.split.tokens_per_step))
-    state.plan = Plan.sized(cfg, total, state.step)  # the same schedule on every rank
+    adopt_plan(run, state, progress, Plan.sized(cfg, total, state.step),  # the same schedule on every rank
+               f"{rate:.0f} tok/s over {timed} steps")
+    progress.resize_from = (state.step, state.done["tokens"], state.done["seconds"])
+
+
+def resize_budget(run: Run, state: RunState, progress: Progress) -> None:
+    """Every RESIZE_STEPS steps while less than half the budget is spent: the plan re-sized at the
+    rate of the last RESIZE_STEPS steps, the warm-up kept, where it differs by more than RESIZE_SLACK.
+    The first steps run slower (kernels warming up, and the first epoch reads every sample from disk
+    while later ones find it cached): sized on them alone, the demo's 540 s budget trained 362 s."""
+    if progress.resize_from is None or state.step < progress.resize_from[0] + RESIZE_STEPS:
+        return
+    step0, tokens0, seconds0 = progress.resize_from
+    cfg, plan = run.cfg, state.plan
+    progress.resize_from = ((state.step, state.done["tokens"], state.done["seconds"])
+                            if state.done["seconds"] < 0.5 * cfg.time_budget else None)
+    rate = (state.done["tokens"] - tokens0) / max(state.done["seconds"] - seconds0, 1e-9)
+    total = run.dist.from_main(budget_steps(cfg.time_budget, state.step, state.done["seconds"], rate,
+                                            run.split.tokens_per_step))
+    if abs(total - plan.total_steps) <= RESIZE_SLACK * plan.total_steps:
+        return
+    resized = Plan.make(cfg, total, calibrated=True)
+    resized.warmup = plan.warmup  # the learning rate goes on from where it is
+    adopt_plan(run, state, progress, resized, f"{rate:.0f} tok/s over steps {step0}-{state.step}")
+
+
+def adopt_plan(run: Run, state: RunState, progress: Progress, plan: Plan, measured: str) -> None:
+    """`plan` from now on, said in the log and recorded in train_config.json (written before the
+    schedule had its length)."""
+    state.plan = plan
     progress.bar.reset(total=state.stop)
     progress.bar.update(state.step)
     if run.dist.main:
-        log.info("--time-budget %.0f s: %.0f tok/s over %d steps -> %d steps in all", cfg.time_budget, rate, timed,
-                 state.plan.total_steps)
-        # train_config.json was written before the schedule had a length: give it the sized one
+        log.info("--time-budget %.0f s: %s -> %d steps in all", run.cfg.time_budget, measured, plan.total_steps)
         config = formats.read_json(run.out / TRAIN_CONFIG_FILE)
-        write_run_config(run.out, {**config, "total_steps": state.plan.total_steps,
-                                   "warmup_steps": state.plan.warmup})
+        write_run_config(run.out, {**config, "total_steps": plan.total_steps, "warmup_steps": plan.warmup})
 
 
 def maybe_log(run: Run, state: RunState, progress: Progress, result: StepResult) -> None:
