@@ -283,6 +283,22 @@ def test_prepare_never_replaces_a_prepared_dataset_unasked(tiny_target, chats_js
     assert prepare(str(tiny_target), str(chats_jsonl), out, max_length=512, num_samples=1, overwrite=True).samples == 1
 
 
+def test_a_failed_overwrite_leaves_the_earlier_prepared_dataset_whole(tiny_target, chats_jsonl, tmp_path):
+    """--overwrite with data that yields no usable chat, or no data at all: refused, and the finished
+    dataset is still finished (config, samples and frequencies as they were)."""
+    out = tmp_path / "prep"
+    prepare(str(tiny_target), str(chats_jsonl), out, max_length=512)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    no_answer = tmp_path / "q.jsonl"
+    no_answer.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match="no usable chat"):
+        prepare(str(tiny_target), str(no_answer), out, max_length=512, overwrite=True)
+    with pytest.raises(FileNotFoundError):
+        prepare(str(tiny_target), str(tmp_path / "missing.jsonl"), out, max_length=512, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert len(formats.read_prepared(out)[0]) > 0
+
+
 def test_prepare_drops_samples_with_no_assistant_token_after_truncation(tiny_target, tmp_path):
     long_user = "word " * 300
     chats = tmp_path / "c.jsonl"

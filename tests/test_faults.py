@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 
 from eaglet import formats
 from eaglet.cli import main
+from eaglet.prepare import prepare
 from eaglet.formats import io as formats_io  # where writes look up free space and make their temp files
 
 
@@ -201,3 +202,33 @@ def test_a_full_disk_inside_safetensors_names_the_file(tmp_path, monkeypatch):
     with pytest.raises(formats_io.WriteFailed, match=r"could not write .*w\.safetensors: no space left on the device"):
         formats_io.write_safetensors_atomic(tmp_path / "w.safetensors", {"x": torch.zeros(2)})
     assert not temp_files(tmp_path)
+
+
+def test_a_json_line_nested_too_deep_is_skipped_and_counted(tiny_target, chats_jsonl, tmp_path):
+    data = tmp_path / "deep.jsonl"
+    data.write_text(chats_jsonl.read_text() + '{"id": "deep", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    summary = prepare(str(tiny_target), str(data), tmp_path / "prep", max_length=512)
+    assert summary.samples == len(chats_jsonl.read_text().splitlines())
+
+
+def test_an_out_under_a_pseudo_filesystem_is_not_called_a_full_disk(tiny_target, chats_jsonl, capsys):
+    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", "/proc/eaglet-out", "--target",
+                  str(tiny_target), *FITS)
+    assert rc == 2
+    assert_one_line(err, "/proc/")
+    assert "no space" not in err
+
+
+def test_token_counts_that_are_not_whole_numbers_name_the_file(tmp_path):
+    path = tmp_path / formats.TOKEN_FREQ_FILE
+    torch.save({5: float("nan")}, path)
+    with pytest.raises(ValueError, match=rf"^{path}: expected a dict .* of whole numbers"):
+        formats.read_token_freq(path)
+
+
+def test_a_resumed_run_whose_config_file_is_damaged_names_it(tmp_path):
+    from eaglet.training.loop import options_of_run
+
+    (tmp_path / "train_config.json").write_text('{"lr": "abc"}')
+    with pytest.raises(ValueError, match=r"train_config\.json: the run's settings do not make a training config"):
+        options_of_run(tmp_path, True, {})

@@ -130,7 +130,8 @@ def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
                 if not line.strip():
                     continue
                 record = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                # RecursionError: JSON nested deeper than Python's parser goes, no chat record
                 reason = "line not UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON line"
                 stats.records += 1
                 stats.skipped.add(reason, f"{path}:{line_no}")

@@ -85,7 +85,8 @@ def os_error_reason(error: BaseException, path: Path) -> str:
     """Why a file operation on `path` failed, with the recovery step for the kinds a user can fix."""
     folder = path.parent if path.parent.exists() else Path.cwd()  # where free space is measured
     code = error_code(error)
-    if code == errno.ENOSPC or disk_nearly_full(folder):
+    # a known errno is the cause (a pseudo-filesystem such as /proc also reports no free space)
+    if code == errno.ENOSPC or (code is None and disk_nearly_full(folder)):
         return (f"no space left on the device ({(free_bytes(folder) or 0) >> 20} MiB free); free some space and "
                 "run the same command again: finished files are kept and the stage resumes where it stopped")
     if code in (errno.EROFS, errno.EACCES, errno.EPERM):

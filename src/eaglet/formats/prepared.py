@@ -39,7 +39,11 @@ def read_token_freq(path: str | os.PathLike) -> dict[int, int]:
     freq = torch_load_safe(path)
     if not isinstance(freq, dict):
         raise ValueError(f"{path}: expected a dict {{token_id: count}}, got {type(freq).__name__}")
-    return {int(k): int(v) for k, v in freq.items()}
+    try:
+        return {int(k): int(v) for k, v in freq.items()}
+    except (TypeError, ValueError, OverflowError) as e:  # a NaN, a string, a tensor of several values
+        raise ValueError(f"{path}: expected a dict {{token_id: count}} of whole numbers ({e}); run prepare "
+                         "again") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,8 +90,6 @@ class PreparedWriter:
         self.samples = self.tokens = self.masked_tokens = 0
 
     def __enter__(self) -> PreparedWriter:
-        # An older config would vouch for the new, unfinished data: drop it until `finish`.
-        (self.folder / PREPARE_CONFIG_FILE).unlink(missing_ok=True)
         if self.folder.is_dir():  # temp files of a killed earlier run
             remove_stale_temp_files(self.folder, {PREPARED_FILE, TOKEN_FREQ_FILE, PREPARE_CONFIG_FILE})
         self._atomic = atomic_path(self.folder / PREPARED_FILE)
@@ -99,6 +101,11 @@ class PreparedWriter:
             self._file.close()  # flushes: a full disk may show only here
         except OSError as e:
             exc = exc if exc[0] is not None else (type(e), e, e.__traceback__)
+        if exc[0] is None:
+            # An older config would vouch for the new data: drop it just before the new file takes
+            # the old one's place, until `finish`. A run that fails earlier (no usable chat, a
+            # missing --data, a kill) leaves the earlier output whole.
+            (self.folder / PREPARE_CONFIG_FILE).unlink(missing_ok=True)
         return self._atomic.__exit__(*exc)  # renames on success, deletes the temp file on error
 
     def add(self, sample: TokenizedSample) -> None:

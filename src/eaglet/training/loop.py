@@ -203,9 +203,16 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
 
 def options_of_run(out: Path, resume: bool, options: dict[str, Any]) -> TrainConfig:
     """The options of this invocation, checked; with --resume the run's own, then those given now."""
-    if resume:  # the run's own settings, then the options given now (a differing trajectory one is refused at restore)
-        options = {**resumed_options(out), **options}
-    return TrainConfig(**options)
+    if not resume:
+        return TrainConfig(**options)
+    # the run's own settings, then the options given now (a differing trajectory one is refused at restore)
+    resumed = resumed_options(out)
+    try:
+        TrainConfig(**resumed)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{out / TRAIN_CONFIG_FILE}: the run's settings do not make a training config ({e}); "
+                         "fix the file or train into a new --out") from e
+    return TrainConfig(**{**resumed, **options})
 
 
 def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str | None, cfg: TrainConfig,
