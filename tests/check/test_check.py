@@ -556,3 +556,12 @@ def test_one_file_with_another_layer_in_a_slot_is_caught_in_every_file(smollm2_d
     # the file is refused, for a slot it changed (a slot whose scale varies much from file to file,
     # as the last layer's does, may not be named itself when it holds a steadier layer's states)
     assert not report.clean and found and found <= slots, [p.message for p in report.errors]
+
+
+def test_a_recorded_vocab_size_other_than_the_targets(copy):
+    """train refuses such a dataset at its start: check says so first, naming the file."""
+    ds = copy()
+    cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
+    cfg["vocab_size"] += 1
+    formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
+    assert_found(C.check_dataset(ds), C.LAYER_IDENTITY, formats.DATA_CONFIG_FILE, "vocab_size", "is not the target's")

@@ -410,6 +410,10 @@ def check_identity(report: CheckReport, root: Path, exp: Expect, model: Any, dev
     """Layer identity on sampled files, unless the recorded shape already rules the target out."""
     n = model.config.num_hidden_layers
     last_conv = (cfg.last_hidden_state if cfg else None) or exp.layout.last_state
+    vocab = getattr(model.config, "vocab_size", None)
+    if cfg is not None and cfg.vocab_size is not None and vocab is not None and cfg.vocab_size != vocab:
+        report.problems.append(Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,  # train refuses it: say so first
+                                       f"vocab_size {cfg.vocab_size} is not the target's {vocab}"))
     if exp.hidden_size is not None and exp.hidden_size != model.config.hidden_size:
         report.problems.append(Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
                                        f"hidden size {exp.hidden_size} is not the target's {model.config.hidden_size}"))
