@@ -377,3 +377,20 @@ def test_import_of_a_damaged_bin_names_it(tmp_path, ckpt):
                                          r"\d+\); it is damaged") as e:
         import_drafter(folder, tmp_path / "back")
     assert "weights_only=False" not in str(e.value)
+
+
+def test_import_refuses_layers_the_target_lacks_and_a_rope_base_that_is_no_base(tmp_path, tiny_target):
+    from transformers import AutoConfig
+
+    cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), AUX, draft_vocab_size=64)
+    out = tmp_path / "out"
+    formats.write_drafter_folder(tmp_path / "ckpt", export_config(cfg, {}), random_drafter(cfg).state_dict())
+    export_drafter(tmp_path / "ckpt", out, "speculators", dtype="fp32", verifier=str(tiny_target))
+    c = config(out)
+    c["eagle_aux_hidden_state_layer_ids"] = [2, 4, 50]
+    (out / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=r"aux layer ids \[2, 4, 50\] are not all in 0\.\.8, the layers of the target"):
+        import_drafter(out, tmp_path / "back", target=str(tiny_target))
+    with pytest.raises(ValueError, match=r"rope_theta -1\.0: must be > 0 and finite"):
+        DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), AUX, draft_vocab_size=64, rope_theta=-1.0)
+    assert not (tmp_path / "back").exists()

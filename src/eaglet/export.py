@@ -18,6 +18,7 @@ from pathlib import Path
 
 from eaglet import families, formats
 from eaglet.drafter import DraftConfig
+from eaglet.target import resolve_target, text_config
 from eaglet.drafter.files import (Drafter, expected_tensors, export_config, read_drafter, recorded_target,
                                   unservable, write_engine_folder, write_gguf)
 from eaglet.options import (DECLARED, EXPORT_DTYPE_NAMES, EXPORT_FORMAT_NAMES, declared_default,
@@ -119,6 +120,11 @@ def import_drafter(src: str | Path = DECLARED, out: str | Path = DECLARED,
     """Read a drafter in any format and write it as an eaglet checkpoint folder (the layout of
     `training.checkpoints.save_checkpoint`, without training state): fp32 weights, int64 d2t, bool t2d."""
     d = read_drafter(src, target)
+    if target is not None:  # the drafter reads these layers of the target: they must exist
+        layers = text_config(resolve_target(target)).num_hidden_layers
+        if not all(0 <= i <= layers for i in d.config.aux_layer_ids):
+            raise ValueError(f"{src}: aux layer ids {list(d.config.aux_layer_ids)} are not all in 0..{layers}, the "
+                             f"layers of the target {target}; a drafter for another target, or a damaged config.json")
     expected = expected_tensors(d.config)
     tensors = {k: v.to(expected[k].dtype) for k, v in d.tensors.items()}
     extra = {"imported_from": str(src), "source_format": d.format, "target": target or recorded_target(d)}

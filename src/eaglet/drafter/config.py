@@ -3,6 +3,7 @@ vocabulary (`build_draft_vocab`: the most frequent trained-on target tokens)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -76,6 +77,8 @@ class DraftConfig:
             if self.mask_token_id is None or not 0 <= self.mask_token_id < self.target_vocab_size:
                 raise ValueError(f"mask_token_id {self.mask_token_id}: a {self.family} drafter needs a target token "
                                  f"id in [0, {self.target_vocab_size})")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):  # RoPE's base: a frequency of theta^(-i/d)
+            raise ValueError(f"rope_theta {self.rope_theta}: must be > 0 and finite")
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.num_heads % self.num_kv_heads:
