@@ -124,8 +124,10 @@ def weight_file_problem(path: Path) -> str | None:
         return str(e)
     size = path.stat().st_size
     for name, entry in header.items():
-        end = start + int((entry.get("data_offsets") or [0, 0])[1]) if isinstance(entry, dict) else 0
-        if name != "__metadata__" and end > size:
+        if name == "__metadata__" or not isinstance(entry, dict):
+            continue
+        end = start + int((entry.get("data_offsets") or [0, 0])[1])
+        if end > size:
             return f"{path}: truncated: tensor {name} ends at byte {end:,}, the file has {size:,}"
     return None
 

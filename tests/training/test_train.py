@@ -428,15 +428,15 @@ def test_time_budget_resizes_the_plan_at_the_rate_of_the_last_steps():
         state.step, state.done["tokens"] = 20 + RESIZE_STEPS, 2000 + 100 * RESIZE_STEPS
         state.done["seconds"] = 10.0 + 100 * RESIZE_STEPS / later_rate
         expected = state.step + int((600 - state.done["seconds"]) * later_rate / 100)
-        run.dist = FakeRank([expected])
+        run.dist = FakeRank([1, expected])  # rank 0: still timing, and its plan
         resize_budget(run, state, progress)
-        assert run.dist.calls == 1 and state.plan.warmup == warmup
+        assert run.dist.calls == 2 and state.plan.warmup == warmup
         assert state.plan.total_steps == (expected if resized else 1200), later_rate
         assert progress.resize_from == (state.step, state.done["tokens"], state.done["seconds"])  # the next window
         resize_budget(run, state, progress)  # not again until RESIZE_STEPS more steps
-        assert run.dist.calls == 1
-    state.done["seconds"] = 301.0  # half the budget spent: the plan is left as it is from here on
-    state.step += RESIZE_STEPS
-    run.dist = FakeRank([10 ** 6])
+        assert run.dist.calls == 2
+    state.done["seconds"] = 100.0  # this rank has spent less than half the budget, rank 0 more (its seconds
+    state.step += RESIZE_STEPS     # decide, so that every rank stops taking part at the same step)
+    run.dist = FakeRank([0, 10 ** 6])
     resize_budget(run, state, progress)
     assert progress.resize_from is None

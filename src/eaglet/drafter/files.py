@@ -321,9 +321,10 @@ def format_warnings(cfg: DraftConfig, fmt: str) -> list[str]:
     if fmt == formats.FORMAT_EAGLE and cfg.fc_norm:
         notes.append("fc_norm (norm_before_fc: one RMSNorm before fc, input_norm.weight): SGLang reads it from 0.5.23 "
                      "on (llama_eagle3.py); older SGLang skips input_norm.weight without a word and drafts wrongly")
-    if fmt == formats.FORMAT_SPECULATORS and families.family(cfg.family).vllm_served[1] is not None:
-        notes.append(f"{families.family(cfg.family).title} is served by {vllm_engine.serving_versions(cfg.family)} "
-                     "only; newer vLLM refuse it")
+    family = families.family(cfg.family)
+    if fmt == formats.FORMAT_SPECULATORS and family.vllm_served[1] is not None:
+        notes.append(f"{family.title} is served by {vllm_engine.serving_versions(cfg.family)} only; newer vLLM "
+                     "refuse it")
     if fmt == formats.FORMAT_EAGLE and cfg.aux_layer_ids[0] != 2:
         notes.append(f"aux layer ids {cfg.aux_layer_ids} do not start at 2: SGLang releases with sgl-project/sglang"
                      f"#25454 read eagle_config ids whose first is not 1 without the +1, one layer off")

@@ -529,8 +529,10 @@ def resize_budget(run: Run, state: RunState, progress: Progress) -> None:
         return
     step0, tokens0, seconds0 = progress.resize_from
     cfg, plan = run.cfg, state.plan
-    progress.resize_from = ((state.step, state.done["tokens"], state.done["seconds"])
-                            if state.done["seconds"] < 0.5 * cfg.time_budget else None)
+    # rank 0's seconds decide whether to time on, as they decide the plan: ranks whose own seconds
+    # differ would otherwise stop taking part in these broadcasts at different steps
+    timing_on = run.dist.from_main(int(state.done["seconds"] < 0.5 * cfg.time_budget))
+    progress.resize_from = (state.step, state.done["tokens"], state.done["seconds"]) if timing_on else None
     rate = (state.done["tokens"] - tokens0) / max(state.done["seconds"] - seconds0, 1e-9)
     total = run.dist.from_main(budget_steps(cfg.time_budget, state.step, state.done["seconds"], rate,
                                             run.split.tokens_per_step))
