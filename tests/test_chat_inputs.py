@@ -79,3 +79,29 @@ def test_prepare_reads_a_bom_file_end_to_end(tiny_target, tmp_path):
     data.write_bytes("\ufeff".encode() + (json.dumps(CHAT) + "\n").encode())
     prepare(str(tiny_target), str(data), tmp_path / "out")
     assert len(read_prepared(tmp_path / "out")[0]) == 1
+
+
+def test_a_json_array_is_read_as_json_load_reads_it(tmp_path):
+    records = [CHAT, {"id": 7, "conversations": [{"from": "human", "value": "x", "n": [1.5, None, True, {}]}]}, 3, []]
+    array = tmp_path / "chats.json"
+    array.write_text(json.dumps(records))
+    assert [rec for _, rec in iter_records(str(array), ReadStats())] == records
+
+
+def test_a_record_nested_absurdly_deep_is_refused_by_index_in_bounded_memory(tmp_path):
+    """40,000 levels inside a .json array: ijson's prefixed events cost memory with the square of
+    the depth (this record took 4 GB, 100,000 levels 20 GB); it is refused, named by its index,
+    with the process's peak near its baseline."""
+    array = tmp_path / "chats.json"
+    depth = 40_000
+    array.write_text(f"[{json.dumps(CHAT)}, {'[' * depth}{']' * depth}, {json.dumps(CHAT)}]")
+    code = ("import re\nfrom pathlib import Path\nfrom eaglet.chat import ReadStats, iter_records\n"
+            "read = []\ntry:\n"
+            f"    for _, rec in iter_records({str(array)!r}, ReadStats()):\n        read.append(rec)\n"
+            "except ValueError as e:\n    print(len(read), e)\n"
+            "print(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, peak_kib = done.stdout.strip().splitlines()
+    assert first.startswith(f"1 {array}[1]: nested deeper than 64 levels"), first
+    assert int(peak_kib) / 1024 < 600, f"peak {int(peak_kib) / 1024:.0f} MiB"

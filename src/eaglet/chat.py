@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import ijson
 
@@ -88,13 +88,46 @@ class ReadStats:
         self.trimmed.add(reason, self.where)
 
 
+# Deeper than any chat record goes (array > record > turns > turn > content parts > part). The
+# parser's prefixed events (and so ijson.items) cost memory with the square of the depth (20,000
+# levels took 1 GB): records are built here from its plain events, bounded in depth, so one deep
+# record in a .json array is named instead of exhausting memory with no message.
+MAX_JSON_DEPTH = 64
+OPENS, CLOSES = ("start_map", "start_array"), ("end_map", "end_array")
+
+
+def array_records(f: BinaryIO, path: Path) -> Iterator[Any]:
+    """The records of a top-level JSON array, streamed; one nested deeper than MAX_JSON_DEPTH is
+    refused, named by its index."""
+    depth = record = 0
+    builder: ijson.common.ObjectBuilder | None = None
+    for event, value in ijson.basic_parse(f, use_float=True):
+        if event in OPENS:
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"{path}[{record}]: nested deeper than {MAX_JSON_DEPTH} levels, which no chat "
+                                 "record is; fix or remove that record")
+        elif event in CLOSES:
+            depth -= 1
+        if depth == 0 or (depth == 1 and event in OPENS):  # the array itself
+            if depth == 0 and event not in CLOSES:
+                raise ValueError(f"{path}: not a JSON array of chat records")
+            continue
+        if builder is None:
+            builder = ijson.common.ObjectBuilder()
+        builder.event(event, value)
+        if depth == 1:  # the record is complete (a container closed, or a scalar record)
+            yield builder.value
+            builder, record = None, record + 1
+
+
 def iter_json_array(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
     """Stream `(where, item)` of a JSON array; a file cut off mid-record yields every complete one."""
     with open(path, "rb") as f:
         if f.read(len(BOM_BYTES)) != BOM_BYTES:  # a leading UTF-8 BOM is not JSON: read past it
             f.seek(0)
         try:
-            for n, item in enumerate(ijson.items(f, "item", use_float=True)):
+            for n, item in enumerate(array_records(f, path)):
                 yield f"{path}[{n}]", item
         except ijson.IncompleteJSONError as e:
             if not array_is_closed(path):  # the file really ends early: a cut-off download or copy

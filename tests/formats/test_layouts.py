@@ -232,9 +232,15 @@ def test_data_config_is_typed_read_and_written_in_one_place(tmp_path):
     formats.write_data_config(tmp_path, cfg)
     assert formats.read_json(tmp_path / formats.DATA_CONFIG_FILE)["their_key"] == {"a": 1}
     formats.write_json_atomic(tmp_path / formats.DATA_CONFIG_FILE, {"hidden_size": "64", "layer_ids": [2, "x"]})
-    with pytest.raises(ValueError, match=r"data_config.json: hidden_size '64': expected an int; "
-                                         r"layer_ids \[2, 'x'\]: expected a list of ints"):
+    with pytest.raises(ValueError, match=r"data_config.json: hidden_size '64': expected a positive int; "
+                                         r"layer_ids \[2, 'x'\]: expected a list of ints >= 0"):
         formats.read_data_config(tmp_path)
-    with pytest.raises(ValueError, match="expected an int"):
+    with pytest.raises(ValueError, match="expected a positive int"):
         formats.read_data_config(tmp_path)  # the same again: nothing was cached or half-read
+    # sizes of 0 or below once passed for ints (rows_per_folder 0 divides by zero in every reader)
+    formats.write_json_atomic(tmp_path / formats.DATA_CONFIG_FILE,
+                              {"rows_per_folder": 0, "max_length": -1, "num_samples": 0, "layer_ids": [-1, 2]})
+    with pytest.raises(ValueError, match=r"rows_per_folder 0: expected a positive int; max_length -1: expected a "
+                                         r"positive int; layer_ids \[-1, 2\]: expected a list of ints >= 0"):
+        formats.read_data_config(tmp_path)
     assert formats.parse_data_config([1, 2])[1] == ["a JSON list, not an object"]

@@ -62,6 +62,22 @@ def test_an_existing_file_as_out_is_refused(outputs, tiny_target, chats_jsonl):
     assert afile.read_text() == "mine"
 
 
+def test_an_out_through_a_dangling_link_is_named_as_one(outputs, tiny_target, chats_jsonl):
+    """A link to nothing, as --out or above it, once gave a bare "File exists" or "Not a directory"."""
+    link = outputs / "link"
+    link.symlink_to(outputs / "nowhere")
+    for out in (link, link / "below"):
+        for run in (lambda: prepare(str(tiny_target), str(chats_jsonl), out),
+                    lambda: extract(outputs / "prepared", out, show_progress=False),
+                    lambda: train(outputs / "data", out, total_steps=1, show_progress=False),
+                    lambda: evaluate(outputs / "nothing", out=out),
+                    lambda: formats.atomic_dir(out).__enter__()):
+            with pytest.raises(FileExistsError, match=rf"{link} is a symbolic link to .*nowhere, which does not "
+                                                      "exist; create what it points to, remove the link"):
+                run()
+    assert not (outputs / "nowhere").exists()
+
+
 def test_paths_read_from_files_stay_inside_their_folder(tmp_path, monkeypatch):
     """A recipe's name or out, a weight index's shard: refused when they lead out of their folder."""
     from eaglet.recipe import run_recipe

@@ -26,12 +26,19 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(x) for x in v)
+def _is_count(v: Any) -> bool:
+    return _is_int(v) and v >= 0
 
 
-_STR, _INT, _IDS, _DICT = (lambda v: isinstance(v, str), "a string"), (_is_int, "an int"), (
-    _is_int_list, "a list of ints"), (lambda v: isinstance(v, dict), "an object")
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_count(x) for x in v)
+
+
+# sizes (a dimension, a length, rows per folder) are positive: 0 or -1 would pass for an int and
+# divide by zero, or cut every sample to nothing, far from this file
+_STR, _SIZE, _COUNT, _IDS, _DICT = (lambda v: isinstance(v, str), "a string"), (
+    lambda v: _is_int(v) and v > 0, "a positive int"), (_is_count, "an int >= 0"), (
+    _is_ids, "a list of ints >= 0"), (lambda v: isinstance(v, dict), "an object")
 
 
 @dataclass(frozen=True)
@@ -83,8 +90,9 @@ FIELD_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
                                "layer_id_convention", "last_hidden_state", "compute_dtype", "engine", "hidden_states_dtype",
                                "chat_template_sha256", "prepared_data", "prepared_sha256", "eaglet_version",
                                "command")},
-    **{name: _INT for name in ("num_hidden_layers", "hidden_size", "vocab_size", "max_length", "seq_length",
-                               "num_samples", "num_tokens", "num_masked_tokens", "rows_per_folder")},
+    **{name: _SIZE for name in ("num_hidden_layers", "hidden_size", "vocab_size", "max_length", "seq_length",
+                                "rows_per_folder")},
+    **{name: _COUNT for name in ("num_samples", "num_tokens", "num_masked_tokens")},
     "layer_ids": _IDS, "aux_layer_ids": _IDS, "converted_from": _DICT, "compact": _DICT,
 }
 # Fields that must agree before two runs may write into one folder.

@@ -81,10 +81,31 @@ def error_code(error: BaseException) -> int | None:
     return code
 
 
+def dangling_link(path: Path) -> Path | None:
+    """The first of `path` and its parents that is a symbolic link to nothing, if any: creating a
+    file or folder through it fails with a bare "File exists" or "Not a directory"."""
+    return next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+
+
+def dangling_link_reason(link: Path) -> str:
+    return (f"{link} is a symbolic link to {os.readlink(link)}, which does not exist; create what it points to, "
+            "remove the link, or choose another path")
+
+
+def refuse_dangling_link(path: str | os.PathLike, option: str = "--out") -> None:
+    """Before a stage writes anything: an output path through a dangling link is refused, saying so."""
+    link = dangling_link(Path(path))
+    if link is not None:
+        raise FileExistsError(f"{option} {path}: {dangling_link_reason(link)}")
+
+
 def os_error_reason(error: BaseException, path: Path) -> str:
     """Why a file operation on `path` failed, with the recovery step for the kinds a user can fix."""
     folder = path.parent if path.parent.exists() else Path.cwd()  # where free space is measured
     code = error_code(error)
+    link = dangling_link(path) if code in (errno.EEXIST, errno.ENOTDIR, errno.ENOENT) else None
+    if link is not None:
+        return dangling_link_reason(link)
     # a known errno is the cause (a pseudo-filesystem such as /proc also reports no free space)
     if code == errno.ENOSPC or (code is None and disk_nearly_full(folder)):
         return (f"no space left on the device ({(free_bytes(folder) or 0) >> 20} MiB free); free some space and "
@@ -199,6 +220,7 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
     never leaves it stuck (a lock file that merely exists would); a writer that ends normally removes
     the file. It records its holder for the next one's message, which ends with `busy`, e.g. "is
     writing this run folder; wait for it to end, or train into another --out"."""
+    refuse_dangling_link(out)
     lock = lock or lock_path(out)
     refuse_odd_lock(lock)
     fd = held_lock(lock)
@@ -261,6 +283,7 @@ def claim_output(out: str | os.PathLike, stage: str) -> None:
     """Before a stage writes anything into `out`: refuse a path that is a file where the stage
     writes a folder, and a folder that holds another kind of output (its marker, or that kind's own
     files, named)."""
+    refuse_dangling_link(out)
     kind = OUTPUT_KINDS.get(stage)
     out = Path(out)
     if kind is None or stage in UNMARKED:
@@ -332,6 +355,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp folder beside `final`; on success fsync its files and rename it onto `final`
     (which may not exist yet, or be empty), else delete it: a folder that exists is complete."""
     final = Path(final)
+    refuse_dangling_link(final)
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
         raise ValueError(f"{final} exists and is not empty; remove it or choose another folder")
     with failures_named(final):
