@@ -357,7 +357,7 @@ def test_auto_dtype_is_bf16_only_where_fast(monkeypatch):
     ({"lr": float("nan")}, "--lr nan: must be > 0"),
     ({"warmup_steps": -1}, "--warmup-steps -1: must be >= 0"),
 ])
-def test_train_options_are_validated_in_one_place(options, message):
+def test_train_options_are_validated_in_one_place(options, message, tmp_path):
     """TrainConfig refuses out-of-range numbers itself, so the CLI, recipes and the Python entry
     function all get the same one-line error (instead of a full epoch or a torch traceback)."""
     from eaglet.training.config import TrainConfig
@@ -365,7 +365,8 @@ def test_train_options_are_validated_in_one_place(options, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**options)
     with pytest.raises(ValueError, match=message):
-        train("no-such-dataset", "no-such-run", show_progress=False, **options)
+        train(tmp_path / "no-such-dataset", tmp_path / "no-such-run", show_progress=False, **options)
+    assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
 class FakeRank:
