@@ -204,8 +204,8 @@ def message_text(turn: dict[str, Any], key: str, stats: ReadStats) -> str | None
     texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PARTS]
     if len(texts) < len(content):
         stats.trim("non-text content parts dropped (counted per message)")
-    texts = [t for t in texts if isinstance(t, str)]
-    return "\n".join(texts) if texts else None
+    text_parts = [t for t in texts if isinstance(t, str)]
+    return "\n".join(text_parts) if text_parts else None
 
 
 def within_chars(messages: list[Message], budget: int, stats: ReadStats) -> list[Message]:

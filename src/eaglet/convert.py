@@ -71,7 +71,7 @@ def converted_config(ds: Dataset, layout: formats.Layout, target: str | None, co
             raise ValueError(f"{ds.root}: no {formats.DATA_CONFIG_FILE} records which target these states come "
                              "from; pass --target (the model that produced them) so the converted dataset records "
                              "it, as every v1 dataset must")
-        cfg.update(target_fields(target, ds.config.hidden_size, ds.aux_layer_ids))
+        cfg.update(target_fields(target, ds.hidden_size, ds.aux_layer_ids))
     lengths = [ds.lengths[i] for i in sorted(ds.files)]
     cfg.update(layout.config_fields(min(stored_top_k, cfg.get("vocab_size") or stored_top_k)))
     cfg.update({
@@ -102,6 +102,8 @@ def copy_sample(ds: Dataset, out: Path, layout: formats.Layout, index: int,
     """Read one sample from the source and write it in `layout` (the compact one with the stored
     teacher `teacher` makes from the last state); returns its token count."""
     s = formats.read_training_sample(ds.files[index], ds.layout)
+    if s.last_hidden is None:  # a compact file: convert refuses compact sources before reading any
+        raise ValueError(f"{ds.files[index]}: no last state to convert (a compact file stores the target's top-K)")
     # Each state its own storage: torch.save writes whole storages, a chunk view would drag the
     # other two aux states into every v1 file.
     states = [h.contiguous().clone() for h in s.aux_hidden.chunk(3, dim=-1)] + [s.last_hidden.contiguous()]
@@ -145,7 +147,7 @@ def convert(src: str | Path = DECLARED, out: str | Path = DECLARED, layout: str 
         raise ValueError(f"{src}: its last state is {ds.last_hidden_state} (after the target's final norm); "
                          "speculators applies that norm itself, and it cannot be undone: extract the states again "
                          "(`eaglet extract --layout speculators`), or convert to v1, which records the convention")
-    written.check_hidden_size(ds.config.hidden_size, str(src))
+    written.check_hidden_size(ds.hidden_size, str(src))
     with formats.output_lock(out, "convert"):  # one writer per output: a second is refused, naming the first
         config = converted_config(ds, written, target, command, stored_top_k)
         teacher = teacher_maker(ds, target, stored_top_k) if written.stores_teacher else None

@@ -39,8 +39,14 @@ class Dataset:
     layout: str = formats.FORMAT_V1
     aux_layer_ids: list[int] = field(default_factory=list)  # hidden_states ids of the three aux states
     last_hidden_state: str = formats.LAST_STATE_PRE_NORM  # whether the stored last state is before the final norm
-    hidden_dtype: str = "bfloat16"  # dtype of the stored aux states
+    hidden_dtype: str | None = "bfloat16"  # dtype of the stored aux states (None: a compact dataset that records none)
     stored_top_k: int | None = None  # a compact dataset's teacher: the target's top-K it stores
+
+    @property
+    def hidden_size(self) -> int:
+        """The target's hidden size (recorded, or inferred from the first file as it is loaded)."""
+        assert self.config.hidden_size is not None
+        return self.config.hidden_size
 
 
 def no_files_message(root: Path) -> str:
@@ -188,7 +194,9 @@ def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_
     first_path = files[min(files)]
     first = formats.read_training_sample(first_path, layout)
     hidden = cfg.hidden_size or first.aux_hidden.shape[-1] // 3
-    last = first.last_hidden if first.last_hidden is not None else first.teacher.ids  # the teacher's rows: [T, K]
+    stored = first.last_hidden if first.last_hidden is not None else first.teacher
+    assert stored is not None  # a file holds its last state or its stored teacher
+    last = stored if isinstance(stored, torch.Tensor) else stored.ids  # the teacher's rows: [T, K]
     shapes = (tuple(first.aux_hidden.shape), tuple(last.shape))
     want = ((lengths[min(files)], 3 * hidden), (lengths[min(files)], hidden if first.teacher is None else last.shape[1]))
     if shapes != want:

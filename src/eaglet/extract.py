@@ -24,10 +24,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from eaglet import __version__, formats, layers, ranges
@@ -40,6 +39,9 @@ from eaglet.target import (LayerCapture, TargetRef, config_positions, config_whe
                            load_heads, load_target, load_tokenizer, parse_dtype, pick_device, prepared_target,
                            run_batch, text_config)
 from eaglet.vllm_engine import EngineOptions, engine_options_from, engine_record, vllm_engine
+
+if TYPE_CHECKING:  # transformers' modelling code loads only with a model
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +249,7 @@ class WriteQueue:
             self.pool.shutdown(wait=True, cancel_futures=exc[0] is not None)
 
 
-def run_and_write(model: nn.Module, samples: list[TokenizedSample], batches: list[list[int]], layer_ids: list[int],
+def run_and_write(model: PreTrainedModel, samples: list[TokenizedSample], batches: list[list[int]], layer_ids: list[int],
                   dev: torch.device, save_dtype: torch.dtype, out: Path, written: formats.Layout, config: DataConfig,
                   teacher: StoredTeacherMaker | None, write_threads: int, bar: tqdm) -> None:
     """The target over every batch, each sample's states written by a pool of writers."""
@@ -365,7 +367,8 @@ def vllm_options(options: EngineOptions, compute_dtype: torch.dtype, samples: li
 
 
 def load_engine_side(engine: EngineOptions | None, ref: TargetRef, compute_dtype: torch.dtype, dev: torch.device, placed,
-                     written: formats.Layout, stored_top_k: int) -> tuple[nn.Module | None, Any, StoredTeacherMaker | None]:
+                     written: formats.Layout, stored_top_k: int
+                     ) -> tuple[PreTrainedModel | None, Any, StoredTeacherMaker | None]:
     """What this process loads: with the hf engine (`engine` None) the whole target (its config, and its head for
     the compact layout's teacher); with vLLM only the config, and the head alone when the layout
     stores a teacher."""

@@ -316,10 +316,24 @@ class TargetHeads:
     norm and LM head (a Linear whose weight is the embeddings' when tied)."""
 
     config: Any
-    embeddings: torch.Tensor
-    final_norm: nn.Module
-    lm_head: nn.Module
+    embeddings: torch.Tensor | None  # None: a role `read_heads` was not asked for
+    final_norm: nn.Module | None
+    lm_head: nn.Linear | None
     source: str  # where they came from, for messages
+
+    def need(self, role: str, value: Any) -> Any:
+        if value is None:
+            raise ValueError(f"{self.source}: the target's {role} was not read")
+        return value
+
+    def embedding_table(self) -> torch.Tensor:
+        return self.need(EMBEDDINGS, self.embeddings)
+
+    def norm(self) -> nn.Module:
+        return self.need(FINAL_NORM, self.final_norm)
+
+    def head(self) -> nn.Linear:
+        return self.need(LM_HEAD, self.lm_head)
 
 
 def read_tensor(t: StoredTensor, dtype: torch.dtype | None, device: torch.device,
@@ -330,7 +344,7 @@ def read_tensor(t: StoredTensor, dtype: torch.dtype | None, device: torch.device
     buf = torch.empty(t.end - t.start, dtype=torch.uint8)
     with open(t.file, "rb") as f:
         f.seek(t.start)
-        if f.readinto(memoryview(buf.numpy())) != t.end - t.start:
+        if f.readinto(buf.numpy().data) != t.end - t.start:
             raise ValueError(f"{t.file}: truncated inside {t.name}; download it again")
     stored = buf.view(SAFETENSORS_DTYPES[t.dtype]).reshape(t.shape).to(device)
     del buf

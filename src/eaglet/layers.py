@@ -17,7 +17,7 @@ prepare, extract, check, training, decoding and the drafter's config all read.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 NUM_AUX = 3  # low, mid, high
 NUM_STORED = NUM_AUX + 1  # ... and the last layer's state, for the teacher
@@ -46,7 +46,7 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [*default_aux_ids(num_layers), num_layers]
 
 
-def is_id_list(ids: object) -> bool:
+def is_id_list(ids: object) -> TypeGuard[list[int] | tuple[int, ...]]:
     return isinstance(ids, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
 
 
@@ -80,16 +80,16 @@ def stored_ids_problem(ids: object, num_layers: int | None = None) -> str | None
 def check_aux_ids(ids: object, num_layers: int | None = None, where: str = "aux layer ids") -> list[int]:
     """`ids` as a list, or a ValueError naming `where` (an option, a file and field)."""
     problem = aux_ids_problem(ids, num_layers)
-    if problem:
+    if problem or not is_id_list(ids):  # (no problem: a list of ids)
         raise ValueError(f"{where} {ids}: {problem}")
-    return list(ids)  # type: ignore[arg-type]
+    return list(ids)
 
 
 def check_stored_ids(ids: object, num_layers: int | None = None, where: str = "layer_ids") -> list[int]:
     problem = stored_ids_problem(ids, num_layers)
-    if problem:
+    if problem or not is_id_list(ids):  # (no problem: a list of ids)
         raise ValueError(f"{where} {ids}: {problem}")
-    return list(ids)  # type: ignore[arg-type]
+    return list(ids)
 
 
 def to_sglang(ids: list[int]) -> list[int]:

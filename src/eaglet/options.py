@@ -621,6 +621,7 @@ class Declared:
         return f"declared default of {self.stage} {self.key}" if self.stage else "DECLARED"
 
     def __call__(self) -> Any:  # as a dataclass default_factory
+        assert self.stage is not None and self.key is not None, "DECLARED itself is no field default"
         return declared_default(self.stage, self.key)
 
 

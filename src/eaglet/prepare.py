@@ -179,13 +179,14 @@ def write_source(writer: PreparedWriter, source: Source, tokenizer, special_ids:
 def prepared_config(ref: TargetRef, target: str | None, tokenizer, sources: list[Source], max_length: int,
                     writer: PreparedWriter, seen: Tokenizing, command: str) -> dict:
     """prepare_config.json: where the chats came from, with what, and what was left out and why."""
-    data, mix = sources[0], (sources[1] if len(sources) > 1 else Source(None, 0, None))
+    data, mix = sources[0], (sources[1] if len(sources) > 1 else None)
     stats = seen.stats
     return {
         "eaglet_version": __version__, "command": command,
         "target": ref.name, "target_spec": target, "target_path": ref.path, "target_revision": ref.revision,
         "chat_template_sha256": template_hash(tokenizer), "data": data.data, "skip": data.skip,
-        "mix": mix.data, "mix_skip": mix.skip, "mix_samples": mix.limit, "samples_per_source": seen.per_source,
+        "mix": mix.data if mix else None, "mix_skip": mix.skip if mix else 0,
+        "mix_samples": mix.limit if mix else None, "samples_per_source": seen.per_source,
         "max_length": max_length, "num_samples": writer.samples, "num_tokens": writer.tokens,
         "num_masked_tokens": writer.masked_tokens, "records_read": stats.records,
         "skipped": dict(stats.skipped), "cut_short": dict(stats.trimmed),
@@ -216,8 +217,8 @@ def prepare(target: str | None = DECLARED, data: str = DECLARED, out: str | Path
         tokenizer = load_chat_tokenizer(ref)
         special_ids = special_token_ids(tokenizer)
         seen = Tokenizing()
-        limits = [source.limit for source in sources]
-        bar = tqdm(total=None if None in limits else sum(limits), desc="prepare", unit="chat", file=sys.stderr,
+        limits = [source.limit for source in sources if source.limit is not None]
+        bar = tqdm(total=sum(limits) if len(limits) == len(sources) else None, desc="prepare", unit="chat", file=sys.stderr,
                    dynamic_ncols=True)
         with PreparedWriter(out) as writer:
             for source in sources:

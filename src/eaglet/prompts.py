@@ -103,7 +103,7 @@ def load_prompt_set(spec: str, limit: int | None) -> list[Prompt]:
         source = jsonl_prompts(Path(spec))
     else:
         raise ValueError(f"--prompts {spec!r}: not one of {', '.join(PROMPT_SETS)} and not a file")
-    out = []
+    out: list[Prompt] = []
     for p in source:
         if limit is not None and len(out) >= limit:
             break

@@ -198,8 +198,9 @@ def option_hint(o: Option) -> Any:
         return bool
     if o.kind == APPEND:
         return list[str]
-    base = {parse_layer_ids: list[int], parse_list: list[str], parse_duration: float,
-            parse_float: float, parse_threads: int | str}.get(o.type, o.type)
+    parsed_as: dict[Callable[[str], Any], Any] = {parse_layer_ids: list[int], parse_list: list[str],
+                                                  parse_duration: float, parse_float: float, parse_threads: int | str}
+    base = parsed_as.get(o.type, o.type)
     base = bool if o.kind == BOOL else base
     return base | None if o.default is None else base
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors import SafetensorError
@@ -30,6 +30,9 @@ from eaglet.options import env_switch
 from eaglet.formats import TokenizedSample
 from eaglet.heads import TargetHeads
 from eaglet.placement import Device, Placement
+
+if TYPE_CHECKING:  # transformers' modelling code loads only with a model
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +297,7 @@ def text_config(ref: TargetRef) -> Any:
     return from_pretrained(AutoConfig, ref).get_text_config()
 
 
-def max_positions(model: nn.Module) -> int:
+def max_positions(model: PreTrainedModel | TargetHeads) -> int:
     """How many positions a loaded target holds (`config_positions` of its config)."""
     return config_positions(model.config)
 
@@ -356,7 +359,7 @@ def load_chat_tokenizer(ref: TargetRef):
 
 
 def load_target(ref: TargetRef, dtype: torch.dtype, device: torch.device,
-                placed: Placement | None = None) -> nn.Module:
+                placed: Placement | None = None) -> PreTrainedModel:
     """The target in eval mode without gradients: on `device`, or with `placed` across the devices
     of its device map (accelerate hooks move each layer's inputs to it; "disk" layers are read
     from the offload folder for each forward), refused before loading when it cannot fit."""
@@ -385,7 +388,7 @@ def module_counts(device_map: dict[str, Device]) -> dict[Device, int]:
     return counts
 
 
-def empty_target(ref: TargetRef, dtype: torch.dtype) -> nn.Module:
+def empty_target(ref: TargetRef, dtype: torch.dtype) -> PreTrainedModel:
     """The target's modules with weights of `dtype` on the meta device: sizes and names, no bytes."""
     from accelerate import init_empty_weights  # seconds to import: only where a target is placed
     from transformers import AutoConfig, AutoModelForCausalLM  # seconds to import: only where a target is read
@@ -397,7 +400,7 @@ def empty_target(ref: TargetRef, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def module_children(model: nn.Module) -> dict[str, list[str]]:
+def module_children(model: PreTrainedModel) -> dict[str, list[str]]:
     """Each module's name -> the names of its direct submodules and tensors (to split a map's key)."""
     def full(prefix: str, name: str) -> str:
         return f"{prefix}.{name}" if prefix else name
@@ -408,7 +411,7 @@ def module_children(model: nn.Module) -> dict[str, list[str]]:
             for prefix, module in model.named_modules()}
 
 
-def read_pieces(model: nn.Module) -> dict[str, str]:
+def read_pieces(model: PreTrainedModel) -> dict[str, str]:
     """{module name: what it is} of the modules whose weights eaglet reads itself, outside forward."""
     wanted = {id(model.get_input_embeddings()): "the input embeddings",
               id(model.get_output_embeddings()): "the LM head",
@@ -416,7 +419,7 @@ def read_pieces(model: nn.Module) -> dict[str, str]:
     return {name: wanted[id(m)] for name, m in model.named_modules() if id(m) in wanted}
 
 
-def tensor_bytes(model: nn.Module) -> dict[str, int]:
+def tensor_bytes(model: PreTrainedModel) -> dict[str, int]:
     """Bytes of each parameter and buffer, a tied weight counted once (under its first name)."""
     sizes: dict[str, int] = {}
     seen: set[int] = set()
@@ -427,7 +430,7 @@ def tensor_bytes(model: nn.Module) -> dict[str, int]:
     return sizes
 
 
-def strategy_device_map(model: nn.Module, placed: Placement) -> dict[str, Device]:
+def strategy_device_map(model: PreTrainedModel, placed: Placement) -> dict[str, Device]:
     """The map `from_pretrained(device_map=<strategy>)` would make, made here so it can be checked
     and its disk entries known before loading (transformers' own resolution, the same limits)."""
     from transformers.integrations.accelerate import _get_device_map  # seconds to import: only where placed
@@ -466,6 +469,7 @@ def plan_device_map(ref: TargetRef, dtype: torch.dtype, placed: Placement) -> tu
     if placed.strategy:
         device_map = placement.pieces_to_cpu(strategy_device_map(model, placed), pieces, module_children(model))
     else:
+        assert isinstance(placed.device_map, dict)  # no strategy: a map of its own
         device_map = dict(placed.device_map)
         names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()} | {
             n for n, _ in model.named_buffers()}
@@ -490,7 +494,7 @@ def plan_device_map(ref: TargetRef, dtype: torch.dtype, placed: Placement) -> tu
     return device_map, folder
 
 
-def input_device(model: nn.Module) -> torch.device:
+def input_device(model: PreTrainedModel) -> torch.device:
     """Where a forward's input ids go: the device the input embeddings run on. Under a device map
     that is their accelerate hook's execution device (their weights may be offloaded); for a
     target on one device, its device. Not `model.device`, which is the first parameter's."""
@@ -498,7 +502,7 @@ def input_device(model: nn.Module) -> torch.device:
     hooked = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
     if hooked is not None:
         return torch.device(f"cuda:{hooked}" if isinstance(hooked, int) else hooked)
-    return embeddings.weight.device
+    return embedding_weight(model).device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,13 +514,13 @@ def input_device(model: nn.Module) -> torch.device:
 LAYER_CHECK_MAX_BYTES = 2 << 30
 
 
-def heads_of_model(model: nn.Module) -> TargetHeads:
+def heads_of_model(model: PreTrainedModel) -> TargetHeads:
     """The heads of a target already loaded (online training, extract): the model's own modules."""
     inner = base_model(model)
     norm = next((getattr(inner, n) for n in ("norm", "final_layernorm", "ln_f") if hasattr(inner, n)), None)
     if norm is None:
         raise ValueError(f"cannot find the final norm of {type(model).__name__}")
-    return TargetHeads(model.config, model.get_input_embeddings().weight.detach(), norm,
+    return TargetHeads(model.config, embedding_weight(model).detach(), norm,
                        model.get_output_embeddings(), type(model).__name__)
 
 
@@ -550,14 +554,22 @@ def whole_target_size(ref: TargetRef) -> int | None:
     return sum((folder / s).stat().st_size for s in location.shards)
 
 
-def base_model(model: nn.Module) -> nn.Module:
-    """The decoder stack without the LM head (running the head would only waste time)."""
+def base_model(model: PreTrainedModel) -> PreTrainedModel:
+    """The decoder stack without the LM head (running the head would only waste time): by
+    transformers' contract a model of the same family, under its `base_model_prefix`."""
     base = getattr(model, "base_model_prefix", None)
     inner = getattr(model, base, None) if base else None
-    return inner if isinstance(inner, nn.Module) else model
+    return cast("PreTrainedModel", inner) if isinstance(inner, nn.Module) else model
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def embedding_weight(model: PreTrainedModel) -> torch.Tensor:
+    """The input embeddings' table (its device: where the ids go, unless offloaded)."""
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The target's list of decoder layers, found without knowing the architecture's names."""
     n = model.config.num_hidden_layers
     inner = base_model(model)
@@ -631,7 +643,7 @@ def pad_right(batch: list[TokenizedSample]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.inference_mode()
-def run_batch(model: nn.Module, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
+def run_batch(model: PreTrainedModel, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
               store_dtype: torch.dtype, out_device: torch.device | str = "cpu") -> list[list[torch.Tensor]]:
     """One padded forward; per sample, the captured states cut to its length, on `out_device`
     (CPU for writing files; the compute device when `eaglet train --online` consumes them). The

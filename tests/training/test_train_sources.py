@@ -140,3 +140,17 @@ def test_cli_train_online(work, tmp_path, capsys):
     assert rc == 0 and "best checkpoint: step 1" in capsys.readouterr().out
     cfg = formats.read_json(tmp_path / "run" / "checkpoints" / "step_00000001" / "config.json")
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
+
+
+def test_a_wrong_last_state_convention_is_refused_with_its_file_and_the_fix(work, tiny_target, monkeypatch):
+    """The tiny random target predicts nothing either way, so the convention check's verdict is
+    stood in for; the message built from it once raised AttributeError (Problem has no `file`)."""
+    from eaglet.check.report import Problem
+    from eaglet.heads import read_heads
+    from eaglet.training import data
+
+    wrong = Problem("last state", "hidden_states/rows_0-2000/data_0.pt", "reads better after the final norm")
+    monkeypatch.setattr(data, "convention_problem", lambda *args: wrong)
+    with pytest.raises(ValueError, match=r"data_0.pt: reads better after the final norm \(.*data_config.json, or "
+                                         r"--last-hidden-state .*`eaglet check` for the full report"):
+        data.refuse_wrong_last_state(open_dataset(work / "data"), read_heads(tiny_target))

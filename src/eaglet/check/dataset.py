@@ -46,7 +46,7 @@ RMS_OUTLIER_FACTOR = 10.0
 # data_config.json and what it makes every file expected to be
 # ---------------------------------------------------------------------------------------------
 
-def read_config(root: Path, layout: formats.Layout) -> tuple[dict | None, list[Problem]]:
+def read_config(root: Path, layout: formats.Layout) -> tuple[formats.DataConfig | None, list[Problem]]:
     path = root / formats.DATA_CONFIG_FILE
     if not path.exists():
         # eaglet's own layouts always have one; foreign layouts may not (then files set the bar).

@@ -59,7 +59,7 @@ class FileResult:
     slot_elems: list[int] = field(default_factory=list)
     slot_median_row_rms: list[float] = field(default_factory=list)
     slot_max_row_rms: list[float] = field(default_factory=list)
-    masked_tokens: tuple[list[int], list[int]] = ((), ())  # (token ids, counts) over masked positions
+    masked_tokens: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (ids, counts) masked
     template_checked: bool = False  # the mask was compared with the chat template's assistant spans
 
 
@@ -374,11 +374,10 @@ def teacher_problems(t: formats.StoredTeacher, exp: Expect, rel: str) -> list[Pr
 def check_slot_values(res: FileResult, states: list[torch.Tensor], usable: list[bool]) -> None:
     """Each well-formed slot's value problems and statistics (NaN where a slot is not usable)."""
     for j, (h, ok) in enumerate(zip(states, usable)):
-        if not ok:
-            res.slot_sumsq.append(0.0), res.slot_elems.append(0)
-            res.slot_median_row_rms.append(float("nan")), res.slot_max_row_rms.append(float("nan"))
-            continue
-        probs, sumsq, elems, med, mx = state_value_problems(h, j, res.path)
+        probs, sumsq, elems, med, mx = (state_value_problems(h, j, res.path) if ok
+                                         else ([], 0.0, 0, float("nan"), float("nan")))
         res.problems += probs
-        res.slot_sumsq.append(sumsq), res.slot_elems.append(elems)
-        res.slot_median_row_rms.append(med), res.slot_max_row_rms.append(mx)
+        res.slot_sumsq.append(sumsq)
+        res.slot_elems.append(elems)
+        res.slot_median_row_rms.append(med)
+        res.slot_max_row_rms.append(mx)

@@ -25,7 +25,7 @@ VOCAB_CHUNK = 16384  # rows of the LM head multiplied at a time (fp32), so no [T
 
 
 @torch.inference_mode()
-def head_argmax(h: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+def head_argmax(h: torch.Tensor, lm_head: torch.nn.Linear) -> torch.Tensor:
     """argmax of lm_head(h) in fp32 [T], a slice of the vocabulary at a time."""
     w = lm_head.weight
     h = h.to(w.device, torch.float32)
@@ -55,11 +55,12 @@ def convention_hits(last: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | 
     pos = scored_positions(ids, mask)
     if not len(pos):
         return 0, {c: 0 for c in formats.LAST_STATE_CONVENTIONS}
-    h = last[pos].to(heads.final_norm.weight.device)
-    readings = {formats.LAST_STATE_PRE_NORM: heads.final_norm(h.float()),
+    norm = heads.norm()
+    h = last[pos].to(next(norm.parameters()).device)  # its weight's
+    readings = {formats.LAST_STATE_PRE_NORM: norm(h.float()),
                 formats.LAST_STATE_POST_NORM: h}
     nxt = ids[1:][pos]
-    return len(pos), {c: int((head_argmax(x, heads.lm_head) == nxt).sum()) for c, x in readings.items()}
+    return len(pos), {c: int((head_argmax(x, heads.head()) == nxt).sum()) for c, x in readings.items()}
 
 
 def convention_problem(positions: int, hits: dict[str, int], recorded: str, where: str) -> Problem | None:

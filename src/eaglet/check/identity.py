@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from eaglet.placement import Placement
 from eaglet.heads import TargetHeads
 from eaglet.target import (base_model, decoder_layers, input_device, load_heads, load_target, load_tokenizer,
                            max_positions, parse_dtype, pick_device, resolve_target, whole_target_size)
+
+if TYPE_CHECKING:  # transformers' modelling code loads only with a model
+    from transformers import PreTrainedModel
 
 # Layer identity: a stored slot "is" a recomputed state when it is this close. bf16 storage
 # alone gives rel err ~0.004; a recompute on other hardware / kernels adds a little.
@@ -48,7 +51,7 @@ def generation_prompt(tokenizer: Any) -> tuple[list[int], str] | None:
 
 
 def load_target_for_check(spec: str, cfg: formats.DataConfig | None, placed: Placement | None = None
-                          ) -> tuple[Any, Any, torch.nn.Module | TargetHeads, torch.device]:
+                          ) -> tuple[Any, Any, PreTrainedModel | TargetHeads, torch.device]:
     """(ref, tokenizer, model, input device). Recompute in the recorded compute dtype, as
     extraction did; on the default device, or across the devices `placed` maps. A folder that holds
     only the heads gives its heads instead (as stored, on the CPU): what they alone can check."""
@@ -74,7 +77,7 @@ def target_revision_problem(cfg: formats.DataConfig | None, ref: Any) -> Problem
                    "check against the target the data was extracted with")
 
 
-def too_long_problems(results: list[FileResult], model: torch.nn.Module | TargetHeads) -> list[Problem]:
+def too_long_problems(results: list[FileResult], model: PreTrainedModel | TargetHeads) -> list[Problem]:
     """Samples longer than the target's positions: states the target never makes in use."""
     limit = max_positions(model)
     return [Problem(TOO_LONG, r.path, f"{r.length} tokens, the target has {limit} positions "
@@ -95,7 +98,7 @@ class Recomputed:
 
 
 @torch.inference_mode()
-def recompute(model: torch.nn.Module, input_ids: torch.Tensor, device: torch.device) -> Recomputed:
+def recompute(model: PreTrainedModel, input_ids: torch.Tensor, device: torch.device) -> Recomputed:
     """Every candidate a stored slot could be: embeddings, each decoder layer's output, the
     last layer's output before and after the final norm. Forward hooks, so no HF convention
     about what `hidden_states[-1]` means is relied on."""
@@ -195,7 +198,7 @@ def teacher_accuracy(rec: Recomputed, stored_last: torch.Tensor | formats.Stored
 
 
 @torch.inference_mode()
-def log_probs_at(h: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+def log_probs_at(h: torch.Tensor, head: torch.nn.Linear, ids: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
     """fp32 log_softmax(head(h)) at `ids` [T, K], whatever the head's dtype, a slice of the
     vocabulary at a time (neither a [T, vocab] tensor nor an fp32 copy of the head)."""
     w, bias = head.weight, getattr(head, "bias", None)
@@ -250,14 +253,14 @@ def slot_identities(report: CheckReport, sample: formats.FileStates, rec: Recomp
             worst[j] = SlotIdentity(j, expected, best, e_cos, e_rel, e_abs, stats[best][0], stats[best][1])
 
 
-def identity_check(report: CheckReport, root: Path, exp: Expect, model: torch.nn.Module, files: list[FileResult],
+def identity_check(report: CheckReport, root: Path, exp: Expect, model: PreTrainedModel, files: list[FileResult],
                    layer_ids: list[int], last_convention: str, device: torch.device) -> None:
     n = model.config.num_hidden_layers
     labels = expected_labels(layer_ids, last_convention, n)
     worst: dict[int, SlotIdentity] = {}
     acc = [0, 0, 0, 0]
     for r in files:
-        sample, _ = exp.layout.file_states(exp.layout.read_raw(root / r.path), r.path)
+        sample = sampled_states(root, exp, r)
         rec = recompute(model, sample.input_ids, device)
         slot_identities(report, sample, rec, labels, last_convention, r.path, worst)
         mask = sample.loss_mask if isinstance(sample.loss_mask, torch.Tensor) else None
@@ -279,7 +282,7 @@ def identity_check(report: CheckReport, root: Path, exp: Expect, model: torch.nn
                                            f"{acc[3] / acc[0]:.1%} of masked positions ({len(files)} sampled files)"))
 
 
-def layer_identity_problems(root: Path, fmt: str | formats.Layout, sample: Path, model: torch.nn.Module,
+def layer_identity_problems(root: Path, fmt: str | formats.Layout, sample: Path, model: PreTrainedModel,
                             layer_ids: list[int], last_convention: str) -> list[Problem]:
     """The layer-identity errors `eaglet check --target` would report for one file, with the
     target already loaded: train runs this before spending hours on states whose recorded
@@ -293,13 +296,21 @@ def layer_identity_problems(root: Path, fmt: str | formats.Layout, sample: Path,
     return [p for p in report.problems if p.kind == LAYER_IDENTITY and p.severity == ERROR]
 
 
+def sampled_states(root: Path, exp: Expect, r: FileResult) -> formats.FileStates:
+    """A sampled file's states: the file read well in the first pass (files with problems are not sampled)."""
+    sample, _ = exp.layout.file_states(exp.layout.read_raw(root / r.path), r.path)
+    if sample is None:
+        raise ValueError(f"{root / r.path}: unreadable on a second read (was it changed during the check?)")
+    return sample
+
+
 def heads_check(report: CheckReport, root: Path, exp: Expect, target_heads: TargetHeads, files: list[FileResult],
                 last_convention: str) -> None:
     """With the heads alone: the stored last state's next-token accuracy read as recorded and read
     the other way, on the sampled files; the layer identity is said to be not checked, and how."""
     positions, hits = 0, {c: 0 for c in formats.LAST_STATE_CONVENTIONS}
     for r in files:
-        sample, _ = exp.layout.file_states(exp.layout.read_raw(root / r.path), r.path)
+        sample = sampled_states(root, exp, r)
         if sample.teacher is not None:
             continue  # a compact file: the stored teacher is its last slot
         mask = sample.loss_mask if isinstance(sample.loss_mask, torch.Tensor) else None

@@ -158,10 +158,10 @@ def slot_lines(r: CheckReport) -> list[str]:
                        f"max row rms {s.max_row_rms:.4g}")
     if r.identity:
         out.append(f"  layer identity vs {r.target} on {len(r.identity_files)} sampled files (worst file per slot):")
-        for s in r.identity:
-            mark = "ok" if s.best == s.expected else f"best match {s.best} (rel err {s.best_rel_err:.3g})"
-            out.append(f"    slot {s.slot} = {s.expected}: cos {s.cos:.5f}, rel err {s.rel_err:.3g}, "
-                       f"max abs err {s.max_abs_err:.3g}; {mark}")
+        for i in r.identity:
+            mark = "ok" if i.best == i.expected else f"best match {i.best} (rel err {i.best_rel_err:.3g})"
+            out.append(f"    slot {i.slot} = {i.expected}: cos {i.cos:.5f}, rel err {i.rel_err:.3g}, "
+                       f"max abs err {i.max_abs_err:.3g}; {mark}")
     return out
 
 

@@ -37,10 +37,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
 
 if TYPE_CHECKING:  # annotations only: the runner and the proposers import this module
     from transformers import DynamicCache
 
+    from eaglet.decode.fast import FastTarget
     from eaglet.decode.proposers import Proposer
     from eaglet.decode.runner import TargetRunner
 
@@ -262,7 +264,9 @@ def keep_cache_entries(cache: DynamicCache, start: int, rel: list[int], device: 
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
             raise NotImplementedError(f"KV compaction of {type(layer).__name__} cache layers")
-        if contiguous:
+        # a layer with keys is an attention layer's (DynamicLayer), filled by the passes so far
+        assert isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None
+        if idx is None:  # contiguous
             layer.keys = layer.keys[..., : start + len(rel), :]
             layer.values = layer.values[..., : start + len(rel), :]
         else:
@@ -322,7 +326,7 @@ class DecodeStats:
         return d
 
 
-def verify(runner: TargetRunner, root: int, tree: DraftTree, temperature: float, top_p: float,
+def verify(runner: TargetRunner | FastTarget, root: int, tree: DraftTree, temperature: float, top_p: float,
            generator: torch.Generator | None) -> tuple[list[int], int, torch.Tensor | None]:
     """One target pass over [root, nodes] after the cached prefix, with the tree's mask and
     positions. Returns the accepted nodes, the bonus token and the target's aux states at the
@@ -341,7 +345,7 @@ def verify(runner: TargetRunner, root: int, tree: DraftTree, temperature: float,
     return path, bonus, aux_all[kept] if aux_all is not None else None
 
 
-def decode_loop(runner: TargetRunner, proposer: Proposer, prompt: list[int], max_new_tokens: int,
+def decode_loop(runner: TargetRunner | FastTarget, proposer: Proposer, prompt: list[int], max_new_tokens: int,
                 eos_ids: Sequence[int], limits: tuple[int, int, int], temperature: float, top_p: float,
                 generator: torch.Generator | None) -> tuple[list[int], DecodeStats]:
     """`speculative_generate`'s decoding on a fresh `runner` (its caller closes it): the prefill,

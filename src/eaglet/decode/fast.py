@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,12 @@ FAST_TARGET_ENV = "EAGLET_FAST_TARGET"  # "0": every target through Hugging Face
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INITIAL_CACHE = 1024  # positions the KV cache holds at first; it doubles when a pass needs more
 
+# A transformers model, or one of its decoder layers: its submodules and config fields are reached by
+# the architecture's names (model.config.rms_norm_eps, layer.self_attn.q_proj), which no static type states.
+HFModel = Any
 
-def fast_target_refused(model: nn.Module) -> str | None:
+
+def fast_target_refused(model: HFModel) -> str | None:
     """Why `FastTarget` cannot run this model (None: it can)."""
     if env_switch(FAST_TARGET_ENV, "the fast target where it applies", "Hugging Face's forward always") is False:
         return f"{FAST_TARGET_ENV}=0"
@@ -55,6 +60,7 @@ def fast_target_refused(model: nn.Module) -> str | None:
     if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
             not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         return "a decoder layer without q/k/v/o and gate/up/down projections"
+    assert attn is not None and mlp is not None  # they have the projections
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         return f"activation {config.hidden_act!r} (the fast target runs SiLU)"
     if mlp.gate_proj.bias is not None or attn.o_proj.bias is not None:
@@ -88,23 +94,24 @@ class FastWeights:
     """A model's weights as `FastTarget` uses them, made once per model (`fast_weights`), with a KV
     cache that every generation with this model reuses."""
 
-    def __init__(self, model: nn.Module):
-        config, base = model.config, base_model(model)
+    def __init__(self, model: HFModel):
+        config = model.config
+        base: HFModel = base_model(model)  # its parts are reached by Llama's names
         self.model = model
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.eps = config.rms_norm_eps
-        self.embed = base.embed_tokens
-        self.rotary = base.rotary_emb
-        self.norm = base.norm.weight
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps: float = config.rms_norm_eps
+        self.embed: nn.Module = base.embed_tokens
+        self.rotary: nn.Module = base.rotary_emb
+        self.norm: torch.Tensor = base.norm.weight
         self.lm_head = PackedLinear(model.get_output_embeddings().weight)
         self.layers = [self.layer(layer) for layer in decoder_layers(model)]
         self.dtype, self.device = self.norm.dtype, self.norm.device
         self.keys = self.values = torch.empty(0)
 
     @staticmethod
-    def layer(layer: nn.Module) -> FastLayer:
+    def layer(layer: HFModel) -> FastLayer:
         a, m = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         return FastLayer(layer.input_layernorm.weight, fused(a.q_proj, a.k_proj, a.v_proj),
@@ -153,7 +160,7 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class FastTarget:
     """A generation's target: `TargetRunner`'s interface over `FastWeights` and their KV cache."""
 
-    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None):
+    def __init__(self, model: HFModel, aux_layer_ids: list[int] | None = None):
         self.w = fast_weights(model)
         self.model = model
         self.device, self.dtype, self.max_positions = self.w.device, self.w.dtype, max_positions(model)
@@ -223,6 +230,7 @@ class FastTarget:
         qs, ks, vs = qs.view(q, w.num_heads, w.head_dim), ks.view(q, w.num_kv_heads, w.head_dim), vs.view(
             q, w.num_kv_heads, w.head_dim)
         if layer.q_norm is not None:
+            assert layer.k_norm is not None  # Qwen3 norms both q and k
             qs, ks = rms_norm(qs, layer.q_norm, w.eps), rms_norm(ks, layer.k_norm, w.eps)
         qs, ks = rotate(qs, cos, sin), rotate(ks, cos, sin)
         keys[i, :, start:end] = ks.transpose(0, 1)

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch import nn
 
 from eaglet.decode.core import BOTH, DRAFTER, NGRAM, DraftTree, children_lists, node_depths
+from eaglet.decode.fast import HFModel
 from eaglet.decode.parallel import ParallelProposer
 from eaglet.decode.proposers import Eagle3Proposer, NgramProposer, Proposer
 from eaglet.decode.runner import target_runner
-from eaglet.drafter import ParallelDraft, predicted_positions
+from eaglet.drafter import DraftModel, ParallelDraft, predicted_positions
 from eaglet.target import max_positions
 
 
@@ -168,7 +168,7 @@ def admit_by_cost(parents: list[int], expected: list[float], pass_costs: Sequenc
 
 
 @torch.inference_mode()
-def measure_pass_costs(model: nn.Module, context: int = 256, max_q: int = 8, repeats: int = 5,
+def measure_pass_costs(model: HFModel, context: int = 256, max_q: int = 8, repeats: int = 5,
                        seed: int = 0) -> list[float]:
     """Median seconds of a target pass over q = 1..max_q new tokens after `context` cached tokens,
     as the decoder runs it (`target_runner`: the fast target where it applies). Each round times
@@ -196,12 +196,13 @@ def measure_pass_costs(model: nn.Module, context: int = 256, max_q: int = 8, rep
 
 
 @torch.inference_mode()
-def measure_drafter_pass(drafter: nn.Module, context: int = 256, depth: int = 1, repeats: int = 9,
+def measure_drafter_pass(drafter: DraftModel, context: int = 256, depth: int = 1, repeats: int = 9,
                          seed: int = 0) -> float:
     """Median seconds of one drafting cycle after `context` committed positions: the drafter fed
     one new position, then its proposal (an EAGLE-3 chain of `depth`, a parallel drafter's block),
     as decoding runs it each cycle."""
     cfg = drafter.config
+    assert cfg.target_hidden_size is not None  # DraftConfig sets it
     g = torch.Generator().manual_seed(seed)
     dtype = next(drafter.parameters()).dtype
     aux = torch.randn(context + 1, 3 * cfg.target_hidden_size, generator=g).to(dtype)
@@ -277,7 +278,7 @@ class HybridProposer:
 
     def reset(self) -> None:
         for p in (self.drafter, self.lookup):
-            if hasattr(p, "reset"):
+            if p is not None and hasattr(p, "reset"):
                 p.reset()
         self.seq: list[int] = []
         self.unseen: list[torch.Tensor | None] = []  # aux states the drafter has not been fed yet (cost mode)
@@ -301,6 +302,7 @@ class HybridProposer:
     def catch_up(self) -> None:
         """Feed the drafter every aux state it has not seen, in one pass."""
         if self.unseen:
+            assert self.drafter is not None  # only a drafter's aux states are kept
             chunks = [a for a in self.unseen if a is not None]
             self.drafter.observe(self.seq, torch.cat(chunks) if chunks else None)
             self.unseen = []
@@ -333,6 +335,7 @@ class HybridProposer:
         if self.drafter_seconds is None or not outcomes:
             return True  # not measured yet
         costs, d = self.pass_costs, self.drafter_seconds
+        assert costs is not None  # asked in cost mode only
         if nodes + 1 >= len(costs):
             return False
         without = tokens / costs[nodes]
@@ -348,7 +351,8 @@ class HybridProposer:
             return self.propose_all(chain, max_depth)
         chain_right = list(self.lookup.confidence)
         chain_parents = list(range(-1, len(chain) - 1))
-        tree, drafter_right, spent = DraftTree.empty(), [], 0.0
+        tree, spent = DraftTree.empty(), 0.0
+        drafter_right: list[float] = []
         if self.drafter is not None and max_depth > 0:
             expected = expected_acceptance(chain_parents, chain_right)
             plan = admit_by_cost(chain_parents, expected, self.pass_costs, max_nodes=total_tokens)
@@ -370,6 +374,7 @@ class HybridProposer:
 
     def run_drafter(self, max_depth: int) -> tuple[DraftTree, list[float], float]:
         """The drafter's tree, each node's calibrated P(right | parent right), and the seconds it took."""
+        assert self.drafter is not None  # run only with one
         t0 = time.perf_counter()
         self.catch_up()
         depth, d_top_k, d_total = self.drafter_limits

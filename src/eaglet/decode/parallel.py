@@ -18,6 +18,16 @@ import torch
 from eaglet import families
 from eaglet.decode.core import DraftTree
 from eaglet.drafter import ParallelDraft, predicted_positions
+from eaglet.drafter.parallel import Layer
+
+
+def drafter_layers(drafter: ParallelDraft) -> list[Layer]:
+    """The drafter's decoder layers as what they are (nn.ModuleList types its items as any nn.Module)."""
+    layers = []
+    for layer in drafter.layers:
+        assert isinstance(layer, Layer)
+        layers.append(layer)
+    return layers
 
 
 class ParallelProposer:
@@ -28,6 +38,7 @@ class ParallelProposer:
         if not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_prob {min_prob}: a probability in [0, 1]")
         self.drafter, self.cfg = drafter, drafter.config
+        self.layers = drafter_layers(drafter)
         self.name = self.cfg.family
         self.min_log_prob = math.log(min_prob) if min_prob > 0 else -math.inf
         self.aux_layer_ids = list(self.cfg.aux_layer_ids)
@@ -60,22 +71,24 @@ class ParallelProposer:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Keep keys/values [1, kv, m, d] of committed positions start .. start+m-1."""
         end = start + k.shape[2]
-        cache = self.keys[layer]
-        if cache is None or cache.shape[2] < end:
-            cap = max(end, 256, 0 if cache is None else 2 * cache.shape[2])
+        keys, values = self.keys[layer], self.values[layer]  # stored together: both or neither
+        if keys is None or values is None or keys.shape[2] < end:
+            cap = max(end, 256, 0 if keys is None else 2 * keys.shape[2])
             grown_k, grown_v = k.new_zeros(1, k.shape[1], cap, k.shape[3]), v.new_zeros(1, v.shape[1], cap, v.shape[3])
-            if cache is not None:
-                grown_k[:, :, :start], grown_v[:, :, :start] = cache[:, :, :start], self.values[layer][:, :, :start]
+            if keys is not None and values is not None:
+                grown_k[:, :, :start], grown_v[:, :, :start] = keys[:, :, :start], values[:, :, :start]
             self.keys[layer], self.values[layer] = grown_k, grown_v
-        self.keys[layer][:, :, start:end] = k
-        self.values[layer][:, :, start:end] = v
+            keys, values = grown_k, grown_v
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
 
     def cached(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is None:
-            d = self.drafter.layers[layer].self_attn
+        keys, values = self.keys[layer], self.values[layer]
+        if keys is None or values is None:  # stored together: both or neither
+            d = self.layers[layer].self_attn
             empty = self.drafter.fc.weight.new_zeros(1, d.num_kv_heads, 0, d.head_dim)
             return empty, empty
-        return self.keys[layer][:, :, :n], self.values[layer][:, :, :n]
+        return keys[:, :, :n], values[:, :, :n]
 
     @torch.no_grad()
     def block_outputs(self) -> torch.Tensor:
@@ -99,12 +112,14 @@ class ParallelProposer:
         block_pos = torch.arange(n, n + B, device=device)
         cos_q, sin_q = d.rope(block_pos)
         if m:
+            assert new is not None  # m counts its rows
             ctx = d.fuse(new.to(device)[None])
             cos_c, sin_c = d.rope(torch.arange(start, n, device=device))
+        assert self.cfg.mask_token_id is not None  # DraftConfig requires one of a parallel drafter
         tokens = torch.full((1, B), self.cfg.mask_token_id, device=device)
         tokens[0, 0] = self.seq[-1]
         x = d.embed_tokens(tokens).to(d.dtype)
-        for i, layer in enumerate(d.layers):
+        for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             if m:
                 self.store(i, *attn.keys_values(ctx, cos_c, sin_c), start)
@@ -121,7 +136,7 @@ class ParallelProposer:
         device = d.fc.weight.device
         last = start + m - 1  # the last committed position with aux states: depth 0 predicts 2 ahead of it
         real_tokens = torch.tensor(self.seq[start + 1: start + m + 1], dtype=torch.long, device=device)
-        g = d.fuse(new.to(device)) if m else d.fc.weight.new_zeros(0, self.cfg.hidden_size)
+        g = d.fuse(new.to(device)) if new is not None else d.fc.weight.new_zeros(0, self.cfg.hidden_size)
         hidden = torch.cat([g, d.parallel_hidden()[0].expand(K - 1, -1)])[None]
         x = torch.cat([d.embed_tokens(real_tokens), d.mask_embedding((K - 1,), device)]).to(d.dtype)[None]
         q_pos = torch.cat([torch.arange(start, start + m, device=device),
@@ -132,7 +147,7 @@ class ParallelProposer:
         keys = torch.arange(start + q, device=device)
         queries = torch.arange(start, start + q, device=device)
         allowed = (keys[None, :] <= queries[:, None])[None, None]
-        for i, layer in enumerate(d.layers):
+        for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             inp = layer.layer_input(hidden, x if i == 0 else None)
             k, v = attn.keys_values(inp, cos, sin)

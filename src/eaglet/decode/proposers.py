@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglet.decode.core import DraftTree
-from eaglet.drafter import allowed_keys, apply_rope, rope_cos_sin
+from eaglet.drafter import Eagle3Draft, allowed_keys, apply_rope, rope_cos_sin
 from eaglet.packed import PackedLinear
 
 
@@ -76,7 +76,7 @@ def weight_versions(drafter: nn.Module) -> tuple[int, ...]:
 _PACKED: weakref.WeakKeyDictionary[nn.Module, DrafterProducts] = weakref.WeakKeyDictionary()
 
 
-def drafter_products(drafter: nn.Module) -> DrafterProducts:
+def drafter_products(drafter: Eagle3Draft) -> DrafterProducts:
     """The drafter's packed products, made once per drafter and again after its weights changed
     (held-out evaluation during training decodes with a drafter whose weights move between calls)."""
     versions = weight_versions(drafter)
@@ -103,7 +103,7 @@ class Eagle3Proposer:
     only: the inference twin of the training-time-test unroll.
     """
 
-    def __init__(self, drafter: nn.Module, min_prob: float = 0.0):
+    def __init__(self, drafter: Eagle3Draft, min_prob: float = 0.0):
         if not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_prob {min_prob}: a probability in [0, 1]")
         self.drafter = drafter
@@ -139,7 +139,7 @@ class Eagle3Proposer:
         cap = max(length, 2 * (0 if self.k_buf is None else self.k_buf.shape[2]), 256)
         k_buf = w.new_zeros(1, cfg.num_kv_heads, cap, cfg.head_dim)
         v_buf = w.new_zeros(1, cfg.num_kv_heads, cap, cfg.head_dim)
-        if self.k_buf is not None:
+        if self.k_buf is not None and self.v_buf is not None:  # made together: both or neither
             k_buf[:, :, :live] = self.k_buf[:, :, :live]
             v_buf[:, :, :live] = self.v_buf[:, :, :live]
         self.k_buf, self.v_buf = k_buf, v_buf
@@ -155,6 +155,8 @@ class Eagle3Proposer:
         ml, cfg = d.midlayer, self.cfg
         q_len = hidden.shape[0]
         self.reserve(slot + q_len, live=slot)
+        k_buf, v_buf = self.k_buf, self.v_buf
+        assert k_buf is not None and v_buf is not None  # reserve() made them
         hidden = hidden.to(d.fc.weight.dtype)
         embeds = d.embed_tokens(token_ids).to(hidden.dtype)
         normed = ml.hidden_norm(hidden)
@@ -166,9 +168,9 @@ class Eagle3Proposer:
         v = v.view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         q = apply_rope(q, cos, sin)
-        self.k_buf[:, :, slot: slot + q_len] = apply_rope(k, cos, sin)
-        self.v_buf[:, :, slot: slot + q_len] = v
-        o = F.scaled_dot_product_attention(q, self.k_buf[:, :, : slot + q_len], self.v_buf[:, :, : slot + q_len],
+        k_buf[:, :, slot: slot + q_len] = apply_rope(k, cos, sin)
+        v_buf[:, :, slot: slot + q_len] = v
+        o = F.scaled_dot_product_attention(q, k_buf[:, :, : slot + q_len], v_buf[:, :, : slot + q_len],
                                            attn_mask=allowed[None, None],
                                            enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         h = ml.residual(hidden, normed) + self.products.o(o.transpose(1, 2).reshape(q_len, -1))

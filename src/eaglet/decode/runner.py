@@ -6,7 +6,7 @@ aux layers), and the entry points that run a target: `plain_generate` (the refer
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -15,11 +15,14 @@ from transformers import DynamicCache
 from eaglet.decode.core import (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, DecodeStats, TokenIds, as_id_list,
                                 decode_loop, keep_cache_entries, process_probs, sample_from,
                                 token_budget, tree_limits)
-from eaglet.decode.fast import FastTarget, fast_target_refused
+from eaglet.decode.fast import FastTarget, HFModel, fast_target_refused
 from eaglet.decode.parallel import ParallelProposer
 from eaglet.decode.proposers import Eagle3Proposer, Proposer
-from eaglet.drafter import ParallelDraft
+from eaglet.drafter import DraftModel, ParallelDraft
 from eaglet.target import LayerCapture, decoder_layers, input_device, max_positions
+
+if TYPE_CHECKING:  # in typing from Python 3.13; annotations are never evaluated here, only mypy reads it
+    from typing_extensions import TypeIs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,7 +40,7 @@ def target_runner(model: nn.Module, aux_layer_ids: list[int] | None = None) -> T
 class TargetRunner:
     """The HF target with its DynamicCache and (optionally) hooks on the aux layers."""
 
-    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None):
+    def __init__(self, model: HFModel, aux_layer_ids: list[int] | None = None):
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in (None, "sdpa", "eager"):
             raise ValueError(f"tree verification needs a custom 4D attention mask: load the target with "
@@ -112,8 +115,13 @@ def plain_generate(target: nn.Module, input_ids: TokenIds, max_new_tokens: int, 
 # Speculative decoding
 # ---------------------------------------------------------------------------------------------
 
+def is_proposer(drafter: DraftModel | Proposer) -> TypeIs[Proposer]:
+    """Whether `speculative_generate` was given a `Proposer` (it drafts trees itself), not a drafter model."""
+    return hasattr(drafter, "propose")
+
+
 @torch.inference_mode()
-def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input_ids: TokenIds,
+def speculative_generate(target: nn.Module, drafter: DraftModel | Proposer, input_ids: TokenIds,
                          max_new_tokens: int, eos_ids: Sequence[int] = (), mode: str = "tree",
                          depth: int = DEFAULT_DEPTH, top_k: int = DEFAULT_TOP_K,
                          total_tokens: int = DEFAULT_TOTAL_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
@@ -122,7 +130,7 @@ def speculative_generate(target: nn.Module, drafter: nn.Module | Proposer, input
     drafts verified by the target. `drafter` is a drafter model (EAGLE-3, P-EAGLE or DFlash) or any
     `Proposer`; a model proposes only tokens whose path probability is >= `min_prob`."""
     limits = tree_limits(mode, depth, top_k, total_tokens)
-    if hasattr(drafter, "propose"):
+    if is_proposer(drafter):
         if min_prob > 0:
             raise ValueError("min_prob applies to a drafter model; give a Proposer its own threshold")
         proposer: Proposer = drafter

@@ -277,7 +277,7 @@ class DiagonalTTTAttention:
         self.diag_v: list[torch.Tensor] = []
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.k0 is None:
+        if self.k0 is None or self.v0 is None:
             self.k0, self.v0 = k, v
         else:
             self.diag_k.append(k)

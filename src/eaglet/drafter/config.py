@@ -108,6 +108,18 @@ class DraftConfig:
         values.update(overrides)
         return cls(**values)
 
+    @property
+    def aux_width(self) -> int:
+        """The width of one aux state: the target's hidden size (`__post_init__` fills it in)."""
+        assert self.target_hidden_size is not None
+        return self.target_hidden_size
+
+    @property
+    def mask_token(self) -> int:
+        """A parallel drafter's mask token (`__post_init__` refuses one without it)."""
+        assert self.mask_token_id is not None, f"a {self.family} drafter has no mask token"
+        return self.mask_token_id
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -129,7 +129,7 @@ def eaglet_draft_config(c: dict[str, Any], where: Path) -> DraftConfig:
 def target_embeddings(target: str) -> torch.Tensor:
     """The target's input embeddings in fp32, read alone from its safetensors (`heads.read_heads`:
     a folder with only the shard that holds them is enough), else from the loaded model."""
-    return load_heads(resolve_target(target), torch.float32, roles=(heads.EMBEDDINGS,)).embeddings
+    return load_heads(resolve_target(target), torch.float32, roles=(heads.EMBEDDINGS,)).embedding_table()
 
 
 def default_aux_layer_ids(target: str | None, where: Path) -> list[int]:
@@ -145,7 +145,7 @@ def whole_vocabulary_head(cfg: DraftConfig, target: str) -> dict[str, torch.Tens
     (z-lab's DFlash checkpoints store none): that head, and the identity vocabulary map."""
     if cfg.draft_vocab_size != cfg.target_vocab_size:
         return {}  # a reduced vocabulary needs its own head: left missing, and named so
-    head = load_heads(resolve_target(target), torch.float32, roles=(heads.LM_HEAD,)).lm_head.weight
+    head = load_heads(resolve_target(target), torch.float32, roles=(heads.LM_HEAD,)).head().weight
     return {LM_HEAD: head.detach().clone(), "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
             "t2d": torch.ones(cfg.target_vocab_size, dtype=torch.bool)}
 
@@ -185,9 +185,9 @@ def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
             raise ValueError(f"{config_path}: {e}") from e
         tensors = formats.from_format_names(drop_ignorable(stored, weights_where), fmt, weights_where,
                                             cfg.family)
-    from_target = EMBEDDINGS not in tensors and target is not None
-    if from_target:
-        tensors[EMBEDDINGS] = target_embeddings(target)
+    from_target = False
+    if EMBEDDINGS not in tensors and target is not None:
+        tensors[EMBEDDINGS], from_target = target_embeddings(target), True
     if LM_HEAD not in tensors and cfg.family != options.EAGLE3 and target is not None:
         tensors.update(whole_vocabulary_head(cfg, target))
     tensors = bool_mask(tensors)
@@ -349,7 +349,7 @@ def refuse_own_head_for_sglang(d: Drafter, target: str | None) -> None:
     if not target:
         raise ValueError(f"{d.folder}: no target recorded; pass --verifier so the DFlash drafter's LM head can be "
                          "checked against the target's (SGLang drafts with the target's own)")
-    head = load_heads(resolve_target(target), torch.float32, roles=(heads.LM_HEAD,)).lm_head.weight
+    head = load_heads(resolve_target(target), torch.float32, roles=(heads.LM_HEAD,)).head().weight
     rows = head[torch.arange(d.config.draft_vocab_size) + d.tensors["d2t"]]
     if not torch.allclose(rows, d.tensors["lm_head.weight"].float(), rtol=1e-3, atol=1e-5):
         raise ValueError(f"{d.folder}: the drafter's LM head is its own, but SGLang's DFLASH drafts with the "

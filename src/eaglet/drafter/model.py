@@ -117,23 +117,28 @@ class DraftOutput:
         return [self.head(h) for h in self.hidden]
 
 
-class Eagle3Draft(nn.Module):
+class Drafter(nn.Module):
+    """What every drafter family has: the target's embeddings (frozen) first; last, a final norm, an
+    LM head over the draft vocabulary and its d2t / t2d maps (`add_head`). A family's class adds
+    its fc and layers between the two: modules are registered, and so initialised from the seed
+    and written, in this order."""
+
+    d2t: torch.Tensor  # buffers: draft id -> offset to its target id; target id -> in the draft vocabulary
+    t2d: torch.Tensor
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
-        H = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, H)
+        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
-        if cfg.fc_norm:
-            self.fc_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
-        self.midlayer = MidLayer(cfg)
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+
+    def add_head(self) -> None:
+        cfg = self.config
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         d2t, t2d = build_draft_vocab({}, cfg.target_vocab_size, cfg.draft_vocab_size)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
-        self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
@@ -148,6 +153,17 @@ class Eagle3Draft(nn.Module):
 
     def draft_to_target_ids(self) -> torch.Tensor:
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+
+class Eagle3Draft(Drafter):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg)
+        if cfg.fc_norm:
+            self.fc_norm = RMSNorm(3 * cfg.aux_width, cfg.rms_norm_eps)
+        self.fc = nn.Linear(3 * cfg.aux_width, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.add_head()
+        self.reset_parameters()
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """g = fc(concat aux), the step-0 hidden input."""
@@ -189,7 +205,7 @@ class Eagle3Draft(nn.Module):
         return DraftOutput(outputs, self.lm_head)
 
 
-def load_embeddings_from(draft: Eagle3Draft, target_embeddings: torch.Tensor) -> None:
+def load_embeddings_from(draft: Drafter, target_embeddings: torch.Tensor) -> None:
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target_embeddings)  # casts as it copies: no temporary of vocab x H
 

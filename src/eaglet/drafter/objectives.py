@@ -156,7 +156,7 @@ def block_loss(out: BlockOutput, teacher: Teacher, counted: torch.Tensor, weight
     for k, (hidden, predicts) in enumerate(zip(out.hidden, out.predicts)):
         p = predicts.clamp(0, L - 1)
         ok = (predicts >= 0) & (predicts < L) & counted.gather(1, p).bool()
-        if anchor_doc is not None:
+        if anchor_doc is not None and documents is not None:  # (one is None when the other is)
             ok &= documents.gather(1, p) == anchor_doc
         before = p - 1  # the target's distribution there predicts the token at p
 

@@ -33,8 +33,8 @@ from torch import nn
 
 from eaglet import families, options
 from eaglet.drafter.attention import apply_rope, rope_cos_sin
-from eaglet.drafter.config import DraftConfig, build_draft_vocab
-from eaglet.drafter.model import MLP, Eagle3Draft, RMSNorm
+from eaglet.drafter.config import DraftConfig
+from eaglet.drafter.model import MLP, Drafter, Eagle3Draft, RMSNorm
 
 PARALLEL_FAMILIES = options.DRAFTER_FAMILIES[1:]
 P_EAGLE, DFLASH = PARALLEL_FAMILIES
@@ -138,46 +138,35 @@ class BlockOutput:
     everywhere: torch.Tensor | None = None
 
 
-class ParallelDraft(nn.Module):
+class ParallelDraft(Drafter):
     """A P-EAGLE or DFlash drafter (`cfg.family`); names are those eaglet stores and exports."""
 
+    hidden_norm: RMSNorm  # DFlash's
+    mask_hidden: nn.Parameter  # P-EAGLE's
+
     def __init__(self, cfg: DraftConfig):
-        super().__init__()
         if cfg.family not in PARALLEL_FAMILIES:  # DraftConfig checked the rest
             raise ValueError(f"family {cfg.family!r}: a parallel drafter is one of {PARALLEL_FAMILIES}")
-        self.config = cfg
+        super().__init__(cfg)
         H = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, H)
-        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.fc = nn.Linear(3 * cfg.aux_width, H, bias=False)
         if cfg.family == DFLASH:
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # of the injected context
         else:
             # the parallel positions' stand-in for the aux states, through fc like them
-            self.mask_hidden = nn.Parameter(torch.zeros(1, 1, 3 * cfg.target_hidden_size))
+            self.mask_hidden = nn.Parameter(torch.zeros(1, 1, 3 * cfg.aux_width))
         self.layers = nn.ModuleList(Layer(cfg, cfg.family == P_EAGLE and i == 0) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        d2t, t2d = build_draft_vocab({}, cfg.target_vocab_size, cfg.draft_vocab_size)
-        self.register_buffer("d2t", d2t)
-        self.register_buffer("t2d", t2d)
+        self.add_head()
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        super().reset_parameters(std)
         if hasattr(self, "mask_hidden"):
             nn.init.normal_(self.mask_hidden)  # a unit-scale state, as speculators initialises it
 
-    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_to_target_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+    def decoder_layers(self) -> list[Layer]:
+        """The layers, typed (an nn.ModuleList yields plain Modules)."""
+        return [layer for layer in self.layers if isinstance(layer, Layer)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -198,7 +187,7 @@ class ParallelDraft(nn.Module):
         return self.fc(self.mask_hidden.to(self.dtype))
 
     def mask_embedding(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        ids = torch.full(shape, self.config.mask_token_id, dtype=torch.long, device=device)
+        ids = torch.full(shape, self.config.mask_token, dtype=torch.long, device=device)
         return self.embed_tokens(ids)
 
     # -- training ---------------------------------------------------------------------------------
@@ -251,7 +240,7 @@ class ParallelDraft(nn.Module):
         allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding blocks: any row, never used
         cos_c, sin_c = self.rope(positions)
         cos_q, sin_q = self.rope(q_pos)
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             k_ctx, v_ctx = attn.keys_values(ctx, cos_c, sin_c)
@@ -289,7 +278,7 @@ class ParallelDraft(nn.Module):
         hidden = torch.cat([g, par_hidden], 1)
         cos, sin = self.rope(torch.cat([positions, q_pos], 1))
         x = torch.cat([embeds, par_embeds], 1)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             inp = layer.layer_input(hidden, x if i == 0 else None)
             attn = layer.self_attn
             k, v = attn.keys_values(inp, cos, sin)

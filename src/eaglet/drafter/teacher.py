@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from eaglet import formats
 from eaglet.heads import TargetHeads
 from eaglet.target import heads_of_model
 
+if TYPE_CHECKING:  # transformers' modelling code loads only with a model
+    from transformers import PreTrainedModel
+
 
 # ---------------------------------------------------------------------------------------------
 # The teacher head
@@ -25,13 +29,16 @@ from eaglet.target import heads_of_model
 class TeacherHead(nn.Module):
     """The frozen target's final norm and LM head; nothing else of the target is kept."""
 
-    def __init__(self, final_norm: nn.Module, lm_head: nn.Module | None):
+    def __init__(self, final_norm: nn.Module, lm_head: nn.Linear | None):
         super().__init__()
         self.final_norm, self.lm_head = final_norm, lm_head
         self.requires_grad_(False)
 
 
-def in_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def in_dtype(module: ModuleT, dtype: torch.dtype | None) -> ModuleT:
     """`module` itself when it is in `dtype` already, or `dtype` is None (no second copy of a large
     LM head), else a copy in `dtype`: the target running online in bf16 must stay bf16."""
     if dtype is None or all(p.dtype == dtype for p in module.parameters()):
@@ -39,15 +46,15 @@ def in_dtype(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     return copy.deepcopy(module).to(dtype)
 
 
-def make_teacher_head(target: TargetHeads | nn.Module, last_hidden_state: str,
+def make_teacher_head(target: TargetHeads | PreTrainedModel, last_hidden_state: str,
                       head_dtype: torch.dtype | None = torch.float32) -> TeacherHead:
     """The teacher from the target's heads (read alone, or a loaded model's): the final norm in
     fp32, the LM head in `head_dtype` (None: as it is, for a user that makes its own copy in the
     dtype it computes in, as training's `DraftFirstHead` does); without the final norm when the
     stored last state is already normed (SpecForge stores it after the norm)."""
     heads = target if isinstance(target, TargetHeads) else heads_of_model(target)
-    norm = heads.final_norm if last_hidden_state == formats.LAST_STATE_PRE_NORM else nn.Identity()
-    return TeacherHead(in_dtype(norm, torch.float32), in_dtype(heads.lm_head, head_dtype))
+    norm = heads.norm() if last_hidden_state == formats.LAST_STATE_PRE_NORM else nn.Identity()
+    return TeacherHead(in_dtype(norm, torch.float32), in_dtype(heads.head(), head_dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,7 +86,9 @@ class DraftFirstHead(nn.Module):
     target's argmax is drafted, without gathering draft columns out of a [T, vocab] tensor or an
     argmax over all of it (on a CPU those took more time than the product). Build it once."""
 
-    def __init__(self, lm_head: nn.Module, d2t: torch.Tensor, t2d: torch.Tensor, dtype: torch.dtype | None = None):
+    weight: torch.Tensor  # a buffer: the head's rows, the draft ids first
+
+    def __init__(self, lm_head: nn.Linear, d2t: torch.Tensor, t2d: torch.Tensor, dtype: torch.dtype | None = None):
         super().__init__()
         weight = lm_head.weight.detach()
         draft_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
@@ -97,7 +106,7 @@ class DraftFirstHead(nn.Module):
 
 
 @torch.no_grad()
-def make_teacher(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.Module, d2t: torch.Tensor,
+def make_teacher(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.Linear | DraftFirstHead, d2t: torch.Tensor,
                  t2d: torch.Tensor, top_k: int | None = None, features: bool = False) -> Teacher:
     """`lm_head(final_norm(h_N))` of the frozen target from the stored pre-norm last state;
     dense, or sparse with the `top_k` most likely draft ids. `lm_head` is the target's head, or
@@ -162,12 +171,14 @@ class StoredTeacherMaker:
     over its full vocabulary, computed exactly as training computes the teacher from a v1 file
     (the stored-dtype state, the final norm and LM head in fp32)."""
 
-    def __init__(self, target: TargetHeads | nn.Module, top_k: int,
+    def __init__(self, target: TargetHeads | PreTrainedModel, top_k: int,
                  last_hidden_state: str = formats.LAST_STATE_PRE_NORM):
-        self.head = make_teacher_head(target, last_hidden_state)
-        self.top_k = min(top_k, self.head.lm_head.weight.shape[0])
+        head = make_teacher_head(target, last_hidden_state)
+        assert head.lm_head is not None  # made with one
+        self.final_norm, self.lm_head = head.final_norm, head.lm_head
+        self.top_k = min(top_k, self.lm_head.weight.shape[0])
 
     def __call__(self, last: torch.Tensor) -> formats.StoredTeacher:
-        dev = self.head.lm_head.weight.device
-        ids, log_probs = target_top_k(last.to(dev).float(), self.head.final_norm, self.head.lm_head, self.top_k)
+        dev = self.lm_head.weight.device
+        ids, log_probs = target_top_k(last.to(dev).float(), self.final_norm, self.lm_head, self.top_k)
         return formats.StoredTeacher(ids.cpu(), log_probs.cpu())

@@ -209,7 +209,7 @@ class CompactFile:
 
 def tensor_digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes as safetensors stores them (C order, little-endian), without a copy."""
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
 
 
 def compact_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -381,7 +381,7 @@ def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = 
         return name.startswith(".") and TMP_MARK in name and (owned is None or name[1:].split(TMP_MARK, 1)[0] in owned)
 
     removed = 0
-    for root, dirs, files in os.walk(folder):
+    for root, dirs, files in os.walk(os.fspath(folder)):
         for name in [d for d in dirs if stale(d)]:
             shutil.rmtree(Path(root, name), ignore_errors=True)
             dirs.remove(name)

@@ -656,7 +656,7 @@ WRITTEN_LAYOUTS = _written_layouts()
 
 def find_layout(name: str | Layout | None) -> Layout | None:
     """The layout of a FORMAT_* name (data_config.json's "format"); a Layout is its own; None for another name."""
-    return name if isinstance(name, Layout) else LAYOUTS_BY_NAME.get(name)
+    return name if isinstance(name, Layout) or name is None else LAYOUTS_BY_NAME.get(name)
 
 
 def layout(name: str | Layout) -> Layout:
@@ -724,7 +724,9 @@ def write_sample(out: str | os.PathLike, fmt: str | Layout, index: int, input_id
                  states: list[torch.Tensor], loss_mask: torch.Tensor, teacher: StoredTeacher | None = None) -> Path:
     """One sample's file in layout `fmt` (speculators' keeps the loss mask in its table, not here; the
     compact layout keeps the aux states and, in place of the last state, `teacher`)."""
-    return writable_layout(fmt).write(Path(out), index, input_ids, states, loss_mask, teacher)
+    write = writable_layout(fmt).write
+    assert write is not None  # writable_layout refuses a layout without one
+    return write(Path(out), index, input_ids, states, loss_mask, teacher)
 
 
 def start_dataset(out: str | os.PathLike, fmt: str | Layout, rows: list[tuple[Any, Any]]) -> None:
@@ -738,6 +740,7 @@ def sample_file_problem(path: str | os.PathLike, fmt: str | Layout, num_tokens: 
     """Why a file an earlier run left is not a complete, safe sample of `num_tokens` tokens (None:
     it is). Cheap: v1's pickle is read weights-only with the tensors mapped, safetensors' header only."""
     stored_shapes = writable_layout(fmt).stored_shapes
+    assert stored_shapes is not None  # writable_layout refuses a layout without them
     path = Path(path)
     if path.is_symlink() or not path.is_file():
         return "not a regular file"

@@ -75,7 +75,7 @@ def check_options(backend: str, s: Settings, skip: int, num_samples: int | None,
 def record_meta(backend: str, s: Settings, own: dict[str, Any]) -> dict[str, Any]:
     """What every output line records about how its answers were made: the target first, then
     the sampling, then the backend's own (the key order lines have always had)."""
-    target = {key: own[key] for key in ("target", "target_revision") if key in own}
+    target: dict[str, Any] = {key: own[key] for key in ("target", "target_revision") if key in own}
     return {**target, "backend": backend, "temperature": s.temperature, "top_p": s.top_p,
             "max_new_tokens": s.max_new_tokens, **own}
 

@@ -86,7 +86,7 @@ def run_local(convs: Iterator[Conversation], gen: Generator, batch_size: int, ma
         for batch in length_batches(pending, lambda item: len(item[1]), batch_size):
             for conv, turn in zip((c for c, _ in batch), generate_or_split(gen, [ids for _, ids in batch])):
                 reason = turn if isinstance(turn, str) else empty_answer(turn)
-                if reason is not None:
+                if reason is not None or isinstance(turn, str):  # (a str is the reason)
                     fail(conv, f"turn {conv.done}: {reason}")
                     pool.remove(conv)
                     continue
@@ -129,7 +129,7 @@ def generate_or_split(gen: Generator, prompts: list[list[int]]) -> list[Turn | s
     """Generate a batch; when it runs out of memory, halve it, down to single prompts (whose
     failure becomes that conversation's error) instead of stopping the whole run."""
     try:
-        return gen.generate(prompts)
+        return [*gen.generate(prompts)]
     except torch.OutOfMemoryError:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -455,7 +455,7 @@ def refuse_wrong_last_state(ds: Dataset, target_heads: TargetHeads) -> None:
     positions, hits = convention_hits(sample.last_hidden, sample.input_ids, sample.loss_mask, target_heads)
     problem = convention_problem(positions, hits, ds.last_hidden_state, str(first))
     if problem:
-        raise ValueError(f"{problem.file}: {problem.message} ({ds.root / formats.DATA_CONFIG_FILE}, or "
+        raise ValueError(f"{problem.path}: {problem.message} ({ds.root / formats.DATA_CONFIG_FILE}, or "
                          "--last-hidden-state for a dataset without one); `eaglet check` for the full report")
     log.info("%s: the stored last state read %s predicts %d of %d assistant next tokens through the target's head "
              "(%d read the other way)", first, ds.last_hidden_state, hits[ds.last_hidden_state], positions,

@@ -166,7 +166,7 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
         cfg = replace(cfg, bf16=fast_bf16(device))
     src, ref, draft, teachers = setup_model(dataset_dir, data, target, cfg, device)
     cfg = resolve_packing(cfg, max(src.cut_lengths().values()))  # before the trajectory is recorded
-    refuse_unfit_micro_batch(cfg, max(src.cut_lengths().values()), draft.config.target_hidden_size, str(device))
+    refuse_unfit_micro_batch(cfg, max(src.cut_lengths().values()), draft.config.aux_width, str(device))
     split = setup_data(src, cfg, dist)
     state = RunState(Plan.first(cfg, split.epoch_steps), cfg.stop_after)
     params, opt, sched = setup_optimizer(draft, cfg, state)

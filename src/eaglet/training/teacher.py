@@ -46,6 +46,7 @@ class TeacherSource:
         every call (it caches casts of trainable weights only). At Kimi-K2.5's 163,840 x 7,168 this
         copy is 2.35 GB in bf16, so the head it was made from (as the target stores it) is let go."""
         if self._lm_head is None:
+            assert self.head.lm_head is not None  # let go only once the reordered copy is made
             self._lm_head = DraftFirstHead(self.head.lm_head, self.d2t, self.t2d,
                                            torch.bfloat16 if self.bf16 else torch.float32)
             self.head = TeacherHead(self.head.final_norm, None)  # the reordered copy is all that is used now
@@ -54,11 +55,14 @@ class TeacherSource:
     def __call__(self, batch: Batch) -> Teacher:
         device = batch.input_ids.device
         if batch.teacher_ids is not None:  # a compact dataset stores the target's top-K: nothing to compute
+            assert batch.teacher_log_probs is not None  # stored with the ids
             return teacher_from_top_k(batch.teacher_ids, batch.teacher_log_probs, self.d2t, self.t2d,
                                       self.top_k or batch.teacher_ids.shape[-1])
+        last = batch.last_hidden
+        assert last is not None  # a batch carries its stored teacher or its last states
         if self.top_k is None:
             with autocast(device, self.bf16):  # the dense teacher runs in the drafter's compute dtype
-                return make_teacher(batch.last_hidden, self.head.final_norm, self.lm_head, self.d2t, self.t2d,
+                return make_teacher(last, self.head.final_norm, self.lm_head, self.d2t, self.t2d,
                                     features=self.features)
         B, L = batch.input_ids.shape
         log_probs = torch.zeros(B, L, self.top_k, device=device)
@@ -68,10 +72,10 @@ class TeacherSource:
         # a token, the largest part of a first-epoch step beside the drafter's own (docs/design.md)
         with autocast(device, self.bf16):
             for row, start, n, index in batch.segments():  # one sample at a time, packed or not
-                lp, top_ids, drafted = self.sample(batch.last_hidden[row:row + 1, start:start + n], index)
+                lp, top_ids, drafted = self.sample(last[row:row + 1, start:start + n], index)
                 log_probs[row, start:start + n], ids[row, start:start + n], in_draft[row, start:start + n] = (
                     lp, top_ids, drafted)
-        feats = self.head.final_norm(batch.last_hidden.float()) if self.features else None
+        feats = self.head.final_norm(last.float()) if self.features else None
         return Teacher(log_probs, ids[..., 0], in_draft, ids, feats)
 
     def sample(self, last_hidden: torch.Tensor, index: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,6 +85,7 @@ class TeacherSource:
         if hit is not None and hit[0].shape[0] == n:
             return hit
         t = make_teacher(last_hidden, self.head.final_norm, self.lm_head, self.d2t, self.t2d, top_k=self.top_k)
+        assert t.ids is not None  # a sparse teacher has its ids
         hit = (t.log_probs[0], t.ids[0].to(torch.int32), t.in_draft[0])
         size = sum(x.numel() * x.element_size() for x in hit)
         if index is not None and self.cached_bytes + size <= TEACHER_CACHE_MAX_BYTES:
@@ -96,8 +101,10 @@ def init_lm_head_from_target(draft: DraftModel, head: TargetHeads | TeacherHead,
     if norm_weight is None or tuple(norm_weight.shape) != tuple(draft.norm.weight.shape):
         raise ValueError(f"--lm-head-init target: the target's final norm ({type(head.final_norm).__name__}) has no "
                          f"weight of shape {tuple(draft.norm.weight.shape)} to copy")
+    lm_head = head.head() if isinstance(head, TargetHeads) else head.lm_head
+    assert lm_head is not None  # a teacher head is made with one
     with torch.no_grad():
-        draft.lm_head.weight.copy_(head.lm_head.weight[draft.draft_to_target_ids()].to(draft.lm_head.weight.dtype))
+        draft.lm_head.weight.copy_(lm_head.weight[draft.draft_to_target_ids()].to(draft.lm_head.weight.dtype))
         draft.norm.weight.copy_(norm_weight.to(draft.norm.weight.dtype))
     if freeze:
         draft.lm_head.weight.requires_grad_(False)
@@ -127,7 +134,7 @@ def build_drafter(heads: TargetHeads, aux_layer_ids: list[int], token_freq: dict
                                    **family)
     with torch.device(device):
         draft = build_model(dcfg)
-    load_embeddings_from(draft, heads.embeddings)
+    load_embeddings_from(draft, heads.embedding_table())
     draft.set_draft_vocab(*build_draft_vocab(token_freq, dcfg.target_vocab_size, dcfg.draft_vocab_size))
     if cfg.lm_head_init == "target":
         init_lm_head_from_target(draft, heads, cfg.freeze_lm_head)
