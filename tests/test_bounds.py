@@ -260,3 +260,14 @@ def test_a_schedule_that_never_ends_is_refused(options, given):
     with pytest.raises(ValueError, match=rf"^{re.escape(given)}: a schedule of [\d,]+ optimizer steps, more than the "
                                          r"1,099,511,627,776 eaglet plans; give fewer, or --time-budget$"):
         Plan.first(TrainConfig(**options), int(min(options.get("epochs", 1) * 100, 2**62)))
+
+
+def test_default_aux_ids_are_valid_for_every_target_depth():
+    """(2, N//2, N-3) is not three distinct ids below 7 layers: a 4-layer target got 2,2,1."""
+    from eaglet import layers
+
+    for n in range(4, 200):
+        assert layers.check_aux_ids(layers.default_aux_ids(n), n) == layers.default_aux_ids(n)
+    assert layers.default_aux_ids(32) == [2, 16, 29]  # EAGLE-3's own choice where it is one
+    with pytest.raises(ValueError, match="a target of 3 layers has no three distinct layers"):
+        layers.default_aux_ids(3)

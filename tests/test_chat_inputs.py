@@ -105,3 +105,26 @@ def test_a_record_nested_absurdly_deep_is_refused_by_index_in_bounded_memory(tmp
     first, peak_kib = done.stdout.strip().splitlines()
     assert first.startswith(f"1 {array}[1]: nested deeper than 64 levels"), first
     assert int(peak_kib) / 1024 < 600, f"peak {int(peak_kib) / 1024:.0f} MiB"
+
+
+def test_a_chat_of_many_turns_costs_what_max_length_keeps(tiny_target, monkeypatch):
+    """Each assistant turn renders the chat up to it again: 150,000 turns once meant hours. The
+    messages are cut to --max-length (each renders a token at least) and turns past the kept
+    tokens are not rendered; the kept tokens are those of the whole chat's first max_length."""
+    from transformers import AutoTokenizer
+
+    from eaglet import chat
+    from eaglet.prepare import MAX_CHARS_PER_TOKEN
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    turns = [{"role": r, "content": t} for _ in range(3000) for r, t in (("user", "hi"), ("assistant", "ok"))]
+    stats = ReadStats()
+    kept = chat.within_chars(turns, 64 * MAX_CHARS_PER_TOKEN, stats, max_messages=64)
+    assert len(kept) == 64 and stats.trimmed["messages far beyond --max-length dropped before tokenizing"] == 1
+    whole_ids, whole_mask, _ = chat.tokenize_chat(tok, kept)
+    renders = []
+    real_render = chat.render
+    monkeypatch.setattr(chat, "render", lambda *a, **k: renders.append(1) or real_render(*a, **k))
+    ids, mask, _ = chat.tokenize_chat(tok, kept, max_tokens=64)
+    assert (ids, mask) == (whole_ids[:64], whole_mask[:64]) and any(mask)
+    assert len(renders) < 16 < len(kept) // 2  # the whole chat once, then only the turns begun in 64 tokens

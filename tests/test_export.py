@@ -394,3 +394,14 @@ def test_import_refuses_layers_the_target_lacks_and_a_rope_base_that_is_no_base(
     with pytest.raises(ValueError, match=r"rope_theta -1\.0: must be > 0 and finite"):
         DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), AUX, draft_vocab_size=64, rope_theta=-1.0)
     assert not (tmp_path / "back").exists()
+
+
+def test_export_refuses_layers_its_recorded_target_lacks(tiny_target, tmp_path):
+    """aux_layer_ids beyond the target (an edited config.json) once exported for vLLM as they were;
+    a recorded target on this machine is checked (a hub id is the serving machine's to check)."""
+    draft = random_drafter(tiny_config(aux_layer_ids=[1, 2, 99]))
+    ckpt = save_checkpoint(tmp_path / "checkpoints", 5, draft,
+                           export_config(draft.config, {"step": 5, "target": str(tiny_target)}), {})
+    with pytest.raises(ValueError, match=r"aux layer ids \[1, 2, 99\] are not all in 0..8, the layers of the target"):
+        export_drafter(ckpt, tmp_path / "out", fmt="speculators")
+    assert not (tmp_path / "out").exists()

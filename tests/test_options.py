@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eaglet import options as O
-from eaglet.cli import build_parser, resolve
+from eaglet.cli import build_parser, resolve, stage_parsers
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -89,7 +89,7 @@ def test_help_never_types_a_default():
 
 def test_the_parser_is_the_declarations():
     parser = build_parser()
-    for name, sub in parser.stage_parsers.items():
+    for name, sub in stage_parsers(parser).items():
         stage = O.STAGES[name]
         dests = {a.dest: a for a in sub._actions if a.dest != "help"}
         assert set(dests) == {o.name for o in stage.options}

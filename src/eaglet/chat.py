@@ -180,6 +180,8 @@ def iter_records(source: str, stats: ReadStats) -> Iterator[tuple[str, Any]]:
     path = embedded.sharegpt_json() if source == EMBEDDED_SHAREGPT else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {source}: no such file")
+    if not path.is_file():
+        raise IsADirectoryError(f"--data {source}: a folder, not a chat file (.json or .jsonl)")
     is_array = path.suffix == ".json"
     if is_array:
         with open(path, "rb") as f:
@@ -208,13 +210,18 @@ def message_text(turn: dict[str, Any], key: str, stats: ReadStats) -> str | None
     return "\n".join(text_parts) if text_parts else None
 
 
-def within_chars(messages: list[Message], budget: int, stats: ReadStats) -> list[Message]:
-    """The chat cut to `budget` characters before it is rendered and tokenized, so that one huge
-    record costs memory by the tokens kept, not by its size: the message that crosses the budget is
-    cut there, later ones are dropped, and the chat ends at its last assistant message."""
+def within_chars(messages: list[Message], budget: int, stats: ReadStats, max_messages: int | None = None
+                 ) -> list[Message]:
+    """The chat cut to `budget` characters (and `max_messages` messages: each renders at least one
+    token) before it is rendered and tokenized, so that one huge record costs memory and time by
+    the tokens kept, not by its size: the message that crosses the budget is cut there, later ones
+    are dropped, and the chat ends at its last assistant message."""
     kept: list[Message] = []
     used = 0
     for m in messages:
+        if max_messages is not None and len(kept) == max_messages:
+            stats.trim("messages far beyond --max-length dropped before tokenizing")
+            break
         if used + len(m["content"]) > budget:
             stats.trim("text far beyond --max-length cut before tokenizing")
             if budget - used > 0:
@@ -290,18 +297,24 @@ def chat_prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
     return tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
-def assistant_char_spans(tokenizer, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
-    """Render the chat; return the text and, per assistant turn, `(start, content_end)`.
+def assistant_char_spans(tokenizer, messages: list[Message], full: str | None = None,
+                         char_limit: int | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """Render the chat (unless `full` is its rendering); return the text and, per assistant turn
+    that starts within `char_limit` characters, `(start, content_end)`.
 
     `start` is where the generation prompt ends (the assistant's first character),
-    `content_end` where its text ends; the end-of-turn token is found later, from tokens.
+    `content_end` where its text ends; the end-of-turn token is found later, from tokens. Each
+    turn renders the chat up to it again, so turns past what is kept are not looked at: a chat of
+    many thousand turns would cost the square of their number.
     """
-    full = render(tokenizer, messages, add_generation_prompt=False)
+    full = render(tokenizer, messages, add_generation_prompt=False) if full is None else full
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != ASSISTANT:
             continue
         prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
+        if char_limit is not None and len(prefix) >= char_limit:
+            break
         if not full.startswith(prefix):
             raise TemplateSpanError(
                 f"chat template: the rendering of the first {i} messages plus the generation prompt is not "
@@ -324,14 +337,19 @@ def special_token_ids(tokenizer) -> set[int]:
     return ids
 
 
-def tokenize_chat(tokenizer, messages: list[Message], special_ids: set[int] | None = None
-                  ) -> tuple[list[int], list[int], int]:
-    """Tokens, loss mask, and the number of assistant turns that ended without an end-of-turn token."""
-    full, spans = assistant_char_spans(tokenizer, messages)
+def tokenize_chat(tokenizer, messages: list[Message], special_ids: set[int] | None = None,
+                  max_tokens: int | None = None) -> tuple[list[int], list[int], int]:
+    """Tokens, loss mask, and the number of assistant turns that ended without an end-of-turn token;
+    with `max_tokens`, the first that many, and the turns that begin in them."""
+    full = render(tokenizer, messages, add_generation_prompt=False)
     # apply_chat_template(tokenize=True) tokenizes exactly this way: the template adds BOS itself.
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = enc["input_ids"]
     offsets: list[tuple[int, int]] = enc["offset_mapping"]
+    cut = max_tokens is not None and len(ids) > max_tokens
+    if cut:
+        ids, offsets = ids[:max_tokens], offsets[:max_tokens]
+    _, spans = assistant_char_spans(tokenizer, messages, full, (offsets[-1][1] if ids else 0) if cut else None)
     special_ids = special_token_ids(tokenizer) if special_ids is None else special_ids
     mask = [0] * len(ids)
     missing_eot = 0
@@ -352,7 +370,7 @@ def tokenize_chat(tokenizer, messages: list[Message], special_ids: set[int] | No
             for t in range(j, k + 1):
                 mask[t] = 1
             j = k + 1
-        else:
+        elif not (cut and k >= len(ids)):  # (a turn cut by max_tokens may have its end-of-turn past the cut)
             missing_eot += 1
     return ids, mask, missing_eot
 

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "tokenizers such as Kimi-K2.5's), in eaglet and in the engines it starts; without it "
                              "such a target is refused (same as EAGLET_TRUST_REMOTE_CODE=1)")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
-    parser.set_defaults(stage_parsers=sub.choices)  # name -> subparser (read by given_options)
+    parser.set_defaults(stage_parsers=sub.choices)  # name -> subparser (`stage_parsers`)
     for stage in STAGES.values():
         p = sub.add_parser(stage.name, help=stage.help, description=stage.description)
         for o in stage.options:
@@ -110,9 +110,14 @@ RUNNERS: dict[str, Callable[[Stage, argparse.Namespace], None]] = {
     "check": run_check, "train": run_train, "eval": run_eval, "demo": run_demo}
 
 
+def stage_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each stage's subparser, by stage name."""
+    return parser.get_default("stage_parsers")
+
+
 def given_options(args: argparse.Namespace, names: list[str]) -> set[str]:
     """Which of `names` were written on the command line: parse it again with a marker as their default."""
-    stage = args.stage_parsers[args.stage]
+    stage = stage_parsers(args.parser)[args.stage]
     unset = object()
     saved = {n: stage.get_default(n) for n in names}
     stage.set_defaults(**{n: unset for n in names})

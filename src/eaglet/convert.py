@@ -132,8 +132,7 @@ def convert(src: str | Path = DECLARED, out: str | Path = DECLARED, layout: str 
     ranges.at_least(1, workers=workers, stored_top_k=stored_top_k)
     written = formats.written_layout(layout)
     src, out = Path(src), Path(out)
-    if out.resolve() == src.resolve():
-        raise ValueError(f"--out {out} is the source folder; convert into another folder")
+    formats.refuse_overlap(out, "convert", {"the source": src})
     ds = open_dataset(src, aux_layer_ids, last_hidden_state, show_progress)
     if formats.layout(ds.layout).stores_teacher:
         raise ValueError(f"{src} is compact: it keeps no last-layer state and its aux states are rounded to 6 bits, "

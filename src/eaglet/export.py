@@ -80,9 +80,20 @@ def export_drafter(ckpt: str | Path = DECLARED, out: str | Path = DECLARED, fmt:
         return export_locked(read_drafter(ckpt), Path(out), fmt, dtype, verifier, speculative_tokens, target_gguf)
 
 
+def refuse_layers_beyond(d: Drafter, target: str) -> None:
+    """The drafter reads these layers of the target: they must exist."""
+    layers = text_config(resolve_target(target)).num_hidden_layers
+    if not all(0 <= i <= layers for i in d.config.aux_layer_ids):
+        raise ValueError(f"{d.folder}: aux layer ids {list(d.config.aux_layer_ids)} are not all in 0..{layers}, the "
+                         f"layers of the target {target}; a drafter for another target, or a damaged config.json")
+
+
 def export_locked(d: Drafter, out: Path, fmt: str, dtype: str, verifier: str | None, speculative_tokens: int,
                   target_gguf: str | Path | None) -> ExportSummary:
     """`export_drafter`'s work, its output locked."""
+    recorded = recorded_target(d)
+    if recorded and Path(recorded).is_dir():  # a target here (a hub id is the serving machine's to check)
+        refuse_layers_beyond(d, recorded)
     problems = unservable(d.config, fmt)
     if problems:
         raise ValueError(f"{d.folder}: cannot export as {fmt}: " + "; ".join(problems))
@@ -120,11 +131,8 @@ def import_drafter(src: str | Path = DECLARED, out: str | Path = DECLARED,
     """Read a drafter in any format and write it as an eaglet checkpoint folder (the layout of
     `training.checkpoints.save_checkpoint`, without training state): fp32 weights, int64 d2t, bool t2d."""
     d = read_drafter(src, target)
-    if target is not None:  # the drafter reads these layers of the target: they must exist
-        layers = text_config(resolve_target(target)).num_hidden_layers
-        if not all(0 <= i <= layers for i in d.config.aux_layer_ids):
-            raise ValueError(f"{src}: aux layer ids {list(d.config.aux_layer_ids)} are not all in 0..{layers}, the "
-                             f"layers of the target {target}; a drafter for another target, or a damaged config.json")
+    if target is not None:
+        refuse_layers_beyond(d, target)
     expected = expected_tensors(d.config)
     tensors = {k: v.to(expected[k].dtype) for k, v in d.tensors.items()}
     extra = {"imported_from": str(src), "source_format": d.format, "target": target or recorded_target(d)}

@@ -403,6 +403,7 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
                             gpu_memory_utilization, vllm_kv_cache_gib, vllm_args)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
     out = Path(out)
+    formats.refuse_overlap(out, "extract", {"--prepared": prepared})
     # one writer per shard of the output; the shards of one run (--shard-id) write side by side
     with formats.output_lock(out, "extract", lock=formats.lock_path(out, f"shard-{shard_id}-of-{num_shards}")):
         samples, pconfig = formats.read_prepared(prepared)

@@ -37,7 +37,13 @@ def config_positions(config: Any) -> int:
 
 
 def default_aux_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's low / mid / high ids for an N-layer target."""
+    """EAGLE-3's low / mid / high ids for an N-layer target; below 7 layers, where those are not
+    three distinct ids, the first, middle and last decoder layer's outputs in 1..N-1."""
+    if num_layers < 4:
+        raise ValueError(f"a target of {num_layers} layers has no three distinct layers in 1..{num_layers - 1} for "
+                         "EAGLE-3's aux states")
+    if num_layers < 7:
+        return [1, num_layers // 2, num_layers - 1]
     return [2, num_layers // 2, num_layers - 3]
 
 

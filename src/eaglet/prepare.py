@@ -137,12 +137,12 @@ def tokenized(record: object, tokenizer, special_ids: set[int], max_length: int,
     if isinstance(messages, str):
         stats.skip(messages)
         return None
-    messages = within_chars(messages, max_length * MAX_CHARS_PER_TOKEN, stats)
+    messages = within_chars(messages, max_length * MAX_CHARS_PER_TOKEN, stats, max_messages=max_length)
     if not messages:
         stats.skip(TRUNCATED_AWAY)
         return None
     try:
-        ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids)
+        ids, mask, no_eot = tokenize_chat(tokenizer, messages, special_ids, max_length)
     except TemplateSpanError as e:
         seen.first_failure = seen.first_failure or f"{stats.where}: {e}"
         seen.template_failures.add(str(e).split(" (")[0], stats.where)
@@ -210,6 +210,7 @@ def prepare(target: str | None = DECLARED, data: str = DECLARED, out: str | Path
     ranges.at_least(1, max_length=max_length, num_samples=num_samples, mix_samples=mix_samples)
     ranges.at_least(0, skip=skip, mix_skip=mix_skip)
     sources = sources_of(data, skip, num_samples, mix, mix_skip, mix_samples)
+    formats.refuse_overlap(out, "prepare", {"--data": data, "--mix": mix})
     with formats.output_lock(out, "prepare"):  # one writer per output: a second is refused, naming the first
         refuse_existing(out, overwrite)
         ref = resolve_target(target)

@@ -565,3 +565,14 @@ def test_a_recorded_vocab_size_other_than_the_targets(copy):
     cfg["vocab_size"] += 1
     formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
     assert_found(C.check_dataset(ds), C.LAYER_IDENTITY, formats.DATA_CONFIG_FILE, "vocab_size", "is not the target's")
+
+
+def test_a_recorded_count_costs_no_memory_and_an_unknown_format_is_named(copy):
+    """num_samples 10^11 in data_config.json once made check list every missing index (23 GB);
+    a format no layout has passed unnoticed with --no-target."""
+    ds = copy()
+    cfg = json.loads((ds / formats.DATA_CONFIG_FILE).read_text())
+    (ds / formats.DATA_CONFIG_FILE).write_text(json.dumps({**cfg, "num_samples": 10 ** 11, "format": "weird"}))
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.MISSING_INDEX, "", f"{10 ** 11 - 12} of {10 ** 11} indices have no file: 12, 13,")
+    assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "format 'weird' is no layout eaglet knows")

@@ -355,3 +355,18 @@ def test_lk_objectives_against_their_definitions():
     torch.testing.assert_close(objective_loss(z, hard, ids[:, :1], "lk"), objective_loss(z, hard, ids[:, :1], "ce"))
     objective_loss(z, p.log(), None, "lk-hybrid").sum().backward()
     assert torch.isfinite(z.grad).all()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rms_norm_eps", -1.0, "rms_norm_eps -1.0: must be > 0 and finite"),
+    ("max_position_embeddings", 0, "max_position_embeddings 0: must be whole numbers >= 1"),
+    ("aux_layer_ids", [2, 2, 1], r"aux_layer_ids \[2, 2, 1\]: must be strictly increasing"),
+])
+def test_a_drafter_config_of_impossible_numbers_is_refused(field, value, message):
+    """An edited config.json once passed import, export and eval with these."""
+    base = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5,
+                rope_theta=10000.0, max_position_embeddings=128, target_vocab_size=50, draft_vocab_size=30,
+                aux_layer_ids=[1, 2, 3])
+    DraftConfig(**base)
+    with pytest.raises(ValueError, match=message):
+        DraftConfig(**{**base, field: value})

@@ -18,6 +18,7 @@ from eaglet import check as C  # noqa: E402
 from eaglet import formats  # noqa: E402
 from eaglet.cli import main  # noqa: E402
 from eaglet.convert import convert  # noqa: E402
+from eaglet.formats.runs import resolve_checkpoint  # noqa: E402
 from references import write_specforge_sample  # tests/references.py
 
 LAYER_IDS = [2, 3, 4, 8]  # the tiny target has 8 layers
@@ -130,7 +131,7 @@ def test_convert_round_trip_is_bit_exact(extracted, tmp_path, capsys):
 
 
 def test_convert_refusals(extracted, tmp_path, tiny_target):
-    with pytest.raises(ValueError, match="is the source folder"):
+    with pytest.raises(ValueError, match="is the source"):
         convert(extracted / "v1", extracted / "v1", "speculators", show_progress=False)
     with pytest.raises(ValueError, match="eaglet writes"):
         convert(extracted / "v1", tmp_path / "x", "v2", show_progress=False)
@@ -244,3 +245,28 @@ def test_data_config_is_typed_read_and_written_in_one_place(tmp_path):
                                          r"positive int; layer_ids \[-1, 2\]: expected a list of ints >= 0"):
         formats.read_data_config(tmp_path)
     assert formats.parse_data_config([1, 2])[1] == ["a JSON list, not an object"]
+
+
+def test_a_hand_edited_prepared_line_is_refused_by_line():
+    """A loss mask of 2 or a sample of no tokens reached extraction, and check refused the dataset."""
+    good = {"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}
+    assert formats.TokenizedSample.from_json(json.dumps(good), "p.jsonl:1").loss_mask == [0, 1]
+    with pytest.raises(ValueError, match=r"p.jsonl:3: sample a: field loss_mask holds 2; a loss mask is 0 or 1"):
+        formats.TokenizedSample.from_json(json.dumps({**good, "loss_mask": [0, 2]}), "p.jsonl:3")
+    with pytest.raises(ValueError, match="p.jsonl:4: sample a has no tokens"):
+        formats.TokenizedSample.from_json(json.dumps({**good, "input_ids": [], "loss_mask": []}), "p.jsonl:4")
+
+
+@pytest.mark.parametrize("pointer, message", [
+    ({"step": 1, "path": "../../elsewhere"}, "leads out of"),
+    ({"step": 1, "path": "/tmp"}, "is not a path relative to"),
+    ({"step": 1}, r"expected \{\"step\": N, \"path\": \"step_...\"\}"),
+    ({"step": 1, "path": 5}, "expected"),
+    ([1], "expected"),
+])
+def test_a_checkpoint_pointer_leads_only_inside_its_run(tmp_path, pointer, message):
+    """best.json's path once led export to any folder, and a damaged one gave KeyError / TypeError."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "best.json").write_text(json.dumps(pointer))
+    with pytest.raises(ValueError, match=rf"checkpoints/best.json: .*{message}"):
+        resolve_checkpoint(tmp_path)

@@ -147,3 +147,63 @@ def test_a_stage_marker_that_is_a_folder_is_named(tmp_path):
     (tmp_path / "x.json").mkdir()
     with pytest.raises(IsADirectoryError, match=r"x\.json: a folder where eaglet expects a JSON file"):
         formats.read_json(tmp_path / "x.json")
+
+
+def test_a_refused_stage_leaves_no_marker_behind(outputs, tiny_target, chats_jsonl, tmp_path):
+    """A folder of another stage without its marker (copied with `cp -r src/* dst/`) was refused,
+    but marked with the refused stage's kind, so the same command was then accepted."""
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    for p in (outputs / "prepared").iterdir():
+        if p.name != formats.OUTPUT_MARKER:
+            (copied / p.name).write_bytes(p.read_bytes())
+    for _ in range(2):
+        with pytest.raises(FileExistsError, match="holds another stage's output"):
+            extract(outputs / "prepared", copied, show_progress=False)
+        assert not (copied / formats.OUTPUT_MARKER).exists()
+
+
+def test_an_output_that_is_holds_or_lies_inside_an_input_is_refused(outputs, tiny_target, tmp_path):
+    """prepare once replaced a chat file named prepared.jsonl in its --out; convert wrote into the
+    source's parent or its hidden_states/; extract into the parent of its prepared folder."""
+    chats = tmp_path / "x" / "prepared.jsonl"
+    chats.parent.mkdir()
+    chats.write_text('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}\n')
+    before = chats.read_bytes()
+    with pytest.raises(FileExistsError, match=r"--out .*x holds --data .*prepared.jsonl: `eaglet prepare` writes a "
+                                              "folder of its own"):
+        prepare(str(tiny_target), str(chats), chats.parent)
+    assert chats.read_bytes() == before
+
+    from eaglet.convert import convert
+    data = outputs / "data"
+    for out, where in ((data.parent, "holds the source"), (data / "hidden_states", "is inside the source"),
+                       (data, "is the source")):
+        with pytest.raises(FileExistsError, match=rf"--out .* {where} "):
+            convert(data, out, layout="speculators", show_progress=False)
+    with pytest.raises(FileExistsError, match="holds --prepared"):
+        extract(outputs / "prepared", outputs, show_progress=False)
+    with pytest.raises(FileExistsError, match="is inside the dataset"):
+        train(data, data / "run", total_steps=1, show_progress=False)
+
+
+def test_extract_never_writes_through_a_link_into_another_dataset(outputs, tmp_path):
+    """A hidden_states/ linked to another dataset's: its files were taken for damaged samples of
+    this one and overwritten."""
+    victim = outputs / "data" / "hidden_states"
+    before = snapshot(victim)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "hidden_states").symlink_to(victim)
+    with pytest.raises(FileExistsError, match="holds sample files that no data_config.json describes"):
+        extract(outputs / "prepared", linked, show_progress=False)
+    assert snapshot(victim) == before
+
+
+def test_an_out_under_a_file_and_a_folder_as_data_are_named(outputs, tiny_target, chats_jsonl):
+    afile = outputs / "afile"
+    afile.write_text("mine")
+    with pytest.raises(FileExistsError, match=r"--out .*afile/sub: .*afile is a file, not a folder"):
+        prepare(str(tiny_target), str(chats_jsonl), afile / "sub")
+    with pytest.raises(IsADirectoryError, match=r"--data .*prepared: a folder, not a chat file"):
+        prepare(str(tiny_target), str(outputs / "prepared"), outputs / "p2")

@@ -558,7 +558,7 @@ def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, ca
     assert last_line(capsys.readouterr().err).endswith("; the same command continues from the latest")  # has it
 
     # Every stage has its own advice, one line each.
-    assert set(cli.INTERRUPTED) == set(cli.build_parser().stage_parsers)
+    assert set(cli.INTERRUPTED) == set(cli.stage_parsers(cli.build_parser()))
     assert all("\n" not in text for text in cli.INTERRUPTED.values())
 
 
@@ -715,3 +715,30 @@ def test_llama_cpp_backend_names_a_damaged_target_gguf_before_the_server_starts(
         regen.regenerate(str(chats_jsonl), tmp_path / "out.jsonl", backend="llama.cpp", target_gguf=cut,
                          progress_bar=False)
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
+
+
+def test_the_errors_report_replaces_only_an_errors_report(stand_in, tmp_path):
+    """OUT.errors.jsonl once was opened for writing whatever it was: the chats given as --data, or
+    a link (its target emptied). Both are refused before anything is written; the run's own
+    earlier report is replaced."""
+    chats = [{"id": "a", "messages": [{"role": "user", "content": "plain"}, {"role": "assistant", "content": "x"}]}]
+    data = write_jsonl(tmp_path / "q.errors.jsonl", chats)
+    before = data.read_bytes()
+    with pytest.raises(FileExistsError, match=r"q.errors.jsonl: regen writes its errors report here, and this file "
+                                              "holds other records"):
+        endpoint_regen(data, tmp_path / "q.jsonl", stand_in)
+    assert data.read_bytes() == before and not (tmp_path / "q.jsonl").exists()
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "r.errors.jsonl").symlink_to(victim)
+    chats_file = write_jsonl(tmp_path / "chats.jsonl", chats)
+    with pytest.raises(FileExistsError, match="r.errors.jsonl: regen writes its errors report here, and this is a "
+                                              "symbolic link"):
+        endpoint_regen(chats_file, tmp_path / "r.jsonl", stand_in)
+    assert victim.read_text() == "precious"
+
+    report = tmp_path / "s.errors.jsonl"
+    report.write_text(json.dumps({"id": "old", "reason": "HTTP 500"}) + "\n")
+    endpoint_regen(chats_file, tmp_path / "s.jsonl", stand_in)
+    assert not report.exists()  # replaced by this run's, which had no failure

@@ -79,6 +79,17 @@ class DraftConfig:
                                  f"id in [0, {self.target_vocab_size})")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):  # RoPE's base: a frequency of theta^(-i/d)
             raise ValueError(f"rope_theta {self.rope_theta}: must be > 0 and finite")
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):  # below 0 a zero row's norm is NaN
+            raise ValueError(f"rms_norm_eps {self.rms_norm_eps}: must be > 0 and finite")
+        sizes = {"hidden_size": self.hidden_size, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+                 "max_position_embeddings": self.max_position_embeddings, "target_vocab_size": self.target_vocab_size}
+        bad = [f"{name} {value}" for name, value in sizes.items() if not (isinstance(value, int) and value >= 1)]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: must be whole numbers >= 1")
+        ids = self.aux_layer_ids
+        if any(not isinstance(i, int) or i < 0 for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+            raise ValueError(f"aux_layer_ids {ids}: must be strictly increasing layer ids >= 0")
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.num_heads % self.num_kv_heads:

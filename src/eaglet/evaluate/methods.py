@@ -23,7 +23,7 @@ from torch import nn
 
 from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramProposer, ParallelProposer, Proposer,
                            measure_pass_costs, plain_generate, speculative_generate, truncate_at_eos)
-from eaglet.drafter import DraftModel, ParallelDraft, predicted_positions
+from eaglet.drafter import DraftModel, Eagle3Draft, ParallelDraft, predicted_positions
 from eaglet.evaluate.settings import DecodeSettings
 from eaglet.options import (BASELINE, EAGLE3, ENGINE_METHODS, HF_METHODS, LOOKUP_METHODS, METHODS, OUTSIDE_BASELINES,
                             OWN_COUNTERPART, PARALLEL_METHODS)
@@ -133,10 +133,14 @@ def engine_proposer(method: str, drafter: DraftModel | None,
     """The proposer of an engine method and the tree limits the engine verifies it under."""
     refuse_wrong_family(method, drafter)
     if method in ("chain", "tree"):
+        assert isinstance(drafter, Eagle3Draft)  # (refused above otherwise)
         return Eagle3Proposer(drafter, s.min_draft_prob), drafter_limits(method, s)
     if method in PARALLEL_METHODS:
+        assert isinstance(drafter, ParallelDraft)
         return ParallelProposer(drafter, s.min_draft_prob), parallel_limits(drafter)
-    drafted = None if method == "ngram" else hybrid_drafter(drafter, s)
+    if method != "ngram" and drafter is None:
+        raise ValueError(f"method {method} drafts with a drafter; none was given")
+    drafted = None if method == "ngram" or drafter is None else hybrid_drafter(drafter, s)
     if s.admission == "cost":
         if not s.pass_costs:
             raise ValueError(f"{method} with cost admission needs the target's pass costs (with_pass_costs)")

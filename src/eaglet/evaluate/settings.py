@@ -18,12 +18,14 @@ from eaglet.options import ADMISSIONS, HYBRID_DRAFTS, PRESETS, declared
 @dataclass
 class DecodeSettings:
     max_new_tokens: int = declared("eval", "max_new_tokens")
-    preset: str = declared("eval", "preset")  # fills the four shapes below and min_draft_prob where None
-    depth: int | None = declared("eval", "depth")
-    top_k: int | None = declared("eval", "top_k")
-    total_tokens: int | None = declared("eval", "total_tokens")
-    chain_depth: int | None = declared("eval", "chain_depth")
-    min_draft_prob: float | None = declared("eval", "min_draft_prob")
+    # The four shapes below and min_draft_prob given as None are the preset's: typed as what they
+    # are once made (__post_init__ fills them in)
+    preset: str = declared("eval", "preset")
+    depth: int = declared("eval", "depth")
+    top_k: int = declared("eval", "top_k")
+    total_tokens: int = declared("eval", "total_tokens")
+    chain_depth: int = declared("eval", "chain_depth")
+    min_draft_prob: float = declared("eval", "min_draft_prob")
     temperature: float = declared("eval", "temperature")
     top_p: float = declared("eval", "top_p")
     seed: int = declared("eval", "seed")

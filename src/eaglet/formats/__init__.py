@@ -24,12 +24,13 @@ code outside the package uses, no more; anything else is reached through its mod
 
 from eaglet.formats.io import (OUTPUT_MARKER, PICKLED_CODE_MARKERS, TMP_MARK, OutputBusy, WriteFailed, atomic_dir,
                                atomic_path, claim_output, inside_folder, mark_output, refuse_other_sharding,
+                               refuse_overlap,
                                lock_path, os_error_reason, output_lock, read_json, read_jsonl_log, read_safetensors,
                                remove_stale_temp_files, torch_load_safe, torch_save_atomic, write_json_atomic,
                                write_text_atomic)
 from eaglet.formats.prepared import (PREPARED_FILE, PREPARE_CONFIG_FILE, PreparedWriter, RegenWriter, TOKEN_FREQ_FILE,
-                                     TokenizedSample, check_prepared_token_ids, errors_path, open_output,
-                                     read_prepared, read_token_freq, write_token_freq)
+                                     TokenizedSample, check_prepared_token_ids, claim_errors_report, errors_path,
+                                     open_output, read_prepared, read_token_freq, write_token_freq)
 from eaglet.formats.samples import (AUX_CODES, DATA_CONFIG_FILE, EAGLE3_NUM_STATES, FileStates, HIDDEN_STATES_DIR,
                                     LAST_STATE_CONVENTIONS, LAST_STATE_POST_NORM, LAST_STATE_PRE_NORM,
                                     LAYER_ID_CONVENTION, ROWS_PER_FOLDER, SAMPLE_LENGTHS_FILE, StoredTeacher,

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from eaglet.formats.io import read_json, write_json_atomic
 from eaglet.formats.layouts import find_layout, list_dataset_files
 from eaglet.formats.prepared import TOKEN_FREQ_FILE
-from eaglet.formats.samples import DATA_CONFIG_FILE, ROWS_PER_FOLDER, SAMPLE_LENGTHS_FILE
+from eaglet.formats.samples import DATA_CONFIG_FILE, HIDDEN_STATES_DIR, ROWS_PER_FOLDER, SAMPLE_LENGTHS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,12 @@ def ensure_data_config(out: Path, config: DataConfig) -> None:
     One left by a run that wrote no sample file (it failed before its first) guards nothing: it
     is replaced, with the side files of that run, so a fixed input reruns in place."""
     old = read_data_config(out)
+    if old is None and list_dataset_files(out).files:
+        # a run writes its config before its first sample file: these are another dataset's,
+        # reached through a linked hidden_states/ (say), and a write here would overwrite them
+        raise FileExistsError(f"{out}: holds sample files that no {DATA_CONFIG_FILE} describes (another dataset's, "
+                              f"e.g. behind a linked {HIDDEN_STATES_DIR}/): nothing was written; choose another "
+                              "--out, or move those files away")
     if old is not None:
         if first_difference(old, config) is None:
             return

@@ -81,31 +81,34 @@ def error_code(error: BaseException) -> int | None:
     return code
 
 
-def dangling_link(path: Path) -> Path | None:
-    """The first of `path` and its parents that is a symbolic link to nothing, if any: creating a
-    file or folder through it fails with a bare "File exists" or "Not a directory"."""
-    return next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+def blocked_path(path: Path) -> str | None:
+    """Why nothing can be created at `path`, when one of it and its parents is a symbolic link to
+    nothing, or one of its parents a file: creating through it fails with a bare "File exists"
+    or "Not a directory"."""
+    for p in (path, *path.parents):
+        if p.is_symlink() and not p.exists():
+            return (f"{p} is a symbolic link to {os.readlink(p)}, which does not exist; create what it points to, "
+                    "remove the link, or choose another path")
+        if p != path and p.exists() and not p.is_dir():
+            return f"{p} is a file, not a folder; choose another path"
+    return None
 
 
-def dangling_link_reason(link: Path) -> str:
-    return (f"{link} is a symbolic link to {os.readlink(link)}, which does not exist; create what it points to, "
-            "remove the link, or choose another path")
-
-
-def refuse_dangling_link(path: str | os.PathLike, option: str = "--out") -> None:
-    """Before a stage writes anything: an output path through a dangling link is refused, saying so."""
-    link = dangling_link(Path(path))
-    if link is not None:
-        raise FileExistsError(f"{option} {path}: {dangling_link_reason(link)}")
+def refuse_blocked_path(path: str | os.PathLike, option: str = "--out") -> None:
+    """Before a stage writes anything: an output path through a dangling link, or under a file, is
+    refused, saying so."""
+    reason = blocked_path(Path(path))
+    if reason is not None:
+        raise FileExistsError(f"{option} {path}: {reason}")
 
 
 def os_error_reason(error: BaseException, path: Path) -> str:
     """Why a file operation on `path` failed, with the recovery step for the kinds a user can fix."""
     folder = path.parent if path.parent.exists() else Path.cwd()  # where free space is measured
     code = error_code(error)
-    link = dangling_link(path) if code in (errno.EEXIST, errno.ENOTDIR, errno.ENOENT) else None
-    if link is not None:
-        return dangling_link_reason(link)
+    blocked = blocked_path(path) if code in (errno.EEXIST, errno.ENOTDIR, errno.ENOENT) else None
+    if blocked is not None:
+        return blocked
     # a known errno is the cause (a pseudo-filesystem such as /proc also reports no free space)
     if code == errno.ENOSPC or (code is None and disk_nearly_full(folder)):
         return (f"no space left on the device ({(free_bytes(folder) or 0) >> 20} MiB free); free some space and "
@@ -220,7 +223,7 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
     never leaves it stuck (a lock file that merely exists would); a writer that ends normally removes
     the file. It records its holder for the next one's message, which ends with `busy`, e.g. "is
     writing this run folder; wait for it to end, or train into another --out"."""
-    refuse_dangling_link(out)
+    refuse_blocked_path(out)
     lock = lock or lock_path(out)
     refuse_odd_lock(lock)
     fd = held_lock(lock)
@@ -235,11 +238,14 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
         f.truncate()
         f.write(f"{stage}\npid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
+        claimed = False
         try:
             claim_output(out, stage)
+            claimed = True
             yield
         finally:
-            mark_output(out, stage)
+            if claimed:  # a refused output is left as it was, unmarked
+                mark_output(out, stage)
             lock.unlink(missing_ok=True)  # while still held: see held_lock
 
 
@@ -283,7 +289,7 @@ def claim_output(out: str | os.PathLike, stage: str) -> None:
     """Before a stage writes anything into `out`: refuse a path that is a file where the stage
     writes a folder, and a folder that holds another kind of output (its marker, or that kind's own
     files, named)."""
-    refuse_dangling_link(out)
+    refuse_blocked_path(out)
     kind = OUTPUT_KINDS.get(stage)
     out = Path(out)
     if kind is None or stage in UNMARKED:
@@ -293,6 +299,21 @@ def claim_output(out: str | os.PathLike, stage: str) -> None:
                               f"folder path that does not exist yet, or an empty one")
     if out.is_dir():
         refuse_other_kind(out, stage, kind)
+
+
+def refuse_overlap(out: str | os.PathLike, stage: str, inputs: dict[str, str | os.PathLike | None]) -> None:
+    """Before a stage writes anything: an output that is one of its inputs, holds one or lies inside
+    one is refused (each stage writes a folder of its own; a write there could replace the input,
+    as prepare did to a chat file named prepared.jsonl). `inputs`: how each is named -> path given."""
+    o = Path(os.path.realpath(out))
+    for name, given in inputs.items():
+        if given is None or not os.path.exists(given):  # a name (the embedded data) or nothing yet
+            continue
+        i = Path(os.path.realpath(given))
+        where = ("is" if o == i else "holds" if o in i.parents else "is inside" if i in o.parents else None)
+        if where is not None:
+            raise FileExistsError(f"--out {out} {where} {name} {given}: `eaglet {stage}` writes a folder of its own, "
+                                  "apart from its inputs; nothing was written: choose another --out")
 
 
 def mark_output(out: str | os.PathLike, stage: str) -> None:
@@ -313,7 +334,7 @@ def refuse_other_kind(out: Path, stage: str, kind: str) -> None:
                  if (out / name).exists()]
     if found:
         raise FileExistsError(f"--out {out}: holds another stage's output ({', '.join(found)}), and `eaglet {stage}` "
-                              f"writes a {kind}: nothing was written; choose another --out (each stage writes a "
+                              f"writes its own ({kind}): nothing was written; choose another --out (each stage writes a "
                               f"folder of its own)")
 
 
@@ -355,7 +376,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp folder beside `final`; on success fsync its files and rename it onto `final`
     (which may not exist yet, or be empty), else delete it: a folder that exists is complete."""
     final = Path(final)
-    refuse_dangling_link(final)
+    refuse_blocked_path(final)
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
         raise ValueError(f"{final} exists and is not empty; remove it or choose another folder")
     with failures_named(final):

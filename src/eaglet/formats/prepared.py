@@ -76,6 +76,12 @@ class TokenizedSample:
             raise ValueError(
                 f"{where}: field loss_mask has {len(sample.loss_mask)} entries, input_ids has {len(sample.input_ids)}"
             )
+        if not sample.input_ids:
+            raise ValueError(f"{where}: sample {sample.sample_id} has no tokens (prepare writes none such)")
+        bad = next((m for m in sample.loss_mask if type(m) is not int or m not in (0, 1)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: sample {sample.sample_id}: field loss_mask holds {bad!r}; a loss mask is 0 or "
+                             "1 per token (prepare the data again)")
         return sample
 
 
@@ -155,6 +161,37 @@ def errors_path(out: str | os.PathLike) -> Path:
     out = Path(out)
     stem = out.name[:-len(".jsonl")] if out.name.endswith(".jsonl") else out.name
     return out.with_name(stem + ".errors.jsonl")
+
+
+ERROR_RECORD_KEYS = {"id", "reason"}  # a line of regen's errors report
+
+
+def is_errors_report(path: Path) -> bool:
+    """Whether every line of `path` is a record of regen's errors report (an empty file is one)."""
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                return False
+            if not isinstance(record, dict) or set(record) != ERROR_RECORD_KEYS:
+                return False
+    return True
+
+
+def claim_errors_report(out: str | os.PathLike) -> Path:
+    """Where this run's errors report goes (OUT.errors.jsonl), which replaces the last run's report
+    there and nothing else: a link, a folder or a file of other records (the chats given as
+    --data, say) is refused before anything is written."""
+    path = errors_path(out)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        kind = "a symbolic link" if path.is_symlink() else "not a regular file"
+        raise FileExistsError(f"{path}: regen writes its errors report here, and this is {kind}; move it away, or "
+                              "choose another --out")
+    if path.exists() and not is_errors_report(path):
+        raise FileExistsError(f"{path}: regen writes its errors report here, and this file holds other records; "
+                              "move or rename it, or choose another --out (eaglet never overwrites data)")
+    return path
 
 
 def scan_output(path: str | os.PathLike) -> tuple[set[str], int, bool]:

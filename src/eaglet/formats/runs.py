@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet.formats.drafters import DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE
-from eaglet.formats.io import read_json
+from eaglet.formats.io import inside_folder, read_json
 
 CHECKPOINTS_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
@@ -31,8 +31,17 @@ def checkpoint_name(step: int) -> str:
 
 
 def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:
+    """latest.json or best.json (None when absent): its "path" names a checkpoint folder inside
+    `ckpt_root`, or the file is refused, named (a hand-edited path could lead export elsewhere)."""
     path = ckpt_root / name
-    return read_json(path) if path.exists() else None
+    if not path.exists():
+        return None
+    pointer = read_json(path)
+    if not isinstance(pointer, dict) or not isinstance(pointer.get("path"), str):
+        raise ValueError(f"{path}: expected {{\"step\": N, \"path\": \"step_...\"}}, found {str(pointer)[:80]}; "
+                         "`eaglet train DATA --out RUN --resume` rewrites it, or name a checkpoint folder")
+    inside_folder(ckpt_root, pointer["path"], str(path))
+    return pointer
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -43,8 +52,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return p
     for root in (p / CHECKPOINTS_DIR, p):
         for pointer in (BEST_FILE, LATEST_FILE):
-            if (root / pointer).exists():
-                folder = root / read_json(root / pointer)["path"]
+            read = read_pointer(root, pointer)
+            if read is not None:
+                folder = root / read["path"]
                 if not (folder / DRAFTER_CONFIG_FILE).exists():
                     raise FileNotFoundError(f"{root / pointer}: names {folder.name}, which is not a complete "
                                             "checkpoint (deleted or changed by hand); `eaglet train DATA --out "

@@ -125,6 +125,7 @@ def regenerate(data: str = DECLARED, out: str | os.PathLike = DECLARED, target: 
                         if backend == "vllm" else None)
     check_options(backend, settings, skip, num_samples, max_turns, time_budget, device_map)
     with formats.output_lock(out, "regen"):  # one writer per output: two resumes would write each chat twice
+        formats.claim_errors_report(out)
         done = open_output(out, resume)
         answerer = BACKENDS[backend](settings)
         meta = record_meta(backend, settings, answerer.meta)

@@ -148,6 +148,7 @@ def train(dataset_dir: str | Path = DECLARED, out_dir: str | Path = DECLARED, ta
     unknown = set(options) - {f.name for f in fields(TrainConfig)}
     if unknown:
         raise TypeError(f"unknown training option(s): {sorted(unknown)}")
+    formats.refuse_overlap(out_dir, "train", {"the dataset": dataset_dir})
     with run_lock(Path(out_dir), env_rank() == 0):
         return train_locked(dataset_dir, out_dir, target, resume, show_progress, command, **options)
 
