@@ -232,3 +232,13 @@ def test_a_resumed_run_whose_config_file_is_damaged_names_it(tmp_path):
     (tmp_path / "train_config.json").write_text('{"lr": "abc"}')
     with pytest.raises(ValueError, match=r"train_config\.json: the run's settings do not make a training config"):
         options_of_run(tmp_path, True, {})
+
+
+def test_a_damaged_json_file_of_the_target_is_named(tiny_target, tmp_path):
+    """A cut-off tokenizer.json once ended prepare with the JSON parser's words alone."""
+    from eaglet.target import load_tokenizer, resolve_target
+
+    folder = Path(shutil.copytree(tiny_target, tmp_path / "target"))
+    (folder / "tokenizer.json").write_bytes((tiny_target / "tokenizer.json").read_bytes()[:500])
+    with pytest.raises(ValueError, match=r"tokenizer.json is damaged \(.*\); download or copy it again"):
+        load_tokenizer(resolve_target(str(folder)))

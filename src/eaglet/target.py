@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -28,6 +29,7 @@ from eaglet import embedded, formats, heads, placement
 from eaglet.layers import config_positions
 from eaglet.options import env_switch
 from eaglet.formats import TokenizedSample
+from eaglet.formats.io import REDO
 from eaglet.heads import TargetHeads
 from eaglet.placement import Device, Placement
 
@@ -327,6 +329,9 @@ def from_pretrained(kind: Any, ref: TargetRef, **kwargs: Any) -> Any:
         raise heads.damaged_weights(Path(ref.path), e) from e
     except (ValueError, KeyError, TypeError) as e:
         text = str(e)
+        if isinstance(e, json.JSONDecodeError):  # its message names neither the file nor the folder
+            raise ValueError(f"target {ref.name}: {damaged_json(Path(ref.path)) or 'a JSON file'} is damaged "
+                             f"({text}); {REDO}") from None
         if "trust_remote_code" in text or "custom code" in text:
             raise ValueError(f"target {ref.name}: its {kind.__name__} needs the model folder's own code (auto_map); "
                              f"{heads.REMOTE_CODE_HINT}") from None
@@ -339,6 +344,16 @@ def from_pretrained(kind: Any, ref: TargetRef, **kwargs: Any) -> Any:
                              f"{kind.__name__}; {missing}; else use a transformers release that knows {kinds!r} "
                              f"({type(e).__name__}: {text[:160]})") from None
         raise
+
+
+def damaged_json(folder: Path) -> Path | None:
+    """The first JSON file of a model folder that does not parse, if any."""
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            json.loads(path.read_bytes())
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return path
+    return None
 
 
 def load_tokenizer(ref: TargetRef):
