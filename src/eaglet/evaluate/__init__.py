@@ -17,10 +17,9 @@ import logging
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from eaglet import formats, ranges
@@ -43,6 +42,9 @@ from eaglet.prompts import Prompt, load_prompt_set
 from eaglet.target import (TargetRef, cpu_description, decoder_layers, dtype_name, input_device, load_target,
                            load_tokenizer, max_positions, parse_dtype, pick_device, resolve_target)
 from eaglet.vllm_engine import EngineOptions, engine_options_from
+
+if TYPE_CHECKING:  # transformers' modelling code loads only with a model
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ class Models:
     to fit each other."""
 
     ref: TargetRef
-    target: nn.Module
+    target: PreTrainedModel
     tokenizer: Any
     drafter: DraftModel | None
     drafter_revision: str | None  # the revision of the target the drafter was trained for, where recorded
@@ -144,7 +146,7 @@ def load_models(drafter_path: str | Path, target: str | None, methods: Sequence[
     return Models(ref, model, tokenizer, drafter, trained_for)
 
 
-def check_drafter_fits(drafter: DraftModel, target: nn.Module) -> None:
+def check_drafter_fits(drafter: DraftModel, target: PreTrainedModel) -> None:
     """A drafter for another model would verify fine and accept nothing: refuse it up front."""
     tc, dc = target.config, drafter.config
     problems = []
@@ -189,7 +191,7 @@ def first_prompt_ids(tokenizer: Any, sets: dict[str, list[Prompt]]) -> list[int]
 class Lane:
     """What one variant runs on: the target and drafter in its dtype, and its CPU threads."""
 
-    target: nn.Module
+    target: PreTrainedModel
     drafter: DraftModel | None
     threads: int | None
     config: Config
@@ -256,7 +258,7 @@ def torch_threads(n: int | None) -> Iterator[None]:
 # The evaluation loop
 # ---------------------------------------------------------------------------------------------
 
-def run_variant(method: str, target: nn.Module, drafter: DraftModel | None, ids: list[int], s: DecodeSettings,
+def run_variant(method: str, target: PreTrainedModel, drafter: DraftModel | None, ids: list[int], s: DecodeSettings,
                 servers: dict[str, Runner] | None = None) -> Run:
     """`run_method`, or the method's outside engine (`servers`: its runner, by method) for the
     methods of llama.cpp and vLLM."""
@@ -271,7 +273,7 @@ def first_prompt(sets: dict[str, list[Prompt]]) -> Prompt:
     return next(iter(sets.values()))[0]
 
 
-def warm_up(variants: Variants, target: nn.Module, drafter: DraftModel | None, tokenizer, prompt: Prompt,
+def warm_up(variants: Variants, target: PreTrainedModel, drafter: DraftModel | None, tokenizer, prompt: Prompt,
             drafters: dict[str, DraftModel] | None = None,
             servers: dict[str, Runner] | None = None, lanes: dict[str, Lane] | None = None) -> None:
     """One short untimed run per variant: first calls pay for allocations and kernel selection."""
@@ -282,7 +284,7 @@ def warm_up(variants: Variants, target: nn.Module, drafter: DraftModel | None, t
                     replace(s, max_new_tokens=min(8, s.max_new_tokens)), servers, lanes)
 
 
-def run_in_lane(label: str, method: str, target: nn.Module, drafter: DraftModel | None, ids: list[int],
+def run_in_lane(label: str, method: str, target: PreTrainedModel, drafter: DraftModel | None, ids: list[int],
                 s: DecodeSettings, servers: dict[str, Runner] | None,
                 lanes: dict[str, Lane] | None) -> Run:
     """`run_variant` on the variant's lane (its dtype's models, its threads), where it has one."""
@@ -298,7 +300,7 @@ def rotated(labels: list[str], k: int) -> list[str]:
     return labels[k:] + labels[:k]
 
 
-def evaluate_set(prompts: list[Prompt], variants: Variants, target: nn.Module, drafter: DraftModel | None,
+def evaluate_set(prompts: list[Prompt], variants: Variants, target: PreTrainedModel, drafter: DraftModel | None,
                  tokenizer, on_turn: Callable[[dict[str, MethodTotals]], None],
                  records: list[dict[str, Any]], drafters: dict[str, DraftModel] | None = None,
                  servers: dict[str, Runner] | None = None,

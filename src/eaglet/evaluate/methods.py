@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from eaglet.evaluate.settings import DecodeSettings
 from eaglet.options import (BASELINE, EAGLE3, ENGINE_METHODS, HF_METHODS, LOOKUP_METHODS, METHODS, OUTSIDE_BASELINES,
                             OWN_COUNTERPART, PARALLEL_METHODS)
 from eaglet.target import generation_config, input_device
+
+if TYPE_CHECKING:  # transformers' modelling code loads only with a model
+    from transformers import GenerationMixin, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def run_method(method: str, target: nn.Module, drafter: DraftModel | None, ids: list[int],
+def run_method(method: str, target: PreTrainedModel, drafter: DraftModel | None, ids: list[int],
                s: DecodeSettings) -> Run:
     """Plain greedy, one of eaglet's engine methods or Hugging Face generate on one prompt."""
     gen = torch.Generator().manual_seed(s.seed) if s.temperature > 0 else None
@@ -76,7 +79,7 @@ def run_method(method: str, target: nn.Module, drafter: DraftModel | None, ids: 
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def hf_generate(method: str, target: nn.Module, ids: list[int], s: DecodeSettings) -> Run:
+def hf_generate(method: str, target: PreTrainedModel, ids: list[int], s: DecodeSettings) -> Run:
     """Hugging Face `generate`, with prompt lookup for "prompt-lookup"; its target passes counted."""
     if s.temperature > 0:
         torch.manual_seed(s.seed)  # HF samples from the global generator
@@ -87,7 +90,9 @@ def hf_generate(method: str, target: nn.Module, ids: list[int], s: DecodeSetting
     try:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config)
+            # a causal LM generates (transformers' GenerationMixin, which PreTrainedModel's stubs lack)
+            out = cast("GenerationMixin", target).generate(input_ids=x, attention_mask=torch.ones_like(x),
+                                                           generation_config=config)
         wall = time.perf_counter() - t0
     finally:
         counter.remove()
@@ -167,7 +172,7 @@ def variants_for(methods: Sequence[str], s: DecodeSettings) -> Variants:
     return {m: (m, s) for m in [BASELINE, *methods]}
 
 
-def with_pass_costs(variants: Variants, target: nn.Module, drafter: DraftModel | None = None) -> Variants:
+def with_pass_costs(variants: Variants, target: PreTrainedModel, drafter: DraftModel | None = None) -> Variants:
     """`variants` with the target's pass costs measured (once, up to the largest tree any variant
     verifies) filled in where a hybrid / ngram variant admits nodes by cost (`drafter`: the
     hybrid's, whose block or chain sizes its part of the tree)."""

@@ -203,8 +203,8 @@ def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: st
     import matplotlib.ticker  # the axis locators below
 
     fig, (ax_acc, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, methods in sets.items():
-        for m, r in methods.items():
+    for name, by_method in sets.items():
+        for m, r in by_method.items():
             rates = r.get("acceptance_rates")
             if rates:
                 ax_acc.plot(range(1, len(rates) + 1), [x if x is not None else float("nan") for x in rates],

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from eaglet.drafter import DraftModel, ParallelDraft, predicted_positions
 from eaglet.evaluate.settings import DecodeSettings
@@ -42,10 +42,12 @@ def candidates(dtype: str, threads: int | str | None, device_type: str) -> list[
     CPU; an accelerator runs bf16) and 1 and every core (on a CPU)."""
     dtypes = [dtype] if dtype != AUTO else list(CPU_DTYPES) if device_type == "cpu" else ["bf16"]
     cores = os.cpu_count() or 1
+    counts: list[int | None]
     if threads == AUTO:
-        counts: list[int | None] = sorted({1, cores}) if device_type == "cpu" else [None]
+        counts = [*sorted({1, cores})] if device_type == "cpu" else [None]
     else:
-        counts = [threads]  # type: ignore[list-item]
+        assert not isinstance(threads, str), f"--threads {threads!r}: a count or auto"  # parse_threads
+        counts = [threads]
     return [Config(d, t) for d in dtypes for t in counts]
 
 
@@ -70,12 +72,12 @@ def verify_tokens(method: str, s: DecodeSettings, drafter: DraftModel | None) ->
     return 1
 
 
-def pick(costs: dict[Config, Sequence[float]], q: int) -> Config:
+def pick(costs: Mapping[Config, Sequence[float]], q: int) -> Config:
     """The configuration whose pass over q tokens is cheapest (q past the measured: the largest)."""
     return min(costs, key=lambda c: costs[c][min(q, len(costs[c])) - 1])
 
 
-def choose(methods: dict[str, tuple[str, DecodeSettings]], costs: dict[Config, Sequence[float]],
+def choose(methods: dict[str, tuple[str, DecodeSettings]], costs: Mapping[Config, Sequence[float]],
            drafter: DraftModel | None) -> dict[str, Config]:
     """label -> the configuration each variant runs at (outside engines' methods: their engines' own)."""
     return {label: pick(costs, verify_tokens(method, s, drafter)) for label, (method, s) in methods.items()

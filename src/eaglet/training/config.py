@@ -174,11 +174,43 @@ class TrainConfig:
                 setattr(self, k, default)
         ranges.at_least(2, block_size=self.block_size)
 
+    # Options left None to be decided (by the family here, by the device in train), as what they
+    # are where they are used: deciding comes first
+    @property
+    def block(self) -> int:
+        """A parallel family's block size (`__post_init__` fills in the family's default)."""
+        assert self.block_size is not None, f"--drafter {self.drafter} has no block"
+        return self.block_size
+
+    @property
+    def stride(self) -> int:
+        """A parallel family's anchor stride (`__post_init__` fills in the default)."""
+        assert self.anchor_stride is not None, f"--drafter {self.drafter} has no anchors"
+        return self.anchor_stride
+
+    @property
+    def budget(self) -> float:
+        """--time-budget's seconds, where one is given (the budget's code runs only then)."""
+        assert self.time_budget is not None, "no --time-budget"
+        return self.time_budget
+
+    @property
+    def computes_bf16(self) -> bool:
+        """bf16 autocast or none, as train decided it for the device."""
+        assert self.bf16 is not None, "bf16 is decided for the device before training"
+        return self.bf16
+
+    @property
+    def compiles(self) -> bool:
+        """torch.compile or not, as `resolve_packing` decided it."""
+        assert self.compile is not None, "compile is decided with the packing before training"
+        return self.compile
+
     @property
     def stat_positions(self) -> int:
         """Positions the per-position statistics have: TTT steps, P-EAGLE's K, DFlash's B - 1."""
         family = families.family(self.drafter)
-        return family.drafts_per_pass(self.block_size) if family.parallel else self.ttt_steps
+        return family.drafts_per_pass(self.block) if family.parallel else self.ttt_steps
 
     def ttt_steps_at(self, step: int, total_steps: int) -> int:
         """The unroll length at this optimizer step: ttt_steps, or growing 1..ttt_steps over the ramp."""

@@ -15,13 +15,12 @@ import hashlib
 import json
 import logging
 import random
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch import nn
 
 from eaglet import formats
 from eaglet.check import check_dataset, convention_hits, convention_problem, layer_identity_problems, problem_lines
@@ -30,6 +29,9 @@ from eaglet.heads import TargetHeads
 from eaglet.layers import config_positions
 from eaglet.target import LayerCapture, decoder_layers, dtype_name, run_batch
 from eaglet.training.config import TrainConfig, min_sample_tokens
+
+if TYPE_CHECKING:  # transformers' modelling code loads only with a model
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +203,8 @@ class Prefetcher:
     the training device, where loading ahead would only hold one more batch of activations."""
 
     def __init__(self, load: Any, background: bool = True):
-        self.load, self.pending = load, {}
+        self.load = load
+        self.pending: dict[int, Future] = {}
         self.pool = ThreadPoolExecutor(max_workers=1) if background else None
 
     def get(self, key: int, next_key: int | None) -> Any:
@@ -226,19 +229,28 @@ def assemble(samples: list[formats.TrainingSample], spans: list[tuple[int, int, 
 
     def placed(get: Callable[[formats.TrainingSample], torch.Tensor | None]) -> torch.Tensor | None:
         """[rows, length, ...] of one field (None when the samples lack it)."""
-        if get(first) is None:
+        kind = get(first)
+        if kind is None:
             return None
-        out = torch.zeros(rows, length, *get(first).shape[1:], dtype=get(first).dtype, device=first.aux_hidden.device)
+        out = torch.zeros(rows, length, *kind.shape[1:], dtype=kind.dtype, device=first.aux_hidden.device)
         for s, (row, start, n) in zip(samples, spans):
-            out[row, start:start + n] = get(s)[:n]
+            value = get(s)
+            assert value is not None  # the samples of a batch hold the same fields
+            out[row, start:start + n] = value[:n]
+        return out
+
+    def required(get: Callable[[formats.TrainingSample], torch.Tensor]) -> torch.Tensor:
+        out = placed(get)
+        assert out is not None
         return out
 
     lengths = [0] * rows
     for row, start, n in spans:
         lengths[row] = max(lengths[row], start + n)
-    return Batch(placed(lambda s: s.input_ids).long(), placed(lambda s: s.aux_hidden),
-                 placed(lambda s: s.last_hidden), placed(lambda s: s.loss_mask).long(), lengths, list(indices or []),
-                 placed(lambda s: s.teacher and s.teacher.ids), placed(lambda s: s.teacher and s.teacher.log_probs))
+    return Batch(required(lambda s: s.input_ids).long(), required(lambda s: s.aux_hidden),
+                 placed(lambda s: s.last_hidden), required(lambda s: s.loss_mask).long(), lengths,
+                 list(indices or []), placed(lambda s: s.teacher.ids if s.teacher is not None else None),
+                 placed(lambda s: s.teacher.log_probs if s.teacher is not None else None))
 
 
 def collate(samples: list[formats.TrainingSample], max_length: int | None, indices: list[int] | None = None) -> Batch:
@@ -295,7 +307,7 @@ class Source:
     token_freq: dict[int, int]  # masked-token counts (for the draft vocabulary)
     aux_layer_ids: list[int]
     last_hidden_state: str
-    hidden_dtype: str
+    hidden_dtype: str | None  # (None: a compact dataset that records none)
     read: Callable[[list[int]], list[formats.TrainingSample]]  # these samples, with their hidden states
     background: bool  # whether loads may run in a background thread (disk reads: yes; the target: no)
     max_length: int | None = None  # samples are cut to this many tokens
@@ -384,7 +396,7 @@ def truncate(sample: formats.TokenizedSample, max_length: int | None) -> formats
     return formats.TokenizedSample(sample.sample_id, sample.input_ids[:max_length], sample.loss_mask[:max_length])
 
 
-def online_source(prepared: Prepared, model: nn.Module, layer_ids: list[int], device: torch.device,
+def online_source(prepared: Prepared, model: PreTrainedModel, layer_ids: list[int], device: torch.device,
                   max_length: int | None) -> Source:
     """Batches whose hidden states the target computes on the fly, with extract.py's own capture
     code (hooks, padding, per-sample cut), so they hold what `eaglet extract` would have stored
@@ -430,7 +442,7 @@ def refuse_beyond_positions(src: Source, max_length: int | None, target_config: 
                          "or prepare the data again with such a --max-length")
 
 
-def refuse_wrong_layer_ids(ds: Dataset, model: nn.Module) -> None:
+def refuse_wrong_layer_ids(ds: Dataset, model: PreTrainedModel) -> None:
     """The check `eaglet check --target` makes of layer identity, on the dataset's first file:
     recorded layer ids that the stored states do not match are refused before any training."""
     n = model.config.num_hidden_layers

@@ -49,8 +49,8 @@ def evaluate_heldout(drafter: str | Path, dataset_dir: str | Path, eval_fraction
     ref = resolve_target(dataset_target(ds, target))
     head = make_teacher_head(load_heads(ref, None, dev, (FINAL_NORM, LM_HEAD)), ds.last_hidden_state, None).to(dev)
     c = draft.config
-    family = (dict(drafter=c.family, draft_layers=c.num_layers, block_size=c.block_size)
-              if families.family(c.family).parallel else {})
+    family: dict[str, Any] = (dict(drafter=c.family, draft_layers=c.num_layers, block_size=c.block_size)
+                              if families.family(c.family).parallel else {})
     cfg = TrainConfig(ttt_steps=ttt_steps or DEFAULT_TTT_STEPS, bf16=bf16, batch_size=batch_size,
                       max_length=max_length, eval_fraction=eval_fraction, seed=seed, **family)
     _, eval_idx = split_indices(list(ds.lengths), eval_fraction, seed)
@@ -59,5 +59,7 @@ def evaluate_heldout(drafter: str | Path, dataset_dir: str | Path, eval_fraction
     src = offline_source(ds, max_length)
     teachers = TeacherSource(head, draft.d2t, draft.t2d, None, False, bf16)
     batches = bucketed_batches(eval_idx, src.lengths, batch_size, None)
-    return evaluate(draft, teachers, src.load, batches, cfg, dev, Dist())
+    result = evaluate(draft, teachers, src.load, batches, cfg, dev, Dist())
+    assert result is not None  # eval_idx holds a sample, and one process is the main one
+    return result
 

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -181,7 +181,7 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
         truncate_metrics(out / METRICS_FILE, state.step)
     dist.barrier()
 
-    model, compilation = compiled(wrap(draft, device, dist), cfg.compile)
+    model, compilation = compiled(wrap(draft, device, dist), cfg.compiles)
     if dist.main:
         write_run_config(out, {**asdict(cfg), "world_size": dist.world, "total_steps": state.plan.total_steps,
                                "warmup_steps": state.plan.warmup, "dataset": record["dataset"], "target": ref.name,
@@ -229,7 +229,7 @@ def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str |
     # the head as read: TeacherSource makes the one copy it computes with, in its compute dtype
     teacher_head = make_teacher_head(target_heads, src.last_hidden_state, head_dtype=None).to(device)
     teachers = TeacherSource(teacher_head, draft.d2t, draft.t2d, cfg.teacher_top_k, cfg.feature_loss_weight > 0,
-                             cfg.bf16)
+                             cfg.computes_bf16)
     return src, ref, draft, teachers
 
 
@@ -328,7 +328,8 @@ def compiled(model: nn.Module, enabled: bool) -> tuple[nn.Module, Compilation]:
                     os.environ.get("CXX", "c++"))
         return model, compilation
     compilation.wrapped = True
-    return torch.compile(model, backend=counting_inductor(compilation), dynamic=False), compilation
+    # a compiled Module is a Module (torch's OptimizedModule); its stubs say only Callable
+    return cast(nn.Module, torch.compile(model, backend=counting_inductor(compilation), dynamic=False)), compilation
 
 
 def counting_inductor(compilation: Compilation) -> Any:
@@ -487,7 +488,8 @@ def train_step(run: Run, state: RunState, prefetch: Prefetcher) -> StepResult:
         last_micro = state.step + 1 == state.stop and a == cfg.grad_accum - 1
         batch = prefetch.get(m, None if last_micro else m + dist.world).to(run.device)
         sync = a == cfg.grad_accum - 1 or dist.world == 1
-        with (contextlib.nullcontext() if sync else run.model.no_sync()):
+        # DDP's no_sync (reached through a compiled wrapper too); one process has nothing to skip
+        with (contextlib.nullcontext() if sync else getattr(run.model, "no_sync")()):
             loss, sums = forward_stats(run.model, run.teachers, batch, cfg, run.device, steps, cfg.loss_on,
                                        state.step)
             refuse_non_finite(loss, state.step + 1, batch)
@@ -508,13 +510,13 @@ def calibrate_budget(run: Run, state: RunState, progress: Progress) -> None:
     cfg = run.cfg
     if state.plan.calibrated:
         return
-    measured = progress.calibration.rate(state.step, state.done["tokens"], state.done["seconds"], cfg.time_budget)
+    measured = progress.calibration.rate(state.step, state.done["tokens"], state.done["seconds"], cfg.budget)
     # Rank 0's timing decides when, as it decides how many steps: ranks that timed their steps
     # differently would otherwise wait forever on each other's broadcast.
     if not run.dist.from_main(int(measured is not None)):
         return
     rate, timed = measured or (0.0, 0)  # another rank's figures: only rank 0's are broadcast
-    total = run.dist.from_main(budget_steps(cfg.time_budget, state.step, state.done["seconds"], rate,
+    total = run.dist.from_main(budget_steps(cfg.budget, state.step, state.done["seconds"], rate,
                                          run.split.tokens_per_step))
     adopt_plan(run, state, progress, Plan.sized(cfg, total, state.step),  # the same schedule on every rank
                f"{rate:.0f} tok/s over {timed} steps")
@@ -532,10 +534,10 @@ def resize_budget(run: Run, state: RunState, progress: Progress) -> None:
     cfg, plan = run.cfg, state.plan
     # rank 0's seconds decide whether to time on, as they decide the plan: ranks whose own seconds
     # differ would otherwise stop taking part in these broadcasts at different steps
-    timing_on = run.dist.from_main(int(state.done["seconds"] < 0.5 * cfg.time_budget))
+    timing_on = run.dist.from_main(int(state.done["seconds"] < 0.5 * cfg.budget))
     progress.resize_from = (state.step, state.done["tokens"], state.done["seconds"]) if timing_on else None
     rate = (state.done["tokens"] - tokens0) / max(state.done["seconds"] - seconds0, 1e-9)
-    total = run.dist.from_main(budget_steps(cfg.time_budget, state.step, state.done["seconds"], rate,
+    total = run.dist.from_main(budget_steps(cfg.budget, state.step, state.done["seconds"], rate,
                                             run.split.tokens_per_step))
     if abs(total - plan.total_steps) <= RESIZE_SLACK * plan.total_steps:
         return

@@ -23,7 +23,7 @@ def forward_stats(model: nn.Module, teachers: TeacherSource, batch: Batch, cfg: 
     positions = batch.loss_mask if loss_on == "assistant" else batch.real()
     if families.family(cfg.drafter).parallel:
         return block_stats(model, teacher, batch, cfg, device, positions, step)
-    with autocast(device, cfg.bf16):
+    with autocast(device, cfg.computes_bf16):
         out = model(batch.input_ids, batch.aux_hidden.float(), steps=steps, documents=batch.documents,
                     positions=batch.positions)
         loss, stats = ttt_loss(out, teacher, positions, feature_weight=cfg.feature_loss_weight,
@@ -36,12 +36,12 @@ def forward_stats(model: nn.Module, teachers: TeacherSource, batch: Batch, cfg: 
 def block_stats(model: nn.Module, teacher: Teacher, batch: Batch, cfg: TrainConfig, device: torch.device,
                 counted: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`forward_stats` of a parallel drafter: blocks on the anchor grid of the counted positions."""
-    anchors = anchor_grid(counted, batch.documents, cfg.anchor_stride, step,
+    anchors = anchor_grid(counted, batch.documents, cfg.stride, step,
                           families.family(cfg.drafter).first_prediction)
-    with autocast(device, cfg.bf16):
+    with autocast(device, cfg.computes_bf16):
         out = model(batch.input_ids, batch.aux_hidden.float(), anchors, documents=batch.documents,
                     positions=batch.positions)
-        loss, stats = block_loss(out, teacher, counted, position_weights(cfg.drafter, cfg.block_size),
+        loss, stats = block_loss(out, teacher, counted, position_weights(cfg.drafter, cfg.block),
                                  documents=batch.documents, objective=cfg.objective)
     return loss, stats.as_tensor()
 
