@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import write_jsonl
 from eaglet.chat import ReadStats, iter_records, to_messages
 from eaglet.formats import read_prepared
@@ -128,3 +130,26 @@ def test_a_chat_of_many_turns_costs_what_max_length_keeps(tiny_target, monkeypat
     ids, mask, _ = chat.tokenize_chat(tok, kept, max_tokens=64)
     assert (ids, mask) == (whole_ids[:64], whole_mask[:64]) and any(mask)
     assert len(renders) < 16 < len(kept) // 2  # the whole chat once, then only the turns begun in 64 tokens
+
+
+def test_a_compressed_chat_file_is_named_as_one(tmp_path):
+    """A .jsonl.gz was read as text: every line skipped as "not UTF-8"."""
+    import gzip
+
+    packed = tmp_path / "chats.jsonl.gz"
+    packed.write_bytes(gzip.compress((json.dumps(CHAT) + "\n").encode()))
+    with pytest.raises(ValueError, match="chats.jsonl.gz: a gzip file; decompress it first"):
+        read_all(packed)
+
+
+def test_a_chat_template_that_does_not_parse_is_the_targets_fault(tiny_target, tmp_path):
+    """Blamed on --data ("no usable chat ... fix the records") before."""
+    import shutil
+
+    target = Path(shutil.copytree(tiny_target, tmp_path / "target"))
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ m.content }"}))
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    data = write_jsonl(tmp_path / "c.jsonl", [CHAT])
+    with pytest.raises(ValueError, match=r"^the target's chat template does not parse \(.*fix chat_template.jinja"):
+        prepare(str(target), str(data), tmp_path / "out")

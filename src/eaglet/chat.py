@@ -88,6 +88,9 @@ class ReadStats:
         self.trimmed.add(reason, self.where)
 
 
+COMPRESSED = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd", "bzip2": b"BZh", "xz": b"\xfd7zXZ\x00",
+              "zip": b"PK\x03\x04"}  # a file's first bytes
+
 # Deeper than any chat record goes (array > record > turns > turn > content parts > part). The
 # parser's prefixed events (and so ijson.items) cost memory with the square of the depth (20,000
 # levels took 1 GB): records are built here from its plain events, bounded in depth, so one deep
@@ -182,6 +185,11 @@ def iter_records(source: str, stats: ReadStats) -> Iterator[tuple[str, Any]]:
         raise FileNotFoundError(f"--data {source}: no such file")
     if not path.is_file():
         raise IsADirectoryError(f"--data {source}: a folder, not a chat file (.json or .jsonl)")
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    packed = next((kind for kind, start in COMPRESSED.items() if magic.startswith(start)), None)
+    if packed:
+        raise ValueError(f"--data {source}: a {packed} file; decompress it first (eaglet reads .json and .jsonl text)")
     is_array = path.suffix == ".json"
     if is_array:
         with open(path, "rb") as f:

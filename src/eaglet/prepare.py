@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jinja2 import TemplateSyntaxError
 from tqdm import tqdm
 
 from eaglet import __version__, formats, ranges
@@ -149,6 +150,10 @@ def tokenized(record: object, tokenizer, special_ids: set[int], max_length: int,
         if not any_written and sum(seen.template_failures.values()) >= FAILED_START:
             raise TemplateSpanError(f"the first {FAILED_START} chats all failed; {seen.first_failure}") from e
         return None
+    except TemplateSyntaxError as e:  # the target's template itself, not this record: no chat would render
+        raise ValueError(f"the target's chat template does not parse ({e.message}, template line {e.lineno}); "
+                         "fix chat_template.jinja (or tokenizer_config.json's chat_template) in the target's folder"
+                         ) from None
     except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
         seen.template_failures.add(f"template raised {type(e).__name__}: {str(e)[:80]}", stats.where)
         return None
