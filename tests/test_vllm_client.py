@@ -125,7 +125,10 @@ def test_engine_options_are_vllms_keywords_and_environment():
 @pytest.mark.parametrize("kwargs, said", [({"tensor_parallel_size": 0}, "--tensor-parallel-size 0: must be >= 1"),
                                           ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization 1.5"),
                                           ({"vllm_args": "{max_num_seqs: 1}"}, "--vllm-args .*not JSON"),
-                                          ({"vllm_args": "[1]"}, "--vllm-args .*a JSON object")])
+                                          ({"vllm_args": "[1]"}, "--vllm-args .*a JSON object"),
+                                          # a recipe's vllm_args ran a model folder's code, or another model
+                                          ({"vllm_args": '{"trust_remote_code": true, "model": "/x"}'},
+                                           "--vllm-args: model, trust_remote_code are eaglet's to set")])
 def test_engine_options_out_of_range_are_refused(kwargs, said):
     with pytest.raises(ValueError, match=said):
         engine_options_from(**kwargs)

@@ -160,8 +160,10 @@ def convert(src: str | Path = DECLARED, out: str | Path = DECLARED, layout: str 
         if written.table is not None and not written.table.exists(out):
             formats.start_dataset(out, written, [(ids.numpy(), mask.numpy()) for ids, mask in read_rows(ds, show_progress)])
         num_states = formats.EAGLE3_NUM_STATES
-        todo = [i for i in indices
-                if formats.sample_file_problem(formats.sample_path(out, written, i), written, ds.lengths[i], num_states)]
+        found = [(i, why) for i in indices for why in [formats.sample_file_problem(
+            formats.sample_path(out, written, i), written, ds.lengths[i], num_states)] if why]
+        formats.refuse_other_samples([(formats.sample_path(out, written, i), why) for i, why in found])
+        todo = [i for i, _ in found]
         t0 = time.time()
         tokens = 0
         with ThreadPoolExecutor(max_workers=workers) as pool, \

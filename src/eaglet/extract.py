@@ -216,6 +216,7 @@ def plan_shard(out: Path, written: formats.Layout, count: int, num_shards: int, 
     missing = set(todo)
     redo = [(i, why) for i in mine if i not in missing
             for why in [formats.sample_file_problem(paths[i], written, lengths[i], num_states)] if why]
+    formats.refuse_other_samples([(paths[i], why) for i, why in redo])
     if redo:
         log.warning("%d existing file(s) are not complete safe samples and will be redone (first: %s: %s)",
                     len(redo), paths[redo[0][0]].relative_to(out), redo[0][1])

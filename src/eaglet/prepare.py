@@ -118,11 +118,24 @@ def sources_of(data: str, skip: int, num_samples: int | None, mix: str | None, m
     return [Source(data, skip, num_samples)] + ([Source(mix, mix_skip, mix_samples)] if mix is not None else [])
 
 
+def refuse_foreign_samples(existing: Path) -> None:
+    """A prepared.jsonl without its config is a killed prepare's only when its first line is a
+    prepared sample; anything else is someone's file, and is never replaced."""
+    with open(existing, "rb") as f:
+        first = f.readline()
+    try:
+        TokenizedSample.from_json(first.decode("utf-8"), f"{existing}:1")
+    except (ValueError, UnicodeDecodeError):
+        raise FileExistsError(f"{existing}: not a prepared dataset's file (its first line is no prepared sample), "
+                              "and prepare would replace it; nothing was written: choose another --out") from None
+
+
 def refuse_existing(out: str | Path, overwrite: bool) -> None:
     """A finished prepared dataset is replaced only with --overwrite; one a kill cut short (no
     prepare_config.json, written last) is not a dataset, and this run replaces it."""
     existing = Path(out) / PREPARED_FILE
     if existing.exists() and not (Path(out) / PREPARE_CONFIG_FILE).exists():
+        refuse_foreign_samples(existing)
         log.warning("%s: an earlier `eaglet prepare` stopped before writing %s; replacing its output", out,
                     PREPARE_CONFIG_FILE)
     elif existing.exists() and not overwrite:

@@ -24,7 +24,7 @@ import dataclasses
 import difflib
 import json
 import logging
-import shutil
+import os
 import textwrap
 import time
 import tomllib
@@ -309,10 +309,32 @@ def validate(recipe: dict[str, Any], source: str | Path = "recipe", set_by: dict
     for stage in STAGES:
         if stage in recipe:
             check_table(source, stage, recipe[stage], option_types(stage), set_by)
+    refuse_what_a_file_may_not_set(recipe, source, set_by)
     if "regen" in recipe and "data" in recipe.get("prepare", {}):
         raise ValueError(f"{key_label(source, 'prepare', 'data', set_by)}: set, but this recipe regenerates its "
                          f"chats and prepare reads the [regen] output; move 'data' to [regen] or drop the [regen] "
                          f"table")
+
+
+# Options a recipe file may not set, only the user (--set): where the environment's API key goes
+USER_ONLY_KEYS = {"base_url": "the environment's OPENAI_API_KEY is sent to it"}
+# Folders a stage writes into: from a recipe file, inside the working folder only (as [recipe].out)
+WRITTEN_FOLDER_KEYS = ("offload_folder",)
+
+
+def refuse_what_a_file_may_not_set(recipe: dict[str, Any], source: str | Path, set_by: dict[str, str]) -> None:
+    """A downloaded recipe sends no key to an endpoint it names and writes nowhere outside the
+    working folder; the same values given with --set are the user's own."""
+    for stage in STAGES:
+        for key, value in recipe.get(stage, {}).items():
+            if f"{stage}.{key}" in set_by:
+                continue
+            label = key_label(source, stage, key, set_by)
+            if key in USER_ONLY_KEYS:
+                raise ValueError(f"{label}: a recipe file may not name it ({USER_ONLY_KEYS[key]}); give it yourself "
+                                 f"with --set {stage}.{key}=...")
+            if key in WRITTEN_FOLDER_KEYS and isinstance(value, str):
+                formats.inside_folder(Path.cwd(), value, label)
 
 
 def check_ranges(recipe: dict[str, Any], source: str | Path) -> None:
@@ -344,9 +366,9 @@ def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command:
                 has_regen: bool) -> dict[str, Any]:
     opts = dict(opts)  # `validate` refused 'data' here when the recipe regenerates
     data = str(paths.chats) if has_regen else opts.pop("data", declared_default("prepare", "data"))
-    if paths.prepared.exists():  # an unfinished earlier attempt: prepare is quick, redo it whole
-        shutil.rmtree(paths.prepared)
-    s = prepare(target, data, paths.prepared, command=command, **opts)
+    # an unfinished earlier attempt is redone whole (prepare is quick): replaced as prepare replaces
+    # a dataset, the old one kept until the new is complete, and a folder of other files refused
+    s = prepare(target, data, paths.prepared, command=command, **{**opts, "overwrite": True})
     log_lines(s.lines())
     return {"samples": s.samples, "tokens": s.tokens, "assistant_tokens": s.masked_tokens}
 
@@ -462,7 +484,11 @@ def recipe_out(meta: dict[str, Any], source: Any) -> Path:
     file may only name inside the working folder (a downloaded recipe never writes elsewhere);
     --out is the user's own and goes anywhere."""
     if meta.get("out"):
-        return formats.inside_folder(Path.cwd(), meta["out"], f"{source} [recipe].out")
+        out = formats.inside_folder(Path.cwd(), meta["out"], f"{source} [recipe].out")
+        if os.path.realpath(out) == os.path.realpath(Path.cwd()):
+            raise ValueError(f"{source} [recipe].out {meta['out']!r}: the working folder itself; a run folder "
+                             "inside it, e.g. runs/NAME")
+        return out
     name = meta["name"]
     if not name or Path(name).name != name or name in (".", ".."):
         raise ValueError(f"{source} [recipe].name {name!r}: a plain name (it names the folder runs/NAME), without "

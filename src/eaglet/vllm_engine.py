@@ -121,6 +121,13 @@ class EngineOptions:
         return env
 
 
+# vllm.LLM keywords --vllm-args may not set: what the engine runs and whether a folder's code runs
+# are eaglet's options (a recipe's vllm_args could otherwise run a model's code, or another model)
+OWNED_KEYWORDS = {"model", "tokenizer", "trust_remote_code", "speculative_config", "skip_tokenizer_init",
+                  "revision", "tokenizer_revision", "hf_overrides", "kv_transfer_config"}
+OWNED_HINT = "use --target, the drafter argument, and eaglet --trust-remote-code"
+
+
 def parse_engine_args(text: str | None) -> dict[str, Any]:
     """--vllm-args: a JSON object of vllm.LLM keywords."""
     if not text:
@@ -131,6 +138,11 @@ def parse_engine_args(text: str | None) -> dict[str, Any]:
         raise ValueError(f"--vllm-args {text!r}: not JSON ({e.msg}); e.g. '{{\"max_num_seqs\": 64}}'") from None
     if not isinstance(value, dict):
         raise ValueError(f"--vllm-args {text!r}: a JSON object of vllm.LLM keywords, e.g. '{{\"max_num_seqs\": 64}}'")
+    owned = sorted(set(value) & OWNED_KEYWORDS)
+    if owned:
+        raise ValueError(f"--vllm-args: {', '.join(owned)} {'is' if len(owned) == 1 else 'are'} eaglet's to set "
+                         f"(the target, the drafter, and --trust-remote-code for a model's own code); "
+                         f"{OWNED_HINT}")
     return value
 
 

@@ -131,7 +131,7 @@ def test_convert_round_trip_is_bit_exact(extracted, tmp_path, capsys):
 
 
 def test_convert_refusals(extracted, tmp_path, tiny_target):
-    with pytest.raises(ValueError, match="is the source"):
+    with pytest.raises(FileExistsError, match="is the source"):
         convert(extracted / "v1", extracted / "v1", "speculators", show_progress=False)
     with pytest.raises(ValueError, match="eaglet writes"):
         convert(extracted / "v1", tmp_path / "x", "v2", show_progress=False)

@@ -4,6 +4,9 @@ file given as --out; a stage's folder says which kind of output it is."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from eaglet import formats
@@ -32,7 +35,7 @@ def test_each_output_folder_says_which_kind_it_is(outputs):
 @pytest.mark.parametrize("stage", ["prepare", "extract", "train"])
 def test_a_stage_refuses_another_stages_folder_and_leaves_it_whole(outputs, tiny_target, chats_jsonl, stage):
     """prepare into a dataset once overwrote its token_freq.pt; now nothing is written."""
-    victim = outputs / ("prepared" if stage == "extract" else "data")
+    victim = Path(shutil.copytree(outputs / ("prepared" if stage == "extract" else "data"), outputs / "victim"))
     before = snapshot(victim)
     with pytest.raises(FileExistsError, match=r"holds another stage's output .*nothing was written"):
         if stage == "prepare":

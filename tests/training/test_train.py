@@ -89,8 +89,9 @@ def test_resume_continues_exactly(dataset, tmp_path, capsys):
 
 
 def test_refuses_bad_dataset_and_other_target(dataset, tiny_target, tmp_path):
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="data_config.json"):
-        train(tmp_path, tmp_path / "r", show_progress=False)
+        train(tmp_path / "empty", tmp_path / "r", show_progress=False)
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in dataset.iterdir():

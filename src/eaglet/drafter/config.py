@@ -87,9 +87,6 @@ class DraftConfig:
         bad = [f"{name} {value}" for name, value in sizes.items() if not (isinstance(value, int) and value >= 1)]
         if bad:
             raise ValueError(f"{', '.join(bad)}: must be whole numbers >= 1")
-        ids = self.aux_layer_ids
-        if any(not isinstance(i, int) or i < 0 for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
-            raise ValueError(f"aux_layer_ids {ids}: must be strictly increasing layer ids >= 0")
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.num_heads % self.num_kv_heads:

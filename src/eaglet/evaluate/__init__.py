@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -30,7 +31,7 @@ from eaglet.evaluate.engines import FIRST_DRAFT_GAP, engine_run, engine_servers,
 from eaglet.evaluate.vllm_methods import vllm_engines
 from eaglet.evaluate.methods import (PROMPT_LOOKUP_TOKENS, Run, Variants, measured_pass_costs, reference_labels,
                                      run_method, variants_for, with_implied_methods, with_pass_costs)
-from eaglet.evaluate.report import EvalResult, MethodTotals, format_table, summarize
+from eaglet.evaluate.report import RESULTS_FILE, EvalResult, MethodTotals, format_table, summarize
 from eaglet.evaluate.settings import DecodeSettings
 from eaglet.evaluate.tuning import AUTO, Config
 from eaglet.evaluate import tuning
@@ -77,6 +78,7 @@ def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_set
     ranges.at_least(1, num_prompts=num_prompts, threads=None if threads == AUTO else threads)
     if out is not None:
         formats.claim_output(out, "eval")  # not a file, nor another stage's folder: refused before any work
+        refuse_other_results(Path(out), drafter_path)
     placed = placement_from_options(device_map, max_memory, offload_folder, device)
     vllm_options = engine_options_from(tensor_parallel_size, pipeline_parallel_size, max_model_len,
                                        gpu_memory_utilization, vllm_kv_cache_gib, vllm_args,
@@ -395,6 +397,22 @@ def warn_skipped(records: list[dict[str, Any]], positions: int) -> int:
         log.warning("%d prompt turn(s) skipped: longer than the target's %d positions (listed in eval.json)",
                     skipped, positions)
     return skipped
+
+
+def refuse_other_results(out: Path, drafter_path: str | Path) -> None:
+    """An eval folder holds one drafter's results: a rerun of its eval replaces them, another
+    drafter's would overwrite them unseen."""
+    path = out / RESULTS_FILE
+    if not path.exists():
+        return
+    try:
+        recorded = formats.read_json(path)["config"]["drafter"]
+    except (ValueError, KeyError, TypeError):
+        recorded = None
+    if not isinstance(recorded, str) or os.path.realpath(recorded) != os.path.realpath(drafter_path):
+        raise FileExistsError(f"--out {out}: {path.name} holds the results of "
+                              f"{'another drafter, ' + repr(recorded) if isinstance(recorded, str) else 'another run'}"
+                              f"; nothing was written: choose another --out (or remove {path})")
 
 
 def run_config(drafter_path: str | Path, models: Models, dtype: str, device_map: str | None,

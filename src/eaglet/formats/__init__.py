@@ -30,7 +30,7 @@ from eaglet.formats.io import (OUTPUT_MARKER, PICKLED_CODE_MARKERS, TMP_MARK, Ou
                                write_text_atomic)
 from eaglet.formats.prepared import (PREPARED_FILE, PREPARE_CONFIG_FILE, PreparedWriter, RegenWriter, TOKEN_FREQ_FILE,
                                      TokenizedSample, check_prepared_token_ids, claim_errors_report, errors_path,
-                                     open_output, read_prepared, read_token_freq, write_token_freq)
+                                     open_output, read_prepared, read_token_freq, refuse_mixed_regen, write_token_freq)
 from eaglet.formats.samples import (AUX_CODES, DATA_CONFIG_FILE, EAGLE3_NUM_STATES, FileStates, HIDDEN_STATES_DIR,
                                     LAST_STATE_CONVENTIONS, LAST_STATE_POST_NORM, LAST_STATE_PRE_NORM,
                                     LAYER_ID_CONVENTION, ROWS_PER_FOLDER, SAMPLE_LENGTHS_FILE, StoredTeacher,
@@ -47,7 +47,8 @@ from eaglet.formats.layouts import (ARROW_STATE_FILE, FORMAT_COMPACT, FORMAT_HS_
                                     FORMAT_SPECULATORS_ARROW, FORMAT_V1, FORMAT_V1_FLAT, Layout, V1Sample, V1_LAYOUT,
                                     WRITTEN_LAYOUTS, files_dir, find_layout, layout, list_dataset_files, list_v1_files,
                                     read_hs_safetensors_sample, read_sample_tokens, read_specforge_sample,
-                                    read_speculators_rows, read_training_sample, read_v1_sample, sample_file_problem,
+                                    read_speculators_rows, read_training_sample, read_v1_sample, refuse_other_samples,
+                                    sample_file_problem,
                                     sample_path, specforge_relative_path, speculators_hs_path, start_dataset,
                                     v1_min_bytes_per_token, v1_relative_path, write_hs_safetensors_sample,
                                     write_sample, write_speculators_rows, write_speculators_sample, write_v1_sample,

@@ -749,4 +749,20 @@ def sample_file_problem(path: str | os.PathLike, fmt: str | Layout, num_tokens: 
     except Exception as e:  # unsafe pickle, truncated file, wrong schema: all mean "write it again"
         return f"{type(e).__name__}: {e}"
     ok = all(tuple(n) == (num_tokens,) for n in lengths) and states == num_states
-    return None if ok else "shapes differ from the prepared sample"
+    return None if ok else f"{WHOLE_BUT_OTHER} ({states} states, shapes {[tuple(n) for n in lengths]})"
+
+
+# A file that reads as a whole sample, but not of the shapes this dataset's sample has there: no
+# run of this dataset wrote it (a run's files have its samples' shapes) -- another dataset's, reached
+# through a linked folder, say -- so it is never overwritten
+WHOLE_BUT_OTHER = "a whole sample of other shapes"
+
+
+def refuse_other_samples(found: list[tuple[Path, str]]) -> None:
+    """Refuse, before any is overwritten, files `sample_file_problem` found to be other samples."""
+    other = [(path, why) for path, why in found if why.startswith(WHOLE_BUT_OTHER)]
+    if other:
+        path, why = other[0]
+        raise FileExistsError(f"{path}: {why}: another dataset's file ({len(other)} such, e.g. behind a linked "
+                              "folder), which this run would overwrite; no sample file was written: move them away, "
+                              "or choose another --out")

@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from eaglet.formats.io import (atomic_path, failures_named, read_json, remove_stale_temp_files, torch_load_safe,
                                torch_save_atomic, write_json_atomic)
@@ -203,16 +203,56 @@ def scan_output(path: str | os.PathLike) -> tuple[set[str], int, bool]:
     with open(path, "rb") as f:  # streamed: an output of a million chats need not fit in memory
         for n, line in enumerate(f, 1):
             if not line.endswith(b"\n"):
+                if parses(line):  # a whole record without its newline: no write of regen's leaves that
+                    refuse_foreign(path, n, "a whole record without a newline")
                 break  # a kill's partial last line: dropped on resume
             if line.strip():
                 try:
-                    done.add(str(json.loads(line)["id"]))
-                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-                    raise ValueError(f"{path}:{n}: not a regen record ({type(e).__name__}); the file was not "
-                                     f"written by `eaglet regen` alone, refusing to append to it") from e
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    refuse_foreign(path, n, type(e).__name__)
+                if not is_regen_record(record):
+                    refuse_foreign(path, n, "no id, messages and regen fields")
+                done.add(str(record["id"]))
             good += len(line)
         size = f.seek(0, os.SEEK_END)
     return done, good, good < size
+
+
+# What makes two regen runs one: answers of another target or sampling are another dataset
+REGEN_IDENTITY = ("target_revision", "temperature", "top_p", "max_new_tokens")
+
+
+def refuse_mixed_regen(path: str | os.PathLike, meta: dict[str, Any]) -> None:
+    """On --resume: every line already there was made as this run makes its own (REGEN_IDENTITY)."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n") or not line.strip():
+                continue
+            made = json.loads(line)["regen"]
+            key = next((k for k in REGEN_IDENTITY if made.get(k) != meta.get(k)), None)
+            if key is not None:
+                raise ValueError(f"{path}:{n}: made with {key} {made.get(key)!r}, this run has {meta.get(key)!r}; a "
+                                 "resumed regen continues the same run: give the same options, or another --out")
+
+
+def is_regen_record(record: Any) -> bool:
+    """A line regen writes: its id, the chat's messages and how they were made (`regen`)."""
+    return (isinstance(record, dict) and "id" in record and isinstance(record.get("messages"), list)
+            and isinstance(record.get("regen"), dict))
+
+
+def parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return True
+
+
+def refuse_foreign(path: str | os.PathLike, line: int, why: str) -> NoReturn:
+    raise ValueError(f"{path}:{line}: not a regen record ({why}); the file was not written by `eaglet regen` alone, "
+                     "refusing to append to it (nothing was changed)")
 
 
 class RegenWriter:

@@ -129,6 +129,8 @@ def regenerate(data: str = DECLARED, out: str | os.PathLike = DECLARED, target: 
         done = open_output(out, resume)
         answerer = BACKENDS[backend](settings)
         meta = record_meta(backend, settings, answerer.meta)
+        if done:
+            formats.refuse_mixed_regen(out, meta)
         summary = RegenSummary(out, errors_path(out))
         selected = iter_conversations(data, summary.stats, num_samples, skip, max_turns)
         bar = progress_bar_for(num_samples, done, progress_bar)

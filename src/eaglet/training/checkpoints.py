@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import shutil
 from dataclasses import asdict, dataclass, fields
@@ -80,7 +81,13 @@ class Checkpointer:
         """With --resume, the training state of the latest checkpoint, its weights, optimizer,
         scheduler and RNG restored; None to start from scratch. Without --resume a folder that
         holds a run is refused."""
+        if self.root.is_symlink():  # pruning old checkpoints would delete the folder it links to's
+            raise FileExistsError(f"{self.root}: a symbolic link (to {os.readlink(self.root)}); a run folder keeps its "
+                                  "checkpoints in a folder of its own: remove the link, or use another --out")
         latest = read_pointer(self.root, LATEST_FILE)
+        if latest and not (self.out / TRAIN_CONFIG_FILE).exists():  # written before the first checkpoint
+            raise FileExistsError(f"{self.out}: checkpoints without {TRAIN_CONFIG_FILE}, which every eaglet run writes "
+                                  "before its first: not a run of eaglet train's; use another --out")
         if resume and latest:
             return restore(self.root / latest["path"], draft, opt, sched, self.trajectory, self.data)[2]
         if resume:
