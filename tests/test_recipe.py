@@ -287,3 +287,20 @@ chain_depth = 3
             run_recipe(families, tmp_path / "x", overrides=['recipe.drafters=["dflash", "dflash"]'])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_recipe_file_sends_no_key_and_writes_nowhere_else(tmp_path, monkeypatch):
+    """A downloaded recipe once sent $OPENAI_API_KEY to the base_url it named, wrote an offload
+    folder anywhere and ran in the working folder itself ([recipe] out = ".")."""
+    from eaglet.recipe import recipe_out, validate
+
+    monkeypatch.chdir(tmp_path)
+    recipe = {"recipe": {"name": "r"}, "regen": {"backend": "openai", "base_url": "http://127.0.0.1:1/v1"}}
+    with pytest.raises(ValueError, match=r"r.toml \[regen\].base_url: a recipe file may not name it \(the "
+                                         r"environment.s OPENAI_API_KEY is sent to it\); give it yourself with --set"):
+        validate(recipe, "r.toml")
+    validate(recipe, "r.toml", overridden(["regen.base_url=http://127.0.0.1:1/v1"]))  # the user's own
+    with pytest.raises(ValueError, match="offload_folder.*leads out of"):
+        validate({"recipe": {"name": "r"}, "extract": {"offload_folder": "../outside"}}, "r.toml")
+    with pytest.raises(ValueError, match=r"\[recipe\].out '.': the working folder itself"):
+        recipe_out({"name": "r", "out": "."}, "r.toml")

@@ -210,3 +210,57 @@ def test_an_out_under_a_file_and_a_folder_as_data_are_named(outputs, tiny_target
         prepare(str(tiny_target), str(chats_jsonl), afile / "sub")
     with pytest.raises(IsADirectoryError, match=r"--data .*prepared: a folder, not a chat file"):
         prepare(str(tiny_target), str(outputs / "prepared"), outputs / "p2")
+
+
+def test_whole_samples_of_other_shapes_are_never_overwritten(outputs, tmp_path):
+    """Another dataset's rows_ folder linked into this one: its files were taken for damaged
+    samples and rewritten by extract (and by convert)."""
+    import torch
+
+    data = Path(shutil.copytree(outputs / "data", tmp_path / "copy"))
+    sample = formats.sample_path(data, formats.V1_LAYOUT, 1)
+    other = [torch.randn(3, 64, dtype=torch.bfloat16) for _ in range(4)]
+    formats.write_sample(tmp_path / "other", formats.V1_LAYOUT, 1, torch.arange(3), other, torch.ones(3, dtype=torch.long))
+    sample.write_bytes(formats.sample_path(tmp_path / "other", formats.V1_LAYOUT, 1).read_bytes())
+    before = sample.read_bytes()
+    with pytest.raises(FileExistsError, match=r"data_1.pt: a whole sample of other shapes .*another dataset's file"):
+        extract(outputs / "prepared", data, dtype="fp32", show_progress=False)
+    assert sample.read_bytes() == before
+
+
+def test_train_keeps_to_checkpoints_of_its_own(outputs, tmp_path):
+    """--resume into a folder whose checkpoints/ links to another run's pruned that run."""
+    run = tmp_path / "run"
+    train(outputs / "data", run, total_steps=1, show_progress=False)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "checkpoints").symlink_to(run / "checkpoints")
+    before = snapshot(run / "checkpoints")
+    with pytest.raises(FileExistsError, match="checkpoints: a symbolic link"):
+        train(outputs / "data", linked, total_steps=2, resume=True, show_progress=False)
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    shutil.copytree(run / "checkpoints", copied / "checkpoints")
+    with pytest.raises(FileExistsError, match="checkpoints without train_config.json"):
+        train(outputs / "data", copied, total_steps=2, resume=True, show_progress=False)
+    assert snapshot(run / "checkpoints") == before
+
+
+def test_prepare_replaces_only_its_own_samples(outputs, tiny_target, chats_jsonl, tmp_path):
+    """A folder holding the user's own prepared.jsonl (no prepare_config.json) was replaced with a warning."""
+    folder = tmp_path / "y"
+    folder.mkdir()
+    (folder / "prepared.jsonl").write_text('{"my": "notes"}\n')
+    with pytest.raises(FileExistsError, match=r"prepared.jsonl: not a prepared dataset's file"):
+        prepare(str(tiny_target), str(chats_jsonl), folder)
+    assert (folder / "prepared.jsonl").read_text() == '{"my": "notes"}\n'
+
+
+def test_eval_replaces_only_its_own_drafters_results(outputs, tmp_path):
+    """Another drafter's eval.json and eval.png were overwritten unseen."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "eval.json").write_text('{"config": {"drafter": "/elsewhere/other-run"}, "sets": {}}')
+    with pytest.raises(FileExistsError, match=r"eval.json holds the results of another drafter, '/elsewhere/other-run'"):
+        evaluate(outputs / "run", out=results)
+    assert "other-run" in (results / "eval.json").read_text()

@@ -742,3 +742,21 @@ def test_the_errors_report_replaces_only_an_errors_report(stand_in, tmp_path):
     report.write_text(json.dumps({"id": "old", "reason": "HTTP 500"}) + "\n")
     endpoint_regen(chats_file, tmp_path / "s.jsonl", stand_in)
     assert not report.exists()  # replaced by this run's, which had no failure
+
+
+def test_resume_appends_only_to_regens_own_lines_made_the_same_way(stand_in, tmp_path):
+    """A file of the user's (records with ids, the last without its newline) once had its last
+    record cut and regen lines appended; lines of another temperature were continued."""
+    data = chats_file(tmp_path / "chats.jsonl", 3)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"id": "a", "conversations": []}\n{"id": "b", "conversations": []}')
+    before = mine.read_bytes()
+    with pytest.raises(ValueError, match=r"mine.jsonl:1: not a regen record \(no id, messages and regen fields\)"):
+        endpoint_regen(data, mine, stand_in, resume=True)
+    assert mine.read_bytes() == before
+
+    out = tmp_path / "out.jsonl"
+    endpoint_regen(data, out, stand_in, num_samples=2)
+    with pytest.raises(ValueError, match=r"out.jsonl:1: made with temperature 0.0, this run has 0.7"):
+        endpoint_regen(data, out, stand_in, resume=True, temperature=0.7)
+    assert endpoint_regen(data, out, stand_in, resume=True).written == 1  # the same options continue it
