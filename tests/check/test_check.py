@@ -576,3 +576,12 @@ def test_a_recorded_count_costs_no_memory_and_an_unknown_format_is_named(copy):
     report = C.check_dataset(ds, use_target=False)
     assert_found(report, C.MISSING_INDEX, "", f"{10 ** 11 - 12} of {10 ** 11} indices have no file: 12, 13,")
     assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "format 'weird' is no layout eaglet knows")
+
+
+def test_two_records_of_the_layers_must_agree(copy):
+    """aux_layer_ids [0, 1, 2] beside layer_ids [2, 3, 4, N] passed as CLEAN."""
+    ds = copy()
+    cfg = json.loads((ds / formats.DATA_CONFIG_FILE).read_text())
+    (ds / formats.DATA_CONFIG_FILE).write_text(json.dumps({**cfg, "aux_layer_ids": [0, 1, 2]}))
+    assert_found(C.check_dataset(ds, use_target=False), C.DATA_CONFIG, formats.DATA_CONFIG_FILE,
+                 "aux_layer_ids [0, 1, 2] are not layer_ids")

@@ -360,6 +360,7 @@ def test_lk_objectives_against_their_definitions():
 @pytest.mark.parametrize("field, value, message", [
     ("rms_norm_eps", -1.0, "rms_norm_eps -1.0: must be > 0 and finite"),
     ("max_position_embeddings", 0, "max_position_embeddings 0: must be whole numbers >= 1"),
+    ("norm_output", "yes", "norm_output 'yes': must be true or false"),
 ])
 def test_a_drafter_config_of_impossible_numbers_is_refused(field, value, message):
     """An edited config.json once passed import, export and eval with these."""

@@ -264,3 +264,25 @@ def test_eval_replaces_only_its_own_drafters_results(outputs, tmp_path):
     with pytest.raises(FileExistsError, match=r"eval.json holds the results of another drafter, '/elsewhere/other-run'"):
         evaluate(outputs / "run", out=results)
     assert "other-run" in (results / "eval.json").read_text()
+
+
+def test_side_files_and_folders_of_the_wrong_kind_are_named(tmp_path):
+    """A sample_lengths.json list once ended train in AttributeError; an export onto a link to an
+    empty folder in a bare "Not a directory"."""
+    lengths = tmp_path / "sample_lengths.json"
+    lengths.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"sample_lengths.json: expected \{\"sample index\": tokens"):
+        formats.read_sample_lengths(lengths)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    with pytest.raises(FileExistsError, match="link: a symbolic link"):
+        with formats.atomic_dir(tmp_path / "link"):
+            pass
+
+
+def test_import_writes_apart_from_the_folder_it_reads(tmp_path):
+    from eaglet.export import import_drafter
+
+    (tmp_path / "drafter").mkdir()
+    with pytest.raises(FileExistsError, match="is inside the drafter folder"):
+        import_drafter(tmp_path / "drafter", tmp_path / "drafter" / "sub")

@@ -254,3 +254,38 @@ def test_the_optimizer_is_fused_and_a_resume_keeps_it(data, tmp_path):
     state = formats.torch_load_safe(run / CHECKPOINTS_DIR / "step_00000002" / "training_state.pt")
     assert state["optimizer"]["param_groups"][0]["fused"] is True
     assert train(data / "v1", run, resume=True, show_progress=False).step == 4
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"step": -7}, r"step -7, trajectory or best of the wrong kind"),
+    ({"plan": {"total_steps": 10 ** 9, "warmup": 1, "eval_every": 2, "save_every": 2, "calibrated": True}},
+     r"plan of 1000000000 steps, the run's --total-steps is 4"),
+    ({"plan": {"total_steps": 4, "warmup": 1, "eval_every": 0, "save_every": 2, "calibrated": True}},
+     r"total_steps, eval_every, save_every must be whole numbers >= 1"),
+    ({"best": {"step": 10 ** 9, "tau": 1.0}}, r"best step 1000000000"),
+    ({"trajectory": None}, r"trajectory or best of the wrong kind"),
+])
+def test_a_damaged_training_state_is_named_before_it_drives_the_loop(data, tmp_path, change, said):
+    """A training_state.pt's plan of 10^9 steps trained on past --total-steps; step -7, eval_every 0
+    or a missing trajectory ended in IndexError, ZeroDivisionError or KeyError."""
+    import torch
+
+    run = tmp_path / "run"
+    train(data / "v1", run, show_progress=False, **{**QUICK, "stop_after": 2})
+    state_file = run / CHECKPOINTS_DIR / "step_00000002" / "training_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    torch.save({**state, **change}, state_file)
+    with pytest.raises(ValueError, match=rf"training_state.pt: damaged \(.*{said}"):
+        train(data / "v1", run, resume=True, show_progress=False, **QUICK)
+
+
+def test_a_pipe_where_a_side_file_should_be_is_named_not_read(tmp_path):
+    """check once blocked forever reading a sample_lengths.json that was a FIFO."""
+    import os
+
+    fifo = tmp_path / "sample_lengths.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="sample_lengths.json: a pipe or device where eaglet expects a JSON file"):
+        formats.read_json(fifo)
+    with pytest.raises(ValueError, match="a pipe or device where eaglet expects a torch file"):
+        formats.torch_load_safe(fifo)

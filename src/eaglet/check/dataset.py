@@ -78,9 +78,14 @@ def read_config(root: Path, layout: formats.Layout) -> tuple[formats.DataConfig 
 
 def layer_ids_problems(cfg: dict[str, Any]) -> list[Problem]:
     """layer_ids: EAGLE-3's count of strictly increasing ints, ending at the target's last layer."""
-    ids, n = cfg.get("layer_ids"), cfg.get("num_hidden_layers")
+    ids, n, aux = cfg.get("layer_ids"), cfg.get("num_hidden_layers"), cfg.get("aux_layer_ids")
     problem = layers.stored_ids_problem(ids, n if isinstance(n, int) else None)
-    return [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"layer_ids {ids!r}: {problem}")] if problem else []
+    if problem:
+        return [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"layer_ids {ids!r}: {problem}")]
+    if aux is not None and isinstance(ids, list) and aux != ids[:-1]:  # two records of one fact: which is right?
+        return [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"aux_layer_ids {aux!r} are not layer_ids {ids!r} "
+                                                               "without the last layer")]
+    return []
 
 
 def expect_from_config(cfg: formats.DataConfig, layout: formats.Layout) -> Expect:

@@ -87,6 +87,11 @@ class DraftConfig:
         bad = [f"{name} {value}" for name, value in sizes.items() if not (isinstance(value, int) and value >= 1)]
         if bad:
             raise ValueError(f"{', '.join(bad)}: must be whole numbers >= 1")
+        switches = {"fc_norm": self.fc_norm, "norm_output": self.norm_output,
+                    "norm_before_residual": self.norm_before_residual}
+        not_bool = [f"{name} {value!r}" for name, value in switches.items() if not isinstance(value, bool)]
+        if not_bool:  # "yes" would be exported as it is, and read as on by one engine, off by another
+            raise ValueError(f"{', '.join(not_bool)}: must be true or false")
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.num_heads % self.num_kv_heads:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet import families, layers
-from eaglet.formats.io import atomic_dir, inside_folder, read_json, read_safetensors, torch_load_safe
+from eaglet.formats.io import atomic_dir, inside_folder, read_json, read_safetensors, refuse_non_file, torch_load_safe
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,10 @@ def parse_eagle_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], l
                            eagle.get("norm_before_fc", c.get("norm_before_fc")), c.get("fc_norm") or eagle.get("fc_norm"),
                            c.get("norm_output", eagle.get("norm_output")))
     top, nested = c.get("eagle_aux_hidden_state_layer_ids"), eagle.get("eagle_aux_hidden_state_layer_ids")
+    for name, ids in (("eagle_aux_hidden_state_layer_ids", top), ("eagle_config.eagle_aux_hidden_state_layer_ids",
+                                                                  nested)):
+        if ids and not layers.is_id_list(ids):
+            raise ValueError(f"{where}: field {name} {ids!r}: expected a list of integer layer ids")
     if top:
         if nested and list(nested) not in (list(top), layers.to_sglang(list(top))):
             raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {top} and eagle_config."
@@ -394,6 +398,7 @@ def weight_files(folder: Path) -> list[Path]:
             return [inside_folder(folder, f, str(folder / index)) for f in shards]
     for name in (DRAFTER_WEIGHTS_FILE, "pytorch_model.bin"):
         if (folder / name).exists():
+            refuse_non_file(folder / name, "the drafter's weights")
             return [folder / name]
     raise FileNotFoundError(f"{folder}: no {DRAFTER_WEIGHTS_FILE}, pytorch_model.bin or weight index")
 

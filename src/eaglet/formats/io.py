@@ -377,6 +377,8 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     (which may not exist yet, or be empty), else delete it: a folder that exists is complete."""
     final = Path(final)
     refuse_blocked_path(final)
+    if final.is_symlink():  # the rename would replace the link, not fill the folder it names
+        raise FileExistsError(f"{final}: a symbolic link (to {os.readlink(final)}); give the folder's own path")
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
         raise ValueError(f"{final} exists and is not empty; remove it or choose another folder")
     with failures_named(final):
@@ -426,12 +428,21 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def refuse_non_file(path: str | os.PathLike, what: str) -> None:
+    """A folder, pipe or device where eaglet reads a file is named (a FIFO would block the read
+    forever, a folder fail with a bare errno); a missing file is left to the reader's own error."""
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(errno.EISDIR, f"{path}: a folder where eaglet expects {what}; remove or rename it",
+                                str(path))
+    if p.exists() and not p.is_file():
+        raise ValueError(f"{path}: a pipe or device where eaglet expects {what}; remove or rename it")
+
+
 def read_json(path: str | os.PathLike) -> Any:
     """The parsed file; a malformed one is a ValueError that names it (and line/column), a folder
-    where the file should be one that says so."""
-    if Path(path).is_dir():
-        raise IsADirectoryError(errno.EISDIR, f"{path}: a folder where eaglet expects a JSON file; remove or rename "
-                                              "it", str(path))
+    or pipe where the file should be one that says so."""
+    refuse_non_file(path, "a JSON file")
     with open(path, encoding="utf-8") as f:
         try:
             return json.load(f)
@@ -495,6 +506,7 @@ def torch_load_safe(path: str | os.PathLike) -> Any:
     """Load a `.pt` / `.bin` file without executing pickled code (the only way eaglet loads them).
 
     A file that needs more than tensors and plain containers is refused with what to do instead."""
+    refuse_non_file(path, "a torch file")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -540,6 +552,7 @@ def torch_load_safe_bytes(data: bytes) -> Any:
 def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file (raw tensors only: reading one never runs code); a
     truncated or damaged file is a ValueError that names it."""
+    refuse_non_file(path, "a safetensors file")
     try:
         return load_file(str(path), device="cpu")
     except SafetensorError as e:

@@ -133,10 +133,15 @@ def read_prepared(folder: str | os.PathLike) -> tuple[list[TokenizedSample], dic
     config_path = folder / PREPARE_CONFIG_FILE
     if not config_path.exists():
         raise FileNotFoundError(f"{folder}: no {PREPARE_CONFIG_FILE}; not a finished `eaglet prepare` output")
+    config = read_json(config_path)
+    max_length = config.get("max_length") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not (type(max_length) is int and max_length >= 1):
+        raise ValueError(f"{config_path}: field max_length {max_length!r}: expected a whole number >= 1 (prepare "
+                         "writes it); prepare the data again, or restore the file")
     path = folder / PREPARED_FILE
     with open(path, encoding="utf-8") as f:
         samples = [TokenizedSample.from_json(line, f"{path}:{n + 1}") for n, line in enumerate(f)]
-    return samples, read_json(config_path)
+    return samples, config
 
 
 def check_prepared_token_ids(folder: str | os.PathLike, samples: list[TokenizedSample], vocab_size: int) -> None:

@@ -47,7 +47,15 @@ def write_sample_lengths(path: str | os.PathLike, lengths: dict[int, int]) -> No
 
 
 def read_sample_lengths(path: str | os.PathLike) -> dict[int, int]:
-    return {int(k): int(v) for k, v in read_json(path).items()}
+    """{sample index: tokens}; anything else is named with the file."""
+    raw = read_json(path)
+    try:
+        if not isinstance(raw, dict):
+            raise TypeError(f"a JSON {type(raw).__name__}")
+        return {int(k): int(v) for k, v in raw.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: expected {{\"sample index\": tokens, ...}} ({e}); `eaglet check` for the full "
+                         "report, or extract the dataset again") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model: DraftModel, config_json: 
                     state: dict[str, Any]) -> Path:
     """Write a checkpoint folder under a temp name, then rename: a folder that exists is complete."""
     final = ckpt_root / checkpoint_name(step)
+    if final.is_symlink():
+        raise FileExistsError(f"{final}: a symbolic link where the run saves its checkpoint; remove it (a run's "
+                              "checkpoints are folders of its own)")
     if final.exists():  # the same step saved twice (an eval right at the end): replace it
         shutil.rmtree(final)
     with formats.atomic_dir(final) as tmp:
@@ -53,7 +56,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model: DraftModel, config_json: 
 
 
 def prune_checkpoints(ckpt_root: Path, keep: int, protect: set[str]) -> None:
-    steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.is_symlink())  # never through a link
     for p in steps[:-keep] if keep > 0 else steps:
         if p.name not in protect:
             shutil.rmtree(p, ignore_errors=True)
@@ -131,6 +134,41 @@ def other_data_message(folder: Path, then: dict[str, Any] | None, now: dict[str,
             "step would mix both: resume on the run's own dataset, or train into another --out")
 
 
+STATE_KEYS = ("step", "best", "trajectory", "plan", "done", "optimizer", "scheduler", "rng", "data")
+
+
+def state_problem(state: Any) -> str | None:
+    """What in a checkpoint's training state no run of eaglet's writes (None: nothing): its step
+    and plan drive the loop, so a damaged one would train forever or fail deep inside."""
+    if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
+        missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+        return f"no {', '.join(missing)}"
+    step, plan, trajectory, best = state["step"], state["plan"], state["trajectory"], state["best"]
+    if not (type(step) is int and step >= 0) or not isinstance(trajectory, dict) or not isinstance(best, dict):
+        return f"step {step!r}, trajectory or best of the wrong kind"
+    counts = ("total_steps", "eval_every", "save_every")
+    if not isinstance(plan, dict) or any(type(plan.get(k)) is not int or plan[k] < 1 for k in counts):
+        return f"plan {plan!r}: {', '.join(counts)} must be whole numbers >= 1"
+    if step > plan["total_steps"]:
+        return f"step {step} is past the plan's {plan['total_steps']} steps"
+    given = trajectory.get("total_steps")
+    if type(given) is int and trajectory.get("time_budget") is None and plan["total_steps"] != given:
+        return f"plan of {plan['total_steps']} steps, the run's --total-steps is {given}"
+    if best.get("step") is not None and not (type(best["step"]) is int and 0 <= best["step"] <= step):
+        return f"best step {best['step']!r}, at most the checkpoint's step {step}"
+    return None
+
+
+def read_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's training state, refused with the file named when damaged."""
+    state = formats.torch_load_safe(folder / STATE_FILE)
+    problem = state_problem(state)
+    if problem:
+        raise ValueError(f"{folder / STATE_FILE}: damaged ({problem}); restore the checkpoint, or train into another "
+                         "--out")
+    return state
+
+
 def restore(folder: Path, draft: DraftModel, opt: torch.optim.Optimizer, sched: Any,
             trajectory: dict[str, Any], data: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """Load weights, optimizer, scheduler and RNG from a checkpoint; (step, best, the saved
@@ -138,7 +176,7 @@ def restore(folder: Path, draft: DraftModel, opt: torch.optim.Optimizer, sched: 
     if not (folder / STATE_FILE).exists():
         raise FileNotFoundError(f"{folder.parent / LATEST_FILE}: names {folder.name}, which has no {STATE_FILE}; the "
                                 "run folder was changed by hand: restore the checkpoint, or train into another --out")
-    state = formats.torch_load_safe(folder / STATE_FILE)
+    state = read_state(folder)
     other = other_data_message(folder, state.get("data"), data)
     if other:
         raise ValueError(other)
@@ -173,7 +211,7 @@ def resumed_options(out: Path) -> dict[str, Any]:
     names = {f.name for f in fields(TrainConfig)} - set(PER_INVOCATION)
     saved = formats.read_json(out / TRAIN_CONFIG_FILE)
     # killed before its first checkpoint: train_config.json, written at the start, holds the run's options
-    trajectory = formats.torch_load_safe(ckpt_root / latest["path"] / STATE_FILE)["trajectory"] if latest else {}
+    trajectory = read_state(ckpt_root / latest["path"])["trajectory"] if latest else {}
     return {k: v for k, v in {**saved, **trajectory}.items() if k in names}
 
 
