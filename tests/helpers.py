@@ -118,9 +118,12 @@ def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Pa
     return out
 
 
-def target_gguf(path: Path, n_tokens: int = len(TOKENS)) -> Path:
-    """A stand-in for the target's GGUF: just the tokenizer keys the drafter copies."""
+def target_gguf(path: Path, n_tokens: int = len(TOKENS), width: int | None = None) -> Path:
+    """A stand-in for the target's GGUF: just the tokenizer keys the drafter copies (and, given a
+    width, the hidden size a real one records)."""
     w = gguf.GGUFWriter(path, "llama")
+    if width is not None:
+        w.add_embedding_length(width)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"tok{i}" for i in range(n_tokens)])
     w.add_bos_token_id(1)

@@ -271,3 +271,14 @@ def test_default_aux_ids_are_valid_for_every_target_depth():
     assert layers.default_aux_ids(32) == [2, 16, 29]  # EAGLE-3's own choice where it is one
     with pytest.raises(ValueError, match="a target of 3 layers has no three distinct layers"):
         layers.default_aux_ids(3)
+
+
+def test_sizes_no_run_reaches_are_refused_by_option():
+    """--total-tokens 10^9 reached torch as a tensor of negative size; regen's --max-new-tokens
+    10^12 left every chat "more than the -999999997952 allowed"."""
+    from eaglet.evaluate.settings import DecodeSettings
+
+    for option, value in (("total_tokens", 10 ** 9), ("chain_depth", 100_000), ("lookup_tokens", 10 ** 9),
+                          ("max_new_tokens", 10 ** 12)):
+        with pytest.raises(ValueError, match=rf"--{option.replace('_', '-')} {value}: must be in \[1, "):
+            DecodeSettings(**{option: value})

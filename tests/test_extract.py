@@ -185,8 +185,9 @@ def test_python_dash_m_eaglet_is_the_command():
 
 
 def test_rerun_redoes_files_that_are_not_complete_safe_samples(tiny_target, prepared, tmp_path, caplog):
-    """A 0-byte file, an unsafe pickle and a wrong-length sample in the output are not 'already
-    done': a rerun writes them again, and they equal a clean run's files."""
+    """A 0-byte file and an unsafe pickle in the output are not 'already done': a rerun writes them
+    again, and they equal a clean run's files. A whole sample of another length is no file of
+    this dataset's (another's, behind a link, say): refused and left whole until moved away."""
     import logging
 
     out = tmp_path / "data"
@@ -199,9 +200,14 @@ def test_rerun_redoes_files_that_are_not_complete_safe_samples(tiny_target, prep
     formats.write_v1_sample(out, 2, formats.V1Sample(short.input_ids[:-1].clone(),
                                                      [h[:-1].clone() for h in short.hidden_states],
                                                      short.loss_mask[:-1].clone()))
+    other = files[2].read_bytes()
+    with pytest.raises(FileExistsError, match=r"data_2.pt: a whole sample of other shapes"):
+        extract(prepared, out, str(tiny_target), max_batch_size=1, show_progress=False)
+    assert files[2].read_bytes() == other and files[0].read_bytes() == b""  # nothing written
+    files[2].unlink()  # moved away, as the message says
     with caplog.at_level(logging.WARNING):
         s = extract(prepared, out, str(tiny_target), max_batch_size=1, show_progress=False)
-    assert s.written == 3 and "3 existing file(s) are not complete safe samples" in caplog.text
+    assert s.written == 3 and "2 existing file(s) are not complete safe samples" in caplog.text
     for i, ref in reference.items():
         again = formats.read_v1_sample(files[i])
         assert torch.equal(again.input_ids, ref.input_ids)

@@ -304,3 +304,18 @@ def test_a_recipe_file_sends_no_key_and_writes_nowhere_else(tmp_path, monkeypatc
         validate({"recipe": {"name": "r"}, "extract": {"offload_folder": "../outside"}}, "r.toml")
     with pytest.raises(ValueError, match=r"\[recipe\].out '.': the working folder itself"):
         recipe_out({"name": "r", "out": "."}, "r.toml")
+
+
+def test_scale_and_only_do_what_they_say(tmp_path):
+    """A count named twice in [scale] multiply was scaled twice; a count below one became 1
+    (where the stage refuses it); --only "," ran every stage."""
+    from eaglet.recipe import apply_scale, check_scale_paths, run_recipe
+
+    with pytest.raises(ValueError, match=r"\[scale\].multiply: 'prepare.num_samples' named more than once"):
+        check_scale_paths("r.toml", ["prepare.num_samples", "prepare.num_samples"])
+    scaled = {"scale": {"multiply": ["prepare.num_samples"]}}
+    assert apply_scale({**scaled, "prepare": {"num_samples": -3}}, 1.0)["prepare"]["num_samples"] == -3
+    assert apply_scale({**scaled, "prepare": {"num_samples": 3}}, 0.01)["prepare"]["num_samples"] == 1
+    with pytest.raises(ValueError, match="--only: no stage named"):
+        run_recipe("demo", out=tmp_path / "run", only=[])
+    assert not (tmp_path / "run").exists()

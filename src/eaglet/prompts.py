@@ -58,6 +58,9 @@ def sharegpt_prompts(start: int = SHAREGPT_HELDOUT_START) -> Iterator[Prompt]:
         yield Prompt("sharegpt", sid, [first_user["content"]])
 
 
+PROMPT_ROLES = ("system", "user", "assistant")
+
+
 def jsonl_prompts(path: Path) -> Iterator[Prompt]:
     """Any JSONL: one prompt per line, `{"prompt": str}`, `{"turns": [str, ...]}` or
     `{"messages": [...]}` ending with a user message; optional `"id"`."""
@@ -78,11 +81,15 @@ def jsonl_prompts(path: Path) -> Iterator[Prompt]:
             if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
                 yield Prompt(path.stem, pid, [rec["prompt"]])
             elif isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"]:
-                yield Prompt(path.stem, pid, [str(t) for t in rec["turns"]])
+                if not all(isinstance(t, str) and t for t in rec["turns"]):
+                    raise ValueError(f"{where}: field 'turns': every turn is a non-empty string")
+                yield Prompt(path.stem, pid, list(rec["turns"]))
             elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
                 msgs = rec["messages"]
-                if not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-                    raise ValueError(f"{where}: field 'messages': every message needs 'role' and 'content'")
+                if not all(isinstance(m, dict) and m.get("role") in PROMPT_ROLES and isinstance(m.get("content"), str)
+                           for m in msgs):
+                    raise ValueError(f"{where}: field 'messages': every message needs a 'role' ({', '.join(PROMPT_ROLES)}) "
+                                     "and a 'content' string")
                 if msgs[-1]["role"] != "user":
                     raise ValueError(f"{where}: field 'messages': the last message must be the user's, "
                                      f"got {msgs[-1]['role']!r}")

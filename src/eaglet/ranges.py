@@ -62,6 +62,11 @@ def seeds(**values: Any) -> None:
 
 # A duration or a data scale no run reaches: an hour a day for a century is still under this,
 # and a schedule or chat count made from a larger one overflows later, far from the option.
+# Tokens one generation makes, and tokens one decoding cycle drafts and verifies: beyond any model's
+# positions (a million) and any tree a pass verifies (4096), a size is a typo, and would reach torch
+# as a tensor of negative size
+MAX_NEW_TOKENS = 1 << 20
+MAX_CYCLE_TOKENS = 4096
 MAX_SECONDS = 10 * 365 * 24 * 3600.0
 MAX_SCALE = 1e6
 

@@ -152,7 +152,10 @@ def apply_scale(recipe: dict[str, Any], scale: float) -> dict[str, Any]:
             if not ranges.finite(scaled):
                 raise ValueError(f"--scale {scale:g}: {path} = {value} times it is beyond any number; use a smaller "
                                  f"--scale")
-            out[stage][name] = max(1, round(scaled)) if isinstance(value, int) else scaled
+            # a count scaled to below one is one (a small --scale), never a count given below one:
+            # that stays as given, for the stage to refuse
+            out[stage][name] = max(1, round(scaled)) if isinstance(value, int) and value >= 1 else (
+                round(scaled) if isinstance(value, int) else scaled)
     return out
 
 
@@ -289,6 +292,9 @@ def check_scale_paths(source: str | Path, paths: list[str]) -> None:
     """[scale] multiply names numeric stage options ("regen.num_samples"): a typo would leave the
     data size unscaled without a word."""
     every = {f"{s}.{k}": hint for s in STAGES for k, hint in option_types(s).items()}
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:  # it would be multiplied by --scale once for each time it is named
+        raise ValueError(f"{source} [scale].multiply: {', '.join(map(repr, twice))} named more than once")
     for path in paths:
         if path not in every:
             raise ValueError(f"{source} [scale].multiply: {path!r} names no stage option{closest(path, every)}; "
@@ -524,6 +530,8 @@ def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, s
     target = meta.get("target") or None
     families = check_families(meta.get("drafters") or [], recipe, source)
     stages = [s for s in STAGES if s in recipe]
+    if only is not None and not only:  # "--only ," names no stage: it is no licence to run them all
+        raise ValueError("--only: no stage named; give stages such as --only prepare,extract")
     if only:
         bad = set(only) - set(stages)
         if bad:

@@ -339,3 +339,22 @@ def test_eval_auto_runs_each_method_at_a_measured_configuration(tiny_target, dra
     r = result.sets["prompts"]
     assert all(r[m]["config"] == result.config["configs"][m] for m in r)
     assert "config" in result.table().splitlines()[0]
+
+
+def test_prompt_files_are_checked_before_any_model_loads(tmp_path):
+    """Two files both named p.jsonl had their results merged under one set; a turn of null was
+    decoded as the text "None"; a content that was no string failed after the target loaded."""
+    from eaglet.evaluate import prompt_sets_by_name
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match=r"--prompts .*a/p.jsonl and .*b/p.jsonl: both sets are named 'p'"):
+        prompt_sets_by_name([str(tmp_path / "a" / "p.jsonl"), str(tmp_path / "b" / "p.jsonl")], None)
+    for line, said in (('{"turns": [null, "x"]}', "field 'turns': every turn is a non-empty string"),
+                       ('{"messages": [{"role": "user", "content": 42}]}', "a 'content' string"),
+                       ('{"messages": [{"role": "wizard", "content": "x"}, {"role": "user", "content": "y"}]}',
+                        "needs a 'role'")):
+        (tmp_path / "odd.jsonl").write_text(line + "\n")
+        with pytest.raises(ValueError, match=rf"odd.jsonl:1: .*{said}"):
+            prompt_sets_by_name([str(tmp_path / "odd.jsonl")], None)

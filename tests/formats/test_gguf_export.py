@@ -176,12 +176,14 @@ def test_cli_exports_gguf(tmp_path, capsys):
     ({"norm_output": True}, {}, r"cannot export as gguf: norm_output \(EAGLE-3.1's post-norm state"),
     ({"sliding_window": 8}, {}, "sliding_window 8: llama.cpp's eagle3 attention has no window"),
     ({}, {"tokens": 49}, "its tokenizer has 49 tokens, the drafter was trained for a target vocabulary of 50"),
+    # another model with the same tokenizer (SmolLM2-135M for a tiny target) once exported
+    ({}, {"width": 576}, "a target of hidden size 576, the drafter reads states of 32"),
     ({}, {"out": "drafter"}, "give a path ending .gguf"),
     ({}, {"target_gguf": None}, "the target is org/tiny-target, not the embedded one; pass --target-gguf"),
 ])
 def test_gguf_export_refusals(tmp_path, variant, options, message):
     ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config(**variant)))
-    source = target_gguf(tmp_path / "t.gguf", options.get("tokens", len(TOKENS)))
+    source = target_gguf(tmp_path / "t.gguf", options.get("tokens", len(TOKENS)), options.get("width"))
     out = tmp_path / options.get("out", "d.gguf")
     with pytest.raises(ValueError, match=message):
         export_drafter(ckpt, out, "gguf", target_gguf=options.get("target_gguf", source))

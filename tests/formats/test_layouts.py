@@ -206,6 +206,21 @@ def test_check_names_a_damaged_table(spec_copy):
     assert "Arrow table" in report.problems[0].message
 
 
+def test_the_table_is_read_from_its_own_folder_only(spec_copy, tmp_path):
+    """state.json names the table's files, and `datasets` once opened them anywhere: a table moved
+    out of the folder and named by path was checked CLEAN and trained on."""
+    state = json.loads((spec_copy / "state.json").read_text())
+    arrow = spec_copy / state["_data_files"][0]["filename"]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    arrow.rename(outside / arrow.name)
+    for name in (str(outside / arrow.name), f"../outside/{arrow.name}"):
+        state["_data_files"][0]["filename"] = name
+        (spec_copy / "state.json").write_text(json.dumps(state))
+        report = C.check_dataset(spec_copy, use_target=False)
+        assert not report.clean and any("_data_files" in p.message for p in report.problems), report.problems
+
+
 def test_speculators_own_reader_yields_the_same_tensors(extracted):
     data = pytest.importorskip("speculators.train.data", reason="the peer library is installed by "
                                                                 "./scripts/bootstrap --test (requirements-peers.lock)")

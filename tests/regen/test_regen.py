@@ -760,3 +760,12 @@ def test_resume_appends_only_to_regens_own_lines_made_the_same_way(stand_in, tmp
     with pytest.raises(ValueError, match=r"out.jsonl:1: made with temperature 0.0, this run has 0.7"):
         endpoint_regen(data, out, stand_in, resume=True, temperature=0.7)
     assert endpoint_regen(data, out, stand_in, resume=True).written == 1  # the same options continue it
+
+
+def test_repeated_ids_never_collide_with_a_record_of_that_name(tmp_path):
+    """The second `same` became `same#2`, and so was a record named `same#2`: a resume counted
+    one of them done and never regenerated it."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    data = write_jsonl(tmp_path / "dup.jsonl", [{"id": i, "messages": chat} for i in ("same", "same", "same#2", "same")])
+    ids = [c.id for c in conversations.iter_conversations(str(data), conversations.ReadStats(), None, 0)]
+    assert ids == ["same", "same#2", "same#2#2", "same#3"]

@@ -154,3 +154,12 @@ def test_a_wrong_last_state_convention_is_refused_with_its_file_and_the_fix(work
     with pytest.raises(ValueError, match=r"data_0.pt: reads better after the final norm \(.*data_config.json, or "
                                          r"--last-hidden-state .*`eaglet check` for the full report"):
         data.refuse_wrong_last_state(open_dataset(work / "data"), read_heads(tiny_target))
+
+
+def test_online_refuses_a_prepared_folder_its_side_files_contradict(work, tmp_path):
+    """A token_freq.pt of {7: 10^9} built the draft vocabulary without the data's own tokens, and
+    --online trained on it (offline, check refuses such a dataset)."""
+    prep = Path(shutil.copytree(work / "prep", tmp_path / "prep"))
+    formats.write_token_freq(prep / formats.TOKEN_FREQ_FILE, {7: 10 ** 9})
+    with pytest.raises(ValueError, match=r"token_freq.pt counts token \d+ .* times, the samples' masks \d+"):
+        train(prep, tmp_path / "run", online=True, total_steps=1, show_progress=False)

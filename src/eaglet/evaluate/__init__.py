@@ -85,13 +85,13 @@ def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_set
                                        threads=None if threads == AUTO else threads)
     methods = with_implied_methods(methods)
     settings = DecodeSettings(**decode_options)  # checked before anything loads
+    sets = prompt_sets_by_name(prompt_sets, num_prompts)  # read and checked before any model loads
     configs = tuning.candidates(dtype, threads, pick_device(device).type if placed is None else "placed")
     with torch_threads(configs[0].threads if len(configs) == 1 else None):
         loaded = {c.dtype: load_models(drafter_path, target, methods, c.dtype, device, placed, other_target)
                   for c in configs}
         models = next(iter(loaded.values()))
         settings = replace(settings, eos_ids=tuple(sorted(stop_token_ids(models.target, models.tokenizer))))
-        sets = {spec: load_prompt_set(spec, num_prompts) for spec in prompt_sets}
         vllm_options = replace(vllm_options, dtype=dtype_name(parse_dtype(dtype, "cpu" if placed else device)),
                                max_model_len=vllm_options.max_model_len or max_positions(models.target))
         with outside_engines(methods, drafter_path, models, target_gguf, out, settings, engine_f32, vllm_options,
@@ -397,6 +397,20 @@ def warn_skipped(records: list[dict[str, Any]], positions: int) -> int:
         log.warning("%d prompt turn(s) skipped: longer than the target's %d positions (listed in eval.json)",
                     skipped, positions)
     return skipped
+
+
+def prompt_sets_by_name(specs: Sequence[str], num_prompts: int | None) -> dict[str, list[Prompt]]:
+    """Each --prompts set's prompts; two sets whose results would share a name are refused (one's
+    results would replace or mix with the other's)."""
+    sets = {spec: load_prompt_set(spec, num_prompts) for spec in specs}
+    named: dict[str, str] = {}
+    for spec, prompts in sets.items():
+        name = prompts[0].set_name
+        if name in named:
+            raise ValueError(f"--prompts {named[name]} and {spec}: both sets are named {name!r} in the results; "
+                             "rename one file")
+        named[name] = spec
+    return sets
 
 
 def refuse_other_results(out: Path, drafter_path: str | Path) -> None:

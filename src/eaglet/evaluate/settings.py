@@ -51,6 +51,10 @@ class DecodeSettings:
                         total_tokens=self.total_tokens, chain_depth=self.chain_depth,
                         lookup_tokens=self.lookup_tokens, max_ngram=self.max_ngram,
                         hybrid_chain_depth=self.hybrid_chain_depth)
+        ranges.within(1, ranges.MAX_NEW_TOKENS, "more than any model's positions", max_new_tokens=self.max_new_tokens)
+        ranges.within(1, ranges.MAX_CYCLE_TOKENS, "more than any pass verifies", depth=self.depth, top_k=self.top_k,
+                      total_tokens=self.total_tokens, chain_depth=self.chain_depth, lookup_tokens=self.lookup_tokens,
+                      max_ngram=self.max_ngram, hybrid_chain_depth=self.hybrid_chain_depth)
         if self.hybrid_draft not in HYBRID_DRAFTS:
             raise ValueError(f"--hybrid-draft {self.hybrid_draft!r}: choose one of {', '.join(HYBRID_DRAFTS)}")
         if self.admission not in ADMISSIONS:

@@ -30,7 +30,8 @@ from eaglet.formats.io import (OUTPUT_MARKER, PICKLED_CODE_MARKERS, TMP_MARK, Ou
                                write_text_atomic)
 from eaglet.formats.prepared import (PREPARED_FILE, PREPARE_CONFIG_FILE, PreparedWriter, RegenWriter, TOKEN_FREQ_FILE,
                                      TokenizedSample, check_prepared_token_ids, claim_errors_report, errors_path,
-                                     open_output, read_prepared, read_token_freq, refuse_mixed_regen, write_token_freq)
+                                     open_output, prepared_problem, read_prepared, read_token_freq, refuse_mixed_regen,
+                                     write_token_freq)
 from eaglet.formats.samples import (AUX_CODES, DATA_CONFIG_FILE, EAGLE3_NUM_STATES, FileStates, HIDDEN_STATES_DIR,
                                     LAST_STATE_CONVENTIONS, LAST_STATE_POST_NORM, LAST_STATE_PRE_NORM,
                                     LAYER_ID_CONVENTION, ROWS_PER_FOLDER, SAMPLE_LENGTHS_FILE, StoredTeacher,

@@ -103,8 +103,16 @@ def numpy_of(t: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, Any]:
     return t.bfloat16().view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
 
 
-def tokenizer_fields(target_gguf: Path) -> list[tuple[str, Any, Any, Any]]:
-    """(key, value, type, array item type) of every `tokenizer.*` key of the target's GGUF."""
+def target_width(reader: Any) -> int | None:
+    """The target GGUF's hidden size (`{architecture}.embedding_length`), where it records one."""
+    arch = reader.fields.get("general.architecture")
+    width = reader.fields.get(f"{arch.contents()}.embedding_length") if arch is not None else None
+    return int(width.contents()) if width is not None else None
+
+
+def tokenizer_fields(target_gguf: Path) -> tuple[int | None, list[tuple[str, Any, Any, Any]]]:
+    """The target's hidden size (None where its GGUF records none) and (key, value, type, array
+    item type) of every `tokenizer.*` key of the target's GGUF."""
     import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
 
     reader = read_gguf(target_gguf)  # checked whole: a damaged target GGUF is named here, not deep in numpy
@@ -116,7 +124,7 @@ def tokenizer_fields(target_gguf: Path) -> list[tuple[str, Any, Any, Any]]:
     if not any(name == "tokenizer.ggml.tokens" for name, *_ in out):
         raise ValueError(f"{target_gguf}: no tokenizer.ggml.tokens; not the GGUF of a text model, so no vocabulary "
                          f"for the drafter to share")
-    return out
+    return target_width(reader), out
 
 
 def write_gguf_drafter(path: str | os.PathLike, cfg: Any, tensors: dict[str, torch.Tensor], target_gguf: Path,
@@ -127,7 +135,10 @@ def write_gguf_drafter(path: str | os.PathLike, cfg: Any, tensors: dict[str, tor
     written."""
     import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
 
-    tokenizer = tokenizer_fields(target_gguf)  # parsed once: its 49k-token arrays are most of the work
+    width, tokenizer = tokenizer_fields(target_gguf)  # parsed once: its 49k-token arrays are most of the work
+    if width is not None and width != cfg.aux_width:
+        raise ValueError(f"{target_gguf}: a target of hidden size {width:,}, the drafter reads states of "
+                         f"{cfg.aux_width:,}; pass the GGUF of the drafter's own target")
     vocab = next(len(v) for k, v, *_ in tokenizer if k == "tokenizer.ggml.tokens")
     if vocab != cfg.target_vocab_size:
         raise ValueError(f"{target_gguf}: its tokenizer has {vocab:,} tokens, the drafter was trained for a target "

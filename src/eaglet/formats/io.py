@@ -235,9 +235,10 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
         who = f"`eaglet {holder[0]}` ({holder[1]})" if len(holder) == 2 else "eaglet process"
         raise OutputBusy(f"{out}: another {who} {busy}")
     with os.fdopen(fd, "r+", encoding="utf-8") as f:
-        f.truncate()
-        f.write(f"{stage}\npid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
+        with failures_named(lock):  # a full disk fails here first: named, with what to do
+            f.truncate()
+            f.write(f"{stage}\npid {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
         claimed = False
         try:
             claim_output(out, stage)

@@ -41,7 +41,7 @@ from eaglet.formats.compact import (COMPACT_DIR, check_compact_hidden_size, comp
                                     compact_file_states, compact_relative_path, compact_stored_shapes, compact_tokens,
                                     compact_top_k, compact_training_sample, compact_version_problem,
                                     compact_version_warning, read_compact_file, write_compact_states)
-from eaglet.formats.io import (TMP_MARK, failures_named, header_shapes, read_safetensors,
+from eaglet.formats.io import (TMP_MARK, failures_named, header_shapes, inside_folder, read_json, read_safetensors,
                                remove_stale_temp_files, torch_load_safe, torch_load_safe_bytes, torch_load_safe_mmap,
                                torch_save_atomic, write_safetensors_atomic)
 from eaglet.formats.listing import DatasetFiles, files_in, flat_layout_files, nested_layout_files, rows_layout_files
@@ -362,10 +362,26 @@ def speculators_table_files(folder: str | os.PathLike) -> list[Path]:
     return [folder / ARROW_STATE_FILE, folder / "dataset_info.json", *folder.glob("data-*.arrow")]
 
 
+def refuse_files_elsewhere(folder: Path) -> None:
+    """state.json names the table's data files, and `datasets` opens whatever it names: each must
+    be a file of the folder itself (an edited one could train on rows from anywhere)."""
+    state_path = folder / ARROW_STATE_FILE
+    state = read_json(state_path) if state_path.exists() else {}
+    files = state.get("_data_files") if isinstance(state, dict) else None
+    for entry in files if isinstance(files, list) else []:
+        name = entry.get("filename") if isinstance(entry, dict) else None
+        if not isinstance(name, str):
+            raise ValueError(f"{state_path} _data_files: {entry!r} names no file")
+        path = inside_folder(folder, name, f"{state_path} _data_files")
+        if path.parent.resolve() != folder.resolve():
+            raise ValueError(f"{state_path} _data_files: {name!r} is not a file of {folder} itself")
+
+
 @functools.lru_cache(maxsize=8)
 def _load_rows(folder: str, stamp: int) -> Any:
     del stamp  # part of the cache key only: a rewritten table is read again
     try:
+        refuse_files_elsewhere(Path(folder))
         table = datasets_module().load_from_disk(folder)
     except ImportError:
         raise

@@ -116,9 +116,7 @@ class PreparedWriter:
 
     def add(self, sample: TokenizedSample) -> None:
         self._file.write(sample.to_json() + "\n")
-        for tok, m in zip(sample.input_ids, sample.loss_mask):
-            if m:
-                self.freq[tok] = self.freq.get(tok, 0) + 1
+        count_masked(self.freq, sample)
         self.samples += 1
         self.tokens += len(sample.input_ids)
         self.masked_tokens += sum(sample.loss_mask)
@@ -126,6 +124,30 @@ class PreparedWriter:
     def finish(self, config: dict[str, Any]) -> None:
         write_token_freq(self.folder / TOKEN_FREQ_FILE, self.freq)
         write_json_atomic(self.folder / PREPARE_CONFIG_FILE, config)  # last: its presence marks completion
+
+
+def count_masked(freq: dict[int, int], sample: TokenizedSample) -> None:
+    """Add the sample's masked tokens to `freq` (token_freq.pt's counts)."""
+    for tok, m in zip(sample.input_ids, sample.loss_mask):
+        if m:
+            freq[tok] = freq.get(tok, 0) + 1
+
+
+def prepared_problem(samples: list[TokenizedSample], config: dict[str, Any], freq: dict[int, int]) -> str | None:
+    """What a prepared dataset's side files say that its samples do not (None: they agree): the
+    draft vocabulary is built from token_freq.pt, so a damaged one trains a drafter that cannot
+    draft the tokens the data holds."""
+    counted: dict[int, int] = {}
+    for s in samples:
+        count_masked(counted, s)
+    if counted != {t: c for t, c in freq.items() if c}:
+        token = next(t for t in sorted(set(counted) | set(freq)) if counted.get(t, 0) != freq.get(t, 0))
+        return (f"{TOKEN_FREQ_FILE} counts token {token} {freq.get(token, 0)} times, the samples' masks "
+                f"{counted.get(token, 0)}")
+    longest = max((len(s.input_ids) for s in samples), default=0)
+    if longest > config["max_length"]:
+        return f"a sample of {longest} tokens, beyond {PREPARE_CONFIG_FILE}'s max_length {config['max_length']}"
+    return None
 
 
 def read_prepared(folder: str | os.PathLike) -> tuple[list[TokenizedSample], dict[str, Any]]:

@@ -120,8 +120,10 @@ def iter_conversations(data: str, stats: ReadStats, num_samples: int | None, ski
                        max_turns: int | None = None) -> Iterator[Conversation]:
     """The usable chats of `data`, like `eaglet prepare` selects them: records after `skip`,
     at most `num_samples` usable ones. A repeated id gets a `#n` suffix, because resume keys
-    on ids and a duplicate must not pass for done."""
+    on ids and a duplicate must not pass for done; the suffix is one no earlier chat has (a
+    record may itself be named `x#2`), so the ids depend on the records' order alone."""
     seen: Counter = Counter()
+    given: set[str] = set()
     usable = 0
     for n, (sample_id, record) in enumerate(iter_records(data, stats)):
         if n < skip:
@@ -137,6 +139,9 @@ def iter_conversations(data: str, stats: ReadStats, num_samples: int | None, ski
             if len(answers) > max_turns:
                 messages = messages[:answers[max_turns - 1] + 1]
         usable += 1
-        seen[sample_id] += 1
-        cid = sample_id if seen[sample_id] == 1 else f"{sample_id}#{seen[sample_id]}"
+        cid = sample_id
+        while cid in given:
+            seen[sample_id] += 1
+            cid = f"{sample_id}#{seen[sample_id] + 1}"
+        given.add(cid)
         yield Conversation(cid, messages)

@@ -374,7 +374,11 @@ def open_prepared(root: str | Path) -> Prepared:
     if not freq_path.exists():
         raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE} (the draft vocabulary is built from it); "
                                 "rerun `eaglet prepare`, which writes it")
-    return Prepared(root, samples, pconfig, formats.read_token_freq(freq_path))
+    freq = formats.read_token_freq(freq_path)
+    problem = formats.prepared_problem(samples, pconfig, freq)
+    if problem:  # what check finds in an extracted dataset, found here for --online
+        raise ValueError(f"{root}: {problem}; prepare the data again (the prepared files were changed since)")
+    return Prepared(root, samples, pconfig, freq)
 
 
 def open_training_data(root: str | Path, cfg: TrainConfig, show_progress: bool) -> Dataset | Prepared:
