@@ -76,7 +76,7 @@ def export_drafter(ckpt: str | Path = DECLARED, out: str | Path = DECLARED, fmt:
         raise ValueError(f"--dtype {dtype!r}: expected one of {list(EXPORT_DTYPE_NAMES)}")
     if target_gguf is not None and fmt != formats.FORMAT_GGUF:
         raise ValueError(f"--target-gguf: only --format gguf carries the target's tokenizer (this is --format {fmt})")
-    formats.refuse_overlap(out, "export", {"the checkpoint": ckpt})
+    formats.refuse_overlap(out, "export", {"the checkpoint": ckpt}, inside_ok=True)
     with formats.output_lock(out, "export"):  # one writer per output: a second is refused, naming the first
         return export_locked(read_drafter(ckpt), Path(out), fmt, dtype, verifier, speculative_tokens, target_gguf)
 
@@ -131,7 +131,7 @@ def import_drafter(src: str | Path = DECLARED, out: str | Path = DECLARED,
                   target: str | None = DECLARED) -> ImportSummary:
     """Read a drafter in any format and write it as an eaglet checkpoint folder (the layout of
     `training.checkpoints.save_checkpoint`, without training state): fp32 weights, int64 d2t, bool t2d."""
-    formats.refuse_overlap(out, "import", {"the drafter folder": src})
+    formats.refuse_overlap(out, "import", {"the drafter folder": src}, inside_ok=True)
     d = read_drafter(src, target)
     if target is not None:
         refuse_layers_beyond(d, target)

@@ -284,5 +284,6 @@ def test_import_writes_apart_from_the_folder_it_reads(tmp_path):
     from eaglet.export import import_drafter
 
     (tmp_path / "drafter").mkdir()
-    with pytest.raises(FileExistsError, match="is inside the drafter folder"):
-        import_drafter(tmp_path / "drafter", tmp_path / "drafter" / "sub")
+    for out, where in ((tmp_path / "drafter", "is"), (tmp_path, "holds")):
+        with pytest.raises(FileExistsError, match=f"{where} the drafter folder"):
+            import_drafter(tmp_path / "drafter", out)

@@ -131,6 +131,7 @@ def test_train_refuses_layer_ids_the_states_do_not_match(data, tmp_path):
     edited = Path(shutil.copytree(data / "v1", tmp_path / "edited"))
     cfg = formats.read_json(edited / formats.DATA_CONFIG_FILE)
     cfg["layer_ids"] = [3, 4, 5, 8]  # the files hold 2, 4, 5 (the tiny target's 2, N//2, N-3)
+    cfg["aux_layer_ids"] = [3, 4, 5]  # edited as one fact (check names the two records disagreeing otherwise)
     formats.write_json_atomic(edited / formats.DATA_CONFIG_FILE, cfg)
     with pytest.raises(ValueError, match=r"data_config.json: layer_ids \[3, 4, 5, 8\] do not match the stored states "
                                          r"\(slot 0 matches layer 2.*`eaglet check .* --target T`"):

@@ -302,16 +302,20 @@ def claim_output(out: str | os.PathLike, stage: str) -> None:
         refuse_other_kind(out, stage, kind)
 
 
-def refuse_overlap(out: str | os.PathLike, stage: str, inputs: dict[str, str | os.PathLike | None]) -> None:
+def refuse_overlap(out: str | os.PathLike, stage: str, inputs: dict[str, str | os.PathLike | None],
+                   inside_ok: bool = False) -> None:
     """Before a stage writes anything: an output that is one of its inputs, holds one or lies inside
     one is refused (each stage writes a folder of its own; a write there could replace the input,
-    as prepare did to a chat file named prepared.jsonl). `inputs`: how each is named -> path given."""
+    as prepare did to a chat file named prepared.jsonl). `inputs`: how each is named -> path given.
+    `inside_ok`: a new folder inside an input is allowed (a drafter exported into its run folder
+    leaves everything there as it was)."""
     o = Path(os.path.realpath(out))
     for name, given in inputs.items():
         if given is None or not os.path.exists(given):  # a name (the embedded data) or nothing yet
             continue
         i = Path(os.path.realpath(given))
-        where = ("is" if o == i else "holds" if o in i.parents else "is inside" if i in o.parents else None)
+        where = ("is" if o == i else "holds" if o in i.parents
+                 else "is inside" if i in o.parents and not inside_ok else None)
         if where is not None:
             raise FileExistsError(f"--out {out} {where} {name} {given}: `eaglet {stage}` writes a folder of its own, "
                                   "apart from its inputs; nothing was written: choose another --out")

@@ -62,10 +62,10 @@ def check_options(backend: str, s: Settings, skip: int, num_samples: int | None,
     ranges.at_least(0, temperature=s.temperature, skip=skip, max_retries=s.max_retries)
     ranges.within(0, 1, low_open=True, top_p=s.top_p)
     ranges.seeds(seed=s.seed)
-    ranges.within(1, ranges.MAX_NEW_TOKENS, "more than any model's positions", max_new_tokens=s.max_new_tokens)
     ranges.at_least(1, max_new_tokens=s.max_new_tokens, batch_size=s.batch_size, concurrency=s.concurrency,
                     num_samples=num_samples, max_prompt_tokens=s.max_prompt_tokens, max_turns=max_turns,
                     threads=s.threads)
+    ranges.within(1, ranges.MAX_NEW_TOKENS, "more than any model's positions", max_new_tokens=s.max_new_tokens)
     if backend != "llama.cpp" and (s.target_gguf is not None or s.threads is not None or s.engine_f32):
         raise ValueError(f"--target-gguf, --threads and --engine-f32 are the llama.cpp backend's (this is --backend "
                          f"{backend})")
