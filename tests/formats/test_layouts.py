@@ -199,6 +199,22 @@ def test_check_names_faults_of_the_speculators_layout(spec_copy):
         formats.read_training_sample(formats.speculators_hs_path(ds, 1), formats.FORMAT_SPECULATORS_ARROW)
 
 
+def test_a_file_loss_mask_the_table_contradicts_is_named(spec_copy):
+    """speculators' files carry no loss_mask; one that does and disagrees with its table row was
+    accepted (which of the two is right cannot be known)."""
+    obj = formats.read_safetensors(formats.speculators_hs_path(spec_copy, 2))
+    mask = torch.tensor(formats.read_speculators_rows(spec_copy)[2]["loss_mask"], dtype=torch.long)
+    agrees, shifted = mask.clone(), torch.roll(mask, 1)
+    formats.write_hs_safetensors_sample(spec_copy / formats.HIDDEN_STATES_DIR, 2, obj["token_ids"],
+                                        obj["hidden_states"], agrees)
+    assert C.check_dataset(spec_copy, use_target=False).clean
+    formats.write_hs_safetensors_sample(spec_copy / formats.HIDDEN_STATES_DIR, 2, obj["token_ids"],
+                                        obj["hidden_states"], shifted)
+    report = C.check_dataset(spec_copy, use_target=False)
+    assert [(p.kind, p.path) for p in report.errors] == [(C.TABLE_ROW, "hidden_states/hs_2.safetensors")]
+    assert "loss_mask differs from row 2's loss_mask (first difference at position" in report.errors[0].message
+
+
 def test_check_names_a_damaged_table(spec_copy):
     (spec_copy / "state.json").write_text("{not json")
     report = C.check_dataset(spec_copy, use_target=False)

@@ -3,6 +3,7 @@ run inside the loop): each must train exactly like eaglet's own v1 copy of the s
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from eaglet.prepare import prepare
 from eaglet.extract import extract
 from eaglet.training.checkpoints import iter_metrics
 from eaglet.dataset import open_dataset
+from eaglet.formats.prepared import count_masked
 from eaglet.training.loop import train
 from helpers import FAST, chat_records, final_norm, write_foreign
 
@@ -162,4 +164,22 @@ def test_online_refuses_a_prepared_folder_its_side_files_contradict(work, tmp_pa
     prep = Path(shutil.copytree(work / "prep", tmp_path / "prep"))
     formats.write_token_freq(prep / formats.TOKEN_FREQ_FILE, {7: 10 ** 9})
     with pytest.raises(ValueError, match=r"token_freq.pt counts token \d+ .* times, the samples' masks \d+"):
+        train(prep, tmp_path / "run", online=True, total_steps=1, show_progress=False)
+
+
+def test_online_refuses_a_loss_mask_the_chat_template_does_not_imply(work, tmp_path):
+    """A mask shifted one token later (its side files rewritten to agree) trained --online, where
+    offline `eaglet check` refuses it: the prepared samples are compared with the template too."""
+    prep = Path(shutil.copytree(work / "prep", tmp_path / "prep"))
+    lines = [json.loads(line) for line in (prep / formats.PREPARED_FILE).read_text().splitlines()]
+    lines[1]["loss_mask"] = [0] + lines[1]["loss_mask"][:-1]
+    (prep / formats.PREPARED_FILE).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    samples, _ = formats.read_prepared(prep)
+    freq: dict[int, int] = {}
+    for s in samples:
+        count_masked(freq, s)
+    formats.write_token_freq(prep / formats.TOKEN_FREQ_FILE, freq)
+    with pytest.raises(ValueError, match=rf"prepared.jsonl sample '{lines[1]['id']}': loss_mask: masked run at "
+                                         r"tokens \d+\.\.\d+ does not start after the generation prompt; prepare the "
+                                         "data again"):
         train(prep, tmp_path / "run", online=True, total_steps=1, show_progress=False)

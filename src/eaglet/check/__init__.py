@@ -14,7 +14,7 @@ Entry point: `check_dataset(path, target=None, ...) -> CheckReport`.
 
 from eaglet.check.dataset import check_dataset
 from eaglet.check.heads import convention_hits, convention_problem
-from eaglet.check.identity import layer_identity_problems
+from eaglet.check.identity import layer_identity_problems, prepared_mask_problem
 from eaglet.check.report import (ALL_ZERO, AUX_CODES, BROKEN_LINK, CHECKSUM, DATA_CONFIG, DUPLICATE_INDEX, ERROR,
                                  FOLDER_NAMING, HIDDEN_SIZE, LAYER_IDENTITY, LENGTH_MISMATCH, MASK_EMPTY,
                                  MASK_TEMPLATE, MASK_VALUES, MISSING_INDEX, NO_FILES, NON_FINITE, NOT_CHECKED,
@@ -24,7 +24,8 @@ from eaglet.check.report import (ALL_ZERO, AUX_CODES, BROKEN_LINK, CHECKSUM, DAT
 
 # What callers use: the entry point, the layer-identity check train runs, the report and its kinds
 # of problem. Everything else is reached through its module (check.files, check.identity, ...).
-__all__ = ["check_dataset", "convention_hits", "convention_problem", "layer_identity_problems", "CheckReport",
+__all__ = ["check_dataset", "convention_hits", "convention_problem", "layer_identity_problems", "prepared_mask_problem",
+           "CheckReport",
            "Problem", "problem_lines", "ERROR", "WARNING",
            "ALL_ZERO", "AUX_CODES", "BROKEN_LINK", "CHECKSUM", "DATA_CONFIG", "DUPLICATE_INDEX", "FOLDER_NAMING",
            "HIDDEN_SIZE", "LAYER_IDENTITY", "LENGTH_MISMATCH", "MASK_EMPTY", "MASK_TEMPLATE", "MASK_VALUES",

@@ -26,11 +26,11 @@ import torch
 from eaglet import formats, layers, ranges
 from eaglet.check.files import Expect, FileResult, check_file, is_unsafe_pickle_error, load_problem
 from eaglet.check.identity import (generation_prompt, heads_check, identity_check, load_target_for_check,
-                                   pick_identity_files, target_revision_problem, too_long_problems)
+                                   pick_identity_files, target_revision_problem, template_mismatch, too_long_problems)
 from eaglet.check.report import (BROKEN_LINK, DATA_CONFIG, DUPLICATE_INDEX, ERROR, FOLDER_NAMING, LAYER_IDENTITY,
                                  MASK_TEMPLATE, MISSING_INDEX, NO_FILES, NOT_CHECKED, RMS_BOUNDS, SAMPLE_LENGTHS,
                                  STRAY_FILE, TOKEN_FREQ, UNREADABLE, WARNING, CheckReport, Problem, SlotStats)
-from eaglet.chat import special_token_ids, template_hash
+from eaglet.chat import special_token_ids
 from eaglet.formats import fmt_rows
 from eaglet.heads import TargetHeads
 from eaglet.options import DECLARED, takes_options
@@ -365,11 +365,9 @@ def expect_template(report: CheckReport, exp: Expect, tokenizer: Any, cfg: forma
         return
     exp.gen_prompt_ids, report.generation_prompt = gp
     exp.eot_ids = frozenset(special_token_ids(tokenizer))
-    recorded = (cfg.chat_template_sha256 if cfg else None)
-    if recorded and recorded != template_hash(tokenizer):
-        report.problems.append(Problem(MASK_TEMPLATE, formats.DATA_CONFIG_FILE,
-                                       f"chat_template_sha256 {recorded} is not the target tokenizer's "
-                                       f"({template_hash(tokenizer)}): the data was prepared with another template"))
+    other = template_mismatch(cfg.chat_template_sha256 if cfg else None, tokenizer)
+    if other:
+        report.problems.append(Problem(MASK_TEMPLATE, formats.DATA_CONFIG_FILE, other))
 
 
 def scan_files(root: Path, files: list[tuple[int, Path]], exp: Expect, workers: int,

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eaglet import formats
-from eaglet.check.files import Expect, FileResult
+from eaglet.chat import special_token_ids, template_hash
+from eaglet.check.files import Expect, FileResult, mask_template_issues
 from eaglet.check.heads import convention_hits, convention_problem
 from eaglet.check.report import (ERROR, LAYER_IDENTITY, NOT_CHECKED, STORED_TEACHER, TOO_LONG, WARNING, CheckReport,
                                  Problem, SlotIdentity)
@@ -48,6 +49,33 @@ def generation_prompt(tokenizer: Any) -> tuple[list[int], str] | None:
     text = with_p[len(without):]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return (list(ids), text) if ids else None
+
+
+def template_mismatch(recorded: str | None, tokenizer: Any) -> str | None:
+    """The recorded chat template's hash against the tokenizer's, when one was recorded."""
+    if recorded and recorded != template_hash(tokenizer):
+        return (f"chat_template_sha256 {recorded} is not the target tokenizer's ({template_hash(tokenizer)}): the "
+                "data was prepared with another template")
+    return None
+
+
+def prepared_mask_problem(samples: list[formats.TokenizedSample], pconfig: dict[str, Any],
+                          tokenizer: Any) -> str | None:
+    """What `eaglet check` finds in a stored file's loss mask, found in prepared samples (train
+    --online reads no stored file): a template other than the one recorded, or a mask whose runs are
+    not the assistant turns the chat template implies (shifted, inverted, a user turn)."""
+    other = template_mismatch(pconfig.get("chat_template_sha256"), tokenizer)
+    if other:
+        return f"{formats.PREPARE_CONFIG_FILE}: {other}"
+    gp = generation_prompt(tokenizer)
+    if not gp:  # as check: a template without a separable generation prompt leaves nothing to compare
+        return None
+    gen, eot_ids = gp[0], frozenset(special_token_ids(tokenizer))
+    for s in samples:
+        issues = mask_template_issues(s.input_ids, s.loss_mask, gen, eot_ids)
+        if issues:
+            return f"{formats.PREPARED_FILE} sample {s.sample_id!r}: loss_mask: {issues[0]}"
+    return None
 
 
 def load_target_for_check(spec: str, cfg: formats.DataConfig | None, placed: Placement | None = None

@@ -493,6 +493,12 @@ def table_file_states(t: TableSample, where: str) -> tuple[FileStates | None, li
                                         "skips this sample"))
     if seq_len != ids.shape[0]:
         found.append(Finding(TABLE_ROW, f"row {t.row}: seq_len {seq_len}, its input_ids hold {ids.shape[0]}"))
+    own = obj.get("loss_mask")  # speculators' own files carry none; one that does must say what the table says
+    if own is not None and (own.shape != mask.shape or not torch.equal(own.long(), mask)):
+        differ = (f"{own.shape[0] if own.dim() else 0} values, the row has {mask.shape[0]}" if own.shape != mask.shape
+                  else f"first difference at position {int((own.long() != mask).nonzero()[0])}")
+        found.append(Finding(TABLE_ROW, f"loss_mask differs from row {t.row}'s loss_mask ({differ}): speculators "
+                                        "trains on the table's, so one of the two is wrong; extract the sample again"))
     return FileStates(ids, mask, list(hs.unbind(1))), found
 
 

@@ -38,12 +38,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from eaglet import families, formats, layers
+from eaglet.check import prepared_mask_problem
 from eaglet.drafter import STAT_ROWS, DraftModel, make_teacher_head, num_parameters, stats_summary
 from eaglet.dataset import Dataset, check_target_matches, dataset_target
 from eaglet.options import DECLARED, EAGLE3, takes_options
 from eaglet.heads import TargetHeads, heads_summary
 from eaglet.target import (LAYER_CHECK_MAX_BYTES, TargetRef, fast_bf16, heads_of_model, load_heads, load_target,
-                           parse_dtype, prepared_target, resolve_target, whole_target_size)
+                           load_tokenizer, parse_dtype, prepared_target, resolve_target, whole_target_size)
 from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
                                          checkpoint_name, resumed_options, run_lock, truncate_metrics)
 from eaglet.training.config import (CALIBRATION_SKIP, RESIZE_SLACK, RESIZE_STEPS, Calibration, Plan, TrainConfig,
@@ -241,6 +242,11 @@ def online_target(dataset_dir: str | Path, prepared: Prepared, target: str | Non
     tmodel = load_target(ref, parse_dtype(cfg.target_dtype, device), device, cfg.placement())
     # a token id outside the vocabulary: refused now, else an IndexError at step N
     formats.check_prepared_token_ids(dataset_dir, prepared.samples, tmodel.config.vocab_size)
+    # no stored file for `eaglet check` to read: the masks are compared with the template here
+    problem = prepared_mask_problem(prepared.samples, prepared.config, load_tokenizer(ref))
+    if problem:
+        raise ValueError(f"{dataset_dir}/{problem}; prepare the data again with this target (`eaglet prepare` "
+                         "masks the assistant turns its chat template renders)")
     n = tmodel.config.num_hidden_layers
     aux_ids = cfg.aux_layer_ids or layers.default_aux_ids(n)
     layers.check_aux_ids(aux_ids, n)
