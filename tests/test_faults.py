@@ -15,6 +15,10 @@ from safetensors import SafetensorError
 
 from eaglet import formats
 from eaglet.cli import main
+from eaglet.evaluate import prompt_sets_by_name
+from eaglet.formats.prepared import scan_output
+from eaglet.placement import placement_from_options
+from eaglet.vllm_engine import parse_engine_args
 from eaglet.prepare import prepare
 from eaglet.formats import io as formats_io  # where writes look up free space and make their temp files
 
@@ -209,6 +213,33 @@ def test_a_json_line_nested_too_deep_is_skipped_and_counted(tiny_target, chats_j
     data.write_text(chats_jsonl.read_text() + '{"id": "deep", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     summary = prepare(str(tiny_target), str(data), tmp_path / "prep", max_length=512)
     assert summary.samples == len(chats_jsonl.read_text().splitlines())
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # beyond what Python's JSON parser recurses into
+
+
+def test_json_nested_too_deep_is_named_with_its_file_by_every_reader(tmp_path):
+    """A checkpoint pointer, sample_lengths.json, prepare_config.json, a prepared line, metrics.jsonl,
+    a regen output line or an eval prompts file nested 100,000 deep each ended in "maximum recursion
+    depth exceeded" without a file: every reader names it, as it names any damaged JSON."""
+    def deep(name: str, text: str = DEEP + "\n") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    readers = [
+        (lambda: formats.read_json(deep("best.json")), r"best\.json: not valid JSON \(maximum recursion depth"),
+        (lambda: formats.read_jsonl_log(deep("metrics.jsonl")), r"metrics\.jsonl:1: not a JSON line \(maximum"),
+        (lambda: formats.TokenizedSample.from_json(DEEP, "prepared.jsonl:3"),
+         r"prepared\.jsonl:3: not a prepared sample \(RecursionError"),
+        (lambda: scan_output(deep("chats.jsonl")), r"chats\.jsonl:1: not a regen record \(RecursionError"),
+        (lambda: prompt_sets_by_name([str(deep("prompts.jsonl"))], None), r"prompts\.jsonl.*invalid JSON \(maximum"),
+        (lambda: placement_from_options(str(deep("map.json")), None, None, None), r"map\.json: not valid JSON"),
+        (lambda: parse_engine_args(DEEP), r"--vllm-args '\[\[\[.*: not JSON \(maximum recursion depth"),
+    ]
+    for read, message in readers:
+        with pytest.raises(ValueError, match=message):
+            read()
 
 
 def test_an_out_under_a_pseudo_filesystem_is_not_called_a_full_disk(tiny_target, chats_jsonl, capsys):

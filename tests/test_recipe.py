@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 import torch
 
 from eaglet import formats
+from eaglet.prepare import prepare
 from eaglet.recipe import (Paths, apply_overrides, apply_scale, builtin_recipes, load_recipe, overridden,
                            parse_override, plan_stages, run_recipe, validate)
 
@@ -145,6 +146,27 @@ def test_a_stage_without_its_input_is_refused_up_front(tmp_path):
     formats.write_json_atomic(Paths(out).marker("extract"), {"options": {}, "result": {}, "seconds": 1.0})
     bad.write_text("[train]\n")
     assert plan_stages(load_recipe(bad), Paths(out), None, bad) == {"train": "run"}
+    # ... but not when the stage it read runs again: a prepare redone under a kept extract left the
+    # extract of the older chats reused beside the new ones
+    bad.write_text('[prepare]\ndata = "chats.jsonl"\n[extract]\n')
+    with pytest.raises(ValueError, match=r"extract\.json: extract finished on the output of prepare, which runs "
+                                         r"again now \(.*prepare\.json is missing\): reusing .*data would pair it "
+                                         r"with data it was not made from; remove .*data and .*extract\.json too"):
+        plan_stages(load_recipe(bad), Paths(out), None, bad)
+
+
+def test_a_finished_prepared_dataset_the_recipe_did_not_record_is_never_replaced(tiny_target, tmp_path):
+    """`eaglet run --out DIR` replaced DIR/prepared, a user's finished dataset, without a word."""
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"id": f"c{i}", "messages": CHATS[i % 3]} for i in range(3)])
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[recipe]\ntarget = "{tiny_target}"\n\n[prepare]\ndata = "{chats}"\nmax_length = 256\n')
+    out = tmp_path / "run"
+    prepare(str(tiny_target), str(chats), out / "prepared", max_length=128, num_samples=2)
+    before = (out / "prepared" / formats.PREPARED_FILE).read_bytes()
+    with pytest.raises(ValueError, match=r"prepared: a finished prepared dataset that .*prepare\.json does not "
+                                         r"record \(made outside this recipe, or its marker removed\); remove"):
+        run_recipe(recipe, out)
+    assert (out / "prepared" / formats.PREPARED_FILE).read_bytes() == before
 
 
 def test_a_changed_target_is_refused_before_any_stage(tiny_target, tmp_path, capsys):

@@ -110,7 +110,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             if size > path.stat().st_size:
                 raise ValueError("header longer than the file")
             header = json.loads(f.read(size))
-    except (OSError, struct.error, ValueError) as e:
+    except (OSError, struct.error, ValueError, RecursionError) as e:
         raise ValueError(f"{path}: not a readable safetensors file, truncated or damaged ({e})") from e
     return header, 8 + size
 

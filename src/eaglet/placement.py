@@ -138,7 +138,7 @@ def read_device_map(path: str) -> dict[str, Device]:
         raise FileNotFoundError(f"--device-map {path}: not {', '.join(DEVICE_MAP_STRATEGIES)} and no such file")
     try:
         raw = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"--device-map {path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"{path}: a device map is a JSON object {{module name: device}}, e.g. "

@@ -75,7 +75,7 @@ def jsonl_prompts(path: Path) -> Iterator[Prompt]:
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
                 raise ValueError(f"{where}: invalid JSON ({e})") from None
             pid = str(rec.get("id", line_no)) if isinstance(rec, dict) else str(line_no)
             if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):

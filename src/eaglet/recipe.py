@@ -373,7 +373,12 @@ def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command:
     opts = dict(opts)  # `validate` refused 'data' here when the recipe regenerates
     data = str(paths.chats) if has_regen else opts.pop("data", declared_default("prepare", "data"))
     # an unfinished earlier attempt is redone whole (prepare is quick): replaced as prepare replaces
-    # a dataset, the old one kept until the new is complete, and a folder of other files refused
+    # a dataset, the old one kept until the new is complete, and a folder of other files refused.
+    # A finished one without this recipe's marker was made outside it: never replaced unasked.
+    if (paths.prepared / formats.PREPARE_CONFIG_FILE).exists():
+        raise ValueError(f"{paths.prepared}: a finished prepared dataset that {paths.marker('prepare')} does not "
+                         f"record (made outside this recipe, or its marker removed); remove {paths.prepared} to "
+                         "have the recipe prepare it again, or use another --out")
     s = prepare(target, data, paths.prepared, command=command, **{**opts, "overwrite": True})
     log_lines(s.lines())
     return {"samples": s.samples, "tokens": s.tokens, "assistant_tokens": s.masked_tokens}
@@ -609,6 +614,11 @@ def plan_stages(recipe: dict[str, Any], paths: Paths, only: list[str] | None,
             for s in STAGES if s in recipe}
     for stage, does in plan.items():
         need = input_stage(stage, recipe)
+        if does == "reuse" and need is not None and plan.get(need) == "run":
+            raise ValueError(f"{paths.marker(stage)}: {stage} finished on the output of {need}, which runs again "
+                             f"now ({paths.marker(need)} is missing): reusing {paths.output_of(stage)} would pair it "
+                             f"with data it was not made from; remove {paths.output_of(stage)} and "
+                             f"{paths.marker(stage)} too (it is made again), or use another --out")
         if does != "run" or need is None or plan.get(need) in ("run", "reuse"):
             continue
         if need in plan:  # left out by --only: name every unfinished stage up the chain at once

@@ -134,8 +134,9 @@ def parse_engine_args(text: str | None) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--vllm-args {text!r}: not JSON ({e.msg}); e.g. '{{\"max_num_seqs\": 64}}'") from None
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+        raise ValueError(f"--vllm-args {text[:200]!r}: not JSON ({getattr(e, 'msg', e)}); e.g. "
+                         "'{\"max_num_seqs\": 64}'") from None
     if not isinstance(value, dict):
         raise ValueError(f"--vllm-args {text!r}: a JSON object of vllm.LLM keywords, e.g. '{{\"max_num_seqs\": 64}}'")
     owned = sorted(set(value) & OWNED_KEYWORDS)

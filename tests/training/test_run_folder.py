@@ -21,7 +21,7 @@ from eaglet.cli import main as cli_main
 from eaglet.prepare import prepare
 from eaglet.extract import extract
 from eaglet.formats.runs import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE
-from eaglet.training.checkpoints import RunFolderBusy
+from eaglet.training.checkpoints import RunFolderBusy, prune_checkpoints
 from eaglet.training.loop import train
 from helpers import chat_records
 
@@ -290,3 +290,14 @@ def test_a_pipe_where_a_side_file_should_be_is_named_not_read(tmp_path):
         formats.read_json(fifo)
     with pytest.raises(ValueError, match="a pipe or device where eaglet expects a torch file"):
         formats.torch_load_safe(fifo)
+
+
+def test_pruning_removes_only_the_checkpoints_a_run_writes(tmp_path):
+    """A user's step_00000004.bak sorted among the steps and was deleted as one."""
+    root = tmp_path / CHECKPOINTS_DIR
+    for name in ("step_00000002", "step_00000004", "step_00000004.bak", "step_00000004-copy", "step_00000006",
+                 "step_notes"):
+        (root / name).mkdir(parents=True)
+    prune_checkpoints(root, keep=1, protect={"step_00000002"})
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004-copy", "step_00000004.bak",
+                                                       "step_00000006", "step_notes"]

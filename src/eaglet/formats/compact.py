@@ -231,7 +231,7 @@ def compact_checksum_problems(f: CompactFile) -> list[str]:
         digests = json.loads(f.metadata[COMPACT_CHECKSUM])
         if not isinstance(digests, dict):
             raise ValueError(f"a JSON {type(digests).__name__}")
-    except ValueError as e:  # a flipped bit in the header's checksum text itself
+    except (ValueError, RecursionError) as e:  # a flipped bit in the header's checksum text itself
         return [f"the {COMPACT_CHECKSUM} checksums in its header are not a JSON object of digests ({e})"]
     out = []
     for k, t in f.tensors.items():

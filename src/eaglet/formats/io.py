@@ -451,7 +451,7 @@ def read_json(path: str | os.PathLike) -> Any:
     with open(path, encoding="utf-8") as f:
         try:
             return json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
             raise ValueError(f"{path}: not valid JSON ({e}); the file is damaged or cut off") from e
 
 
@@ -474,7 +474,7 @@ def read_jsonl_log(path: str | os.PathLike) -> list[Any]:
                 continue
             try:
                 records.append(json.loads(line))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
                 raise ValueError(f"{path}:{n}: not a JSON line ({e}); the file is damaged: restore it or remove the "
                                  "line") from None
     return records

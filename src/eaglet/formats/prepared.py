@@ -70,7 +70,7 @@ class TokenizedSample:
         try:
             rec = json.loads(line)
             sample = cls(str(rec["id"]), list(rec["input_ids"]), list(rec["loss_mask"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"{where}: not a prepared sample ({type(e).__name__}: {e})") from e
         if len(sample.input_ids) != len(sample.loss_mask):
             raise ValueError(
@@ -236,8 +236,8 @@ def scan_output(path: str | os.PathLike) -> tuple[set[str], int, bool]:
             if line.strip():
                 try:
                     record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    refuse_foreign(path, n, type(e).__name__)
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                    refuse_foreign(path, n, f"{type(e).__name__}: {e}")
                 if not is_regen_record(record):
                     refuse_foreign(path, n, "no id, messages and regen fields")
                 done.add(str(record["id"]))

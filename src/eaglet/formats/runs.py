@@ -9,6 +9,7 @@ Layout of a run folder: `metrics.jsonl`, `train_config.json`, `.lock`,
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,14 @@ LOCK_FILE = ".lock"
 def checkpoint_name(step: int) -> str:
     """The folder of the checkpoint at `step`, under checkpoints/."""
     return f"step_{step:08d}"
+
+
+CHECKPOINT_NAME_RE = re.compile(r"step_\d{8,}")  # what `checkpoint_name` writes, and nothing else
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """A folder name `checkpoint_name` writes (a user's `step_00000004.bak` is not one)."""
+    return CHECKPOINT_NAME_RE.fullmatch(name) is not None
 
 
 def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:

@@ -29,7 +29,7 @@ from eaglet import formats
 from eaglet.drafter import DraftModel
 from eaglet.drafter.files import export_config, load_draft_weights
 from eaglet.formats.runs import (BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, LOCK_FILE, METRICS_FILE, STATE_FILE,
-                                 TRAIN_CONFIG_FILE, checkpoint_name, read_pointer)
+                                 TRAIN_CONFIG_FILE, checkpoint_name, is_checkpoint_name, read_pointer)
 from eaglet.training.config import Plan, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model: DraftModel, config_json: 
 
 
 def prune_checkpoints(ckpt_root: Path, keep: int, protect: set[str]) -> None:
-    steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.is_symlink())  # never through a link
+    # only the folders a run writes (a user's step_00000004.bak stays), and never through a link
+    steps = sorted(p for p in ckpt_root.glob("step_*") if is_checkpoint_name(p.name) and p.is_dir()
+                   and not p.is_symlink())
     for p in steps[:-keep] if keep > 0 else steps:
         if p.name not in protect:
             shutil.rmtree(p, ignore_errors=True)
