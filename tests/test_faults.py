@@ -265,6 +265,26 @@ def test_a_resumed_run_whose_config_file_is_damaged_names_it(tmp_path):
         options_of_run(tmp_path, True, {})
 
 
+def test_a_resumed_runs_own_setting_is_named_as_the_runs_not_the_command_lines(tmp_path):
+    """train_config.json's draft_vocab_size 10^9 or aux ids [1, 2] were refused as if given on the
+    command line; its offload_folder was taken as where to write weights."""
+    from eaglet.training.loop import options_of_run, run_settings_named
+
+    (tmp_path / "train_config.json").write_text(
+        '{"draft_vocab_size": 1000000000, "aux_layer_ids": [1, 2], "offload_folder": "/elsewhere", "lr": 0.01}')
+    cfg, from_run = options_of_run(tmp_path, True, {"lr": 0.5})
+    assert cfg.offload_folder is None and cfg.lr == 0.5 and from_run == {"draft_vocab_size", "aux_layer_ids"}
+    for message, named in (("draft_vocab_size 1000000000 must be in [1, 49152]", "draft_vocab_size"),
+                           ("--aux-layer-ids [1, 2]: 3 ids", "aux_layer_ids")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(message)} \({named}: this run's own setting, which "
+                                             rf"--resume read from .*train_config\.json; fix the file"):
+            with run_settings_named(tmp_path, from_run):
+                raise ValueError(message)
+    with pytest.raises(ValueError, match=r"^--lr 0.5 is too high$"):  # given now: the message stands
+        with run_settings_named(tmp_path, from_run):
+            raise ValueError("--lr 0.5 is too high")
+
+
 def test_a_damaged_json_file_of_the_target_is_named(tiny_target, tmp_path):
     """A cut-off tokenizer.json once ended prepare with the JSON parser's words alone."""
     from eaglet.target import load_tokenizer, resolve_target

@@ -128,7 +128,14 @@ def test_engine_options_are_vllms_keywords_and_environment():
                                           ({"vllm_args": "[1]"}, "--vllm-args .*a JSON object"),
                                           # a recipe's vllm_args ran a model folder's code, or another model
                                           ({"vllm_args": '{"trust_remote_code": true, "model": "/x"}'},
-                                           "--vllm-args: model, trust_remote_code are eaglet's to set")])
+                                           "--vllm-args: model, trust_remote_code are eaglet's to set"),
+                                          # ... or imported a class it named, wrote downloads or read media anywhere
+                                          ({"vllm_args": '{"worker_extension_cls": "os.Evil", "download_dir": "/x", '
+                                                         '"allowed_local_media_path": "/"}'},
+                                           "--vllm-args: allowed_local_media_path, download_dir, worker_extension_cls "
+                                           "are eaglet's to set"),
+                                          ({"vllm_args": '{"load_format": "dummy"}'},
+                                           "--vllm-args: load_format 'dummy' runs random weights")])
 def test_engine_options_out_of_range_are_refused(kwargs, said):
     with pytest.raises(ValueError, match=said):
         engine_options_from(**kwargs)

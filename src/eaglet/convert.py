@@ -26,8 +26,8 @@ from tqdm import tqdm
 from eaglet import formats, heads, ranges
 from eaglet.drafter.teacher import StoredTeacherMaker
 from eaglet.options import DECLARED, takes_options
-from eaglet.target import load_heads, resolve_target, text_config
-from eaglet.dataset import Dataset, check_target_matches, dataset_target, open_dataset
+from eaglet.target import load_heads, resolve_target, target_source, text_config
+from eaglet.dataset import Dataset, check_target_matches, dataset_target, open_dataset, recorded_target_where
 
 
 @dataclass
@@ -115,7 +115,7 @@ def copy_sample(ds: Dataset, out: Path, layout: formats.Layout, index: int,
 def teacher_maker(ds: Dataset, target: str | None, stored_top_k: int) -> StoredTeacherMaker:
     """The compact layout's teacher from each sample's last state: the target's final norm (unless
     the stored state is post-norm) and LM head."""
-    ref = resolve_target(dataset_target(ds, target))
+    ref = resolve_target(dataset_target(ds, target), target_source(target, recorded_target_where(ds)))
     target_heads = load_heads(ref, torch.float32, roles=(heads.FINAL_NORM, heads.LM_HEAD))
     check_target_matches(ds.config, target_heads.config, ref)
     return StoredTeacherMaker(target_heads, stored_top_k, ds.last_hidden_state)

@@ -221,6 +221,11 @@ def check_target_matches(data_cfg: DataConfig, target_cfg: Any, ref: TargetRef) 
                          "heads (embeddings, final norm, LM head); pass the same --target")
 
 
+def recorded_target_where(ds: Dataset) -> str:
+    """Where a dataset records its target, for messages."""
+    return f"{ds.root / formats.DATA_CONFIG_FILE} target_path"
+
+
 def dataset_target(ds: Dataset, target: str | None) -> str | None:
     """--target, else the recorded target_path. eaglet's own layout falls back to the embedded default
     as every stage does; a foreign dataset that records no target must be told which one it is."""

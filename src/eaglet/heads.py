@@ -142,11 +142,7 @@ def damaged_weights(folder: Path, error: BaseException) -> ValueError:
 def weight_map(folder: Path) -> dict[str, str]:
     """tensor name -> shard file, from the index, else from the single file's header."""
     if (folder / INDEX_FILE).is_file():
-        index = formats.read_json(folder / INDEX_FILE)
-        names = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(names, dict):
-            raise ValueError(f"{folder / INDEX_FILE}: no \"weight_map\" object")
-        return names
+        return formats.read_weight_index(folder / INDEX_FILE)
     if (folder / SINGLE_FILE).is_file():
         return {name: SINGLE_FILE for name in read_header(folder / SINGLE_FILE)[0] if name != "__metadata__"}
     raise HeadsNotFound(f"{folder}: no {INDEX_FILE} and no {SINGLE_FILE}; eaglet reads a target's heads from "

@@ -265,14 +265,24 @@ def serving_name(spec: str | None) -> str | None:
     return embedded.SMOLLM2_HUB_ID if is_embedded(spec) else spec
 
 
-def resolve_target(spec: str | None) -> TargetRef:
+def target_source(given: str | None, recorded_where: str) -> str:
+    """What a message calls the target spec: the option when one was given, else the file field it
+    was read from (a recorded path that no longer exists is no fault of the command line)."""
+    return "--target" if given is not None else recorded_where
+
+
+def resolve_target(spec: str | None, source: str = "--target") -> TargetRef:
+    """The target `spec` names (None: the embedded default); `source` says where the spec was given
+    or read, for messages."""
+    if spec is not None and not isinstance(spec, str):
+        raise ValueError(f"{source}: {spec!r} is not a model folder or hub id")
     if not spec or spec == embedded_name():
         folder = ensure_embedded_target()
         return TargetRef(str(folder), embedded_name(), folder_fingerprint(folder))
     if Path(spec).is_dir():
         folder = Path(spec).resolve()
         if not (folder / "config.json").exists():
-            raise FileNotFoundError(f"--target {spec}: folder has no config.json; not a Hugging Face model folder")
+            raise FileNotFoundError(f"{source} {spec}: folder has no config.json; not a Hugging Face model folder")
         config = formats.read_json(folder / "config.json")  # a damaged one is named here, not deep in transformers
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{folder / 'config.json'}: no \"model_type\"; not a Hugging Face model config")
@@ -282,7 +292,7 @@ def resolve_target(spec: str | None) -> TargetRef:
     try:
         config = AutoConfig.from_pretrained(spec, trust_remote_code=heads.trust_remote_code())
     except OSError as e:
-        raise FileNotFoundError(f"--target {spec}: not a local folder, and the hub id could not be resolved: {e}") from e
+        raise FileNotFoundError(f"{source} {spec}: not a local folder, and the hub id could not be resolved: {e}") from e
     return TargetRef(spec, spec, getattr(config, "_commit_hash", None) or "unknown")
 
 
@@ -312,7 +322,8 @@ def config_where(ref: TargetRef) -> str:
 
 def prepared_target(prepared: str | Path, pconfig: dict[str, Any], target: str | None) -> TargetRef:
     """The target `prepared` was tokenized with (`target`, else the recorded one); refuse another."""
-    ref = resolve_target(target if target is not None else pconfig.get("target_spec"))
+    ref = resolve_target(target if target is not None else pconfig.get("target_spec"),
+                         target_source(target, f"{Path(prepared) / formats.PREPARE_CONFIG_FILE} target_spec"))
     if not ref.is_revision(pconfig["target_revision"]):
         raise ValueError(f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
                          f"({pconfig['target']}, revision {pconfig['target_revision']})")

@@ -121,11 +121,16 @@ class EngineOptions:
         return env
 
 
-# vllm.LLM keywords --vllm-args may not set: what the engine runs and whether a folder's code runs
-# are eaglet's options (a recipe's vllm_args could otherwise run a model's code, or another model)
+# vllm.LLM keywords --vllm-args may not set: what the engine runs (model, weights, code) and where
+# it reads or writes files are eaglet's options (a recipe's vllm_args could otherwise run a model's
+# code or a class it names, another model, or write downloads and read media anywhere)
 OWNED_KEYWORDS = {"model", "tokenizer", "trust_remote_code", "speculative_config", "skip_tokenizer_init",
-                  "revision", "tokenizer_revision", "hf_overrides", "kv_transfer_config"}
+                  "revision", "tokenizer_revision", "code_revision", "hf_overrides", "hf_config_path", "hf_token",
+                  "kv_transfer_config", "worker_cls", "worker_extension_cls", "model_loader_extra_config",
+                  "download_dir", "allowed_local_media_path", "allowed_media_domains", "logits_processors"}
 OWNED_HINT = "use --target, the drafter argument, and eaglet --trust-remote-code"
+# load formats that are no weights of the target: its states would be of random weights
+NO_WEIGHTS_LOAD_FORMATS = {"dummy"}
 
 
 def parse_engine_args(text: str | None) -> dict[str, Any]:
@@ -144,6 +149,9 @@ def parse_engine_args(text: str | None) -> dict[str, Any]:
         raise ValueError(f"--vllm-args: {', '.join(owned)} {'is' if len(owned) == 1 else 'are'} eaglet's to set "
                          f"(the target, the drafter, and --trust-remote-code for a model's own code); "
                          f"{OWNED_HINT}")
+    if value.get("load_format") in NO_WEIGHTS_LOAD_FORMATS:
+        raise ValueError(f"--vllm-args: load_format {value['load_format']!r} runs random weights, not the target's; "
+                         "leave it out")
     return value
 
 

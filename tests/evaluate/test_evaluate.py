@@ -148,6 +148,22 @@ def test_eval_refuses_a_drafter_for_another_target(tiny_target, tmp_path, one_th
                  progress=False)
 
 
+def test_a_recorded_target_that_is_no_target_is_named_with_its_file(tiny_target, tmp_path, one_thread):
+    """A checkpoint's eaglet.target of 123 ended in a TypeError; one of a folder gone since blamed
+    --target, an option nobody gave."""
+    from transformers import AutoConfig
+
+    cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), [2, 4, 5], draft_vocab_size=300)
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    for i, (recorded, said) in enumerate([
+            (123, r"config\.json: field eaglet\.target 123 is not a model folder or hub id; write the target's "
+                  r"folder or id there, or pass --target"),
+            (str(tmp_path / "gone"), r"step_\d+: the target its config\.json records .*gone: not a local folder")]):
+        ckpt = save_checkpoint(tmp_path / f"c{i}", 1, Eagle3Draft(cfg), export_config(cfg, {"target": recorded}), {})
+        with pytest.raises((ValueError, FileNotFoundError), match=said):
+            evaluate(ckpt, prompt_sets=[str(prompts)], dtype="fp32", device="cpu", progress=False)
+
+
 def test_prompts_longer_than_the_target_are_skipped_and_counted(drafter_ckpt, tiny_target, tmp_path, one_thread):
     """A prompt the target cannot hold (1,024 positions here) is skipped with its later turns,
     counted and listed; the rest of the set is measured. A set with nothing that fits is an error."""

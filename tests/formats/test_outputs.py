@@ -98,6 +98,12 @@ def test_paths_read_from_files_stay_inside_their_folder(tmp_path, monkeypatch):
     (folder / "model.safetensors.index.json").write_text('{"weight_map": {"fc.weight": "../../secret.safetensors"}}')
     with pytest.raises(ValueError, match=r"'\.\./\.\./secret\.safetensors' leads out of"):
         formats.weight_files(folder)
+    # an index of the wrong form is named, not a KeyError / AttributeError / TypeError
+    for text in ('{"metadata": {}}', '{"weight_map": ["a", "b"]}', "[1, 2]", '{"weight_map": {"fc.weight": 7}}'):
+        (folder / "model.safetensors.index.json").write_text(text)
+        with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: no \"weight_map\" object of tensor "
+                                             r"name -> shard file; the index is damaged"):
+            formats.weight_files(folder)
 
 
 def test_written_files_honour_the_umask(outputs):

@@ -21,7 +21,7 @@ from eaglet.cli import main as cli_main
 from eaglet.prepare import prepare
 from eaglet.extract import extract
 from eaglet.formats.runs import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE
-from eaglet.training.checkpoints import RunFolderBusy, prune_checkpoints
+from eaglet.training.checkpoints import RunFolderBusy, prune_checkpoints, truncate_metrics
 from eaglet.training.loop import train
 from helpers import chat_records
 
@@ -301,3 +301,15 @@ def test_pruning_removes_only_the_checkpoints_a_run_writes(tmp_path):
     prune_checkpoints(root, keep=1, protect={"step_00000002"})
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004-copy", "step_00000004.bak",
                                                        "step_00000006", "step_notes"]
+
+
+@pytest.mark.parametrize("line", ['{"foo": 1}', '{"step": "x"}', "[1, 2]", '{"step": true}'])
+def test_a_metrics_line_that_is_no_metric_is_named_on_resume(tmp_path, line):
+    """train --resume ended in KeyError 'step' / TypeError on such a line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n' + line + "\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: record 2 \(.*\) is no metric line of a run"):
+        truncate_metrics(path, 1)
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 3, "loss": 1.0}\n')
+    truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n'

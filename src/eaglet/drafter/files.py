@@ -206,10 +206,17 @@ def recorded_target_revision(d: Drafter) -> str | None:
 def recorded_target(d: Drafter) -> str | None:
     """The target the drafter was made for, as the folder records it."""
     if d.format == formats.FORMAT_EAGLET:
-        return d.source["eaglet"].get("target")
-    if d.format == formats.FORMAT_SPECULATORS:
-        return (d.source.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
-    return (d.source.get("eaglet_export") or {}).get("target")
+        field, value = "eaglet.target", d.source["eaglet"].get("target")
+    elif d.format == formats.FORMAT_SPECULATORS:
+        verifier = (d.source.get("speculators_config") or {}).get("verifier")
+        name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+        field, value = "speculators_config.verifier.name_or_path", name
+    else:
+        field, value = "eaglet_export.target", (d.source.get("eaglet_export") or {}).get("target")
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"{d.folder / formats.DRAFTER_CONFIG_FILE}: field {field} {value!r} is not a model folder "
+                         "or hub id; write the target's folder or id there, or pass --target")
+    return value
 
 
 def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:

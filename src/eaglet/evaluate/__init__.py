@@ -41,7 +41,7 @@ from eaglet.options import (BASELINE, DECLARED, DRAFTER_METHODS, LLAMA_CPP_METHO
 from eaglet.placement import Placement, placement_from_options
 from eaglet.prompts import Prompt, load_prompt_set
 from eaglet.target import (TargetRef, cpu_description, decoder_layers, dtype_name, input_device, load_target,
-                           load_tokenizer, max_positions, parse_dtype, pick_device, resolve_target)
+                           load_tokenizer, max_positions, parse_dtype, pick_device, resolve_target, target_source)
 from eaglet.vllm_engine import EngineOptions, engine_options_from
 
 if TYPE_CHECKING:  # transformers' modelling code loads only with a model
@@ -132,7 +132,7 @@ def load_models(drafter_path: str | Path, target: str | None, methods: Sequence[
     drafter, target_spec, trained_for = None, target, None
     if any(m in DRAFTER_METHODS for m in methods):
         drafter, target_spec, trained_for = load_drafter_for_target(drafter_path, target)
-    ref = resolve_target(target_spec)
+    ref = resolve_target(target_spec, target_source(target, f"{drafter_path}: the target its config.json records"))
     if trained_for and not ref.is_revision(trained_for) and not other_target:
         raise ValueError(f"{drafter_path}: trained for a target of revision {trained_for}; --target {ref.name} "
                          f"has revision {ref.revision} (other weights): its figures would not be this drafter's "

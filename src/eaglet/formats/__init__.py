@@ -26,6 +26,7 @@ from eaglet.formats.io import (OUTPUT_MARKER, PICKLED_CODE_MARKERS, TMP_MARK, Ou
                                atomic_path, claim_output, inside_folder, mark_output, refuse_other_sharding,
                                refuse_overlap,
                                lock_path, os_error_reason, output_lock, read_json, read_jsonl_log, read_safetensors,
+                               read_weight_index,
                                remove_stale_temp_files, torch_load_safe, torch_save_atomic, write_json_atomic,
                                write_text_atomic)
 from eaglet.formats.prepared import (PREPARED_FILE, PREPARE_CONFIG_FILE, PreparedWriter, RegenWriter, TOKEN_FREQ_FILE,

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet import families, layers
-from eaglet.formats.io import atomic_dir, inside_folder, read_json, read_safetensors, refuse_non_file, torch_load_safe
+from eaglet.formats.io import (atomic_dir, inside_folder, read_safetensors, read_weight_index, refuse_non_file,
+                               torch_load_safe)
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +395,7 @@ def weight_files(folder: Path) -> list[Path]:
     """The weight files of a model folder: an index's shards, or model.safetensors, or pytorch_model.bin."""
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (folder / index).exists():
-            shards = sorted(set(read_json(folder / index)["weight_map"].values()))
+            shards = sorted(set(read_weight_index(folder / index).values()))
             return [inside_folder(folder, f, str(folder / index)) for f in shards]
     for name in (DRAFTER_WEIGHTS_FILE, "pytorch_model.bin"):
         if (folder / name).exists():

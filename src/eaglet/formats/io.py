@@ -264,6 +264,17 @@ def inside_folder(folder: str | os.PathLike, relative: str, where: str) -> Path:
     return path
 
 
+def read_weight_index(path: str | os.PathLike) -> dict[str, str]:
+    """A Hugging Face weight index's `weight_map` (tensor name -> shard file), its form checked:
+    the shards are then resolved with `inside_folder`."""
+    index = read_json(path)
+    names = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+        raise ValueError(f"{path}: no \"weight_map\" object of tensor name -> shard file; the index is damaged: "
+                         "download or write the folder again")
+    return names
+
+
 # ---------------------------------------------------------------------------------------------
 # Which stage an output folder belongs to
 # ---------------------------------------------------------------------------------------------

@@ -197,8 +197,10 @@ def restore(folder: Path, draft: DraftModel, opt: torch.optim.Optimizer, sched: 
     return state["step"], state["best"], state
 
 
-# Options that belong to one invocation, not to the run: a resume does not take them from it.
-PER_INVOCATION = ("stop_after", "device")
+# Options that belong to one invocation, not to the run: a resume does not take them from it. The
+# offload folder is scratch space of one process (a temporary one unless given), and a path read
+# back from the run folder could lead the weights anywhere.
+PER_INVOCATION = ("stop_after", "device", "offload_folder")
 
 
 def resumed_options(out: Path) -> dict[str, Any]:
@@ -221,7 +223,12 @@ def truncate_metrics(path: Path, step: int) -> None:
     """Drop metric lines a killed run wrote after the checkpoint we resume from."""
     if not path.exists():
         return
-    keep = [r for r in formats.read_jsonl_log(path) if r["step"] <= step]
+    records = formats.read_jsonl_log(path)
+    for n, r in enumerate(records, 1):
+        if not isinstance(r, dict) or type(r.get("step")) is not int:
+            raise ValueError(f"{path}: record {n} ({json.dumps(r)[:80]}) is no metric line of a run (no integer "
+                             "\"step\"); restore the file or remove that line, then resume")
+    keep = [r for r in records if r["step"] <= step]
     formats.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 

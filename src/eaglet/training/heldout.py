@@ -13,9 +13,9 @@ from eaglet import families
 from eaglet.drafter import DEFAULT_TTT_STEPS, STAT_ROWS, DraftModel, make_teacher_head, stats_summary
 from eaglet.drafter.files import load_drafter
 from eaglet.heads import FINAL_NORM, LM_HEAD
-from eaglet.target import fast_bf16, load_heads, pick_device, resolve_target
+from eaglet.target import fast_bf16, load_heads, pick_device, resolve_target, target_source
 from eaglet.training.config import TrainConfig
-from eaglet.dataset import dataset_target, open_dataset
+from eaglet.dataset import dataset_target, open_dataset, recorded_target_where
 from eaglet.training.data import Batch, bucketed_batches, offline_source, split_indices
 from eaglet.training.distributed import Dist
 from eaglet.training.loss import forward_stats
@@ -46,7 +46,7 @@ def evaluate_heldout(drafter: str | Path, dataset_dir: str | Path, eval_fraction
     bf16 = fast_bf16(dev) if bf16 is None else bf16
     ds = open_dataset(dataset_dir)
     draft = load_drafter(drafter).to(dev)
-    ref = resolve_target(dataset_target(ds, target))
+    ref = resolve_target(dataset_target(ds, target), target_source(target, recorded_target_where(ds)))
     head = make_teacher_head(load_heads(ref, None, dev, (FINAL_NORM, LM_HEAD)), ds.last_hidden_state, None).to(dev)
     c = draft.config
     family: dict[str, Any] = (dict(drafter=c.family, draft_layers=c.num_layers, block_size=c.block_size)

@@ -25,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Iterator, cast
 
 import torch
 from torch import nn
@@ -40,11 +41,12 @@ from tqdm import tqdm
 from eaglet import families, formats, layers
 from eaglet.check import prepared_mask_problem
 from eaglet.drafter import STAT_ROWS, DraftModel, make_teacher_head, num_parameters, stats_summary
-from eaglet.dataset import Dataset, check_target_matches, dataset_target
+from eaglet.dataset import Dataset, check_target_matches, dataset_target, recorded_target_where
 from eaglet.options import DECLARED, EAGLE3, takes_options
 from eaglet.heads import TargetHeads, heads_summary
 from eaglet.target import (LAYER_CHECK_MAX_BYTES, TargetRef, fast_bf16, heads_of_model, load_heads, load_target,
-                           load_tokenizer, parse_dtype, prepared_target, resolve_target, whole_target_size)
+                           load_tokenizer, parse_dtype, prepared_target, resolve_target, target_source,
+                           whole_target_size)
 from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
                                          checkpoint_name, resumed_options, run_lock, truncate_metrics)
 from eaglet.training.config import (CALIBRATION_SKIP, RESIZE_SLACK, RESIZE_STEPS, Calibration, Plan, TrainConfig,
@@ -158,15 +160,16 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
                  show_progress: bool, command: str, **options: Any) -> TrainSummary:
     """`train` with the run folder's lock held."""
     out = Path(out_dir)
-    cfg = options_of_run(out, resume, options)
+    cfg, from_run = options_of_run(out, resume, options)
     if env_rank() == 0:
         formats.remove_stale_temp_files(out / CHECKPOINTS_DIR)  # checkpoint folders a kill left half-written
-    data = open_training_data(dataset_dir, cfg, show_progress and env_rank() == 0)
-    device = process_device(cfg.device)  # under torchrun, one device per process
-    dist = init_distributed(device)
-    if cfg.bf16 is None:  # resolved here, so train_config.json and a resume see what ran
-        cfg = replace(cfg, bf16=fast_bf16(device))
-    src, ref, draft, teachers = setup_model(dataset_dir, data, target, cfg, device)
+    with run_settings_named(out, from_run):
+        data = open_training_data(dataset_dir, cfg, show_progress and env_rank() == 0)
+        device = process_device(cfg.device)  # under torchrun, one device per process
+        dist = init_distributed(device)
+        if cfg.bf16 is None:  # resolved here, so train_config.json and a resume see what ran
+            cfg = replace(cfg, bf16=fast_bf16(device))
+        src, ref, draft, teachers = setup_model(dataset_dir, data, target, cfg, device)
     cfg = resolve_packing(cfg, max(src.cut_lengths().values()))  # before the trajectory is recorded
     refuse_unfit_micro_batch(cfg, max(src.cut_lengths().values()), draft.config.aux_width, str(device))
     split = setup_data(src, cfg, dist)
@@ -203,10 +206,11 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
 # Setup: options, target and drafter, data, optimizer, resume
 # ---------------------------------------------------------------------------------------------
 
-def options_of_run(out: Path, resume: bool, options: dict[str, Any]) -> TrainConfig:
-    """The options of this invocation, checked; with --resume the run's own, then those given now."""
+def options_of_run(out: Path, resume: bool, options: dict[str, Any]) -> tuple[TrainConfig, set[str]]:
+    """The options of this invocation, checked; with --resume the run's own, then those given now.
+    Also the names of those taken from the run (none without --resume)."""
     if not resume:
-        return TrainConfig(**options)
+        return TrainConfig(**options), set()
     # the run's own settings, then the options given now (a differing trajectory one is refused at restore)
     resumed = resumed_options(out)
     try:
@@ -214,7 +218,24 @@ def options_of_run(out: Path, resume: bool, options: dict[str, Any]) -> TrainCon
     except (TypeError, ValueError) as e:
         raise ValueError(f"{out / TRAIN_CONFIG_FILE}: the run's settings do not make a training config ({e}); "
                          "fix the file or train into a new --out") from e
-    return TrainConfig(**{**resumed, **options})
+    return TrainConfig(**{**resumed, **options}), set(resumed) - set(options)
+
+
+@contextlib.contextmanager
+def run_settings_named(out: Path, from_run: set[str]) -> Iterator[None]:
+    """A refusal that names an option whose value a resume took from the run's train_config.json
+    (not from this command line) says so, and where to fix it."""
+    try:
+        yield
+    except ValueError as e:
+        text = str(e)
+        # the option's flag, or a field name of two words or more (one-word names occur in prose)
+        named = sorted(k for k in from_run if f"--{k.replace('_', '-')}" in text
+                       or ("_" in k and re.search(rf"\b{k}\b", text)))
+        if not named:
+            raise
+        raise ValueError(f"{text} ({', '.join(named)}: this run's own setting, which --resume read from "
+                         f"{out / TRAIN_CONFIG_FILE}; fix the file or train into a new --out)") from e
 
 
 def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str | None, cfg: TrainConfig,
@@ -258,7 +279,7 @@ def offline_target(ds: Dataset, target: str | None, cfg: TrainConfig,
     """The heads of the target the dataset came from (embeddings for the drafter, final norm and LM
     head for the teacher), read alone as stored onto the training device; refused unless the target
     matches what the dataset records and its heads read the stored last states as recorded."""
-    ref = resolve_target(dataset_target(ds, target))
+    ref = resolve_target(dataset_target(ds, target), target_source(target, recorded_target_where(ds)))
     target_heads = load_heads(ref, None, device)
     log.info("rank %d: host memory %s after reading the target's heads (%s); %s", env_rank(),
              host_memory(), heads_summary(target_heads), ref.name)
