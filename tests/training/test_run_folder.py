@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from conftest import make_tiny_llama, write_jsonl
 from eaglet import check as C
@@ -313,3 +315,28 @@ def test_a_metrics_line_that_is_no_metric_is_named_on_resume(tmp_path, line):
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 3, "loss": 1.0}\n')
     truncate_metrics(path, 2)
     assert path.read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
+def test_a_damaged_or_edited_checkpoint_is_never_resumed_from_nor_exported(data, tmp_path):
+    """A d2t shifted in the latest checkpoint was resumed from and carried to the end of the run
+    (export refused it only then); a checkpoint's top-level aux ids edited apart from its
+    eaglet.draft_config were exported as if untouched."""
+    from eaglet.export import export_drafter
+
+    run = tmp_path / "run"
+    train(data / "v1", run, show_progress=False, stop_after=2, **QUICK)
+    ckpt = run / CHECKPOINTS_DIR / "step_00000002"
+    weights = formats.read_safetensors(ckpt / formats.DRAFTER_WEIGHTS_FILE)
+    config = formats.read_json(ckpt / formats.DRAFTER_CONFIG_FILE)
+    damaged = dict(weights, d2t=weights["d2t"] + (torch.arange(weights["d2t"].numel()) % 7 == 5).long() * 7)
+    save_file(damaged, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
+    with pytest.raises(ValueError, match=r"model\.safetensors: field d2t disagrees with t2d at \d+ draft ids"):
+        train(data / "v1", run, resume=True, show_progress=False)
+    save_file(weights, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
+    edited = dict(config, eagle_aux_hidden_state_layer_ids=[3, 4, 5])
+    formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, edited)
+    with pytest.raises(ValueError, match=r"config\.json: field eagle_aux_hidden_state_layer_ids \[3, 4, 5\] is not "
+                                         r"what eaglet\.draft_config implies \(\[2, 4, 5\]\); the file was edited"):
+        export_drafter(ckpt, tmp_path / "export", "speculators")
+    formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, config)
+    export_drafter(ckpt, tmp_path / "export", "speculators")

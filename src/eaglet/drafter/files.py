@@ -165,6 +165,17 @@ def bool_mask(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def refuse_edited_engine_fields(c: dict[str, Any], cfg: DraftConfig, where: Path) -> None:
+    """A checkpoint's top-level fields (what SGLang reads of the folder as it is) must be those its
+    eaglet.draft_config implies: an edit to one side alone would serve one drafter and export another."""
+    implied = export_config(cfg, {})
+    edited = [k for k in implied if k != "eaglet" and k in c and c[k] != implied[k]]
+    if edited:
+        k = edited[0]
+        raise ValueError(f"{where}: field {k} {c[k]!r} is not what eaglet.draft_config implies ({implied[k]!r}); the "
+                         "file was edited: restore it (or export from another checkpoint)")
+
+
 def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
     """Read and check a drafter in any format eaglet knows. `target` (a model folder or hub id)
     fills in what a folder may leave to the target: its input embeddings, the default layer ids."""
@@ -192,6 +203,8 @@ def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
         tensors.update(whole_vocabulary_head(cfg, target))
     tensors = bool_mask(tensors)
     check_drafter(cfg, tensors, config_path, weights_where, fmt)
+    if fmt == formats.FORMAT_EAGLET:
+        refuse_edited_engine_fields(c, cfg, config_path)
     return Drafter(folder, fmt, cfg, tensors, c, from_target)
 
 
@@ -228,7 +241,11 @@ def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_draft_weights(model: DraftModel, folder: Path) -> None:
-    model.load_state_dict(formats.read_safetensors(folder / MODEL_FILE))
+    """A checkpoint's weights into `model`, checked as `read_drafter` checks them (shapes, finite
+    values, d2t against t2d): a damaged checkpoint is never resumed from and carried on."""
+    tensors = bool_mask(formats.read_safetensors(folder / MODEL_FILE))
+    check_drafter(model.config, tensors, folder / formats.DRAFTER_CONFIG_FILE, folder / MODEL_FILE)
+    model.load_state_dict(tensors)
 
 
 def load_checkpoint(folder: str | Path) -> DraftModel:
