@@ -312,6 +312,16 @@ def test_a_run_that_wrote_no_sample_does_not_lock_the_folder(tiny_target, prepar
         extract(prepared, out, str(tiny_target), show_progress=False)
 
 
+def test_a_resume_at_another_compute_dtype_is_refused(tiny_target, prepared, tmp_path):
+    """Resumed with --dtype fp32 into a bf16-computed dataset, extract mixed the two roundings under
+    a data_config.json that still said bfloat16."""
+    out = tmp_path / "data"
+    extract(prepared, out, str(tiny_target), dtype="bf16", num_shards=2, shard_id=0, show_progress=False)
+    with pytest.raises(ValueError, match=r"holds a dataset made with compute_dtype='bfloat16', this run has "
+                                         r"'float32'"):
+        extract(prepared, out, str(tiny_target), dtype="fp32", num_shards=2, shard_id=1, show_progress=False)
+
+
 def test_a_config_replaced_before_the_first_write_is_refused(tiny_target, prepared, tmp_path, monkeypatch):
     """Another run on other data may replace a config that has no sample file yet; this run then
     must not add its files to that run's dataset."""

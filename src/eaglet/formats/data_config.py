@@ -96,9 +96,11 @@ FIELD_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "layer_ids": _IDS, "aux_layer_ids": _IDS, "converted_from": _DICT, "compact": _DICT,
 }
 # Fields that must agree before two runs may write into one folder.
+# The states' compute dtype and engine too: a resume at another --dtype or --engine wrote files of
+# mixed rounding under one record.
 IDENTITY_FIELDS = ("format", "compact", "target_revision", "layer_ids", "hidden_size", "hidden_states_dtype",
                    "last_hidden_state", "chat_template_sha256", "max_length", "num_samples", "num_tokens",
-                   "prepared_sha256")
+                   "prepared_sha256", "compute_dtype", "engine")
 
 
 def parse_data_config(raw: Any) -> tuple[DataConfig, list[str]]:
