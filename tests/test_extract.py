@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import shutil
 from pathlib import Path
 
 import pytest
@@ -320,6 +321,18 @@ def test_a_resume_at_another_compute_dtype_is_refused(tiny_target, prepared, tmp
     with pytest.raises(ValueError, match=r"holds a dataset made with compute_dtype='bfloat16', this run has "
                                          r"'float32'"):
         extract(prepared, out, str(tiny_target), dtype="fp32", num_shards=2, shard_id=1, show_progress=False)
+
+
+def test_a_prepared_sample_beyond_its_recorded_max_length_is_refused(tiny_target, prepared, tmp_path):
+    """prepare_config.json's max_length lowered below its samples: extract recorded the bound as the
+    dataset's and check found it CLEAN."""
+    folder = Path(shutil.copytree(prepared, tmp_path / "prepared"))
+    config = formats.read_json(folder / formats.PREPARE_CONFIG_FILE)
+    formats.write_json_atomic(folder / formats.PREPARE_CONFIG_FILE, {**config, "max_length": 8})
+    with pytest.raises(ValueError, match=r"prepared\.jsonl:\d+: a sample of \d+ tokens, beyond prepare_config\.json's "
+                                         r"max_length 8; the files were changed since prepare"):
+        extract(folder, tmp_path / "data", str(tiny_target), show_progress=False)
+    assert not (tmp_path / "data").exists()
 
 
 def test_a_config_replaced_before_the_first_write_is_refused(tiny_target, prepared, tmp_path, monkeypatch):

@@ -257,11 +257,16 @@ def test_token_counts_that_are_not_whole_numbers_name_the_file(tmp_path):
         formats.read_token_freq(path)
 
 
-def test_a_resumed_run_whose_config_file_is_damaged_names_it(tmp_path):
+@pytest.mark.parametrize("text, said", [('{"lr": "abc"}', ""),
+                                        ('{"ttt_steps": true}', r" \(--ttt-steps True: must be a whole number\)"),
+                                        ('{"aux_layer_ids": [2, "4", 5]}', r" \(--aux-layer-ids \[2, '4', 5\]: must be "
+                                                                          r"a list of whole numbers\)")])
+def test_a_resumed_run_whose_config_file_is_damaged_names_it(tmp_path, text, said):
+    """A value of the wrong kind in the file (a bool for a count) was accepted on resume."""
     from eaglet.training.loop import options_of_run
 
-    (tmp_path / "train_config.json").write_text('{"lr": "abc"}')
-    with pytest.raises(ValueError, match=r"train_config\.json: the run's settings do not make a training config"):
+    (tmp_path / "train_config.json").write_text(text)
+    with pytest.raises(ValueError, match=r"train_config\.json: the run's settings do not make a training config" + said):
         options_of_run(tmp_path, True, {})
 
 

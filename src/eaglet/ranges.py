@@ -10,6 +10,7 @@ comparison. The command line and recipes refuse them earlier, where they are par
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from typing import Any, Callable
 
 
@@ -74,3 +75,28 @@ MAX_SCALE = 1e6
 def seconds(**values: Any) -> None:
     """Durations: above 0 and at most ten years."""
     within(0, MAX_SECONDS, "ten years at most", low_open=True, **values)
+
+
+# What a config field's annotation admits (the annotations as written, `from __future__`
+# strings): a bool is no count, and an int is a fine float.
+ANNOTATED_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (lambda v: type(v) is int, "a whole number"),
+    "float": (lambda v: type(v) in (int, float), "a number"),
+    "bool": (lambda v: type(v) is bool, "true or false"),
+    "str": (lambda v: type(v) is str, "text"),
+    "list[int]": (lambda v: type(v) is list and all(type(i) is int for i in v), "a list of whole numbers"),
+}
+
+
+def of_annotated_kinds(config: Any) -> None:
+    """Each field of a dataclass `config` of the kind its annotation says (None where it admits
+    None), else the error that names it as its option: a value read back from a file (a resumed
+    run's settings) is not parsed by the command line."""
+    for f in fields(config):
+        kind, _, optional = str(f.type).partition(" | ")
+        value = getattr(config, f.name)
+        if kind not in ANNOTATED_KINDS or (value is None and optional == "None"):
+            continue
+        ok, what = ANNOTATED_KINDS[kind]
+        if not ok(value):
+            raise option_error(f.name, repr(value), what)

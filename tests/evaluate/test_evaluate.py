@@ -370,7 +370,10 @@ def test_prompt_files_are_checked_before_any_model_loads(tmp_path):
     for line, said in (('{"turns": [null, "x"]}', "field 'turns': every turn is a non-empty string"),
                        ('{"messages": [{"role": "user", "content": 42}]}', "a 'content' string"),
                        ('{"messages": [{"role": "wizard", "content": "x"}, {"role": "user", "content": "y"}]}',
-                        "needs a 'role'")):
+                        "needs a 'role'"),
+                       ('{"prompt": ""}', "field 'prompt' is empty"),  # as an empty turn: nothing to answer
+                       ('{"messages": [{"role": "user", "content": ""}]}', "the last message must be the user's, and "
+                                                                          "not empty")):
         (tmp_path / "odd.jsonl").write_text(line + "\n")
         with pytest.raises(ValueError, match=rf"odd.jsonl:1: .*{said}"):
             prompt_sets_by_name([str(tmp_path / "odd.jsonl")], None)

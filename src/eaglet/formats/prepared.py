@@ -133,7 +133,7 @@ def count_masked(freq: dict[int, int], sample: TokenizedSample) -> None:
             freq[tok] = freq.get(tok, 0) + 1
 
 
-def prepared_problem(samples: list[TokenizedSample], config: dict[str, Any], freq: dict[int, int]) -> str | None:
+def prepared_problem(samples: list[TokenizedSample], freq: dict[int, int]) -> str | None:
     """What a prepared dataset's side files say that its samples do not (None: they agree): the
     draft vocabulary is built from token_freq.pt, so a damaged one trains a drafter that cannot
     draft the tokens the data holds."""
@@ -144,9 +144,6 @@ def prepared_problem(samples: list[TokenizedSample], config: dict[str, Any], fre
         token = next(t for t in sorted(set(counted) | set(freq)) if counted.get(t, 0) != freq.get(t, 0))
         return (f"{TOKEN_FREQ_FILE} counts token {token} {freq.get(token, 0)} times, the samples' masks "
                 f"{counted.get(token, 0)}")
-    longest = max((len(s.input_ids) for s in samples), default=0)
-    if longest > config["max_length"]:
-        return f"a sample of {longest} tokens, beyond {PREPARE_CONFIG_FILE}'s max_length {config['max_length']}"
     return None
 
 
@@ -163,6 +160,12 @@ def read_prepared(folder: str | os.PathLike) -> tuple[list[TokenizedSample], dic
     path = folder / PREPARED_FILE
     with open(path, encoding="utf-8") as f:
         samples = [TokenizedSample.from_json(line, f"{path}:{n + 1}") for n, line in enumerate(f)]
+    longest = max(range(len(samples)), key=lambda n: len(samples[n].input_ids), default=None)
+    if longest is not None and len(samples[longest].input_ids) > max_length:
+        # every stage after prepare trusts the recorded bound (extract records it as the dataset's)
+        raise ValueError(f"{path}:{longest + 1}: a sample of {len(samples[longest].input_ids)} tokens, beyond "
+                         f"{PREPARE_CONFIG_FILE}'s max_length {max_length}; the files were changed since prepare: "
+                         "prepare the data again")
     return samples, config
 
 

@@ -130,6 +130,7 @@ class TrainConfig:
             raise ValueError("--freeze-lm-head keeps the LM head as initialised: it needs --lm-head-init target")
         ranges.check(">= 1 (or 0: the dense teacher)", lambda v: v >= 0, teacher_top_k=self.teacher_top_k)
         ranges.check(">= 1 (or 0: one sample per row)", lambda v: v >= 0, pack_tokens=self.pack_tokens)
+        ranges.of_annotated_kinds(self)  # after the ranges: an inf count is said to be one
         if self.pack_tokens and self.pack_tokens < min_sample_tokens(self.ttt_steps):
             raise ValueError(f"--pack-tokens {self.pack_tokens}: a pack must hold a sample of at least "
                              f"{min_sample_tokens(self.ttt_steps)} tokens (--ttt-steps {self.ttt_steps})")

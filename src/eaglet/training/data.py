@@ -375,7 +375,7 @@ def open_prepared(root: str | Path) -> Prepared:
         raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE} (the draft vocabulary is built from it); "
                                 "rerun `eaglet prepare`, which writes it")
     freq = formats.read_token_freq(freq_path)
-    problem = formats.prepared_problem(samples, pconfig, freq)
+    problem = formats.prepared_problem(samples, freq)
     if problem:  # what check finds in an extracted dataset, found here for --online
         raise ValueError(f"{root}: {problem}; prepare the data again (the prepared files were changed since)")
     return Prepared(root, samples, pconfig, freq)
