@@ -433,15 +433,15 @@ def refuse_too_short(lengths: dict[int, int], train_idx: list[int], cfg: TrainCo
                          "train on; use longer samples or a larger --max-length")
 
 
-def refuse_beyond_positions(src: Source, max_length: int | None, target_config: Any) -> None:
+def refuse_beyond_positions(source: Source, max_length: int | None, target_config: Any) -> None:
     """A sample longer than the target's positions holds states the target never makes in use
     (RoPE beyond its range): refuse it, naming the longest, rather than train on it."""
     limit = config_positions(target_config)
-    longest = max(src.lengths, key=lambda i: src.lengths[i])
-    n = min(src.lengths[longest], max_length or src.lengths[longest])
+    longest = max(source.lengths, key=lambda i: source.lengths[i])
+    n = min(source.lengths[longest], max_length or source.lengths[longest])
     if n > limit:
-        over = sum(min(v, max_length or v) > limit for v in src.lengths.values())
-        raise ValueError(f"{src.path}: sample {longest} has {n} tokens and {over} sample(s) in all are longer than the "
+        over = sum(min(v, max_length or v) > limit for v in source.lengths.values())
+        raise ValueError(f"{source.path}: sample {longest} has {n} tokens and {over} sample(s) in all are longer than the "
                          f"target's {limit} positions (max_position_embeddings); pass --max-length {limit} or less, "
                          "or prepare the data again with such a --max-length")
 

@@ -56,10 +56,10 @@ def evaluate_heldout(drafter: str | Path, dataset_dir: str | Path, eval_fraction
     _, eval_idx = split_indices(list(ds.lengths), eval_fraction, seed)
     if not eval_idx:
         raise ValueError(f"{dataset_dir}: --eval-fraction {eval_fraction} holds out no sample")
-    src = offline_source(ds, max_length)
+    source = offline_source(ds, max_length)
     teachers = TeacherSource(head, draft.d2t, draft.t2d, None, False, bf16)
-    batches = bucketed_batches(eval_idx, src.lengths, batch_size, None)
-    result = evaluate(draft, teachers, src.load, batches, cfg, dev, Dist())
+    batches = bucketed_batches(eval_idx, source.lengths, batch_size, None)
+    result = evaluate(draft, teachers, source.load, batches, cfg, dev, Dist())
     assert result is not None  # eval_idx holds a sample, and one process is the main one
     return result
 

@@ -111,7 +111,7 @@ class Run:
     out: Path
     dist: Dist
     device: torch.device
-    src: Source
+    source: Source
     draft: DraftModel
     model: nn.Module  # the drafter, or its DDP wrapper under torchrun
     teachers: TeacherSource
@@ -169,17 +169,17 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
         dist = init_distributed(device)
         if cfg.bf16 is None:  # resolved here, so train_config.json and a resume see what ran
             cfg = replace(cfg, bf16=fast_bf16(device))
-        src, ref, draft, teachers = setup_model(dataset_dir, data, target, cfg, device)
-    cfg = resolve_packing(cfg, max(src.cut_lengths().values()))  # before the trajectory is recorded
-    refuse_unfit_micro_batch(cfg, max(src.cut_lengths().values()), draft.config.aux_width, str(device))
-    split = setup_data(src, cfg, dist)
+        source, ref, draft, teachers = setup_model(dataset_dir, data, target, cfg, device)
+    cfg = resolve_packing(cfg, max(source.cut_lengths().values()))  # before the trajectory is recorded
+    refuse_unfit_micro_batch(cfg, max(source.cut_lengths().values()), draft.config.aux_width, str(device))
+    split = setup_data(source, cfg, dist)
     state = RunState(Plan.first(cfg, split.epoch_steps), cfg.stop_after)
     params, opt, sched = setup_optimizer(draft, cfg, state)
-    record = {"dataset": str(src.path.resolve()), "online": cfg.online, "target": ref.name,
+    record = {"dataset": str(source.path.resolve()), "online": cfg.online, "target": ref.name,
               "target_revision": ref.revision}
-    saver = Checkpointer(out, cfg.keep_checkpoints, {**cfg.trajectory(dist.world), **src.identity()}, src.fingerprint(),
-                         record)
-    refuse_too_short(src.lengths, split.train_idx, cfg)
+    saver = Checkpointer(out, cfg.keep_checkpoints, {**cfg.trajectory(dist.world), **source.identity()},
+                         source.fingerprint(), record)
+    refuse_too_short(source.lengths, split.train_idx, cfg)
     restore_or_start(saver, resume, state, draft, opt, sched)
     if dist.main:  # drop lines a killed run wrote after the checkpoint we start from (all, when from scratch)
         truncate_metrics(out / METRICS_FILE, state.step)
@@ -191,7 +191,7 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
                                "warmup_steps": state.plan.warmup, "dataset": record["dataset"], "target": ref.name,
                                "target_revision": ref.revision, "train_samples": len(split.train_idx),
                                "eval_samples": len(split.eval_idx), "command": command, **compilation.record()})
-    run = Run(cfg=cfg, out=out, dist=dist, device=device, src=src, draft=draft, model=model, teachers=teachers,
+    run = Run(cfg=cfg, out=out, dist=dist, device=device, source=source, draft=draft, model=model, teachers=teachers,
               split=split, params=params, opt=opt, sched=sched, saver=saver, metrics=MetricsLog(out, dist.main),
               compilation=compilation)
     log_start(run, state)
@@ -243,16 +243,16 @@ def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str |
     """The source of batches, the target it was checked against, the drafter built from the target's
     heads and the teacher. Offline only the heads are read; online the source holds the target."""
     if isinstance(data, Prepared):
-        src, ref, target_heads = online_target(dataset_dir, data, target, cfg, device)
+        source, ref, target_heads = online_target(dataset_dir, data, target, cfg, device)
     else:
-        src, ref, target_heads = offline_target(data, target, cfg, device)
-    refuse_beyond_positions(src, cfg.max_length, target_heads.config)
-    draft = build_drafter(target_heads, src.aux_layer_ids, src.token_freq, cfg, device)
+        source, ref, target_heads = offline_target(data, target, cfg, device)
+    refuse_beyond_positions(source, cfg.max_length, target_heads.config)
+    draft = build_drafter(target_heads, source.aux_layer_ids, source.token_freq, cfg, device)
     # the head as read: TeacherSource makes the one copy it computes with, in its compute dtype
-    teacher_head = make_teacher_head(target_heads, src.last_hidden_state, head_dtype=None).to(device)
+    teacher_head = make_teacher_head(target_heads, source.last_hidden_state, head_dtype=None).to(device)
     teachers = TeacherSource(teacher_head, draft.d2t, draft.t2d, cfg.teacher_top_k, cfg.feature_loss_weight > 0,
                              cfg.computes_bf16)
-    return src, ref, draft, teachers
+    return source, ref, draft, teachers
 
 
 def online_target(dataset_dir: str | Path, prepared: Prepared, target: str | None, cfg: TrainConfig,
@@ -305,16 +305,16 @@ def check_layer_ids(ds: Dataset, ref: TargetRef) -> None:
     del tmodel
 
 
-def setup_data(src: Source, cfg: TrainConfig, dist: Dist) -> Split:
+def setup_data(source: Source, cfg: TrainConfig, dist: Dist) -> Split:
     """The seeded split, the global order of micro-batches, and the sizes of a step and an epoch."""
-    train_idx, eval_idx = split_indices(list(src.lengths), cfg.eval_fraction, cfg.seed)
-    cut = src.cut_lengths()
+    train_idx, eval_idx = split_indices(list(source.lengths), cfg.eval_fraction, cfg.seed)
+    cut = source.cut_lengths()
     stream = BatchStream(train_idx, cut, cfg.batch_size, cfg.seed, cfg.pack_tokens or None)
     micro_per_step = cfg.grad_accum * dist.world
     epoch_steps = max(1, int(cfg.epochs * stream.per_epoch) // micro_per_step)
     tokens_per_step = micro_per_step * sum(cut[i] for i in train_idx) / max(1, stream.per_epoch)
     # held-out batches stay one sample per row, packed or not: comparable across runs
-    return Split(train_idx, eval_idx, stream, bucketed_batches(eval_idx, src.lengths, cfg.batch_size, None),
+    return Split(train_idx, eval_idx, stream, bucketed_batches(eval_idx, source.lengths, cfg.batch_size, None),
                  micro_per_step, epoch_steps, tokens_per_step)
 
 
@@ -473,7 +473,7 @@ def run_steps(run: Run, state: RunState, show_progress: bool) -> None:
     """Train up to state.stop: each step, then its metrics line, held-out evaluation and checkpoint
     when due; under --time-budget the plan is sized once the first steps are timed."""
     progress = start_progress(run, state, show_progress)
-    prefetch = Prefetcher(lambda m: micro_batch(run, m), background=run.src.background)
+    prefetch = Prefetcher(lambda m: micro_batch(run, m), background=run.source.background)
     run.draft.train()
     first_step = state.step
     try:
@@ -499,7 +499,7 @@ def run_steps(run: Run, state: RunState, show_progress: bool) -> None:
 def micro_batch(run: Run, m: int) -> Batch:
     """Micro-batch m of the global order: one pack of --pack-tokens, or --batch-size samples."""
     indices = run.split.stream[m]
-    return run.src.load_pack(indices, run.cfg.pack_tokens) if run.cfg.pack_tokens else run.src.load(indices)
+    return run.source.load_pack(indices, run.cfg.pack_tokens) if run.cfg.pack_tokens else run.source.load(indices)
 
 
 def train_step(run: Run, state: RunState, prefetch: Prefetcher) -> StepResult:
@@ -608,7 +608,7 @@ def maybe_evaluate(run: Run, state: RunState) -> bool:
     plan = state.plan
     if not (plan.calibrated and (state.step % plan.eval_every == 0 or state.step == state.stop)):
         return False
-    result = evaluate(run.draft, run.teachers, run.src.load, run.split.eval_batches, run.cfg, run.device, run.dist)
+    result = evaluate(run.draft, run.teachers, run.source.load, run.split.eval_batches, run.cfg, run.device, run.dist)
     if result is None:
         return False
     run.metrics.write({"step": state.step, "split": "eval", "train_tokens": state.done["tokens"],
@@ -635,7 +635,7 @@ def maybe_save(run: Run, state: RunState, new_best: bool) -> None:
 def finish(run: Run, state: RunState) -> TrainSummary:
     """The summary, with a held-out evaluation of the last weights if the loop made none."""
     if state.last_eval is None and run.split.eval_batches:
-        state.last_eval = evaluate(run.draft, run.teachers, run.src.load, run.split.eval_batches, run.cfg,
+        state.last_eval = evaluate(run.draft, run.teachers, run.source.load, run.split.eval_batches, run.cfg,
                                    run.device, run.dist)
     return TrainSummary(run.out, state.step, state.plan.total_steps, state.best["step"], state.best["tau"],
                         state.last_eval, state.done["tokens"], state.done["seconds"], num_parameters(run.draft),
