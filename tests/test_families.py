@@ -3,6 +3,8 @@ package and the export layouts read a family's traits and never compare its name
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -10,16 +12,24 @@ import pytest
 
 import eaglet
 from eaglet import families
+from eaglet.decode import speculative_generate
+from eaglet.drafter.files import load_checkpoint
+from eaglet.export import export_drafter
 from eaglet.options import DRAFTER_FAMILIES, PARALLEL_METHODS, VLLM_FAMILY_METHODS
+from eaglet.training.checkpoints import iter_metrics
+from eaglet.training.loop import train
+from helpers import FAST, PROMPTS
+from references import plain_greedy
 
 SRC = Path(eaglet.__file__).parent
-# where a family's name may still decide behaviour: its own model code and its export layouts
-FAMILY_CODE = ("drafter/", "formats/drafters.py", "families.py")
+# where a family's name may still decide behaviour: the declarations themselves, nowhere else
+# (the drafters' model code and their export layouts read traits too)
+FAMILY_CODE = ("families.py",)
 NAMES = "|".join(re.escape(f"{q}{n}{q}") for n in families.FAMILIES for q in "\"'")
 COMPARISON = re.compile(rf"(==|!=)\s*({NAMES}|EAGLE3\b|P_EAGLE\b|DFLASH\b)|({NAMES}|EAGLE3\b|P_EAGLE\b|DFLASH\b)\s*(==|!=)")
 
 
-def test_no_stage_compares_a_family_name():
+def test_no_module_compares_a_family_name():
     found = [f"{path.relative_to(SRC)}:{i}: {line.strip()}"
              for path in sorted(SRC.rglob("*.py")) if not str(path.relative_to(SRC)).startswith(FAMILY_CODE)
              for i, line in enumerate(path.read_text().splitlines(), 1) if COMPARISON.search(line)]
@@ -52,3 +62,34 @@ def test_a_family_is_registered_once_and_an_unknown_one_is_named():
         families.register(families.Family("dflash", "DFlash again", parallel=True))
     with pytest.raises(ValueError, match=r"drafter family 'dspark': one of \['eagle3', 'p-eagle', 'dflash'\]"):
         families.family("dspark")
+
+
+@pytest.fixture
+def variant():
+    """A family added the way a plug-in adds one: a `Family` registered, nothing else edited.
+    DFlash's traits with a block of 6 as its default and its own name."""
+    added = families.register(dataclasses.replace(families.DFLASH, name="dflash-6", title="DFlash-6",
+                                                  default_block_size=6))
+    yield added
+    del families.FAMILIES[added.name]
+
+
+def test_a_family_registered_alone_trains_decodes_exactly_and_exports(variant, dataset, target, tiny_target,
+                                                                      tmp_path):
+    """Adding a family touches only its registration: training builds, checks and saves it, the
+    checkpoint loads back as it, decoding with it equals plain greedy, and it exports for vLLM in
+    the layout of the architecture its traits name."""
+    opts = {**FAST, "anchor_stride": 2}
+    opts.pop("ttt_steps")
+    summary = train(dataset, tmp_path / "run", drafter=variant.name, total_steps=3, show_progress=False, **opts)
+    config = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert (config["drafter"], config["block_size"]) == ("dflash-6", 6)  # its own default
+    drafter = load_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{summary.step:08d}")
+    assert drafter.config.family == "dflash-6" and "layers.0.self_attn.q_norm.weight" in drafter.state_dict()
+    assert len(list(iter_metrics(tmp_path / "run"))[-1]["acc"]) == variant.drafts_per_pass(6) == 5
+    for prompt in PROMPTS:
+        assert speculative_generate(target, drafter, prompt, 16, mode="chain", depth=5)[0] == \
+            plain_greedy(target, prompt, 16)
+    export_drafter(tmp_path / "run", tmp_path / "vllm", "speculators")
+    exported = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert exported["speculators_model_type"] == "dflash" and exported["block_size"] == 6

@@ -22,6 +22,9 @@ class Family:
     # the block's first position is the anchor itself (DFlash: B positions, B - 1 drafts, the first
     # prediction at anchor + 1) rather than the token after it (P-EAGLE: K drafts from anchor + 2)
     anchor_in_block: bool = False
+    # the target's fused states are injected as context into every layer, whose keys/values they
+    # begin (DFlash); else they enter as EAGLE-3's hidden input of the first layer (P-EAGLE)
+    injects_context: bool = False
     layer_model_type: str = "llama"  # the transformer layer its exports declare (DFlash's are Qwen3's)
     speculators_type: str = ""  # speculators_model_type of its speculators export
     speculators_architecture: str = ""
@@ -35,6 +38,11 @@ class Family:
     def position_name(self) -> str:
         """What one column of its per-position statistics is."""
         return "block position" if self.parallel else "TTT step"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Its layers normalise each head's queries and keys (Qwen3's layers do)."""
+        return self.layer_model_type == "qwen3"
 
     @property
     def first_prediction(self) -> int:
@@ -63,6 +71,11 @@ def register(family: Family) -> Family:
     return family
 
 
+def is_family(name: Any) -> bool:
+    """Whether `name` names a registered family (registered now: a plug-in registers at import)."""
+    return isinstance(name, str) and name in FAMILIES
+
+
 def family(name: str) -> Family:
     """The family called `name`, or a ValueError that lists the ones there are."""
     try:
@@ -82,6 +95,7 @@ P_EAGLE = register(Family(
     speculators_architecture="PEagleSpeculator", vllm_method="eagle3", vllm_parallel_drafting=True,
     vllm_served=((0, 32), (0, 33))))
 DFLASH = register(Family(
-    "dflash", "DFlash", parallel=True, default_block_size=16, anchor_in_block=True, layer_model_type="qwen3",
+    "dflash", "DFlash", parallel=True, default_block_size=16, anchor_in_block=True, injects_context=True,
+    layer_model_type="qwen3",
     speculators_type="dflash", speculators_architecture="DFlashSpeculator", vllm_method="dflash",
     vllm_served=((0, 32), None), sglang_algorithm="DFLASH"))

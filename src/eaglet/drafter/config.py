@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from eaglet import layers, options
+from eaglet import families, layers, options
 
 DEFAULT_DRAFT_VOCAB = 8192  # bench/train_efficiency.py: 8k beat 16k and 32k at equal time on a CPU
 DEFAULT_TTT_STEPS: int = options.declared_default("train", "ttt_steps")  # the train option's, declared once
@@ -60,17 +60,18 @@ class DraftConfig:
     norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g (speculators' default)
     sliding_window: int | None = None  # step-0 keys a query sees: the last W positions (None: all)
     target_hidden_size: int | None = None  # width of the aux states (defaults to hidden_size)
-    family: str = options.EAGLE3  # options.DRAFTER_FAMILIES: EAGLE-3, or a parallel drafter (drafter/parallel.py)
+    family: str = families.EAGLE3.name  # a registered family (eaglet.families): EAGLE-3, or a parallel drafter
     num_layers: int = 1  # decoder layers (EAGLE-3: its one midlayer)
     block_size: int = 0  # parallel drafters: P-EAGLE's K drafts a pass, DFlash's block (anchor + B-1 drafts)
     mask_token_id: int | None = None  # parallel drafters: the token whose embedding fills the unknown positions
 
     def __post_init__(self) -> None:
-        if self.family not in options.DRAFTER_FAMILIES:
-            raise ValueError(f"family {self.family!r}: one of {list(options.DRAFTER_FAMILIES)}")
-        if self.family == options.EAGLE3 and (self.num_layers != 1 or self.block_size or self.mask_token_id is not None):
+        if not families.is_family(self.family):
+            raise ValueError(f"family {self.family!r}: one of {list(families.FAMILIES)}")
+        parallel = families.family(self.family).parallel
+        if not parallel and (self.num_layers != 1 or self.block_size or self.mask_token_id is not None):
             raise ValueError("an EAGLE-3 drafter has one layer and no block_size or mask_token_id")
-        if self.family != options.EAGLE3:
+        if parallel:
             if self.num_layers < 1 or self.block_size < 2:
                 raise ValueError(f"a {self.family} drafter needs num_layers >= 1 (got {self.num_layers}) and "
                                  f"block_size >= 2 (got {self.block_size})")

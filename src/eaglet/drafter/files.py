@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from eaglet import __version__, families, formats, heads, layers, options, vllm_engine
+from eaglet import __version__, families, formats, heads, layers, vllm_engine
 from eaglet.drafter.config import DraftConfig
 from eaglet.drafter.parallel import DraftModel, build_model
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
@@ -199,7 +199,7 @@ def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
     from_target = False
     if EMBEDDINGS not in tensors and target is not None:
         tensors[EMBEDDINGS], from_target = target_embeddings(target), True
-    if LM_HEAD not in tensors and cfg.family != options.EAGLE3 and target is not None:
+    if LM_HEAD not in tensors and families.family(cfg.family).parallel and target is not None:
         tensors.update(whole_vocabulary_head(cfg, target))
     tensors = bool_mask(tensors)
     check_drafter(cfg, tensors, config_path, weights_where, fmt)
@@ -236,7 +236,7 @@ def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config.json: the EAGLE-3 / SGLang `LlamaForCausalLMEagle3` config (the same as
     `eaglet export --format eagle` writes, so a checkpoint is also a valid eagle folder in fp32),
     plus eaglet's own record, which `load_checkpoint` reads."""
-    engine = formats.build_eagle_config(cfg, "float32", None) if cfg.family == options.EAGLE3 else {}
+    engine = {} if families.family(cfg.family).parallel else formats.build_eagle_config(cfg, "float32", None)
     return {**engine, "eaglet": {"draft_config": cfg.to_dict(), **extra}}
 
 
@@ -405,10 +405,11 @@ def write_engine_folder(d: Drafter, out: Path, fmt: str, dtype: str = "bf16", ve
     target = verifier or (serving_name(recorded) if recorded else None)
     provenance = {"eaglet_version": __version__, "source_format": d.format, "target": target,
                   "target_revision": recorded_target_revision(d), "step": (d.source.get("eaglet") or {}).get("step")}
-    if d.config.family == "dflash" and fmt == formats.FORMAT_EAGLE:
+    traits = families.family(d.config.family)
+    if traits.injects_context and fmt == formats.FORMAT_EAGLE:  # z-lab's layout, SGLang's DFLASH
         refuse_own_head_for_sglang(d, verifier or recorded)
         config = formats.build_dflash_config(d.config, torch_dtype, provenance)
-    elif d.config.family != options.EAGLE3:
+    elif traits.parallel:
         if not target:
             raise ValueError(f"{d.folder}: no target recorded; pass --verifier (vLLM's speculators_config.verifier."
                              f"name_or_path is required)")

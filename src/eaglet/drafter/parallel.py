@@ -31,13 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglet import families, options
+from eaglet import families
 from eaglet.drafter.attention import apply_rope, rope_cos_sin
 from eaglet.drafter.config import DraftConfig
 from eaglet.drafter.model import MLP, Drafter, Eagle3Draft, RMSNorm
 
-PARALLEL_FAMILIES = options.DRAFTER_FAMILIES[1:]
-P_EAGLE, DFLASH = PARALLEL_FAMILIES
+# The built-in parallel families, by name. The code below reads a family's traits (`families`),
+# so a family registered with the traits of one of them runs here unchanged.
+P_EAGLE, DFLASH = families.P_EAGLE.name, families.DFLASH.name
+PARALLEL_FAMILIES = (P_EAGLE, DFLASH)
 
 
 P_EAGLE_KEEP, P_EAGLE_KEEP_MIN = 0.7, 0.2  # P-EAGLE's sampling: depth d keeps max(0.7^d, 0.2) of the positions
@@ -50,7 +52,7 @@ def position_weights(family: str, block_size: int) -> list[float]:
     the loss over sampled elements alike, and samples depth d at max(0.7^d, 0.2) of the positions
     depth 0 trains at, so depth d weighs that much against depth 0 (eaglet trains every depth on
     the same anchor grid and weights them instead of sampling)."""
-    if family == DFLASH:
+    if families.family(family).injects_context:
         gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
         return [math.exp(-k / gamma) for k in range(block_size - 1)]
     return [max(P_EAGLE_KEEP ** d, P_EAGLE_KEEP_MIN) for d in range(block_size)]
@@ -72,7 +74,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(in_dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        if cfg.family == DFLASH:
+        if families.family(cfg.family).qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -145,17 +147,20 @@ class ParallelDraft(Drafter):
     mask_hidden: nn.Parameter  # P-EAGLE's
 
     def __init__(self, cfg: DraftConfig):
-        if cfg.family not in PARALLEL_FAMILIES:  # DraftConfig checked the rest
-            raise ValueError(f"family {cfg.family!r}: a parallel drafter is one of {PARALLEL_FAMILIES}")
+        traits = families.family(cfg.family)
+        if not traits.parallel:  # DraftConfig checked the rest
+            raise ValueError(f"family {cfg.family!r}: not a parallel drafter")
         super().__init__(cfg)
+        self.traits = traits
         H = cfg.hidden_size
         self.fc = nn.Linear(3 * cfg.aux_width, H, bias=False)
-        if cfg.family == DFLASH:
+        if traits.injects_context:
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # of the injected context
         else:
             # the parallel positions' stand-in for the aux states, through fc like them
             self.mask_hidden = nn.Parameter(torch.zeros(1, 1, 3 * cfg.aux_width))
-        self.layers = nn.ModuleList(Layer(cfg, cfg.family == P_EAGLE and i == 0) for i in range(cfg.num_layers))
+        # without injected context, the first layer takes EAGLE-3's input (P-EAGLE)
+        self.layers = nn.ModuleList(Layer(cfg, not traits.injects_context and i == 0) for i in range(cfg.num_layers))
         self.add_head()
         self.reset_parameters()
 
@@ -175,7 +180,7 @@ class ParallelDraft(Drafter):
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The fused aux states: P-EAGLE's g (its layers' hidden input), DFlash's normalised context."""
         g = self.fc(aux_hidden.to(self.dtype))
-        return self.hidden_norm(g) if self.config.family == DFLASH else g
+        return self.hidden_norm(g) if self.traits.injects_context else g
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin broadcastable over heads for positions [B, n] or [n]."""
@@ -203,7 +208,7 @@ class ParallelDraft(Drafter):
             positions = torch.arange(L, device=device).expand(B, L)
         if documents is None:
             documents = torch.zeros(B, L, dtype=torch.long, device=device)
-        if self.config.family == DFLASH:
+        if self.traits.injects_context:
             return self.dflash_blocks(input_ids, aux_hidden, anchors, documents, positions)
         return self.p_eagle_blocks(input_ids, aux_hidden, anchors, documents, positions)
 
@@ -329,4 +334,4 @@ DraftModel = Eagle3Draft | ParallelDraft  # a drafter of any family
 
 def build_model(cfg: DraftConfig) -> DraftModel:
     """The drafter `cfg` describes, of its family."""
-    return ParallelDraft(cfg) if cfg.family in PARALLEL_FAMILIES else Eagle3Draft(cfg)
+    return ParallelDraft(cfg) if families.family(cfg.family).parallel else Eagle3Draft(cfg)

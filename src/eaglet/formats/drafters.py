@@ -53,6 +53,7 @@ FORMAT_SPECULATORS = "speculators"  # vLLM / speculators `Eagle3Speculator`
 FORMAT_GGUF = "gguf"  # one llama.cpp eagle3 GGUF file (formats/gguf_drafter.py)
 EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURE = families.EAGLE3.speculators_architecture
+EAGLE3 = families.EAGLE3.name  # the chain family, whose layouts the functions below default to
 # eaglet name prefix -> name prefix in the format. `fc_norm` is eaglet's single RMSNorm over the
 # 3H concat; the engines call that `norm_before_fc` / `input_norm` (their `fc_norm` is per layer).
 FORMAT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -73,21 +74,22 @@ def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
 
 
 def renames(fmt: str, family: str) -> tuple[tuple[str, str], ...]:
-    """The renames of `fmt` for a drafter family: the parallel drafters' names are the engines' already."""
-    return FORMAT_RENAMES[fmt] if family == "eagle3" else ()
+    """The renames of `fmt` for a drafter family: EAGLE-3's chain drafter keeps the names of its
+    first release (midlayer, fc_norm); the parallel drafters' names are the engines' already."""
+    return () if families.family(family).parallel else FORMAT_RENAMES[fmt]
 
 
-def format_name(name: str, fmt: str, family: str = "eagle3") -> str:
+def format_name(name: str, fmt: str, family: str = EAGLE3) -> str:
     """An eaglet tensor name as `fmt` stores it."""
     return _rename(name, renames(fmt, family))
 
 
-def to_format_names(tensors: dict[str, torch.Tensor], fmt: str, family: str = "eagle3") -> dict[str, torch.Tensor]:
+def to_format_names(tensors: dict[str, torch.Tensor], fmt: str, family: str = EAGLE3) -> dict[str, torch.Tensor]:
     return {format_name(k, fmt, family): v for k, v in tensors.items()}
 
 
 def from_format_names(tensors: dict[str, torch.Tensor], fmt: str, where: str,
-                      family: str = "eagle3") -> dict[str, torch.Tensor]:
+                      family: str = EAGLE3) -> dict[str, torch.Tensor]:
     """Names as stored in `fmt` -> eaglet names. SGLang also accepts each name with a `model.`
     prefix (its params live under `model.`), so an eagle folder may use either spelling."""
     back = tuple((new, old) for old, new in renames(fmt, family))
@@ -228,10 +230,10 @@ def build_speculators_config(cfg: Any, torch_dtype: str, verifier_name: str, ver
                              speculative_tokens: int, provenance: dict[str, Any]) -> dict[str, Any]:
     """config.json of a speculators `Eagle3Speculator` folder (what vLLM's SpeculatorsConfig reads)."""
     return {
-        "architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": "eagle3",
+        "architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": families.EAGLE3.speculators_type,
         "transformer_layer_config": _llama_block(cfg),
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": families.EAGLE3.speculators_type,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -248,9 +250,9 @@ def build_speculators_config(cfg: Any, torch_dtype: str, verifier_name: str, ver
 
 def parse_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
     """(DraftConfig fields, aux ids in HF indexing or None) of a speculators eagle3 config."""
-    if c.get("speculators_model_type") != "eagle3":
+    if c.get("speculators_model_type") != families.EAGLE3.speculators_type:
         raise _refuse(where, "speculators_model_type", c.get("speculators_model_type"),
-                      f"expected one of {['eagle3', *SPECULATORS_TYPES.values()]}")
+                      f"expected one of {sorted({f.speculators_type for f in families.FAMILIES.values()})}")
     block = c.get("transformer_layer_config")
     if not isinstance(block, dict):
         raise ValueError(f"{where}: field transformer_layer_config missing or not a dict")
@@ -279,8 +281,12 @@ def parse_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, A
 #         of its own: the target's are used, other names are skipped).
 # ---------------------------------------------------------------------------------------------
 
-# eaglet's parallel family -> its speculators_model_type (families.Family.speculators_type)
-SPECULATORS_TYPES = {f.name: f.speculators_type for f in families.FAMILIES.values() if f.parallel}
+def speculators_family(kind: Any) -> str | None:
+    """The parallel family whose speculators export has speculators_model_type `kind` (the first
+    registered, so a built-in family wins over a variant registered with its type), or None."""
+    return next((f.name for f in families.FAMILIES.values() if f.parallel and f.speculators_type == kind), None)
+
+
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # z-lab's layout, which SGLang (and vLLM) load
 
 
@@ -302,7 +308,7 @@ def build_parallel_speculators_config(cfg: Any, torch_dtype: str, verifier_name:
         "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
         "mask_token_id": cfg.mask_token_id, "torch_dtype": torch_dtype,
     }
-    if cfg.family == "dflash":
+    if family.injects_context:  # DFlash's schema
         # vLLM turns sliding_window_non_causal into dflash_config.causal = not it, for every layer: an
         # explicit false would make the block causal there (its default, the key absent, is non-causal);
         # speculators' blocks are bidirectional without a sliding window whatever it says
@@ -329,11 +335,12 @@ def _parallel_fields(c: dict[str, Any], block: dict[str, Any], where: str, famil
 
 def parse_parallel_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
     """(DraftConfig fields, aux ids in HF indexing or None) of a speculators `peagle` / `dflash` config."""
-    family = {v: k for k, v in SPECULATORS_TYPES.items()}[c["speculators_model_type"]]
+    family = speculators_family(c["speculators_model_type"])
+    assert family is not None, "parse_engine_config reads only the parallel families' types here"
     block = c.get("transformer_layer_config")
     if not isinstance(block, dict):
         raise ValueError(f"{where}: field transformer_layer_config missing or not a dict")
-    if family == "dflash":
+    if families.family(family).injects_context:  # DFlash's schema
         if c.get("sample_from_anchor"):
             raise _refuse(where, "sample_from_anchor", True, "DSpark, not plain DFlash (eaglet's anchor predicts "
                                                              "nothing)")
@@ -364,7 +371,7 @@ def parse_dflash_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], 
     """(DraftConfig fields, aux ids in HF indexing or None) of a `DFlashDraftModel` config."""
     dflash = c.get("dflash_config") or {}
     ids = dflash.get("target_layer_ids")
-    fields = _parallel_fields(c, c, where, "dflash", dflash.get("block_size", c.get("block_size")),
+    fields = _parallel_fields(c, c, where, families.DFLASH.name, dflash.get("block_size", c.get("block_size")),
                               dflash.get("mask_token_id", c.get("mask_token_id")))
     return fields, ([i + 1 for i in ids] if ids else None)
 
@@ -373,7 +380,7 @@ def parse_engine_config(c: dict[str, Any], fmt: str, where: str) -> tuple[dict[s
     """(DraftConfig fields, aux ids or None) of an engine folder's config.json, any family."""
     if fmt == FORMAT_SPECULATORS:
         kind = c.get("speculators_model_type")
-        return (parse_parallel_speculators_config if kind in SPECULATORS_TYPES.values()
+        return (parse_parallel_speculators_config if speculators_family(kind) is not None
                 else parse_speculators_config)(c, where)
     if DFLASH_ARCHITECTURE in (c.get("architectures") or []):
         return parse_dflash_config(c, where)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import families, ranges
-from eaglet.options import DRAFTER_FAMILIES, LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
+from eaglet.options import LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
 from eaglet.placement import Placement, placement_from_options, size_text
 
 BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
@@ -48,7 +48,7 @@ class TrainConfig:
     pack_tokens: int | None = declared("train", "pack_tokens")
     compile: bool | None = declared("train", "compile")  # torch.compile the training forward (None: when packed)
     max_length: int | None = declared("train", "max_length")  # truncate samples to this many tokens
-    drafter: str = declared("train", "drafter")  # options.DRAFTER_FAMILIES
+    drafter: str = declared("train", "drafter")  # a registered family (eaglet.families)
     draft_layers: int | None = declared("train", "draft_layers")  # parallel families: decoder layers
     block_size: int | None = declared("train", "block_size")  # parallel families: K / the block
     anchor_stride: int | None = declared("train", "anchor_stride")  # parallel families: a block every N positions
@@ -157,8 +157,8 @@ class TrainConfig:
         """The family's options checked, a parallel family's defaults filled in (so train_config.json
         and a resume see them), an EAGLE-3 run's left None."""
         family = self.drafter
-        if family not in DRAFTER_FAMILIES:
-            raise ValueError(f"--drafter {family!r}: choose one of {list(DRAFTER_FAMILIES)}")
+        if not families.is_family(family):  # registered now: a plug-in family registers at import
+            raise ValueError(f"--drafter {family!r}: choose one of {list(families.FAMILIES)}")
         parallel = {k: getattr(self, k) for k in PARALLEL_DEFAULTS}
         if not families.family(family).parallel:
             given = [k for k, v in parallel.items() if v is not None]
