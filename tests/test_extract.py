@@ -273,6 +273,8 @@ def test_samples_longer_than_the_target_positions_are_refused(tiny_target, prepa
     """A prepared dataset from before prepare checked --max-length, or edited: 1030 tokens on a 1024-position target."""
     edit_prepared(prepared, 3, lambda r: r.update(input_ids=(r["input_ids"] * 400)[:1030],
                                                   loss_mask=(r["loss_mask"] * 400)[:1030]))
+    config = formats.read_json(prepared / formats.PREPARE_CONFIG_FILE)  # as prepared at --max-length 2048
+    formats.write_json_atomic(prepared / formats.PREPARE_CONFIG_FILE, {**config, "max_length": 2048})
     with pytest.raises(ValueError, match=rf"^{prepared / formats.PREPARED_FILE}:3: sample chat2 has 1030 tokens, "
                                          rf"more than the 1024 positions the target holds \(max_position_embeddings "
                                          rf"in {tiny_target / 'config.json'}\); 1 of 12 samples are that long: run "

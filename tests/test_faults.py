@@ -257,10 +257,10 @@ def test_token_counts_that_are_not_whole_numbers_name_the_file(tmp_path):
         formats.read_token_freq(path)
 
 
-@pytest.mark.parametrize("text, said", [('{"lr": "abc"}', ""),
-                                        ('{"ttt_steps": true}', r" \(--ttt-steps True: must be a whole number\)"),
+@pytest.mark.parametrize("text, said", [('{"lr": "abc"}', r" \(--lr 'abc': must be a number > 0;"),
+                                        ('{"ttt_steps": true}', r" \(--ttt-steps True: must be a whole number;"),
                                         ('{"aux_layer_ids": [2, "4", 5]}', r" \(--aux-layer-ids \[2, '4', 5\]: must be "
-                                                                          r"a list of whole numbers\)")])
+                                                                          r"a list of whole numbers;")])
 def test_a_resumed_run_whose_config_file_is_damaged_names_it(tmp_path, text, said):
     """A value of the wrong kind in the file (a bool for a count) was accepted on resume."""
     from eaglet.training.loop import options_of_run

@@ -134,6 +134,13 @@ def test_engine_options_are_vllms_keywords_and_environment():
                                                          '"allowed_local_media_path": "/"}'},
                                            "--vllm-args: allowed_local_media_path, download_dir, worker_extension_cls "
                                            "are eaglet's to set"),
+                                          ({"vllm_args": '{"scheduler_cls": "x.S", "reasoning_parser_plugin": "/x.py"}'},
+                                           "--vllm-args: reasoning_parser_plugin, scheduler_cls are eaglet's to set"),
+                                          ({"vllm_args": '{"compilation_config": {"backend": "x.f"}}'},
+                                           "compilation_config: give its level as a number"),
+                                          # ... or set what an option of eaglet's sets, unrecorded
+                                          ({"vllm_args": '{"dtype": "float16"}'},
+                                           "--vllm-args: dtype: eaglet's option --dtype sets it"),
                                           ({"vllm_args": '{"load_format": "dummy"}'},
                                            "--vllm-args: load_format 'dummy' runs random weights")])
 def test_engine_options_out_of_range_are_refused(kwargs, said):

@@ -79,11 +79,11 @@ def jsonl_prompts(path: Path) -> Iterator[Prompt]:
                 raise ValueError(f"{where}: invalid JSON ({e})") from None
             pid = str(rec.get("id", line_no)) if isinstance(rec, dict) else str(line_no)
             if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-                if not rec["prompt"]:  # as an empty turn: nothing to answer
+                if not rec["prompt"].strip():  # as an empty turn: nothing to answer
                     raise ValueError(f"{where}: field 'prompt' is empty")
                 yield Prompt(path.stem, pid, [rec["prompt"]])
             elif isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"]:
-                if not all(isinstance(t, str) and t for t in rec["turns"]):
+                if not all(isinstance(t, str) and t.strip() for t in rec["turns"]):
                     raise ValueError(f"{where}: field 'turns': every turn is a non-empty string")
                 yield Prompt(path.stem, pid, list(rec["turns"]))
             elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
@@ -92,7 +92,7 @@ def jsonl_prompts(path: Path) -> Iterator[Prompt]:
                            for m in msgs):
                     raise ValueError(f"{where}: field 'messages': every message needs a 'role' ({', '.join(PROMPT_ROLES)}) "
                                      "and a 'content' string")
-                if msgs[-1]["role"] != "user" or not msgs[-1]["content"]:
+                if msgs[-1]["role"] != "user" or not msgs[-1]["content"].strip():
                     raise ValueError(f"{where}: field 'messages': the last message must be the user's, and not "
                                      f"empty; got {msgs[-1]['role']!r} {msgs[-1]['content'][:40]!r}")
                 yield Prompt(path.stem, pid, [msgs[-1]["content"]], [dict(m) for m in msgs[:-1]])

@@ -10,6 +10,7 @@ comparison. The command line and recipes refuse them earlier, where they are par
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import fields
 from typing import Any, Callable
 
@@ -28,6 +29,8 @@ def check(rule: str, ok: Callable[[Any], bool], why: str = "", **values: Any) ->
     for name, value in values.items():
         if value is None:
             continue
+        if not isinstance(value, numbers.Real):  # text or a list read back from a file, not a number
+            raise option_error(name, repr(value), f"a number {rule}", why)
         if not finite(value):
             raise option_error(name, value, f"{rule} and finite", why)
         if not ok(value):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import re
 import os
 import select
 import subprocess
@@ -129,6 +130,14 @@ OWNED_KEYWORDS = {"model", "tokenizer", "trust_remote_code", "speculative_config
                   "kv_transfer_config", "worker_cls", "worker_extension_cls", "model_loader_extra_config",
                   "download_dir", "allowed_local_media_path", "allowed_media_domains", "logits_processors"}
 OWNED_HINT = "use --target, the drafter argument, and eaglet --trust-remote-code"
+# ... and by their form: vLLM imports a class or file a keyword of these shapes names (scheduler_cls,
+# reasoning_parser_plugin, ec_transfer_config's ec_connector_module_path) or writes where it says
+OWNED_PATTERN = re.compile(r".*(_cls|_class|plugin|plugins|_path|_dir|_module|transfer_config|connector.*)")
+# keywords eaglet sets from its own options: given in --vllm-args they would win unrecorded
+# (a dtype other than the one data_config.json records)
+OPTION_KEYWORDS = {"dtype": "--dtype", "seed": "--seed", "tensor_parallel_size": "--tensor-parallel-size",
+                   "pipeline_parallel_size": "--pipeline-parallel-size", "max_model_len": "--max-model-len",
+                   "gpu_memory_utilization": "--gpu-memory-utilization"}
 # load formats that are no weights of the target: its states would be of random weights
 NO_WEIGHTS_LOAD_FORMATS = {"dummy"}
 
@@ -144,11 +153,19 @@ def parse_engine_args(text: str | None) -> dict[str, Any]:
                          "'{\"max_num_seqs\": 64}'") from None
     if not isinstance(value, dict):
         raise ValueError(f"--vllm-args {text!r}: a JSON object of vllm.LLM keywords, e.g. '{{\"max_num_seqs\": 64}}'")
-    owned = sorted(set(value) & OWNED_KEYWORDS)
+    owned = sorted(k for k in value if k in OWNED_KEYWORDS or OWNED_PATTERN.fullmatch(k))
     if owned:
         raise ValueError(f"--vllm-args: {', '.join(owned)} {'is' if len(owned) == 1 else 'are'} eaglet's to set "
-                         f"(the target, the drafter, and --trust-remote-code for a model's own code); "
+                         f"(what vLLM runs: the target, the drafter, a model's own code or a class it imports; and the "
+                         f"files it reads and writes); "
                          f"{OWNED_HINT}")
+    options = sorted(set(value) & set(OPTION_KEYWORDS))
+    if options:
+        raise ValueError(f"--vllm-args: {', '.join(options)}: eaglet's option "
+                         f"{', '.join(OPTION_KEYWORDS[k] for k in options)} sets it (and records it); use that")
+    if isinstance(value.get("compilation_config"), dict):  # its backend and passes are names vLLM imports
+        raise ValueError("--vllm-args: compilation_config: give its level as a number (a dict of it can name code "
+                         "for vLLM to import)")
     if value.get("load_format") in NO_WEIGHTS_LOAD_FORMATS:
         raise ValueError(f"--vllm-args: load_format {value['load_format']!r} runs random weights, not the target's; "
                          "leave it out")

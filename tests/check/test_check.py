@@ -283,6 +283,15 @@ def test_missing_file_and_side_files_disagree(copy):
     assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "num_samples is 12, the files hold 11")
 
 
+def test_a_recorded_max_length_below_the_samples_is_named(copy):
+    """data_config.json's max_length lowered below its samples was CLEAN."""
+    ds = copy()
+    config = formats.read_json(ds / formats.DATA_CONFIG_FILE)
+    formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, {**config, "max_length": 8})
+    report = C.check_dataset(ds, use_target=False)
+    assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "max_length is 8, but the files hold a sample of")
+
+
 def test_duplicate_index_and_folder_naming(copy):
     ds = copy()
     other = ds / formats.HIDDEN_STATES_DIR / "rows_2000-4000"

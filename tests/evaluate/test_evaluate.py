@@ -158,8 +158,10 @@ def test_a_recorded_target_that_is_no_target_is_named_with_its_file(tiny_target,
     for i, (recorded, said) in enumerate([
             (123, r"config\.json: field eaglet\.target 123 is not a model folder or hub id; write the target's "
                   r"folder or id there, or pass --target"),
-            (str(tmp_path / "gone"), r"step_\d+: the target its config\.json records .*gone: not a local folder")]):
-        ckpt = save_checkpoint(tmp_path / f"c{i}", 1, Eagle3Draft(cfg), export_config(cfg, {"target": recorded}), {})
+            (str(tmp_path / "gone"), r"step_\d+: the target its config\.json records .*gone: not a local folder"),
+            (str(tiny_target), r"config\.json: field eaglet\.target_revision \[1\] is not a revision")]):
+        extra = {"target": recorded, **({"target_revision": [1]} if i == 2 else {})}
+        ckpt = save_checkpoint(tmp_path / f"c{i}", 1, Eagle3Draft(cfg), export_config(cfg, extra), {})
         with pytest.raises((ValueError, FileNotFoundError), match=said):
             evaluate(ckpt, prompt_sets=[str(prompts)], dtype="fp32", device="cpu", progress=False)
 
@@ -372,6 +374,8 @@ def test_prompt_files_are_checked_before_any_model_loads(tmp_path):
                        ('{"messages": [{"role": "wizard", "content": "x"}, {"role": "user", "content": "y"}]}',
                         "needs a 'role'"),
                        ('{"prompt": ""}', "field 'prompt' is empty"),  # as an empty turn: nothing to answer
+                       ('{"prompt": " \\n\\t "}', "field 'prompt' is empty"),
+                       ('{"turns": ["hi", "  "]}', "field 'turns': every turn is a non-empty string"),
                        ('{"messages": [{"role": "user", "content": ""}]}', "the last message must be the user's, and "
                                                                           "not empty")):
         (tmp_path / "odd.jsonl").write_text(line + "\n")

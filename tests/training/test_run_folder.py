@@ -305,7 +305,7 @@ def test_pruning_removes_only_the_checkpoints_a_run_writes(tmp_path):
                                                        "step_00000006", "step_notes"]
 
 
-@pytest.mark.parametrize("line", ['{"foo": 1}', '{"step": "x"}', "[1, 2]", '{"step": true}'])
+@pytest.mark.parametrize("line", ['{"foo": 1}', '{"step": "x"}', "[1, 2]", '{"step": true}', '{"step": -5}'])
 def test_a_metrics_line_that_is_no_metric_is_named_on_resume(tmp_path, line):
     """train --resume ended in KeyError 'step' / TypeError on such a line."""
     path = tmp_path / "metrics.jsonl"
@@ -332,6 +332,10 @@ def test_a_damaged_or_edited_checkpoint_is_never_resumed_from_nor_exported(data,
     save_file(damaged, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
     with pytest.raises(ValueError, match=r"model\.safetensors: field d2t disagrees with t2d at \d+ draft ids"):
         train(data / "v1", run, resume=True, show_progress=False)
+    other_embeddings = dict(weights, **{"embed_tokens.weight": torch.randn_like(weights["embed_tokens.weight"])})
+    save_file(other_embeddings, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))  # sound, but not the target's
+    with pytest.raises(ValueError, match=r"model\.safetensors: field embed_tokens\.weight is not the target's"):
+        train(data / "v1", run, resume=True, show_progress=False)
     save_file(weights, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
     edited = dict(config, eagle_aux_hidden_state_layer_ids=[3, 4, 5])
     formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, edited)
@@ -340,3 +344,25 @@ def test_a_damaged_or_edited_checkpoint_is_never_resumed_from_nor_exported(data,
         export_drafter(ckpt, tmp_path / "export", "speculators")
     formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, config)
     export_drafter(ckpt, tmp_path / "export", "speculators")
+
+
+def test_a_metrics_file_that_is_a_link_is_refused(tmp_path):
+    """A metrics.jsonl linked to a file elsewhere (there or not yet) had the run's metrics appended there."""
+    elsewhere = tmp_path / "elsewhere" / "planted.jsonl"
+    elsewhere.parent.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: a link \(to .*planted\.jsonl\); a run writes its metrics "
+                                         r"inside its folder only"):
+        truncate_metrics(run / "metrics.jsonl", 0)
+    assert not elsewhere.exists()
+
+
+def test_a_resume_removes_half_written_checkpoints_and_nothing_inside_a_users_folder(tmp_path):
+    """The sweep of temp files walked into a user's step_00000004.bak and deleted its .x.tmp-* files."""
+    root = tmp_path / CHECKPOINTS_DIR
+    (root / "step_00000004.bak" / f".notes{formats.TMP_MARK}1").mkdir(parents=True)
+    (root / f".step_00000009{formats.TMP_MARK}abc").mkdir()
+    assert formats.remove_stale_temp_files(root, recursive=False) == 1
+    assert sorted(p.name for p in root.rglob("*")) == [f".notes{formats.TMP_MARK}1", "step_00000004.bak"]

@@ -166,6 +166,9 @@ def config_totals_problems(cfg: formats.DataConfig, results: list[FileResult]) -
         recorded = getattr(cfg, key)
         if recorded is not None and recorded != actual:
             out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} is {recorded}, the files hold {actual}"))
+    if cfg.max_length is not None and facts["seq_length"] > cfg.max_length:  # the bound prepare truncated to
+        out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"max_length is {cfg.max_length}, but the files "
+                                                                  f"hold a sample of {facts['seq_length']} tokens"))
     return out
 
 

@@ -212,8 +212,13 @@ def recorded_target_revision(d: Drafter) -> str | None:
     """The revision (content hash) of the target the drafter was trained for: an eaglet checkpoint
     and eaglet's exports record it; folders from other tools do not."""
     if d.format == formats.FORMAT_EAGLET:
-        return d.source["eaglet"].get("target_revision")
-    return (d.source.get("eaglet_export") or {}).get("target_revision")
+        field, value = "eaglet.target_revision", d.source["eaglet"].get("target_revision")
+    else:
+        field, value = "eaglet_export.target_revision", (d.source.get("eaglet_export") or {}).get("target_revision")
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"{d.folder / formats.DRAFTER_CONFIG_FILE}: field {field} {value!r} is not a revision (a "
+                         "content hash eaglet records); restore the file")
+    return value
 
 
 def recorded_target(d: Drafter) -> str | None:
@@ -240,11 +245,20 @@ def export_config(cfg: DraftConfig, extra: dict[str, Any]) -> dict[str, Any]:
     return {**engine, "eaglet": {"draft_config": cfg.to_dict(), **extra}}
 
 
-def load_draft_weights(model: DraftModel, folder: Path) -> None:
+def load_draft_weights(model: DraftModel, folder: Path, keep_frozen: bool = False) -> None:
     """A checkpoint's weights into `model`, checked as `read_drafter` checks them (shapes, finite
-    values, d2t against t2d): a damaged checkpoint is never resumed from and carried on."""
+    values, d2t against t2d): a damaged checkpoint is never resumed from and carried on. With
+    `keep_frozen` (a resume, the model built from the target) its frozen weights, the target's
+    embeddings among them, must be the model's as built, bit for bit."""
     tensors = bool_mask(formats.read_safetensors(folder / MODEL_FILE))
     check_drafter(model.config, tensors, folder / formats.DRAFTER_CONFIG_FILE, folder / MODEL_FILE)
+    if keep_frozen:
+        changed = [n for n, p in model.named_parameters()
+                   if not p.requires_grad and not torch.equal(tensors[n].to(p.device, p.dtype), p.detach())]
+        if changed:
+            raise ValueError(f"{folder / MODEL_FILE}: field {changed[0]} is not the target's (it is frozen in "
+                             "training, so the checkpoint was changed since): resume from an earlier checkpoint "
+                             "(point latest.json at it) or train into another --out")
     model.load_state_dict(tensors)
 
 

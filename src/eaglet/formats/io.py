@@ -413,9 +413,10 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = None) -> int:
+def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = None, recursive: bool = True) -> int:
     """Delete temp files and folders (atomic_dir's) a killed writer left behind; `owned` limits it to
-    these final names. A folder that does not exist (yet) has none."""
+    these final names, `recursive=False` to `folder` itself (its other folders may be a user's). A
+    folder that does not exist (yet) has none."""
     def stale(name: str) -> bool:
         return name.startswith(".") and TMP_MARK in name and (owned is None or name[1:].split(TMP_MARK, 1)[0] in owned)
 
@@ -428,6 +429,8 @@ def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = 
         for name in filter(stale, files):
             Path(root, name).unlink(missing_ok=True)
             removed += 1
+        if not recursive:
+            break
     return removed
 
 

@@ -386,7 +386,7 @@ def _load_rows(folder: str, stamp: int) -> Any:
     except ImportError:
         raise
     except Exception as e:
-        raise ValueError(f"{folder}: its Arrow table (state.json, data-*.arrow) is not readable: "
+        raise ValueError(f"{folder}: its Arrow table (state.json, dataset_info.json, data-*.arrow) is not readable: "
                          f"{type(e).__name__}: {e}") from e
     if not hasattr(table, "column_names"):
         raise ValueError(f"{folder}: holds a DatasetDict; speculators trains from a single Dataset")

@@ -188,7 +188,7 @@ def restore(folder: Path, draft: DraftModel, opt: torch.optim.Optimizer, sched: 
     if diff:
         raise ValueError(f"--resume: {folder} was trained with other settings {{option: (then, now)}}: {diff}; "
                          "leave these options out (a resume takes the run's own) or train into another --out")
-    load_draft_weights(draft, folder)
+    load_draft_weights(draft, folder, keep_frozen=True)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -220,14 +220,18 @@ def resumed_options(out: Path) -> dict[str, Any]:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines a killed run wrote after the checkpoint we resume from."""
+    """Drop metric lines a killed run wrote after the checkpoint we resume from. A link is refused:
+    the run appends to this file, and an append follows a link out of the run folder."""
+    if path.is_symlink():
+        raise ValueError(f"{path}: a link (to {os.readlink(path)}); a run writes its metrics inside its folder only: "
+                         "remove the link, or train into another --out")
     if not path.exists():
         return
     records = formats.read_jsonl_log(path)
     for n, r in enumerate(records, 1):
-        if not isinstance(r, dict) or type(r.get("step")) is not int:
-            raise ValueError(f"{path}: record {n} ({json.dumps(r)[:80]}) is no metric line of a run (no integer "
-                             "\"step\"); restore the file or remove that line, then resume")
+        if not isinstance(r, dict) or type(r.get("step")) is not int or r["step"] < 0:
+            raise ValueError(f"{path}: record {n} ({json.dumps(r)[:80]}) is no metric line of a run (no step "
+                             "number >= 0); restore the file or remove that line, then resume")
     keep = [r for r in records if r["step"] <= step]
     formats.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 

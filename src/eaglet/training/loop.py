@@ -162,7 +162,9 @@ def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | Non
     out = Path(out_dir)
     cfg, from_run = options_of_run(out, resume, options)
     if env_rank() == 0:
-        formats.remove_stale_temp_files(out / CHECKPOINTS_DIR)  # checkpoint folders a kill left half-written
+        # checkpoint folders and pointers a kill left half-written: all beside the checkpoints, never
+        # inside a folder of the user's there (a step_00000004.bak)
+        formats.remove_stale_temp_files(out / CHECKPOINTS_DIR, recursive=False)
     with run_settings_named(out, from_run):
         data = open_training_data(dataset_dir, cfg, show_progress and env_rank() == 0)
         device = process_device(cfg.device)  # under torchrun, one device per process
@@ -216,8 +218,9 @@ def options_of_run(out: Path, resume: bool, options: dict[str, Any]) -> tuple[Tr
     try:
         TrainConfig(**resumed)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{out / TRAIN_CONFIG_FILE}: the run's settings do not make a training config ({e}); "
-                         "fix the file or train into a new --out") from e
+        raise ValueError(f"{out / TRAIN_CONFIG_FILE}: the run's settings do not make a training config ({e}; "
+                         "read from this file and, for the options a resume must match, from the latest "
+                         "checkpoint's training_state.pt); fix the file that holds it or train into a new --out") from e
     return TrainConfig(**{**resumed, **options}), set(resumed) - set(options)
 
 
