@@ -260,3 +260,14 @@ def test_a_cut_off_torch_file_is_named(work, tmp_path):
     with pytest.raises(ValueError, match=rf"^{freq}: not a readable torch file \(cut off or damaged: .*central "
                                          r"directory.*\); restore it or write it again$"):
         train(data, tmp_path / "run", total_steps=1, show_progress=False, **FAST)
+
+
+def test_the_sweep_removes_safetensors_own_temp_files(tmp_path):
+    """safetensors writes through a `.tmpXXXXXX` file of its own: a kill while a writer thread was in
+    it (another thread renaming) left one in a convert's output, beside the files a rerun completes."""
+    rows = tmp_path / "compact" / "rows_0-2000"
+    rows.mkdir(parents=True)
+    for name in (".tmpYRBhk3", "data_0.safetensors", "notes.tmp", ".tmpfolder-of-mine"):
+        (rows / name).write_text("x")
+    assert formats.remove_stale_temp_files(tmp_path) == 1
+    assert sorted(p.name for p in rows.iterdir()) == [".tmpfolder-of-mine", "data_0.safetensors", "notes.tmp"]

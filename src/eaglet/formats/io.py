@@ -33,6 +33,9 @@ from safetensors.torch import load_file, save_file
 log = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"  # every temp file eaglet writes has this in its name
+# safetensors (>= 0.6) writes a file through a temp file of its own beside it, `.tmp` + 6 characters,
+# inside eaglet's: a kill during it (a writer thread's, as another thread renames) leaves one
+SAFETENSORS_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,7 +421,8 @@ def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = 
     these final names, `recursive=False` to `folder` itself (its other folders may be a user's). A
     folder that does not exist (yet) has none."""
     def stale(name: str) -> bool:
-        return name.startswith(".") and TMP_MARK in name and (owned is None or name[1:].split(TMP_MARK, 1)[0] in owned)
+        ours = name.startswith(".") and TMP_MARK in name and (owned is None or name[1:].split(TMP_MARK, 1)[0] in owned)
+        return ours or SAFETENSORS_TMP_RE.fullmatch(name) is not None
 
     removed = 0
     for root, dirs, files in os.walk(os.fspath(folder)):
