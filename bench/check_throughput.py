@@ -26,6 +26,7 @@ import torch
 from eaglet import formats
 from eaglet.check import check_dataset
 from eaglet.formats import V1Sample
+from eaglet.options import CheckOptions
 
 
 def generate(out: Path, gb: float, hidden: int, vocab: int = 49152, layer_ids: tuple[int, ...] = (2, 15, 27, 30),
@@ -68,7 +69,7 @@ def plain_loop(files: list[Path]) -> float:
 
 def timed_check(folder: Path, workers: int | None) -> float:
     t0 = time.perf_counter()
-    report = check_dataset(folder, use_target=False, workers=workers)
+    report = check_dataset(CheckOptions(path=folder, use_target=False, workers=workers))
     seconds = time.perf_counter() - t0
     if report.errors:
         raise SystemExit(f"the synthetic dataset should be clean: {report.lines()[-12:]}")

@@ -29,6 +29,7 @@ from eaglet.extract import extract
 from eaglet.training.checkpoints import iter_metrics
 from eaglet.dataset import open_dataset
 from eaglet.training.loop import train
+from eaglet.options import ConvertOptions, ExtractOptions, TrainOptions
 
 TRAIN = dict(lr=2e-3, ttt_steps=2, draft_vocab_size=8192, teacher_top_k=16, loss_on="all", eval_fraction=0.1,
              batch_size=1, seed=0, log_every=10)
@@ -63,7 +64,7 @@ def extraction_rate(prepared: Path, out: Path, layout: str) -> float:
     if out.exists():
         shutil.rmtree(out)
     t0 = time.time()
-    s = extract(prepared, out, layout=layout, show_progress=False)
+    s = extract(ExtractOptions(prepared=prepared, out=out, layout=layout), show_progress=False)
     return s.tokens / (time.time() - t0)
 
 
@@ -119,9 +120,9 @@ def main() -> None:
 
     v1, compact = out / "v1", out / "compact"
     if not (v1 / formats.DATA_CONFIG_FILE).exists() or len(formats.list_v1_files(v1)) == 0:
-        extract(args.prepared, v1)
+        extract(ExtractOptions(prepared=args.prepared, out=v1))
     t0 = time.time()  # a finished conversion is reused (convert skips complete files), a killed one finished
-    s = convert(v1, compact, "compact")
+    s = convert(ConvertOptions(src=v1, out=compact, layout="compact"))
     if s.written:
         results["convert_tokens_per_s"] = s.tokens / (time.time() - t0)
     cfg = open_dataset(v1).config
@@ -141,7 +142,7 @@ def main() -> None:
         if not (run / "metrics.jsonl").exists() or not any(r.get("step") == args.steps and r.get("split") == "eval"
                                                           for r in iter_metrics(run)):
             shutil.rmtree(run, ignore_errors=True)
-            train(data, run, total_steps=args.steps, evals=args.evals, **options)
+            train(TrainOptions(dataset_dir=data, out_dir=run, total_steps=args.steps, evals=args.evals, **options))
         results[f"train_{name}"] = final_eval(run)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print_table(results)

@@ -23,6 +23,7 @@ from eaglet.prepare import prepare
 from eaglet.extract import extract, length_batches
 from eaglet.target import pad_right
 from eaglet.target import base_model, load_target, parse_dtype, pick_device, resolve_target
+from eaglet.options import ExtractOptions, PrepareOptions
 
 
 @torch.inference_mode()
@@ -45,7 +46,8 @@ def main() -> None:
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="eaglet-bench-extract-"))
-    prepare(args.target, args.data, work / "prep", args.max_length, args.num_samples)
+    prepare(PrepareOptions(target=args.target, data=args.data, out=work / "prep", max_length=args.max_length,
+                           num_samples=args.num_samples))
     samples, _ = formats.read_prepared(work / "prep")
     tokens = sum(len(s.input_ids) for s in samples)
     device = pick_device()
@@ -54,8 +56,8 @@ def main() -> None:
     plain_forward_seconds(model, samples, batches[-1:], device)  # warm-up
 
     plain_before = plain_forward_seconds(model, samples, batches, device)
-    summary = extract(work / "prep", work / "data", args.target, dtype=args.dtype, batch_tokens=args.batch_tokens,
-                      show_progress=False)
+    summary = extract(ExtractOptions(prepared=work / "prep", out=work / "data", target=args.target, dtype=args.dtype,
+                                     batch_tokens=args.batch_tokens), show_progress=False)
     plain_after = plain_forward_seconds(model, samples, batches, device)
     plain = (plain_before + plain_after) / 2
 

@@ -24,6 +24,7 @@ from eaglet.chat import chat_prompt_ids
 from eaglet.export import export_drafter
 from eaglet.prompts import load_prompt_set
 from eaglet.target import cpu_description, f32_target_gguf, load_tokenizer, resolve_target
+from eaglet.options import ExportOptions
 
 PASS_SIZES = (1, 2, 3, 4, 8)
 
@@ -56,7 +57,7 @@ def main() -> None:
         targets["q8_0"] = work / "target.q8_0.gguf"
         formats.write_gguf_as(f32, targets["q8_0"], "Q8_0")
     drafter = work / "drafter.gguf"
-    export_drafter(args.drafter, drafter, formats.FORMAT_GGUF)
+    export_drafter(ExportOptions(ckpt=args.drafter, out=drafter, fmt=formats.FORMAT_GGUF))
     tokenizer = load_tokenizer(resolve_target(None))
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}])
                for q in load_prompt_set(args.prompts, args.num_prompts)]

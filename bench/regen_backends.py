@@ -25,6 +25,7 @@ from pathlib import Path
 from eaglet import embedded
 from eaglet.regen import regenerate
 from eaglet.target import cpu_description, f32_target_gguf
+from eaglet.options import RegenOptions
 
 
 def main() -> None:
@@ -42,7 +43,7 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="eaglet-regen-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     common = dict(num_samples=args.chats, max_turns=1, max_new_tokens=args.max_new_tokens,
-                  max_prompt_tokens=args.max_prompt_tokens, progress_bar=False)
+                  max_prompt_tokens=args.max_prompt_tokens)
     runs: dict[str, dict] = {f"local {d}": dict(backend="local", dtype=d, batch_size=args.batch_size)
                              for d in args.dtype.split(",")}
     for w in args.weights.split(","):
@@ -52,7 +53,8 @@ def main() -> None:
                                                threads=args.threads)
     results = {}
     for label, options in runs.items():
-        s = regenerate("sharegpt", out / f"{label.replace(' ', '_')}.jsonl", **options, **common)
+        s = regenerate(RegenOptions(data="sharegpt", out=out / f"{label.replace(' ', '_')}.jsonl", **options, **common),
+                       progress_bar=False)
         results[label] = {"chats": s.written, "failed": s.failed, "tokens": s.tokens,
                           "seconds": round(s.seconds, 1), "tokens_per_s": round(s.tokens_per_s, 1)}
         print(f"{label}: {results[label]}", flush=True)

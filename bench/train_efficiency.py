@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet.options import parse_duration
+from eaglet.options import TrainOptions
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = dict(batch_size=1, log_every=10, seed=0, evals=5)  # every variant, unless it says otherwise (bf16: where fast)
@@ -126,7 +127,7 @@ def worker(spec: dict[str, Any]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = dict(spec["options"])
     data = options.pop("data", spec["data"])
-    summary = train(data, spec["out"], show_progress=False, **options)
+    summary = train(TrainOptions(dataset_dir=data, out_dir=spec["out"], **options), show_progress=False)
     result = {"steps": summary.step, "train_tokens": summary.train_tokens, "train_seconds": summary.seconds,
               "eval": summary.last_eval, "best_step": summary.best_step}
     if str(data) != str(spec["data"]):

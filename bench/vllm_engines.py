@@ -35,18 +35,20 @@ from eaglet.extract import extract
 from eaglet.prepare import prepare
 from eaglet.target import cpu_description, dtype_name, load_target, parse_dtype, resolve_target
 from eaglet.vllm_engine import EngineOptions, installed_version, vllm_engine
+from eaglet.options import EvalOptions, ExtractOptions, PrepareOptions
 
 
 def bench_extract(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-extract-"))
     prepared = Path(args.prepared) if args.prepared else work / "prepared"
     if not args.prepared:
-        prepare(None, "sharegpt", prepared, num_samples=args.samples, max_length=args.max_length)
+        prepare(PrepareOptions(target=None, data="sharegpt", out=prepared, num_samples=args.samples,
+                               max_length=args.max_length))
     rows = []
     for engine in ("hf", "vllm"):
         out = work / f"data-{engine}"
         t0 = time.time()
-        s = extract(prepared, out, dtype=args.dtype, engine=engine, show_progress=False)
+        s = extract(ExtractOptions(prepared=prepared, out=out, dtype=args.dtype, engine=engine), show_progress=False)
         rows.append((engine, s.tokens, time.time() - t0, s.engine_start_s, s.tokens_per_s))
         shutil.rmtree(out)
     print(f"# extraction, {cpu_description()}, dtype {args.dtype}, vLLM {installed_version()}")
@@ -64,8 +66,9 @@ def bench_serve(args: argparse.Namespace) -> None:
         own = {"eagle3": "chain", "p-eagle": "p-eagle", "dflash": "dflash"}[family]
         methods = [own, "hybrid", "vllm", "vllm-ngram", f"vllm-{family}"]
         out = Path(args.out) / run.name
-        result = evaluate(run, prompt_sets=args.prompts.split(","), num_prompts=args.num_prompts, methods=methods,
-                          max_new_tokens=args.max_new_tokens, dtype=args.dtype, threads=args.threads, out=out)
+        result = evaluate(EvalOptions(drafter_path=run, prompt_sets=args.prompts.split(","),
+                                      num_prompts=args.num_prompts, methods=methods, max_new_tokens=args.max_new_tokens,
+                                      dtype=args.dtype, threads=args.threads, out=out))
         print(f"# {run} ({family}), {cpu_description()}, vLLM {installed_version()}")
         print(result.table())
         costs = result.config.get("vllm", {}).get("pass_costs", {})

@@ -44,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from eaglet.options import ExportOptions, ImportOptions, PrepareOptions, TrainOptions
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -123,7 +124,8 @@ def pack(out: Path, num_samples: int, skip: int, max_length: int, extra_prepared
         shutil.rmtree(out)
     work = out / "work"
     print(f"tokenizing {num_samples} ShareGPT chats (records from {skip}) with their original answers ...", flush=True)
-    prepare(None, "sharegpt", work / "sharegpt", max_length=max_length, num_samples=num_samples, skip=skip)
+    prepare(PrepareOptions(target=None, data="sharegpt", out=work / "sharegpt", max_length=max_length,
+                           num_samples=num_samples, skip=skip))
     config = merge_prepared([work / "sharegpt", *extra_prepared], work / "prepared")
     files: dict[str, Path] = {}
     with open(work / "prepared" / "prepared.jsonl", "rb") as f, gzip.open(work / PREPARED_GZ, "wb", 6) as g:
@@ -274,12 +276,12 @@ def run(pack_dir: Path, out: Path, time_budget: float, device: str, options: dic
     log.info("set-up %.0f s: target %s, %s chats", time.time() - t0, target, f"{pconfig['num_samples']:,}")
 
     run_dir = work / "run"
-    summary = train(prepared, run_dir, target=str(target), online=True, device=device, time_budget=time_budget,
-                    **options)
+    summary = train(TrainOptions(dataset_dir=prepared, out_dir=run_dir, target=str(target), online=True, device=device,
+                                 time_budget=time_budget, **options))
     print("\n".join(summary.lines()), flush=True)
 
     exported = work / "export"
-    export_drafter(run_dir, exported, "eagle", "bf16")
+    export_drafter(ExportOptions(ckpt=run_dir, out=exported, fmt="eagle", dtype="bf16"))
     tensors = formats.read_weight_files(exported)
     tensors.pop("embed_tokens.weight")  # the target's own: `finish` restores them on the CPU
     drafter = out / "drafter"
@@ -303,7 +305,7 @@ def finish(device_out: Path, out: Path, heldout: Path | None) -> None:
     from eaglet.export import import_drafter
     from eaglet.target import ensure_embedded_target
 
-    summary = import_drafter(device_out / "drafter", out, str(ensure_embedded_target()))
+    summary = import_drafter(ImportOptions(src=device_out / "drafter", out=out, target=str(ensure_embedded_target())))
     print("\n".join(summary.lines()))
     run_json = device_out / "run.json"
     if run_json.exists():

@@ -13,6 +13,7 @@ import torch
 
 from eaglet.target import FAST_BF16_ENV
 from eaglet.training.config import COMPILE_ENV
+from eaglet.options import ExtractOptions, PrepareOptions, RegenOptions, TrainOptions
 
 # `--dtype auto` (and train's bf16 default) follow the CPU: bf16 on one with AMX / AVX512-BF16,
 # fp32 elsewhere. No test may depend on the machine: the suite runs the fp32 path of `auto` by
@@ -170,12 +171,13 @@ def memorised_eagle3(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
                                                                         {"role": "assistant", "content": "-"}]}
                                                for p in prompts])  # the answer is regenerated
     eval_prompts = write_jsonl(root / "prompts.jsonl", [{"id": p.id, "prompt": p.turns[0]} for p in prompts])
-    regenerate(str(chats), root / "hf.jsonl", backend="local", dtype="fp32", max_new_tokens=MEMORISED_TOKENS,
-               progress_bar=False)
-    prepare(None, str(root / "hf.jsonl"), root / "prepared")
-    extract(root / "prepared", root / "data", dtype="fp32", show_progress=False)
-    train(root / "data", root / "train", bf16=False, total_steps=60, lr=5e-3, warmup_steps=5, draft_vocab_size=2048,
-          teacher_top_k=8, eval_fraction=0.0, evals=1, show_progress=False)
+    regenerate(RegenOptions(data=str(chats), out=root / "hf.jsonl", backend="local", dtype="fp32",
+                            max_new_tokens=MEMORISED_TOKENS), progress_bar=False)
+    prepare(PrepareOptions(target=None, data=str(root / "hf.jsonl"), out=root / "prepared"))
+    extract(ExtractOptions(prepared=root / "prepared", out=root / "data", dtype="fp32"), show_progress=False)
+    train(TrainOptions(dataset_dir=root / "data", out_dir=root / "train", bf16=False, total_steps=60, lr=5e-3,
+                       warmup_steps=5, draft_vocab_size=2048, teacher_top_k=8, eval_fraction=0.0, evals=1),
+                       show_progress=False)
     return {"root": root, "chats": chats, "prompts": eval_prompts, "data": root / "data", "run": root / "train"}
 
 
@@ -189,8 +191,9 @@ def dataset(tiny_target, tmp_path_factory) -> Path:
 
     work = tmp_path_factory.mktemp("train_data")
     records = chat_records()
-    prepare(str(tiny_target), str(write_jsonl(work / "chats.jsonl", records)), work / "prep", max_length=512)
-    extract(work / "prep", work / "data", str(tiny_target), show_progress=False)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(work / "chats.jsonl", records)),
+                           out=work / "prep", max_length=512))
+    extract(ExtractOptions(prepared=work / "prep", out=work / "data", target=str(tiny_target)), show_progress=False)
     return work / "data"
 
 

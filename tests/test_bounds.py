@@ -23,6 +23,7 @@ from eaglet.training import config
 from eaglet.training.config import (TrainConfig, meminfo_available, refuse_unfit_micro_batch, resolve_packing,
                                     token_state_bytes)
 from eaglet.training.loop import train
+from eaglet.options import CheckOptions, EvalOptions, ExtractOptions, PrepareOptions, RegenOptions, RunOptions, TrainOptions
 
 INF, NAN = float("inf"), float("nan")
 
@@ -71,31 +72,37 @@ def test_the_command_line_refuses_numbers_out_of_range(stage, option, value, mes
 
 @pytest.mark.parametrize("call, message", [
     (lambda d: TrainConfig(epochs=INF), "--epochs inf: must be > 0 and finite"),
-    (lambda d: train(d / "data", d / "run", show_progress=False, lr=NAN), "--lr nan: must be > 0 and finite"),
-    (lambda d: train(d / "data", d / "run", show_progress=False, warmup_steps=INF),
+    (lambda d: train(TrainOptions(dataset_dir=d / "data", out_dir=d / "run", lr=NAN), show_progress=False),
+     "--lr nan: must be > 0 and finite"),
+    (lambda d: train(TrainOptions(dataset_dir=d / "data", out_dir=d / "run", warmup_steps=INF), show_progress=False),
      "--warmup-steps inf: must be >= 0 and finite"),
-    (lambda d: train(d / "data", d / "run", show_progress=False, total_steps=INF),
+    (lambda d: train(TrainOptions(dataset_dir=d / "data", out_dir=d / "run", total_steps=INF), show_progress=False),
      "--total-steps inf: must be >= 1 and finite"),
-    (lambda d: train(d / "data", d / "run", show_progress=False, pack_tokens=INF),
+    (lambda d: train(TrainOptions(dataset_dir=d / "data", out_dir=d / "run", pack_tokens=INF), show_progress=False),
      r"--pack-tokens inf: must be >= 1 \(or 0: one sample per row\) and finite"),
-    (lambda d: train(d / "data", d / "run", show_progress=False, seed=2**64),
+    (lambda d: train(TrainOptions(dataset_dir=d / "data", out_dir=d / "run", seed=2**64), show_progress=False),
      r"--seed 18446744073709551616: must be in \[0, 18446744073709551615\]: the seeds torch takes"),
-    (lambda d: run_recipe("demo", d / "run", scale=INF),
+    (lambda d: run_recipe(RunOptions(spec="demo", out=d / "run", scale=INF)),
      r"--scale inf: must be in \(0, 1000000.0\] and finite: data sizes no run reaches beyond"),
-    (lambda d: run_recipe("demo", d / "run", scale=NAN),
+    (lambda d: run_recipe(RunOptions(spec="demo", out=d / "run", scale=NAN)),
      r"--scale nan: must be in \(0, 1000000.0\] and finite: data sizes no run reaches beyond"),
-    (lambda d: regenerate(d / "chats.jsonl", d / "out.jsonl", temperature=INF),
+    (lambda d: regenerate(RegenOptions(data=d / "chats.jsonl", out=d / "out.jsonl", temperature=INF)),
      "--temperature inf: must be >= 0 and finite"),
-    (lambda d: regenerate(d / "chats.jsonl", d / "out.jsonl", timeout=INF), "--timeout inf: must be > 0 and finite"),
-    (lambda d: regenerate(d / "chats.jsonl", d / "out.jsonl", max_new_tokens=-INF),
+    (lambda d: regenerate(RegenOptions(data=d / "chats.jsonl", out=d / "out.jsonl", timeout=INF)),
+     "--timeout inf: must be > 0 and finite"),
+    (lambda d: regenerate(RegenOptions(data=d / "chats.jsonl", out=d / "out.jsonl", max_new_tokens=-INF)),
      "--max-new-tokens -inf: must be >= 1 and finite"),
-    (lambda d: evaluate(d / "drafter", temperature=INF, plot=False), "--temperature inf: must be >= 0 and finite"),
-    (lambda d: evaluate(d / "drafter", num_prompts=INF, plot=False), "--num-prompts inf: must be >= 1 and finite"),
+    (lambda d: evaluate(EvalOptions(drafter_path=d / "drafter", temperature=INF, plot=False)),
+     "--temperature inf: must be >= 0 and finite"),
+    (lambda d: evaluate(EvalOptions(drafter_path=d / "drafter", num_prompts=INF, plot=False)),
+     "--num-prompts inf: must be >= 1 and finite"),
     (lambda d: DecodeSettings(max_new_tokens=INF), "--max-new-tokens inf: must be >= 1 and finite"),
-    (lambda d: prepare(None, d / "chats.jsonl", d / "prepared", max_length=INF),
+    (lambda d: prepare(PrepareOptions(target=None, data=d / "chats.jsonl", out=d / "prepared", max_length=INF)),
      "--max-length inf: must be >= 1 and finite"),
-    (lambda d: extract(d / "prepared", d / "data", batch_tokens=INF), "--batch-tokens inf: must be >= 1 and finite"),
-    (lambda d: check_dataset(d / "data", identity_samples=INF), "--identity-samples inf: must be >= 0 and finite")])
+    (lambda d: extract(ExtractOptions(prepared=d / "prepared", out=d / "data", batch_tokens=INF)),
+     "--batch-tokens inf: must be >= 1 and finite"),
+    (lambda d: check_dataset(CheckOptions(path=d / "data", identity_samples=INF)),
+     "--identity-samples inf: must be >= 0 and finite")])
 def test_entry_functions_refuse_non_finite_numbers(call, message, tmp_path):
     """Python callers pass floats the parser never sees: every range rule refuses inf and nan
     (a bare `inf >= 1` passes), with the option's name."""
@@ -118,7 +125,7 @@ def test_recipes_refuse_numbers_before_any_stage(table, line, error, tmp_path):
     recipe.write_text('[regen]\ndata = "chats.jsonl"\n\n[prepare]\n\n[extract]\n\n[train]\n\n[eval]\n'.replace(
         f"[{table}]\n", f"[{table}]\n{line}\n"))
     with pytest.raises(ValueError, match=r"bad\.toml " + error):
-        run_recipe(recipe, tmp_path / "run")
+        run_recipe(RunOptions(spec=recipe, out=tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 

@@ -14,6 +14,7 @@ from conftest import write_jsonl
 from eaglet.chat import ReadStats, iter_records, to_messages
 from eaglet.formats import read_prepared
 from eaglet.prepare import prepare
+from eaglet.options import PrepareOptions
 
 CHAT = {"id": "a", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
 
@@ -65,8 +66,9 @@ def test_a_record_far_beyond_max_length_costs_memory_by_what_is_kept(tiny_target
                                        {"role": "assistant", "content": "The quick brown fox jumps. " * 1_500_000}]}
     data = write_jsonl(tmp_path / "chats.jsonl", [CHAT, huge])
     # VmHWM is this process's own peak: getrusage's ru_maxrss keeps the peak of the (vforked) pytest before exec
-    code = (f"import re\nfrom pathlib import Path\nfrom eaglet.prepare import prepare\n"
-            f"prepare({str(tiny_target)!r}, {str(data)!r}, {str(tmp_path / 'out')!r}, max_length=64)\n"
+    code = (f"import re\nfrom pathlib import Path\nfrom eaglet.options import PrepareOptions\n"
+            f"from eaglet.prepare import prepare\nprepare(PrepareOptions(target={str(tiny_target)!r}, "
+            f"data={str(data)!r}, out={str(tmp_path / 'out')!r}, max_length=64))\n"
             "print(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -79,7 +81,7 @@ def test_a_record_far_beyond_max_length_costs_memory_by_what_is_kept(tiny_target
 def test_prepare_reads_a_bom_file_end_to_end(tiny_target, tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_bytes("\ufeff".encode() + (json.dumps(CHAT) + "\n").encode())
-    prepare(str(tiny_target), str(data), tmp_path / "out")
+    prepare(PrepareOptions(target=str(tiny_target), data=str(data), out=tmp_path / "out"))
     assert len(read_prepared(tmp_path / "out")[0]) == 1
 
 
@@ -152,4 +154,4 @@ def test_a_chat_template_that_does_not_parse_is_the_targets_fault(tiny_target, t
     (target / "chat_template.jinja").unlink(missing_ok=True)
     data = write_jsonl(tmp_path / "c.jsonl", [CHAT])
     with pytest.raises(ValueError, match=r"^the target's chat template does not parse \(.*fix chat_template.jinja"):
-        prepare(str(target), str(data), tmp_path / "out")
+        prepare(PrepareOptions(target=str(target), data=str(data), out=tmp_path / "out"))

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from eaglet import formats
 from eaglet.chat import ReadStats, TemplateSpanError, iter_records, to_messages, tokenize_chat
 from eaglet.prepare import TRUNCATED_AWAY, prepare
+from eaglet.options import PrepareOptions
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -141,7 +142,7 @@ def test_prepare_refuses_a_template_that_never_works(tiny_target, tmp_path):
     chats = tmp_path / "c.jsonl"
     chats.write_text("".join(json.dumps({"messages": TEST_CHATS[1]}) + "\n" for _ in range(25)))
     with pytest.raises(TemplateSpanError, match="first 20 chats all failed"):
-        prepare(str(bad), str(chats), tmp_path / "out")
+        prepare(PrepareOptions(target=str(bad), data=str(chats), out=tmp_path / "out"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def test_jsonl_line_not_utf8_is_counted_and_named(tmp_path, caplog):
 
 def test_prepare_writes_dataset_with_counts(tiny_target, chats_jsonl, tmp_path):
     out = tmp_path / "prep"
-    summary = prepare(str(tiny_target), str(chats_jsonl), out, max_length=512)
+    summary = prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out, max_length=512))
     samples, config = formats.read_prepared(out)
     assert len(samples) == summary.samples == 12 == config["num_samples"]
     freq = formats.read_token_freq(out / formats.TOKEN_FREQ_FILE)
@@ -252,15 +253,16 @@ def test_prepare_mix_follows_data_with_its_own_skip_and_count(tiny_target, chats
     other.write_text("".join(json.dumps({"id": f"orig{n}", "messages": TEST_CHATS[n % len(TEST_CHATS)]}) + "\n"
                              for n in range(6)))
     out = tmp_path / "prep"
-    summary = prepare(str(tiny_target), str(chats_jsonl), out, max_length=512, num_samples=4, skip=1,
-                      mix=str(other), mix_skip=2, mix_samples=3)
+    summary = prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out, max_length=512,
+                                     num_samples=4, skip=1, mix=str(other), mix_skip=2, mix_samples=3))
     samples, config = formats.read_prepared(out)
     assert [s.sample_id for s in samples] == ["chat1", "chat2", "chat3", "chat4", "orig2", "orig3", "orig4"]
     assert summary.samples == 7 and config["samples_per_source"] == [4, 3] and config["mix"] == str(other)
-    alone = prepare(str(tiny_target), str(other), tmp_path / "alone", max_length=512, skip=2, num_samples=3)
+    alone = prepare(PrepareOptions(target=str(tiny_target), data=str(other), out=tmp_path / "alone", max_length=512,
+                                   skip=2, num_samples=3))
     assert [s.input_ids for s in samples[4:]] == [s.input_ids for s in formats.read_prepared(alone.out)[0]]
     with pytest.raises(ValueError, match="--mix-samples / --mix-skip: set, but no --mix source"):
-        prepare(str(tiny_target), str(chats_jsonl), tmp_path / "p2", mix_samples=3)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "p2", mix_samples=3))
 
 
 @pytest.mark.parametrize("options, message", [({"max_length": -5}, "--max-length -5: must be >= 1"),
@@ -269,32 +271,34 @@ def test_prepare_mix_follows_data_with_its_own_skip_and_count(tiny_target, chats
                                               ({"mix": "sharegpt", "mix_skip": -1}, "--mix-skip -1: must be >= 0")])
 def test_prepare_refuses_out_of_range_numbers(tiny_target, chats_jsonl, tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
-        prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prep", **options)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "prep", **options))
     assert not (tmp_path / "prep").exists()
 
 
 def test_prepare_never_replaces_a_prepared_dataset_unasked(tiny_target, chats_jsonl, tmp_path):
     out = tmp_path / "prep"
-    prepare(str(tiny_target), str(chats_jsonl), out, max_length=512)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out, max_length=512))
     before = (out / formats.PREPARED_FILE).read_bytes()
     with pytest.raises(FileExistsError, match="already holds a prepared dataset.*--overwrite"):
-        prepare(str(tiny_target), str(chats_jsonl), out, max_length=512, num_samples=1)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out, max_length=512, num_samples=1))
     assert (out / formats.PREPARED_FILE).read_bytes() == before
-    assert prepare(str(tiny_target), str(chats_jsonl), out, max_length=512, num_samples=1, overwrite=True).samples == 1
+    assert prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out, max_length=512, num_samples=1,
+                                  overwrite=True)).samples == 1
 
 
 def test_a_failed_overwrite_leaves_the_earlier_prepared_dataset_whole(tiny_target, chats_jsonl, tmp_path):
     """--overwrite with data that yields no usable chat, or no data at all: refused, and the finished
     dataset is still finished (config, samples and frequencies as they were)."""
     out = tmp_path / "prep"
-    prepare(str(tiny_target), str(chats_jsonl), out, max_length=512)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out, max_length=512))
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     no_answer = tmp_path / "q.jsonl"
     no_answer.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="no usable chat"):
-        prepare(str(tiny_target), str(no_answer), out, max_length=512, overwrite=True)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(no_answer), out=out, max_length=512, overwrite=True))
     with pytest.raises(FileNotFoundError):
-        prepare(str(tiny_target), str(tmp_path / "missing.jsonl"), out, max_length=512, overwrite=True)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(tmp_path / "missing.jsonl"), out=out, max_length=512,
+                               overwrite=True))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert len(formats.read_prepared(out)[0]) > 0
 
@@ -305,14 +309,15 @@ def test_prepare_drops_samples_with_no_assistant_token_after_truncation(tiny_tar
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": long_user},
                                               {"role": "assistant", "content": "ok"}]})
                      + "\n" + json.dumps({"messages": TEST_CHATS[0]}) + "\n")
-    summary = prepare(str(tiny_target), str(chats), tmp_path / "out", max_length=64)
+    summary = prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=tmp_path / "out", max_length=64))
     assert summary.samples == 1 and summary.dropped_after_truncation == 1
     samples, _ = formats.read_prepared(tmp_path / "out")
     assert all(len(s.input_ids) <= 64 for s in samples)
 
 
 def test_prepare_embedded_sharegpt_with_smollm2(smollm2_dir, tmp_path):
-    summary = prepare(None, "sharegpt", tmp_path / "prep", max_length=512, num_samples=8)
+    summary = prepare(PrepareOptions(target=None, data="sharegpt", out=tmp_path / "prep", max_length=512,
+                                     num_samples=8))
     samples, config = formats.read_prepared(tmp_path / "prep")
     assert summary.samples == 8 and config["target_revision"]
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -334,17 +339,17 @@ def test_prepare_refuses_max_length_beyond_the_target_positions(tiny_target, cha
     with pytest.raises(ValueError, match=rf"^--max-length 25: more than the 24 positions the target holds "
                                          rf"\(max_position_embeddings in {target / 'config.json'}\); "
                                          rf"pass --max-length 24 or less$"):
-        prepare(str(target), str(chats_jsonl), tmp_path / "prep", max_length=25)
+        prepare(PrepareOptions(target=str(target), data=str(chats_jsonl), out=tmp_path / "prep", max_length=25))
     assert not (tmp_path / "prep").exists()
     # Without --max-length the default is capped at the target's positions.
-    prepare(str(target), str(chats_jsonl), tmp_path / "prep")
+    prepare(PrepareOptions(target=str(target), data=str(chats_jsonl), out=tmp_path / "prep"))
     samples, config = formats.read_prepared(tmp_path / "prep")
     assert config["max_length"] == 24 and max(len(s.input_ids) for s in samples) == 24
 
 
 def test_prepare_says_truncation_cut_every_chat(tiny_target, chats_jsonl, tmp_path):
     with pytest.raises(ValueError) as e:
-        prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prep", max_length=1)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "prep", max_length=1))
     message = str(e.value)
     assert ("no usable chat in 12 records read; every chat was cut to nothing by --max-length 1 (no assistant token "
             "left in 12 of 12 records): raise it") in message and "\n" not in message
@@ -352,7 +357,7 @@ def test_prepare_says_truncation_cut_every_chat(tiny_target, chats_jsonl, tmp_pa
     chats_jsonl.write_text(chats_jsonl.read_text() + "{oops\n")
     with pytest.raises(ValueError, match=r"--max-length 1 \(no assistant token left in 12 of 13 records; the others "
                                          r"were skipped\): raise it; .*invalid JSON line: 1 \(first: .*:13\)"):
-        prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prep", max_length=1)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "prep", max_length=1))
 
 
 def test_every_skip_reason_names_its_first_record(tiny_target, tmp_path):
@@ -366,7 +371,7 @@ def test_every_skip_reason_names_its_first_record(tiny_target, tmp_path):
              json.dumps({"id": "q2", "messages": [{"role": "user", "content": "another question"}]})]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    summary = prepare(str(tiny_target), str(path), tmp_path / "prep", max_length=64)
+    summary = prepare(PrepareOptions(target=str(tiny_target), data=str(path), out=tmp_path / "prep", max_length=64))
     assert summary.samples == 3 and summary.dropped_after_truncation == 1
     text = "\n".join(summary.lines())
     for line in ("skipped: no assistant turn: 2 (first: {p}:2 (id q))", "skipped: invalid JSON line: 1 (first: {p}:3)",
@@ -378,5 +383,5 @@ def test_every_skip_reason_names_its_first_record(tiny_target, tmp_path):
     # A JSON array names its records by index.
     array = tmp_path / "mixed.json"
     array.write_text(json.dumps([chat, {"id": "q", "messages": [{"role": "user", "content": "only a question"}]}]))
-    summary = prepare(str(tiny_target), str(array), tmp_path / "prep2", max_length=64)
+    summary = prepare(PrepareOptions(target=str(tiny_target), data=str(array), out=tmp_path / "prep2", max_length=64))
     assert f"  skipped: no assistant turn: 1 (first: {array}[1] (id q))" in summary.lines()

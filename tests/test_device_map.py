@@ -18,7 +18,7 @@ import torch
 
 from eaglet import formats
 from eaglet.check import check_dataset
-from eaglet.cli import build_parser, stage_kwargs
+from eaglet.cli import build_parser, stage_options
 from eaglet.prepare import prepare
 from eaglet.drafter import DraftConfig, Eagle3Draft
 from eaglet.evaluate import evaluate
@@ -32,6 +32,7 @@ from eaglet.training.checkpoints import save_checkpoint
 from eaglet.training.config import TrainConfig
 
 from conftest import make_tiny_llama, make_tiny_tokenizer, write_jsonl
+from eaglet.options import CheckOptions, EvalOptions, ExtractOptions, PrepareOptions, TrainOptions
 
 LAYERS = 4
 
@@ -106,20 +107,20 @@ def test_extract_with_layers_in_ram_and_on_disk_is_bit_identical(target, chats_j
     (fp32), those of the target on one device; the offload folder given holds the disk layers'
     converted weights, and stays."""
     prepared = tmp_path / "prep"
-    prepare(str(target), str(chats_jsonl), prepared, max_length=256, num_samples=4)
+    prepare(PrepareOptions(target=str(target), data=str(chats_jsonl), out=prepared, max_length=256, num_samples=4))
     args = dict(target=str(target), layer_ids=[1, 2, 3, LAYERS], dtype="fp32", store_dtype="fp32",
-                show_progress=False, batch_tokens=512)
-    extract(prepared, tmp_path / "one", device="cpu", **args)
-    extract(prepared, tmp_path / "mapped", device_map=str(split_map(tmp_path / "map.json")),
-            offload_folder=str(tmp_path / "offload"), **args)
+                batch_tokens=512)
+    extract(ExtractOptions(prepared=prepared, out=tmp_path / "one", device="cpu", **args))
+    extract(ExtractOptions(prepared=prepared, out=tmp_path / "mapped", device_map=str(split_map(tmp_path / "map.json")),
+                           offload_folder=str(tmp_path / "offload"), **args))
     one, mapped = all_states(tmp_path / "one"), all_states(tmp_path / "mapped")
     assert len(one) == 4 and one.keys() == mapped.keys()
     assert set(os.listdir(tmp_path / "offload")) == OFFLOAD_FILES[model_type(target)]  # kept: the folder was given
     for i in one:
         assert all(torch.equal(a, b) for a, b in zip(one[i], mapped[i], strict=True)), f"sample {i}"
     # the mapped dataset passes a target check that recomputes sampled files with the same map
-    report = check_dataset(tmp_path / "mapped", target=str(target), identity_samples=2,
-                           device_map=str(tmp_path / "map.json"))
+    report = check_dataset(CheckOptions(path=tmp_path / "mapped", target=str(target), identity_samples=2,
+                                        device_map=str(tmp_path / "map.json")))
     assert report.clean, report.lines(5)
 
 
@@ -196,8 +197,8 @@ def test_eval_greedy_with_a_mapped_target_is_exact(llama, tmp_path, monkeypatch)
     runs = {}
     for name, placed in (("one", {"device": "cpu"}), ("mapped", {"device_map": str(split_map(tmp_path / "m.json"))})):
         decoded.clear()
-        result = evaluate(ckpt, target=str(llama), prompt_sets=[str(prompts)], methods=["chain", "tree"],
-                          dtype="fp32", progress=False, **settings, **placed)
+        result = evaluate(EvalOptions(drafter_path=ckpt, target=str(llama), prompt_sets=[str(prompts)],
+                                      methods=["chain", "tree"], dtype="fp32", **settings, **placed), progress=False)
         assert all(result.sets["p"][m]["identical_share"] == 1.0 for m in ("chain", "tree"))
         runs[name] = list(decoded)
     assert len(runs["one"]) >= 6 and runs["one"] == runs["mapped"]
@@ -276,8 +277,8 @@ def test_every_stage_that_runs_the_target_takes_a_device_map(stage):
     argv = [stage, *STAGE_ARGS[stage], "--device-map", "map.json", "--max-memory", "0=70GiB,cpu=200GiB",
             "--offload-folder", "off"]
     args = build_parser().parse_args(argv)
-    kwargs = stage_kwargs(STAGES[stage], args)
-    assert (kwargs["device_map"], kwargs["max_memory"], kwargs["offload_folder"]) == (
+    options = stage_options(STAGES[stage], args)
+    assert (options.device_map, options.max_memory, options.offload_folder) == (
         "map.json", "0=70GiB,cpu=200GiB", "off")
 
 
@@ -289,11 +290,13 @@ def test_online_training_with_a_mapped_target_trains_as_on_one_device(llama, cha
     from eaglet.training.checkpoints import iter_metrics
     from eaglet.training.loop import train
 
-    prepare(str(llama), str(chats_jsonl), tmp_path / "prep", max_length=128, num_samples=6)
+    prepare(PrepareOptions(target=str(llama), data=str(chats_jsonl), out=tmp_path / "prep", max_length=128,
+                           num_samples=6))
     opts = dict(online=True, target_dtype="fp32", bf16=False, total_steps=2, eval_every=2, log_every=1,
-                ttt_steps=2, batch_size=2, show_progress=False, aux_layer_ids=[1, 2, 3])
-    train(tmp_path / "prep", tmp_path / "one", **opts)
-    train(tmp_path / "prep", tmp_path / "mapped", device_map=str(split_map(tmp_path / "m.json")), **opts)
+                ttt_steps=2, batch_size=2, aux_layer_ids=[1, 2, 3])
+    train(TrainOptions(dataset_dir=tmp_path / "prep", out_dir=tmp_path / "one", **opts))
+    train(TrainOptions(dataset_dir=tmp_path / "prep", out_dir=tmp_path / "mapped",
+                       device_map=str(split_map(tmp_path / "m.json")), **opts))
     losses = [[(r["step"], r["split"], r["loss"]) for r in iter_metrics(tmp_path / run)] for run in ("one", "mapped")]
     assert losses[0] == losses[1] and len(losses[0]) >= 2
     a, b = (load_file(str(tmp_path / run / "checkpoints" / "step_00000002" / "model.safetensors"))

@@ -14,6 +14,7 @@ from eaglet.cli import main
 from eaglet.prepare import prepare
 from eaglet.extract import extract
 from eaglet.target import load_target, parse_dtype, resolve_target
+from eaglet.options import ExtractOptions, PrepareOptions
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +39,9 @@ def test_stray_temp_folder_is_never_used(smollm2_dir):
 def test_stored_aux_states_equal_output_hidden_states(smollm2_dir, tmp_path):
     """Every stored state is the target's own, at the dtype extraction computed in, rounded once to
     the stored dtype; the last slot is the final norm's input (pre-norm)."""
-    prepare(None, "sharegpt", tmp_path / "prep", max_length=256, num_samples=4)
-    extract(tmp_path / "prep", tmp_path / "data", None, max_batch_size=1, show_progress=False)
+    prepare(PrepareOptions(target=None, data="sharegpt", out=tmp_path / "prep", max_length=256, num_samples=4))
+    extract(ExtractOptions(prepared=tmp_path / "prep", out=tmp_path / "data", target=None, max_batch_size=1),
+                           show_progress=False)
     cfg = formats.read_json(tmp_path / "data" / "data_config.json")
     assert cfg["layer_ids"] == [2, 15, 27, 30] and cfg["last_hidden_state"] == "pre_norm"
     stored = parse_dtype(cfg["hidden_states_dtype"])

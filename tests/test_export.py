@@ -19,6 +19,7 @@ from eaglet.export import export_drafter, import_drafter
 from eaglet.training.checkpoints import save_checkpoint
 from helpers import AUX, TARGET, random_drafter, tiny_config, write_checkpoint
 from replays import config, sglang_load, vllm_load, weights
+from eaglet.options import ExportOptions, ImportOptions
 
 
 def logits(draft: Eagle3Draft) -> list[torch.Tensor]:
@@ -54,8 +55,8 @@ def test_round_trip_is_bit_exact(tmp_path, fmt, variant):
     draft = random_drafter(tiny_config(**variant))
     ckpt = write_checkpoint(tmp_path, draft)
     out, back = tmp_path / "exported", tmp_path / "back"
-    export_drafter(ckpt, out, fmt, dtype="fp32")
-    summary = import_drafter(out, back)
+    export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt=fmt, dtype="fp32"))
+    summary = import_drafter(ImportOptions(src=out, out=back))
     assert summary.source_format == fmt and not summary.embeddings_from_target
     original, returned = weights(ckpt), weights(back)
     assert original.keys() == returned.keys()
@@ -69,14 +70,14 @@ def test_round_trip_is_bit_exact(tmp_path, fmt, variant):
 
 def test_run_folder_exports_its_best_checkpoint(tmp_path, ckpt):
     formats.write_json_atomic(tmp_path / "checkpoints" / "best.json", {"step": 5, "tau": 1.0, "path": ckpt.name})
-    export_drafter(tmp_path, tmp_path / "out", "speculators", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=tmp_path, out=tmp_path / "out", fmt="speculators", dtype="fp32"))
     assert torch.equal(weights(tmp_path / "out")["fc.weight"], weights(ckpt)["fc.weight"])
 
 
 def test_bf16_export_keeps_vocab_map_dtypes(tmp_path, ckpt):
     for fmt in ("speculators", "eagle"):
         out = tmp_path / fmt
-        export_drafter(ckpt, out, fmt)  # bf16 is the default
+        export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt=fmt))  # bf16 is the default
         w = weights(out)
         assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
         assert all(t.dtype == torch.bfloat16 for k, t in w.items() if k not in ("d2t", "t2d"))
@@ -114,7 +115,8 @@ def assert_llama_block(block: dict) -> None:
 
 
 def test_speculators_config_layout(tmp_path, ckpt):
-    export_drafter(ckpt, tmp_path / "out", "speculators", verifier="org/other", speculative_tokens=4)
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators", verifier="org/other",
+                                 speculative_tokens=4))
     c = config(tmp_path / "out")
     assert c["architectures"] == ["Eagle3Speculator"] and c["speculators_model_type"] == "eagle3"
     assert_llama_block(c["transformer_layer_config"])
@@ -128,12 +130,12 @@ def test_speculators_config_layout(tmp_path, ckpt):
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         assert c[flag] is False, flag  # written even when false: vLLM defaults norm_before_residual to true
     assert "embed_tokens.weight" in weights(tmp_path / "out")  # speculators checkpoints carry them
-    export_drafter(ckpt, tmp_path / "default", "speculators")
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "default", fmt="speculators"))
     assert config(tmp_path / "default")["speculators_config"]["verifier"]["name_or_path"] == TARGET
 
 
 def test_eagle_config_layout(tmp_path, ckpt):
-    export_drafter(ckpt, tmp_path / "out", "eagle")
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="eagle"))
     c = config(tmp_path / "out")
     assert c["architectures"] == ["LlamaForCausalLMEagle3"]
     assert_llama_block(c)
@@ -143,14 +145,14 @@ def test_eagle_config_layout(tmp_path, ckpt):
     assert c["norm_before_residual"] is False and c["norm_output"] is False
     # Ids not starting at 2 are written all the same, with a note: SGLang's reading of them varies by release.
     other = write_checkpoint(tmp_path / "other", random_drafter(tiny_config(aux_layer_ids=[3, 5, 6])))
-    summary = export_drafter(other, tmp_path / "other_out", "eagle")
+    summary = export_drafter(ExportOptions(ckpt=other, out=tmp_path / "other_out", fmt="eagle"))
     assert config(tmp_path / "other_out")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert any("#25454" in n for n in summary.notes)
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "eagle"])
 def test_vllm_loads_the_export(tmp_path, ckpt, fmt):
-    export_drafter(ckpt, tmp_path / "out", fmt, dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt=fmt, dtype="fp32"))
     hf, loaded = vllm_load(tmp_path / "out")
     assert not hf.get("norm_before_residual")  # eaglet's residual is the un-normalised hidden state
     assert hf["eagle_aux_hidden_state_layer_ids"] == AUX  # vLLM reads the top-level ids first, HF indexing
@@ -162,7 +164,7 @@ def test_vllm_loads_the_export(tmp_path, ckpt, fmt):
 
 def test_vllm_loads_the_pre_fc_norm(tmp_path):
     ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config(fc_norm=True)))
-    export_drafter(ckpt, tmp_path / "out", "speculators", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators", dtype="fp32"))
     hf, loaded = vllm_load(tmp_path / "out")
     assert hf["norm_before_fc"] is True
     assert torch.equal(loaded["model.input_norm.weight"], weights(ckpt)["fc_norm.weight"])
@@ -173,7 +175,7 @@ def test_sglang_loads_the_export(tmp_path, ckpt, exported):
     """The eagle export, and a training checkpoint as it is (its config.json is the same layout)."""
     folder = tmp_path / "out" if exported else ckpt
     if exported:
-        export_drafter(ckpt, folder, "eagle", dtype="fp32")
+        export_drafter(ExportOptions(ckpt=ckpt, out=folder, fmt="eagle", dtype="fp32"))
     captured, hot, loaded = sglang_load(folder)
     w = weights(ckpt)
     assert captured == AUX  # the target captures the states the drafter was trained on
@@ -204,7 +206,7 @@ def swap_two_offsets(w: dict) -> None:
 def test_export_refuses_broken_weights(tmp_path, ckpt, edit, message):
     tamper(ckpt, edit)
     with pytest.raises(ValueError, match="drafter refused") as e:
-        export_drafter(ckpt, tmp_path / "out", "speculators")
+        export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators"))
     assert message in str(e.value)
     assert not (tmp_path / "out").exists()
 
@@ -214,7 +216,7 @@ def test_export_names_a_truncated_or_garbage_weights_file(tmp_path, ckpt, damage
     weights = ckpt / "model.safetensors"
     weights.write_bytes(damage(weights.read_bytes()))
     with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file, truncated or damaged"):
-        export_drafter(ckpt, tmp_path / "out", "speculators")
+        export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators"))
     assert not (tmp_path / "out").exists()
 
 
@@ -225,7 +227,7 @@ def test_export_refuses_bad_layer_ids(tmp_path, ckpt, ids, message):
     c["eaglet"]["draft_config"]["aux_layer_ids"] = ids
     (ckpt / "config.json").write_text(json.dumps(c))
     with pytest.raises(ValueError, match="config.json: field aux_layer_ids") as e:
-        export_drafter(ckpt, tmp_path / "out", "eagle")
+        export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="eagle"))
     assert message in str(e.value)
 
 
@@ -233,32 +235,32 @@ def test_eagle_export_of_pre_fc_norm_is_what_sglang_0_5_23_reads(tmp_path):
     """SGLang 0.5.23's LlamaForCausalLMEagle3 reads `norm_before_fc` and an `input_norm` before fc
     (llama_eagle3.py): the export writes both, says which SGLang reads them, and imports back."""
     ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config(fc_norm=True)))
-    summary = export_drafter(ckpt, tmp_path / "out", "eagle", dtype="fp32")
+    summary = export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="eagle", dtype="fp32"))
     assert config(tmp_path / "out")["norm_before_fc"] is True
     assert torch.equal(weights(tmp_path / "out")["input_norm.weight"], weights(ckpt)["fc_norm.weight"])
     assert any("SGLang reads it from 0.5.23" in n for n in summary.notes)
-    import_drafter(tmp_path / "out", tmp_path / "back")
+    import_drafter(ImportOptions(src=tmp_path / "out", out=tmp_path / "back"))
     assert torch.equal(weights(tmp_path / "back")["fc_norm.weight"], weights(ckpt)["fc_norm.weight"])
 
 
 def test_import_refuses_unknown_and_mismatched_tensors(tmp_path, ckpt):
     out = tmp_path / "out"
-    export_drafter(ckpt, out, "speculators", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="speculators", dtype="fp32"))
     tamper(out, lambda w: w.update({"fc.bias": torch.zeros(32), "layers.0.self_attn.q_norm.weight": torch.ones(8)}))
     with pytest.raises(ValueError) as e:
-        import_drafter(out, tmp_path / "back")
+        import_drafter(ImportOptions(src=out, out=tmp_path / "back"))
     assert "unknown tensor fc.bias [32]" in str(e.value)
     assert "unknown tensor layers.0.self_attn.q_norm.weight" in str(e.value)
     tamper(out, lambda w: (w.pop("fc.bias"), w.pop("layers.0.self_attn.q_norm.weight"),
                            w.update({"layers.0.mlp.down_proj.weight": torch.zeros(32, 47)})))
     with pytest.raises(ValueError, match=r"field layers.0.mlp.down_proj.weight has shape \[32, 47\]"):
-        import_drafter(out, tmp_path / "back")
+        import_drafter(ImportOptions(src=out, out=tmp_path / "back"))
     assert not (tmp_path / "back").exists()
 
 
 def test_import_refuses_configs_eaglet_cannot_run(tmp_path, ckpt):
     out = tmp_path / "out"
-    export_drafter(ckpt, out, "speculators", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="speculators", dtype="fp32"))
     c = config(out)
     for edit, message in ((lambda c: c.pop("norm_before_residual"), "field norm_before_residual missing"),
                           (lambda c: c.update(fc_norm=True), "field fc_norm = True"),
@@ -267,7 +269,7 @@ def test_import_refuses_configs_eaglet_cannot_run(tmp_path, ckpt):
         edit(broken)
         (out / "config.json").write_text(json.dumps(broken))
         with pytest.raises(ValueError, match=message):
-            import_drafter(out, tmp_path / "back")
+            import_drafter(ImportOptions(src=out, out=tmp_path / "back"))
 
 
 def test_import_official_eagle_bin_with_target(tmp_path, tiny_target):
@@ -287,12 +289,12 @@ def test_import_official_eagle_bin_with_target(tmp_path, tiny_target):
              for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
     torch.save({**state, "model.midlayer.self_attn.rotary_emb.inv_freq": torch.ones(4)}, folder / "pytorch_model.bin")
     with pytest.raises(ValueError, match="no eagle_aux_hidden_state_layer_ids.*pass the target"):
-        import_drafter(folder, tmp_path / "back")
+        import_drafter(ImportOptions(src=folder, out=tmp_path / "back"))
     c["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}  # SGLang's output-of-layer ids
     (folder / "config.json").write_text(json.dumps(c))
     with pytest.raises(ValueError, match="field embed_tokens.weight missing .*pass the target"):
-        import_drafter(folder, tmp_path / "back")
-    summary = import_drafter(folder, tmp_path / "back", target=str(tiny_target))
+        import_drafter(ImportOptions(src=folder, out=tmp_path / "back"))
+    summary = import_drafter(ImportOptions(src=folder, out=tmp_path / "back", target=str(tiny_target)))
     assert summary.embeddings_from_target and summary.config.aux_layer_ids == AUX
     back = load_checkpoint(tmp_path / "back")
     target_embed = load_file(str(tiny_target / "model.safetensors"))["model.embed_tokens.weight"]
@@ -312,7 +314,7 @@ def test_embedded_target_exports_as_its_hub_id(tmp_path):
     for i, recorded in enumerate((embedded_name(), str(embedded_cache_dir()))):
         ck = save_checkpoint(tmp_path / f"r{i}" / "checkpoints", 5, draft,
                              export_config(draft.config, {"step": 5, "target": recorded}), {})
-        export_drafter(ck, tmp_path / f"out{i}", "speculators")
+        export_drafter(ExportOptions(ckpt=ck, out=tmp_path / f"out{i}", fmt="speculators"))
         assert (config(tmp_path / f"out{i}")["speculators_config"]["verifier"]["name_or_path"]
                 == "HuggingFaceTB/SmolLM2-135M-Instruct")
 
@@ -322,11 +324,11 @@ def test_embedded_target_exports_as_its_hub_id(tmp_path):
                                            ({"sliding_window": 7}, None)])  # no layer_types: full, as speculators
 def test_import_reads_the_sliding_window_as_speculators_does(tmp_path, ckpt, block, window):
     out = tmp_path / "out"
-    export_drafter(ckpt, out, "speculators", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="speculators", dtype="fp32"))
     c = config(out)
     c["transformer_layer_config"].update(block)
     (out / "config.json").write_text(json.dumps(c))
-    import_drafter(out, tmp_path / "back")
+    import_drafter(ImportOptions(src=out, out=tmp_path / "back"))
     assert load_checkpoint(tmp_path / "back").config.sliding_window == window
 
 
@@ -346,7 +348,7 @@ class ExecutesOnLoad:
 def bin_folder(tmp_path: Path, ckpt: Path, extra: dict) -> Path:
     """An EAGLE-3 folder whose weights are a pytorch_model.bin holding the tensors and `extra`."""
     folder = tmp_path / "official"
-    export_drafter(ckpt, folder, "eagle", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=folder, fmt="eagle", dtype="fp32"))
     tensors = load_file(str(folder / "model.safetensors"))
     (folder / "model.safetensors").unlink()
     torch.save({**tensors, **extra}, folder / "pytorch_model.bin")
@@ -358,7 +360,7 @@ def test_import_of_a_pickle_that_needs_code_says_what_to_do(tmp_path, ckpt, caps
     marker = tmp_path / "executed"
     folder = bin_folder(tmp_path, ckpt, {"optimizer": ExecutesOnLoad(str(marker))})
     with pytest.raises(ValueError) as e:
-        import_drafter(folder, tmp_path / "back")
+        import_drafter(ImportOptions(src=folder, out=tmp_path / "back"))
     message = str(e.value)
     assert message.startswith(f"{folder / 'pytorch_model.bin'}: holds Python objects beyond tensors")
     assert "ExecutesOnLoad" in message and "will not execute" in message and "safetensors" in message
@@ -375,7 +377,7 @@ def test_import_of_a_damaged_bin_names_it(tmp_path, ckpt):
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x02garbage")  # a pickle header, then nonsense
     with pytest.raises(ValueError, match=r"pytorch_model.bin: not a readable torch file \(Unsupported operand "
                                          r"\d+\); it is damaged") as e:
-        import_drafter(folder, tmp_path / "back")
+        import_drafter(ImportOptions(src=folder, out=tmp_path / "back"))
     assert "weights_only=False" not in str(e.value)
 
 
@@ -385,12 +387,13 @@ def test_import_refuses_layers_the_target_lacks_and_a_rope_base_that_is_no_base(
     cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), AUX, draft_vocab_size=64)
     out = tmp_path / "out"
     formats.write_drafter_folder(tmp_path / "ckpt", export_config(cfg, {}), random_drafter(cfg).state_dict())
-    export_drafter(tmp_path / "ckpt", out, "speculators", dtype="fp32", verifier=str(tiny_target))
+    export_drafter(ExportOptions(ckpt=tmp_path / "ckpt", out=out, fmt="speculators", dtype="fp32",
+                                 verifier=str(tiny_target)))
     c = config(out)
     c["eagle_aux_hidden_state_layer_ids"] = [2, 4, 50]
     (out / "config.json").write_text(json.dumps(c))
     with pytest.raises(ValueError, match=r"aux layer ids \[2, 4, 50\] are not all in 0\.\.8, the layers of the target"):
-        import_drafter(out, tmp_path / "back", target=str(tiny_target))
+        import_drafter(ImportOptions(src=out, out=tmp_path / "back", target=str(tiny_target)))
     with pytest.raises(ValueError, match=r"rope_theta -1\.0: must be > 0 and finite"):
         DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), AUX, draft_vocab_size=64, rope_theta=-1.0)
     assert not (tmp_path / "back").exists()
@@ -403,5 +406,5 @@ def test_export_refuses_layers_its_recorded_target_lacks(tiny_target, tmp_path):
     ckpt = save_checkpoint(tmp_path / "checkpoints", 5, draft,
                            export_config(draft.config, {"step": 5, "target": str(tiny_target)}), {})
     with pytest.raises(ValueError, match=r"aux layer ids \[1, 2, 99\] are not all in 0..8, the layers of the target"):
-        export_drafter(ckpt, tmp_path / "out", fmt="speculators")
+        export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators"))
     assert not (tmp_path / "out").exists()

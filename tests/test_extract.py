@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from eaglet import formats
 from eaglet.prepare import prepare
 from eaglet.extract import extract, length_batches
+from eaglet.options import ExtractOptions, PrepareOptions
 
 LAYER_IDS = [2, 4, 5, 8]  # tiny target has 8 layers: default ids [2, N//2, N-3, N]
 
@@ -25,7 +26,7 @@ LAYER_IDS = [2, 4, 5, 8]  # tiny target has 8 layers: default ids [2, N//2, N-3,
 @pytest.fixture
 def prepared(tiny_target, chats_jsonl, tmp_path) -> Path:
     out = tmp_path / "prep"
-    prepare(str(tiny_target), str(chats_jsonl), out, max_length=512)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out, max_length=512))
     return out
 
 
@@ -45,7 +46,8 @@ def reference_states(target: Path, input_ids: list[int], dtype=torch.float32) ->
 
 def test_v1_files_match_output_hidden_states(tiny_target, prepared, tmp_path):
     out = tmp_path / "data"
-    extract(prepared, out, str(tiny_target), dtype="fp32", store_dtype="fp32", show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), dtype="fp32", store_dtype="fp32"),
+                           show_progress=False)
     samples, _ = formats.read_prepared(prepared)
     files = load_all(out)
     assert sorted(files) == list(range(len(samples)))
@@ -64,7 +66,7 @@ def test_v1_files_match_output_hidden_states(tiny_target, prepared, tmp_path):
 
 def test_v1_schema_and_side_files(tiny_target, prepared, tmp_path):
     out = tmp_path / "data"
-    summary = extract(prepared, out, str(tiny_target), show_progress=False)
+    summary = extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target)), show_progress=False)
     path = out / "hidden_states" / "rows_0-2000" / "data_3.pt"
     raw = torch.load(path, weights_only=True)
     assert list(raw) == ["input_ids", "hidden_states", "loss_mask"]
@@ -91,8 +93,10 @@ def test_v1_schema_and_side_files(tiny_target, prepared, tmp_path):
 
 def test_padded_batch_equals_each_sample_alone(tiny_target, prepared, tmp_path):
     batched, alone = tmp_path / "batched", tmp_path / "alone"
-    extract(prepared, batched, str(tiny_target), dtype="fp32", store_dtype="fp32", max_batch_size=12, show_progress=False)
-    extract(prepared, alone, str(tiny_target), dtype="fp32", store_dtype="fp32", max_batch_size=1, show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=batched, target=str(tiny_target), dtype="fp32", store_dtype="fp32",
+                           max_batch_size=12), show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=alone, target=str(tiny_target), dtype="fp32", store_dtype="fp32",
+                           max_batch_size=1), show_progress=False)
     a, b = load_all(batched), load_all(alone)
     assert len({len(s.input_ids) for s in a.values()}) > 3  # lengths really differ, so padding happened
     for i in a:
@@ -112,14 +116,15 @@ def test_length_batches_respect_budget():
 
 def test_rerun_redoes_missing_and_partial_files_only(tiny_target, prepared, tmp_path):
     out = tmp_path / "data"
-    extract(prepared, out, str(tiny_target), max_batch_size=1, show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1), show_progress=False)
     before = {i: p.stat().st_mtime_ns for i, p in formats.list_v1_files(out).items()}
     victim = formats.list_v1_files(out)[4]
     reference = formats.read_v1_sample(victim)
     victim.unlink()
     stale = victim.parent / f".{victim.name}{formats.TMP_MARK}abc123"
     stale.write_bytes(b"half a file")
-    summary = extract(prepared, out, str(tiny_target), max_batch_size=1, show_progress=False)
+    summary = extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1),
+                                     show_progress=False)
     assert summary.written == 1 and summary.already_done == len(before) - 1
     assert not stale.exists()
     after = formats.list_v1_files(out)
@@ -130,9 +135,10 @@ def test_rerun_redoes_missing_and_partial_files_only(tiny_target, prepared, tmp_
 
 def test_rerun_with_other_settings_is_refused(tiny_target, prepared, tmp_path):
     out = tmp_path / "data"
-    extract(prepared, out, str(tiny_target), show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target)), show_progress=False)
     with pytest.raises(ValueError, match="layer_ids"):
-        extract(prepared, out, str(tiny_target), layer_ids=[1, 3, 5, 8], show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), layer_ids=[1, 3, 5, 8]),
+                               show_progress=False)
 
 
 @pytest.mark.parametrize("ids,msg", [([2, 3, 4, 5], "last id must be 8"), ([3, 2, 5, 8], "strictly increasing"),
@@ -142,7 +148,8 @@ def test_rerun_with_other_settings_is_refused(tiny_target, prepared, tmp_path):
                                      ([1, 2, 3, 5, 8], "expected 4 integer ids")])
 def test_bad_layer_ids(tiny_target, prepared, tmp_path, ids, msg):
     with pytest.raises(ValueError, match=msg):
-        extract(prepared, tmp_path / "d", str(tiny_target), layer_ids=ids, show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(tiny_target), layer_ids=ids),
+                               show_progress=False)
 
 
 def test_other_target_than_prepared_with_is_refused(tiny_target, prepared, tmp_path):
@@ -153,14 +160,16 @@ def test_other_target_than_prepared_with_is_refused(tiny_target, prepared, tmp_p
     config = (tiny_target / "config.json").read_text()
     (other / "config.json").write_text(config.replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1e-06'))
     with pytest.raises(ValueError, match="not the one"):
-        extract(prepared, tmp_path / "d", str(other), show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(other)), show_progress=False)
 
 
 def test_shards_fill_one_folder_like_a_single_run(tiny_target, prepared, tmp_path):
     single, sharded = tmp_path / "single", tmp_path / "sharded"
-    extract(prepared, single, str(tiny_target), max_batch_size=1, show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=single, target=str(tiny_target), max_batch_size=1),
+                           show_progress=False)
     for shard in range(3):
-        s = extract(prepared, sharded, str(tiny_target), max_batch_size=1, num_shards=3, shard_id=shard, show_progress=False)
+        s = extract(ExtractOptions(prepared=prepared, out=sharded, target=str(tiny_target), max_batch_size=1,
+                                   num_shards=3, shard_id=shard), show_progress=False)
         assert s.written == 4
     a, b = load_all(single), load_all(sharded)
     assert sorted(a) == sorted(b)
@@ -170,9 +179,11 @@ def test_shards_fill_one_folder_like_a_single_run(tiny_target, prepared, tmp_pat
 
 def test_shard_options_name_the_option_at_fault(tiny_target, prepared, tmp_path):
     with pytest.raises(ValueError, match=r"^--num-shards 0: must be >= 1$"):
-        extract(prepared, tmp_path / "d", str(tiny_target), num_shards=0, show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(tiny_target), num_shards=0),
+                               show_progress=False)
     with pytest.raises(ValueError, match=r"--shard-id 3 must be in \[0, --num-shards 3\)"):
-        extract(prepared, tmp_path / "d", str(tiny_target), num_shards=3, shard_id=3, show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(tiny_target), num_shards=3, shard_id=3),
+                               show_progress=False)
     assert not (tmp_path / "d").exists()  # refused before anything is written
 
 
@@ -192,7 +203,7 @@ def test_rerun_redoes_files_that_are_not_complete_safe_samples(tiny_target, prep
     import logging
 
     out = tmp_path / "data"
-    extract(prepared, out, str(tiny_target), max_batch_size=1, show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1), show_progress=False)
     files = formats.list_v1_files(out)
     reference = {i: formats.read_v1_sample(files[i]) for i in (0, 1, 2)}
     files[0].write_bytes(b"")
@@ -203,11 +214,13 @@ def test_rerun_redoes_files_that_are_not_complete_safe_samples(tiny_target, prep
                                                      short.loss_mask[:-1].clone()))
     other = files[2].read_bytes()
     with pytest.raises(FileExistsError, match=r"data_2.pt: a whole sample of other shapes"):
-        extract(prepared, out, str(tiny_target), max_batch_size=1, show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1),
+                               show_progress=False)
     assert files[2].read_bytes() == other and files[0].read_bytes() == b""  # nothing written
     files[2].unlink()  # moved away, as the message says
     with caplog.at_level(logging.WARNING):
-        s = extract(prepared, out, str(tiny_target), max_batch_size=1, show_progress=False)
+        s = extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1),
+                                   show_progress=False)
     assert s.written == 3 and "2 existing file(s) are not complete safe samples" in caplog.text
     for i, ref in reference.items():
         again = formats.read_v1_sample(files[i])
@@ -226,7 +239,7 @@ def test_kill_9_mid_run_then_resume(tiny_target, tmp_path):
                                                       {"role": "assistant", "content": words * (20 + n % 30)}]}) + "\n"
                              for n in range(400)))
     prep = tmp_path / "prep"
-    prepare(str(tiny_target), str(chats), prep, max_length=1024)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=prep, max_length=1024))
     out, ref = tmp_path / "killed", tmp_path / "ref"
     cmd = [sys.executable, "-m", "eaglet.cli", "extract", "--prepared", str(prep), "--out", str(out),
            "--target", str(tiny_target), "--max-batch-size", "1"]
@@ -241,7 +254,7 @@ def test_kill_9_mid_run_then_resume(tiny_target, tmp_path):
     for path in partial.values():
         formats.read_v1_sample(path)  # every file present is complete and loads
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    extract(prep, ref, str(tiny_target), max_batch_size=1, show_progress=False)
+    extract(ExtractOptions(prepared=prep, out=ref, target=str(tiny_target), max_batch_size=1), show_progress=False)
     a, b = load_all(out), load_all(ref)
     assert sorted(a) == sorted(b) == list(range(400))
     assert not any(formats.TMP_MARK in p.name for p in (out / "hidden_states").rglob("*"))
@@ -265,7 +278,7 @@ def test_token_id_outside_the_vocabulary_is_refused_before_anything_is_written(t
     edit_prepared(prepared, 2, lambda r: r["input_ids"].__setitem__(1, bad))
     with pytest.raises(ValueError, match=rf"^{prepared / formats.PREPARED_FILE}:2: sample chat1: token id {bad} "
                                          r"\(token 1\) is not in the target's vocabulary of 400 \(ids 0 to 399\)"):
-        extract(prepared, tmp_path / "data", str(tiny_target), show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=tmp_path / "data", target=str(tiny_target)), show_progress=False)
     assert not (tmp_path / "data").exists()
 
 
@@ -279,7 +292,7 @@ def test_samples_longer_than_the_target_positions_are_refused(tiny_target, prepa
                                          rf"more than the 1024 positions the target holds \(max_position_embeddings "
                                          rf"in {tiny_target / 'config.json'}\); 1 of 12 samples are that long: run "
                                          r"`eaglet prepare` again with --max-length 1024 or less$"):
-        extract(prepared, tmp_path / "data", str(tiny_target), show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=tmp_path / "data", target=str(tiny_target)), show_progress=False)
     assert not (tmp_path / "data").exists()
 
 
@@ -299,12 +312,12 @@ def test_a_run_that_wrote_no_sample_does_not_lock_the_folder(tiny_target, prepar
     out = tmp_path / "data"
     fail_first_batch(monkeypatch)
     with pytest.raises(RuntimeError, match="out of memory"):
-        extract(prepared, out, str(tiny_target), layout=layout, show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), layout=layout), show_progress=False)
     assert (out / formats.DATA_CONFIG_FILE).exists() and not formats.list_dataset_files(out).files
     monkeypatch.undo()
     fixed = tmp_path / "fixed"
-    prepare(str(tiny_target), str(chats_jsonl), fixed, max_length=512, num_samples=5)
-    summary = extract(fixed, out, str(tiny_target), show_progress=False)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=fixed, max_length=512, num_samples=5))
+    summary = extract(ExtractOptions(prepared=fixed, out=out, target=str(tiny_target)), show_progress=False)
     samples, _ = formats.read_prepared(fixed)
     assert summary.written == 5 and formats.read_json(out / formats.DATA_CONFIG_FILE)["num_samples"] == 5
     lengths = formats.read_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE)
@@ -312,17 +325,19 @@ def test_a_run_that_wrote_no_sample_does_not_lock_the_folder(tiny_target, prepar
     assert formats.list_dataset_files(out).format == formats.FORMAT_V1 and not (out / formats.ARROW_STATE_FILE).exists()
     # Now that the folder holds samples, another dataset is refused as before.
     with pytest.raises(ValueError, match="holds a dataset made with .*delete the folder to start over"):
-        extract(prepared, out, str(tiny_target), show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target)), show_progress=False)
 
 
 def test_a_resume_at_another_compute_dtype_is_refused(tiny_target, prepared, tmp_path):
     """Resumed with --dtype fp32 into a bf16-computed dataset, extract mixed the two roundings under
     a data_config.json that still said bfloat16."""
     out = tmp_path / "data"
-    extract(prepared, out, str(tiny_target), dtype="bf16", num_shards=2, shard_id=0, show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), dtype="bf16", num_shards=2, shard_id=0),
+                           show_progress=False)
     with pytest.raises(ValueError, match=r"holds a dataset made with compute_dtype='bfloat16', this run has "
                                          r"'float32'"):
-        extract(prepared, out, str(tiny_target), dtype="fp32", num_shards=2, shard_id=1, show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), dtype="fp32", num_shards=2,
+                               shard_id=1), show_progress=False)
 
 
 def test_a_prepared_sample_beyond_its_recorded_max_length_is_refused(tiny_target, prepared, tmp_path):
@@ -333,7 +348,7 @@ def test_a_prepared_sample_beyond_its_recorded_max_length_is_refused(tiny_target
     formats.write_json_atomic(folder / formats.PREPARE_CONFIG_FILE, {**config, "max_length": 8})
     with pytest.raises(ValueError, match=r"prepared\.jsonl:\d+: a sample of \d+ tokens, beyond prepare_config\.json's "
                                          r"max_length 8; the files were changed since prepare"):
-        extract(folder, tmp_path / "data", str(tiny_target), show_progress=False)
+        extract(ExtractOptions(prepared=folder, out=tmp_path / "data", target=str(tiny_target)), show_progress=False)
     assert not (tmp_path / "data").exists()
 
 
@@ -352,5 +367,5 @@ def test_a_config_replaced_before_the_first_write_is_refused(tiny_target, prepar
 
     monkeypatch.setattr(eaglet.extract, "run_batch", other_run_replaces_the_config)
     with pytest.raises(ValueError, match="prepared_sha256='another'"):
-        extract(prepared, out, str(tiny_target), show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target)), show_progress=False)
     assert not formats.list_dataset_files(out).files

@@ -20,6 +20,7 @@ from eaglet.training.checkpoints import iter_metrics
 from eaglet.training.loop import train
 from helpers import FAST, PROMPTS
 from references import plain_greedy
+from eaglet.options import ExportOptions, TrainOptions
 
 SRC = Path(eaglet.__file__).parent
 # where a family's name may still decide behaviour: the declarations themselves, nowhere else
@@ -81,7 +82,8 @@ def test_a_family_registered_alone_trains_decodes_exactly_and_exports(variant, d
     the layout of the architecture its traits name."""
     opts = {**FAST, "anchor_stride": 2}
     opts.pop("ttt_steps")
-    summary = train(dataset, tmp_path / "run", drafter=variant.name, total_steps=3, show_progress=False, **opts)
+    summary = train(TrainOptions(dataset_dir=dataset, out_dir=tmp_path / "run", drafter=variant.name, total_steps=3,
+                                 **opts), show_progress=False)
     config = json.loads((tmp_path / "run" / "train_config.json").read_text())
     assert (config["drafter"], config["block_size"]) == ("dflash-6", 6)  # its own default
     drafter = load_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{summary.step:08d}")
@@ -90,6 +92,6 @@ def test_a_family_registered_alone_trains_decodes_exactly_and_exports(variant, d
     for prompt in PROMPTS:
         assert speculative_generate(target, drafter, prompt, 16, mode="chain", depth=5)[0] == \
             plain_greedy(target, prompt, 16)
-    export_drafter(tmp_path / "run", tmp_path / "vllm", "speculators")
+    export_drafter(ExportOptions(ckpt=tmp_path / "run", out=tmp_path / "vllm", fmt="speculators"))
     exported = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert exported["speculators_model_type"] == "dflash" and exported["block_size"] == 6

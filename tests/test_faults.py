@@ -21,6 +21,7 @@ from eaglet.placement import placement_from_options
 from eaglet.vllm_engine import parse_engine_args
 from eaglet.prepare import prepare
 from eaglet.formats import io as formats_io  # where writes look up free space and make their temp files
+from eaglet.options import CheckOptions, EvalOptions, ExtractOptions, PrepareOptions, RegenOptions
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
@@ -141,16 +142,16 @@ def bad_option_calls():
     from eaglet.regen import regenerate
 
     return [
-        (lambda: extract("p", "o", batch_tokens=0), "--batch-tokens 0: must be >= 1"),
-        (lambda: extract("p", "o", max_batch_size=-1), "--max-batch-size -1: must be >= 1"),
-        (lambda: regenerate("d", "o.jsonl", top_p=0.0), r"--top-p 0.0: must be in \(0, 1\]"),
-        (lambda: regenerate("d", "o.jsonl", max_new_tokens=0), "--max-new-tokens 0: must be >= 1"),
-        (lambda: regenerate("d", "o.jsonl", temperature=-1), "--temperature -1: must be >= 0"),
-        (lambda: evaluate("d", num_prompts=0), "--num-prompts 0: must be >= 1"),
+        (lambda: extract(ExtractOptions(prepared="p", out="o", batch_tokens=0)), "--batch-tokens 0: must be >= 1"),
+        (lambda: extract(ExtractOptions(prepared="p", out="o", max_batch_size=-1)), "--max-batch-size -1: must be >= 1"),
+        (lambda: regenerate(RegenOptions(data="d", out="o.jsonl", top_p=0.0)), r"--top-p 0.0: must be in \(0, 1\]"),
+        (lambda: regenerate(RegenOptions(data="d", out="o.jsonl", max_new_tokens=0)), "--max-new-tokens 0: must be >= 1"),
+        (lambda: regenerate(RegenOptions(data="d", out="o.jsonl", temperature=-1)), "--temperature -1: must be >= 0"),
+        (lambda: evaluate(EvalOptions(drafter_path="d", num_prompts=0)), "--num-prompts 0: must be >= 1"),
         (lambda: DecodeSettings(chain_depth=0), "--chain-depth 0: must be >= 1"),
         (lambda: DecodeSettings(min_draft_prob=1.5), r"--min-draft-prob 1.5: must be in \[0, 1\]"),
-        (lambda: check_dataset("d", identity_samples=-1), "--identity-samples -1: must be >= 0"),
-        (lambda: check_dataset("d", workers=0), "--workers 0: must be >= 1"),
+        (lambda: check_dataset(CheckOptions(path="d", identity_samples=-1)), "--identity-samples -1: must be >= 0"),
+        (lambda: check_dataset(CheckOptions(path="d", workers=0)), "--workers 0: must be >= 1"),
     ]
 
 
@@ -211,7 +212,7 @@ def test_a_full_disk_inside_safetensors_names_the_file(tmp_path, monkeypatch):
 def test_a_json_line_nested_too_deep_is_skipped_and_counted(tiny_target, chats_jsonl, tmp_path):
     data = tmp_path / "deep.jsonl"
     data.write_text(chats_jsonl.read_text() + '{"id": "deep", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
-    summary = prepare(str(tiny_target), str(data), tmp_path / "prep", max_length=512)
+    summary = prepare(PrepareOptions(target=str(tiny_target), data=str(data), out=tmp_path / "prep", max_length=512))
     assert summary.samples == len(chats_jsonl.read_text().splitlines())
 
 

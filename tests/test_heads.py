@@ -24,6 +24,7 @@ from eaglet.prepare import prepare
 from eaglet.target import heads_of_model, load_target, resolve_target
 from eaglet.training.loop import train
 from helpers import FAST, chat_records, head_only_copy
+from eaglet.options import CheckOptions, ConvertOptions, ExtractOptions, PrepareOptions, TrainOptions
 
 
 def make_sharded_llama(folder: Path, seed: int = 0) -> None:
@@ -51,8 +52,9 @@ def sharded(tmp_path_factory) -> tuple[Path, Path, Path]:
     full = work / "full"
     full.mkdir()
     make_sharded_llama(full)
-    prepare(str(full), str(write_jsonl(work / "chats.jsonl", chat_records())), work / "prep", max_length=512)
-    extract(work / "prep", work / "data", str(full), show_progress=False)
+    prepare(PrepareOptions(target=str(full), data=str(write_jsonl(work / "chats.jsonl", chat_records())),
+                           out=work / "prep", max_length=512))
+    extract(ExtractOptions(prepared=work / "prep", out=work / "data", target=str(full)), show_progress=False)
     return full, head_only_copy(full, work / "heads_only"), work / "data"
 
 
@@ -180,18 +182,18 @@ def test_train_from_a_head_only_folder_equals_the_whole_targets_run(sharded, tmp
     heads of the loaded model (the path every run took before), and the full folder's; another
     model is refused."""
     full, head_only, data = sharded
-    opts = dict(total_steps=4, show_progress=False, bf16=False, **FAST)
+    opts = dict(total_steps=4, bf16=False, **FAST)
     with caplog.at_level(logging.INFO):
-        train(data, tmp_path / "heads_only", target=str(head_only), **opts)
+        train(TrainOptions(dataset_dir=data, out_dir=tmp_path / "heads_only", target=str(head_only), **opts))
     assert "layer identity not checked by train (the folder holds only the heads" in caplog.text
     assert "host memory RSS" in caplog.text
-    train(data, tmp_path / "full", target=str(full), **opts)
+    train(TrainOptions(dataset_dir=data, out_dir=tmp_path / "full", target=str(full), **opts))
 
     def loaded_heads(ref, dtype, device, roles=heads.HEAD_ROLES):
         return heads_of_model(load_target(ref, torch.float32, torch.device("cpu")))
 
     monkeypatch.setattr("eaglet.training.loop.load_heads", loaded_heads)
-    train(data, tmp_path / "model", target=str(full), **opts)
+    train(TrainOptions(dataset_dir=data, out_dir=tmp_path / "model", target=str(full), **opts))
     step = "checkpoints/step_00000004/model.safetensors"
     ref = load_file(str(tmp_path / "model" / step))
     for run in ("heads_only", "full"):
@@ -203,18 +205,19 @@ def test_train_from_a_head_only_folder_equals_the_whole_targets_run(sharded, tmp
     other.mkdir()
     make_sharded_llama(other, seed=1)
     with pytest.raises(ValueError, match="another config, tokenizer or heads"):
-        train(data, tmp_path / "other_run", target=str(other), **opts)
+        train(TrainOptions(dataset_dir=data, out_dir=tmp_path / "other_run", target=str(other), **opts))
 
 
 def test_convert_check_and_export_from_a_head_only_folder(sharded, tmp_path):
     full, head_only, data = sharded
-    convert(data, tmp_path / "c_full", "compact", target=str(full), show_progress=False)
-    convert(data, tmp_path / "c_heads", "compact", target=str(head_only), show_progress=False)
+    convert(ConvertOptions(src=data, out=tmp_path / "c_full", layout="compact", target=str(full)), show_progress=False)
+    convert(ConvertOptions(src=data, out=tmp_path / "c_heads", layout="compact", target=str(head_only)),
+                           show_progress=False)
     a, b = formats.list_v1_files(tmp_path / "c_full"), formats.list_v1_files(tmp_path / "c_heads")
     assert a.keys() == b.keys()
     for i in a:
         assert a[i].read_bytes() == b[i].read_bytes()
-    report = check_dataset(data, target=str(head_only), identity_samples=2)
+    report = check_dataset(CheckOptions(path=data, target=str(head_only), identity_samples=2))
     assert report.clean, report.problems
     assert report.next_token_accuracy["positions"] > 0
     assert any("layer identity not checked" in p.message and "--target FULL_TARGET" in p.message

@@ -26,6 +26,7 @@ from eaglet.prepare import prepare
 from eaglet.training.loop import train
 from helpers import FAST, chat_records, head_only_copy, random_drafter, write_checkpoint
 from replays import config, sglang_load, vllm_load
+from eaglet.options import CheckOptions, ExportOptions, ExtractOptions, PrepareOptions, TrainOptions
 
 # moonshotai/Kimi-K2.5 config.json, its text_config (the DeepSeek-V3 backbone), as published
 KIMI_K25_TEXT = {
@@ -75,10 +76,11 @@ def kimi(tmp_path_factory) -> dict[str, Path]:
         model.model.norm.weight.copy_(torch.rand(fields["hidden_size"]) + 0.5)
     model.save_pretrained(full, max_shard_size="200KB")
     prep = work / "prep"
-    prepare(str(full), str(write_jsonl(work / "chats.jsonl", chat_records(16))), prep, max_length=512)
+    prepare(PrepareOptions(target=str(full), data=str(write_jsonl(work / "chats.jsonl", chat_records(16))), out=prep,
+                           max_length=512))
     out = {"full": full, "heads": head_only_copy(full, work / "heads_only"), "prep": prep}
     for layout in ("v1", "speculators"):
-        extract(prep, work / layout, str(full), layout=layout, show_progress=False)
+        extract(ExtractOptions(prepared=prep, out=work / layout, target=str(full), layout=layout), show_progress=False)
         out[layout] = work / layout
     return out
 
@@ -100,21 +102,22 @@ def test_the_scaled_target_keeps_kimis_structure(kimi):
 @pytest.mark.parametrize("layout", ["v1", "speculators"])
 def test_kimi_path_from_extraction_to_the_engines(kimi, layout, tmp_path):
     data = kimi[layout]
-    whole = check_dataset(data, target=str(kimi["full"]), identity_samples=2)
+    whole = check_dataset(CheckOptions(path=data, target=str(kimi["full"]), identity_samples=2))
     assert whole.clean, whole.problems
     assert [s.best for s in whole.identity] == [s.expected for s in whole.identity]  # every slot its layer
-    alone = check_dataset(data, target=str(kimi["heads"]), identity_samples=2)
+    alone = check_dataset(CheckOptions(path=data, target=str(kimi["heads"]), identity_samples=2))
     assert alone.clean and alone.next_token_accuracy["positions"] > 0
     run = tmp_path / "run"
-    train(data, run, target=str(kimi["heads"]), total_steps=4, show_progress=False, **FAST)
+    train(TrainOptions(dataset_dir=data, out_dir=run, target=str(kimi["heads"]), total_steps=4, **FAST),
+                       show_progress=False)
     ckpt = json.loads((run / "checkpoints" / "step_00000004" / "config.json").read_text())
     # MLA: heads of the target's value width (attention_shape), not hidden / heads
     assert (ckpt["num_attention_heads"], ckpt["num_key_value_heads"], ckpt["head_dim"]) == (4, 4, 8)
     assert ckpt["eagle_aux_hidden_state_layer_ids"] == layers.default_aux_ids(LAYERS)
-    export_drafter(run, tmp_path / "speculators", "speculators", dtype="bf16")
+    export_drafter(ExportOptions(ckpt=run, out=tmp_path / "speculators", fmt="speculators", dtype="bf16"))
     hf, loaded = vllm_load(tmp_path / "speculators")
     assert hf["eagle_aux_hidden_state_layer_ids"] == layers.default_aux_ids(LAYERS)
-    export_drafter(run, tmp_path / "eagle", "eagle", dtype="bf16")
+    export_drafter(ExportOptions(ckpt=run, out=tmp_path / "eagle", fmt="eagle", dtype="bf16"))
     captured, _, _ = sglang_load(tmp_path / "eagle")
     assert captured == layers.default_aux_ids(LAYERS)  # SGLang captures the states the drafter trained on
 
@@ -146,9 +149,9 @@ def test_the_real_61_layer_ids_map_to_their_layers(tmp_path, stored, aux, sglang
         hidden_size=64, num_heads=4, num_kv_heads=4, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5,
         rope_theta=50000.0, max_position_embeddings=1024, target_vocab_size=400, draft_vocab_size=30,
         aux_layer_ids=aux)))
-    export_drafter(ckpt, tmp_path / "vllm", "speculators", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "vllm", fmt="speculators", dtype="fp32"))
     assert config(tmp_path / "vllm")["eagle_aux_hidden_state_layer_ids"] == aux
-    export_drafter(ckpt, tmp_path / "sglang", "eagle", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "sglang", fmt="eagle", dtype="fp32"))
     assert config(tmp_path / "sglang")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == sglang
     assert sglang_load(tmp_path / "sglang")[0] == aux
 

@@ -175,9 +175,9 @@ def test_the_graph_rules_catch_what_they_name():
 
 def entry_modules() -> dict[str, Path]:
     """The module that holds each stage's entry function (options.STAGES `entry`)."""
-    from eaglet.options import STAGES as DECLARED_STAGES
+    from eaglet.options import STAGES as STAGE_DECLARATIONS
 
-    names = {s.entry.split(":")[0] for s in DECLARED_STAGES.values()}
+    names = {s.entry.split(":")[0] for s in STAGE_DECLARATIONS.values()}
     return {n: p for n, p in modules().items() if n in names and unit(n) not in ORCHESTRATORS}
 
 

@@ -19,64 +19,56 @@ from eaglet.cli import build_parser, resolve, stage_parsers
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-# Keywords of entry functions that are not options: how a caller drives the stage, not what it does.
-NOT_OPTIONS = {"command", "show_progress", "progress", "progress_bar", "write_threads", "backoff",
-               "workers_per_file"}
-# The eval keywords that DecodeSettings fills in itself rather than the user.
+# Parameters of entry functions besides the options: how a caller drives the stage, not what it does.
+NOT_OPTIONS = {"command", "show_progress", "progress", "progress_bar", "write_threads", "backoff", "workers", "given"}
+# What DecodeSettings fills in itself rather than the user.
 NOT_SETTINGS = {"eos_ids", "pass_costs"}
-NOT_OPTIONS_OF = {"convert": {"workers"}}  # writer threads: sized by convert itself
-DEMO_OUT = ("demo", "out")  # the demo's own folder, where `run` names it after the recipe
-
-
-def entry_defaults(stage: O.Stage) -> dict[str, object]:
-    """Keyword -> default of the stage's entry function and of the config it forwards options to."""
-    skip = NOT_OPTIONS | NOT_OPTIONS_OF.get(stage.name, set())
-    params = {n: p.default for n, p in inspect.signature(resolve(stage.entry)).parameters.items()
-              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n not in skip}
-    if stage.config:
-        fields = dataclasses.fields(resolve(stage.config))
-        params |= {f.name: f.default if f.default is not dataclasses.MISSING else (
-                   f.default_factory if isinstance(f.default_factory, O.Declared) else f.default_factory())
-                   for f in fields if f.name not in NOT_SETTINGS}
-    return params
 
 
 @pytest.mark.parametrize("name", list(O.STAGES))
-def test_declarations_match_the_entry_functions(name):
+def test_each_entry_function_takes_its_stage_options_and_no_option_of_its_own(name):
+    """An entry function's first parameter is the stage's options object; its others drive the
+    stage (progress, the command recorded): no option is a keyword, so no default is written twice."""
     stage = O.STAGES[name]
-    params = entry_defaults(stage)
-    declared = {o.key: o for o in stage.options if not o.cli_only}
-    fixed = {"spec"} if name == "demo" else set()  # demo is `run` of the built-in recipe "demo"
-    assert set(declared) == set(params) - fixed, (
-        f"{name}: declared but not taken {sorted(set(declared) - set(params))}; "
-        f"taken but not declared {sorted(set(params) - set(declared) - fixed)}")
-    for key, o in declared.items():
-        want = params[key]
-        if want is inspect.Parameter.empty or o.required or (name, key) == DEMO_OUT:
-            continue  # the command line always passes it
-        if want is O.DECLARED or isinstance(want, O.Declared):
-            want = O.declared_default(name if name != "demo" else "run", key)  # what a caller leaving it out gets
-        if o.invert:
-            assert want is True, f"{name} {key}: an inverted flag's keyword defaults to True"
+    params = list(inspect.signature(resolve(stage.entry)).parameters.values())
+    assert params[0].default is inspect.Parameter.empty, f"{name}: the options object is required"
+    hints = inspect.get_annotations(resolve(stage.entry))
+    assert hints[params[0].name] == stage.config.__name__, f"{name}: takes {hints[params[0].name]}"
+    others = {p.name for p in params[1:]}
+    assert others <= NOT_OPTIONS, f"{name}: parameters besides the options: {sorted(others - NOT_OPTIONS)}"
+    assert not others & {o.key for o in stage.options}
+
+
+@pytest.mark.parametrize("name", [n for n, s in O.STAGES.items() if s.checked_by])
+def test_a_stages_checked_settings_are_its_declared_options(name):
+    """TrainConfig and DecodeSettings build on the declarations (options.TrainSettings,
+    options.DecodeOptions): each is made from the stage's options, with the declared defaults
+    (DecodeSettings only narrows the preset's fields to what they are once filled in)."""
+    stage = O.STAGES[name]
+    checked = resolve(stage.checked_by)
+    declared = {f.name: f for f in dataclasses.fields(stage.config)}
+    for f in dataclasses.fields(checked):
+        if f.name in NOT_SETTINGS:
             continue
-        if isinstance(want, tuple):
-            want = list(want)
-        same = o.default == want or (o.kind == O.FLAG and want is False) or (o.kind == O.BOOL and want is None) or (
-            o.kind == O.APPEND and want is None)
-        assert same, (
-            f"{name} --{o.name}: declared default {o.default!r}, the entry function's {want!r}")
+        assert f.name in declared, f"{name}: {checked.__name__}.{f.name} is no option of the stage"
+        assert O.OPTION in f.metadata or f.default is None, f"{name}: {f.name} redeclared with a default of its own"
 
 
-@pytest.mark.parametrize("name", list(O.STAGES))
-def test_no_entry_function_writes_a_default_of_its_own(name):
-    """Every option an entry function takes defaults to DECLARED (the declaration's, looked up),
-    and every option a config dataclass takes to `declared(...)`: no default is written twice."""
-    stage = O.STAGES[name]
-    declared = {o.key for o in stage.options if not o.cli_only}
-    written = {k: v for k, v in entry_defaults(stage).items()
-               if k in declared and v is not inspect.Parameter.empty and v is not O.DECLARED
-               and not isinstance(v, O.Declared) and not (name == "demo" and k == "out")}
-    assert written == {}, f"{name}: defaults written in the entry function or its config: {written}"
+def test_the_command_lines_defaults_are_the_options_objects():
+    """A Python caller who leaves an option out gets what the command line gives when it is not
+    written: both read the one default of the field (inverted flags included)."""
+    from eaglet.cli import stage_options
+
+    required = {"prepare": ["--out", "o"], "extract": ["--prepared", "p", "--out", "o"],
+                "convert": ["src", "--out", "o", "--layout", "v1"], "run": ["demo"], "check": ["ds"],
+                "train": ["ds", "--out", "o"], "regen": ["--out", "o.jsonl"], "eval": ["ckpt"],
+                "export": ["ckpt", "o", "--format", "eagle"], "import": ["dir", "--out", "o"], "demo": []}
+    parser = build_parser()
+    for name, stage in O.STAGES.items():
+        from_cli = stage_options(stage, parser.parse_args([name, *required[name]]))
+        given = {k: getattr(from_cli, k) for k in
+                 [o.key for o in stage.options if (o.required or o.positional) and not o.cli_only]}
+        assert from_cli == stage.config(**given), name
 
 
 def test_help_never_types_a_default():
@@ -180,51 +172,31 @@ def test_device_presets_fill_what_is_not_given():
     assert (args.preset, args.depth, args.top_k) == ("cuda", 5, None)
 
 
-def with_default(monkeypatch, stage: str, name: str, value: object) -> None:
-    """The declaration of `stage --name` with another default, for the rest of a test."""
-    old = O.STAGES[stage]
-    options = tuple(dataclasses.replace(o, default=value) if o.name == name else o for o in old.options)
-    monkeypatch.setitem(O.STAGES, stage, dataclasses.replace(old, options=options))
-
-
 def test_a_default_changed_in_the_declaration_changes_the_cli_the_recipe_and_the_entry_function(monkeypatch):
-    """Defaults are written once: change one in options.py and every consumer follows."""
+    """Defaults are written once, in a field of the stage's options class: change one there and
+    the command line, its help, the recipe validation and Python callers all follow."""
     from eaglet.recipe import option_types, validate
 
-    with_default(monkeypatch, "extract", "batch_tokens", 1234)
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Changed(O.ExtractOptions):
+        batch_tokens: int | None = O.option("padded tokens per forward pass", type=int, default=1234)
+
+    monkeypatch.setitem(O.STAGES, "extract", dataclasses.replace(O.STAGES["extract"], config=Changed))
     assert build_parser().parse_args(["extract", "--prepared", "P", "--out", "O"]).batch_tokens == 1234
-    assert O.declared_default("extract", "batch_tokens") == 1234
-    seen = {}
-
-    @O.takes_options("extract")
-    def entry(prepared: str = O.DECLARED, batch_tokens: int = O.DECLARED, command: str = "") -> None:
-        seen.update(batch_tokens=batch_tokens)
-
-    entry("P")
-    assert seen == {"batch_tokens": 1234}
-    entry("P", batch_tokens=5)  # a value given wins
-    assert seen == {"batch_tokens": 5}
-    with pytest.raises(TypeError, match="needs prepared"):  # a required option has no default to fall back on
-        entry()
-    with_default(monkeypatch, "train", "lr", 0.125)  # a config dataclass field follows its declaration too
-    from eaglet.training.config import TrainConfig
-    assert TrainConfig().lr == 0.125
+    assert "(default 1234)" in O.STAGES["extract"].option("batch_tokens").help_text()
+    assert Changed(prepared="P", out="O").batch_tokens == 1234
     # The recipe validation types a value from the declaration: an option without a default takes None.
     recipe = {"recipe": {"name": "r"}, "extract": {"batch_tokens": None}}
     with pytest.raises(ValueError, match="batch_tokens"):
         validate(recipe)
-    with_default(monkeypatch, "extract", "batch_tokens", None)
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class NoDefault(O.ExtractOptions):
+        batch_tokens: int | None = O.option("padded tokens per forward pass", type=int)
+
+    monkeypatch.setitem(O.STAGES, "extract", dataclasses.replace(O.STAGES["extract"], config=NoDefault))
     assert option_types("extract")["batch_tokens"] == int | None
     validate(recipe)
-
-
-def test_every_declared_default_of_a_real_entry_function_is_looked_up(monkeypatch, tmp_path):
-    """The real entry functions take the declaration at call time (not a copy made at import)."""
-    from eaglet.prepare import prepare
-
-    with_default(monkeypatch, "prepare", "data", str(tmp_path / "no-such-chats.jsonl"))
-    with pytest.raises(Exception, match="no-such-chats.jsonl"):
-        prepare(out=tmp_path / "out")
 
 
 CITED_TEST = re.compile(r"\b(test_\w+)(?:::(test_\w+)(\[[^\]]*\])?)?")

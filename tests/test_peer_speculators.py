@@ -41,6 +41,7 @@ from eaglet.drafter import DraftConfig, Eagle3Draft, build_draft_vocab  # noqa: 
 from eaglet.drafter.files import export_config, load_drafter  # noqa: E402
 from eaglet.export import export_drafter, import_drafter  # noqa: E402
 from eaglet.training.checkpoints import save_checkpoint  # noqa: E402
+from eaglet.options import ExportOptions, ImportOptions  # noqa: E402
 
 # speculators 0.9.0 calls transformers' LlamaAttention with the deprecated `past_key_values` name.
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -179,7 +180,8 @@ def exported(tmp_path_factory, tiny_target):
             ckpt = save_checkpoint(root / "checkpoints", 5, draft,
                                    export_config(cfg, {"step": 5, "target": str(tiny_target)}), {})
             out = root / "speculators"
-            export_drafter(ckpt, out, "speculators", dtype="fp32", verifier=str(tiny_target))
+            export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="speculators", dtype="fp32",
+                                         verifier=str(tiny_target)))
             cache[name] = (out, ckpt)
         return cache[name]
 
@@ -309,7 +311,7 @@ def test_eaglet_imports_speculators_drafter_with_equal_logits(tmp_path, tiny_tar
     saved = load_file(str(folder / "model.safetensors"))
     assert not saved.keys() & FROM_VERIFIER, f"speculators saved {sorted(saved.keys() & FROM_VERIFIER)}"
 
-    summary = import_drafter(folder, back)
+    summary = import_drafter(ImportOptions(src=folder, out=back))
     assert summary.source_format == "speculators", f"{variant}: read as {summary.source_format}"
     cfg = summary.config
     window = layer.get("sliding_window")
@@ -350,7 +352,7 @@ def test_eaglet_refuses_per_layer_fc_norm_clearly(tmp_path, tiny_target):
     model.save_pretrained(folder)
     assert any(k.startswith("fc_norm.") for k in load_file(str(folder / "model.safetensors")))
     with pytest.raises(ValueError) as e:
-        import_drafter(folder, tmp_path / "imported")
+        import_drafter(ImportOptions(src=folder, out=tmp_path / "imported"))
     message = str(e.value)
     assert "config.json" in message and "fc_norm = True" in message and "per-layer" in message, \
         f"the refusal does not name the file, the field and why: {message}"

@@ -15,6 +15,7 @@ from eaglet.recipe import (Paths, apply_overrides, apply_scale, builtin_recipes,
                            parse_override, plan_stages, run_recipe, validate)
 
 from conftest import CHATS, write_jsonl
+from eaglet.options import PrepareOptions, RunOptions
 
 
 def test_builtin_recipes_load_and_validate(tmp_path):
@@ -52,7 +53,7 @@ def test_bad_recipes_fail_before_any_work(tmp_path):
     bad.write_text("[train]\nlearning_rate = 1e-4\n")
     with pytest.raises(ValueError, match=r"bad\.toml \[train\]\.learning_rate: unknown option; "
                                          r"\[train\] takes .*\blr\b"):
-        run_recipe(bad, tmp_path / "out")
+        run_recipe(RunOptions(spec=bad, out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
     bad.write_text("[trainer]\nlr = 1\n")
     with pytest.raises(ValueError, match="unknown tables"):
@@ -72,7 +73,7 @@ def test_unknown_recipe_and_scale_keys_are_refused(tmp_path):
     bad.write_text('[recipe]\ntargt = "org/model"\n\n[prepare]\n')
     with pytest.raises(ValueError, match=r"bad\.toml \[recipe\]\.targt: unknown key \(did you mean 'target'\?\); "
                                          r"\[recipe\] takes description, drafters, name, out, target, why$"):
-        run_recipe(bad, tmp_path / "out")
+        run_recipe(RunOptions(spec=bad, out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
     recipe = load_recipe("demo")
     with pytest.raises(ValueError, match=r"^--set recipe\.targt=x \(recipe demo\): unknown key \(did you mean 'target'"):
@@ -88,7 +89,7 @@ def test_unknown_recipe_and_scale_keys_are_refused(tmp_path):
                                                r"str; write \[\"regen\.num_samples\"\]")]:
         bad.write_text(f"[scale]\n{scale}\n\n[regen]\nnum_samples = 4\n")
         with pytest.raises(ValueError, match=r"bad\.toml " + error):
-            run_recipe(bad, tmp_path / "out", scale=2)
+            run_recipe(RunOptions(spec=bad, out=tmp_path / "out", scale=2))
     assert not (tmp_path / "out").exists()
 
 
@@ -98,13 +99,13 @@ def test_option_types_are_checked_before_any_stage(tmp_path):
     bad.write_text(recipe)
     with pytest.raises(ValueError, match=r'bad\.toml \[train\]\.total_steps: "4" is a str, expected int or None; '
                                          r'write 4$'):
-        run_recipe(bad, tmp_path / "out")
+        run_recipe(RunOptions(spec=bad, out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # prepare and extract did not run
     fixed = apply_overrides(load_recipe(bad), ["train.total_steps=4"])
     validate(fixed, bad)  # an int where a float is expected (lr = 1) is fine
     with pytest.raises(ValueError, match=r'^--set train\.total_steps=abc \(recipe .*bad\.toml\): "abc" is a str, '
                                          r'expected int or None; give it a value of that type$'):
-        run_recipe(bad, tmp_path / "out", overrides=["train.total_steps=abc"])
+        run_recipe(RunOptions(spec=bad, out=tmp_path / "out", overrides=["train.total_steps=abc"]))
     for table, option, error in [
             ("eval", 'methods = "chain,tree"', r'\[eval\]\.methods: "chain,tree" is a str, expected list of str; '
                                                r'write \["chain", "tree"\]'),
@@ -118,7 +119,7 @@ def test_option_types_are_checked_before_any_stage(tmp_path):
             validate(load_recipe(bad), bad)
     bad.write_text('[regen]\ndata = "sharegpt"\n\n[prepare]\ndata = "chats.jsonl"\n')
     with pytest.raises(ValueError, match=r"bad\.toml \[prepare\]\.data: set, but this recipe regenerates"):
-        run_recipe(bad, tmp_path / "out")  # before regen runs, not after
+        run_recipe(RunOptions(spec=bad, out=tmp_path / "out"))  # before regen runs, not after
 
 
 def test_a_stage_without_its_input_is_refused_up_front(tmp_path):
@@ -133,14 +134,14 @@ def test_a_stage_without_its_input_is_refused_up_front(tmp_path):
             ("[eval]\n", r"\[eval\] reads the output of train .* add the table \[train\]")]:
         bad.write_text(tables)
         with pytest.raises(ValueError, match=r"bad\.toml: " + error):
-            run_recipe(bad, out)
+            run_recipe(RunOptions(spec=bad, out=out))
     bad.write_text('[prepare]\ndata = "chats.jsonl"\n[extract]\n[check]\n')
     with pytest.raises(ValueError, match=r"^--only check,extract: extract reads the output of prepare \(.*prepared\), "
                                          r"which is not finished in .*; add prepare to --only$"):
-        run_recipe(bad, out, only=["check", "extract"])
+        run_recipe(RunOptions(spec=bad, out=out, only=["check", "extract"]))
     with pytest.raises(ValueError, match=r"^--only train: train reads the output of extract .*; add "
                                          r"regen,prepare,extract to --only$"):
-        run_recipe("demo", out, only=["train"])  # the whole chain at once, not one rerun per stage
+        run_recipe(RunOptions(spec="demo", out=out, only=["train"]))  # the whole chain at once, not one rerun per stage
     assert not out.exists()
     # a stage outside the recipe that finished in OUT earlier provides its output
     formats.write_json_atomic(Paths(out).marker("extract"), {"options": {}, "result": {}, "seconds": 1.0})
@@ -161,11 +162,12 @@ def test_a_finished_prepared_dataset_the_recipe_did_not_record_is_never_replaced
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'[recipe]\ntarget = "{tiny_target}"\n\n[prepare]\ndata = "{chats}"\nmax_length = 256\n')
     out = tmp_path / "run"
-    prepare(str(tiny_target), str(chats), out / "prepared", max_length=128, num_samples=2)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=out / "prepared", max_length=128,
+                           num_samples=2))
     before = (out / "prepared" / formats.PREPARED_FILE).read_bytes()
     with pytest.raises(ValueError, match=r"prepared: a finished prepared dataset that .*prepare\.json does not "
                                          r"record \(made outside this recipe, or its marker removed\); remove"):
-        run_recipe(recipe, out)
+        run_recipe(RunOptions(spec=recipe, out=out))
     assert (out / "prepared" / formats.PREPARED_FILE).read_bytes() == before
 
 
@@ -175,7 +177,7 @@ def test_a_changed_target_is_refused_before_any_stage(tiny_target, tmp_path, cap
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'[recipe]\ntarget = "{target}"\n\n[prepare]\ndata = "{chats}"\nmax_length = 256\n')
     out = tmp_path / "run"
-    run_recipe(recipe, out)
+    run_recipe(RunOptions(spec=recipe, out=out))
     marker = out / "stages" / "prepare.json"
     ran_with = formats.read_json(marker)["target"]
     assert ran_with["name"] == str(target.resolve()) and ran_with["revision"]
@@ -185,20 +187,20 @@ def test_a_changed_target_is_refused_before_any_stage(tiny_target, tmp_path, cap
     with pytest.raises(ValueError, match=rf"^{marker}: prepare ran with target {target} \(revision \w+\), this run's "
                                          rf"is {other} \(revision \w+\); use another --out for this target, or delete "
                                          rf"{out} to start over$"):
-        run_recipe(recipe, out, overrides=[f'recipe.target="{other}"'])
+        run_recipe(RunOptions(spec=recipe, out=out, overrides=[f'recipe.target="{other}"']))
     weights = load_file(str(target / "model.safetensors"))  # same folder, other heads: another revision
     weights["model.embed_tokens.weight"] += 1
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"prepare ran with target {target} \(revision {ran_with['revision']}\), "
                                          rf"this run's is {target} \(revision (?!{ran_with['revision']})\w+\)"):
-        run_recipe(recipe, out)
+        run_recipe(RunOptions(spec=recipe, out=out))
 
     # a marker from before markers recorded their target is reused, with a note, and left as it is
     record = formats.read_json(marker)
     del record["target"]
     formats.write_json_atomic(marker, record)
     capsys.readouterr()
-    again = run_recipe(recipe, out)
+    again = run_recipe(RunOptions(spec=recipe, out=out))
     assert again.stages["prepare"]["reused"]
     assert f"note: {marker} does not record its target" in capsys.readouterr().out
     assert "target" not in formats.read_json(marker)
@@ -256,7 +258,7 @@ chain_depth = 3
     threads = torch.get_num_threads()
     try:
         out = tmp_path / "run"
-        summary = run_recipe(recipe, out, scale=1.5)  # 1.5 x 4 chats = 6
+        summary = run_recipe(RunOptions(spec=recipe, out=out, scale=1.5))  # 1.5 x 4 chats = 6
         stages = summary.stages
         assert list(stages) == ["regen", "prepare", "extract", "check", "train", "eval"]
         assert stages["regen"]["result"]["conversations"] == 6
@@ -270,19 +272,19 @@ chain_depth = 3
         text = "\n".join(summary.lines())
         assert "CLEAN" in text and "tau" in text and "total" in text
 
-        again = run_recipe(recipe, out, scale=1.5)
+        again = run_recipe(RunOptions(spec=recipe, out=out, scale=1.5))
         assert all(rec["reused"] for rec in again.stages.values())
         assert again.stages["eval"]["result"] == stages["eval"]["result"]
 
         with pytest.raises(ValueError, match=r"train: .* already holds this stage run with other options "
                                              r"\{'total_steps': \(3, 5\)\}"):
-            run_recipe(recipe, out, scale=1.5, overrides=["train.total_steps=5"])
+            run_recipe(RunOptions(spec=recipe, out=out, scale=1.5, overrides=["train.total_steps=5"]))
         # online training: no extract/check stages, the target runs inside the training loop
         online = tmp_path / "online.toml"
         text = recipe.read_text()
         cut = text[text.index("[extract]"):text.index("[train]")]
         online.write_text(text.replace(cut, "").replace("[train]\n", "[train]\nonline = true\n"))
-        summary = run_recipe(online, tmp_path / "online", scale=1.5)
+        summary = run_recipe(RunOptions(spec=online, out=tmp_path / "online", scale=1.5))
         assert list(summary.stages) == ["regen", "prepare", "train", "eval"]
         assert summary.stages["train"]["result"]["steps"] == 3
         assert formats.read_json(tmp_path / "online" / "train" / "train_config.json")["online"] is True
@@ -291,11 +293,11 @@ chain_depth = 3
         families = tmp_path / "families.toml"
         families.write_text(text.replace('name = "tiny"', 'name = "tiny"\ndrafters = ["eagle3", "p-eagle"]'))
         with pytest.raises(ValueError, match=r"other options \{'drafters': \(None, \['eagle3', 'p-eagle'\]\)\}"):
-            run_recipe(families, out, scale=1.5)
+            run_recipe(RunOptions(spec=families, out=out, scale=1.5))
         for stage in ("train", "eval"):  # as the refusal says: the data stages are reused
             shutil.rmtree(out / stage)
             (out / "stages" / f"{stage}.json").unlink()
-        summary = run_recipe(families, out, scale=1.5)
+        summary = run_recipe(RunOptions(spec=families, out=out, scale=1.5))
         train_runs = summary.stages["train"]["result"]["families"]
         assert list(train_runs) == ["eagle3", "p-eagle"] and train_runs["p-eagle"]["drafter"] == "p-eagle"
         assert formats.read_json(out / "train" / "p-eagle" / "train_config.json")["drafter"] == "p-eagle"
@@ -306,7 +308,8 @@ chain_depth = 3
         assert kept["family"] in ("eagle3", "p-eagle") and "plain greedy" in kept["why"]
         assert f"kept {kept['family']}" in "\n".join(summary.lines())
         with pytest.raises(ValueError, match="names a family twice"):
-            run_recipe(families, tmp_path / "x", overrides=['recipe.drafters=["dflash", "dflash"]'])
+            run_recipe(RunOptions(spec=families, out=tmp_path / "x",
+                                  overrides=['recipe.drafters=["dflash", "dflash"]']))
     finally:
         torch.set_num_threads(threads)
 
@@ -339,5 +342,5 @@ def test_scale_and_only_do_what_they_say(tmp_path):
     assert apply_scale({**scaled, "prepare": {"num_samples": -3}}, 1.0)["prepare"]["num_samples"] == -3
     assert apply_scale({**scaled, "prepare": {"num_samples": 3}}, 0.01)["prepare"]["num_samples"] == 1
     with pytest.raises(ValueError, match="--only: no stage named"):
-        run_recipe("demo", out=tmp_path / "run", only=[])
+        run_recipe(RunOptions(spec="demo", out=tmp_path / "run", only=[]))
     assert not (tmp_path / "run").exists()

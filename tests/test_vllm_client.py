@@ -18,7 +18,9 @@ from eaglet.evaluate.methods import reference_labels, variants_for, with_implied
 from eaglet.evaluate.settings import DecodeSettings
 from eaglet.evaluate.vllm_methods import speculative_config
 from eaglet.extract import extract
+from eaglet.options import VllmEngineOptions
 from eaglet.vllm_engine import EngineOptions, VllmError, VllmMissing, engine_options_from, vllm_engine as engine_ctx
+from eaglet.options import ExtractOptions, PrepareOptions
 
 # A stand-in for the worker: speaks its protocol (one JSON request a line on stdin, replies on
 # --reply-fd), answers `generate` with the prompt reversed and `extract` with random states of
@@ -107,8 +109,9 @@ def test_an_engine_that_fails_is_a_clear_error_and_nothing_runs(stand_in, tmp_pa
 
 
 def test_engine_options_are_vllms_keywords_and_environment():
-    o = engine_options_from(tensor_parallel_size=8, max_model_len=4097, gpu_memory_utilization=0.85,
-                            vllm_kv_cache_gib=3, vllm_args='{"max_num_seqs": 64}', dtype="bfloat16", threads=2)
+    o = engine_options_from(VllmEngineOptions(tensor_parallel_size=8, max_model_len=4097, gpu_memory_utilization=0.85,
+                                              vllm_kv_cache_gib=3, vllm_args='{"max_num_seqs": 64}'),
+                            dtype="bfloat16", threads=2)
     kw = o.llm_keywords("m")
     assert kw["tensor_parallel_size"] == 8 and kw["max_model_len"] == 4097 and kw["max_num_seqs"] == 64
     assert kw["skip_tokenizer_init"] and kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.85
@@ -118,7 +121,7 @@ def test_engine_options_are_vllms_keywords_and_environment():
     assert "gpu_memory_utilization" not in one  # vLLM's own default
     assert one["distributed_executor_backend"] == "uni"  # one device: the engine in the worker's process
     assert EngineOptions().environment() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    mp = engine_options_from(vllm_args='{"distributed_executor_backend": "mp"}')
+    mp = engine_options_from(VllmEngineOptions(vllm_args='{"distributed_executor_backend": "mp"}'))
     assert not mp.in_process and mp.environment() == {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
@@ -145,7 +148,7 @@ def test_engine_options_are_vllms_keywords_and_environment():
                                            "--vllm-args: load_format 'dummy' runs random weights")])
 def test_engine_options_out_of_range_are_refused(kwargs, said):
     with pytest.raises(ValueError, match=said):
-        engine_options_from(**kwargs)
+        engine_options_from(VllmEngineOptions(**kwargs))
 
 
 def test_which_vllm_serves_which_family():
@@ -176,9 +179,9 @@ def test_vllms_file_is_checked_against_its_sample(tmp_path):
 
 def test_extract_refuses_device_map_with_vllm_before_reading(tmp_path):
     with pytest.raises(ValueError, match="--device-map auto: places the target of --engine hf"):
-        extract(tmp_path / "nothing", tmp_path / "out", engine="vllm", device_map="auto")
+        extract(ExtractOptions(prepared=tmp_path / "nothing", out=tmp_path / "out", engine="vllm", device_map="auto"))
     with pytest.raises(ValueError, match="--engine 'sglang'"):
-        extract(tmp_path / "nothing", tmp_path / "out", engine="sglang")
+        extract(ExtractOptions(prepared=tmp_path / "nothing", out=tmp_path / "out", engine="sglang"))
 
 
 def test_vllm_methods_bring_their_baseline_and_eaglets_own_decoding():
@@ -221,16 +224,18 @@ def test_an_engine_that_dies_mid_extraction_leaves_complete_files_and_a_rerun_fi
     from eaglet.prepare import prepare
 
     monkeypatch.setattr("eaglet.extract.engine_record", lambda: "vllm 0.0.stand-in")
-    prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prepared")
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "prepared"))
     out = tmp_path / "data"
     monkeypatch.setenv("STAND_IN_MODE", "die-in-second-extract")
     with pytest.raises(VllmError, match="vLLM extract: the engine exited with code 9"):
-        extract(tmp_path / "prepared", out, engine="vllm", batch_tokens=64, max_batch_size=4, show_progress=False)
+        extract(ExtractOptions(prepared=tmp_path / "prepared", out=out, engine="vllm", batch_tokens=64,
+                               max_batch_size=4), show_progress=False)
     first = formats.list_dataset_files(out).files
     assert 0 < len(first) < 12
     assert not [p for p in out.iterdir() if p.name.startswith(".vllm")]
     monkeypatch.setenv("STAND_IN_MODE", "ok")
-    again = extract(tmp_path / "prepared", out, engine="vllm", batch_tokens=64, max_batch_size=4, show_progress=False)
+    again = extract(ExtractOptions(prepared=tmp_path / "prepared", out=out, engine="vllm", batch_tokens=64,
+                                   max_batch_size=4), show_progress=False)
     assert again.already_done == len(first) and again.written == 12 - len(first)
     assert formats.read_data_config(out).engine == "vllm 0.0.stand-in"
 
@@ -239,8 +244,9 @@ def test_an_engine_missing_from_the_set_up_is_named_before_anything_is_written(t
                                                                                  monkeypatch):
     from eaglet.prepare import prepare
 
-    prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prepared")
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "prepared"))
     monkeypatch.setenv(vllm_engine.PYTHON_ENV, str(tmp_path / "no-python"))
     with pytest.raises(VllmMissing, match="EAGLET_VLLM_PYTHON=.*no-python: not an executable file"):
-        extract(tmp_path / "prepared", tmp_path / "data", engine="vllm", show_progress=False)
+        extract(ExtractOptions(prepared=tmp_path / "prepared", out=tmp_path / "data", engine="vllm"),
+                               show_progress=False)
     assert not (tmp_path / "data").exists()

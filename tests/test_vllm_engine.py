@@ -29,6 +29,7 @@ from eaglet.extract import extract
 from eaglet.prepare import prepare
 from eaglet.regen import regenerate
 from eaglet.training.loop import train
+from eaglet.options import CheckOptions, EvalOptions, ExtractOptions, PrepareOptions, RegenOptions, TrainOptions
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ def vllm_version() -> str:
 @pytest.fixture(scope="module")
 def prepared(smollm2_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("vllm_prepared") / "prepared"
-    prepare(None, "sharegpt", out, num_samples=3, max_length=384)
+    prepare(PrepareOptions(target=None, data="sharegpt", out=out, num_samples=3, max_length=384))
     return out
 
 
@@ -88,8 +89,9 @@ def compared(ours: dict, theirs: dict) -> list[tuple[torch.Tensor, torch.Tensor]
 @pytest.fixture(scope="module")
 def fp32_datasets(vllm_version, prepared, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm_fp32")
-    extract(prepared, root / "hf", dtype="fp32", store_dtype="fp32", show_progress=False)
-    extract(prepared, root / "vllm", dtype="fp32", store_dtype="fp32", engine="vllm", show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=root / "hf", dtype="fp32", store_dtype="fp32"), show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=root / "vllm", dtype="fp32", store_dtype="fp32", engine="vllm"),
+                           show_progress=False)
     return {"hf": root / "hf", "vllm": root / "vllm"}
 
 
@@ -109,7 +111,7 @@ def test_check_finds_vllms_dataset_clean_and_catches_shifted_layer_ids(fp32_data
     """`check` recomputes sampled files with the target: vLLM's dataset is CLEAN; the same files
     recorded as layers one further on (a shifted id) are a layer-identity error: the numbering is
     checked against the target, not taken on trust."""
-    report = check_dataset(fp32_datasets["vllm"], identity_samples=2)
+    report = check_dataset(CheckOptions(path=fp32_datasets["vllm"], identity_samples=2))
     assert report.clean, [p.message for p in report.problems]
     shifted = tmp_path / "shifted"
     shifted.mkdir()
@@ -119,7 +121,7 @@ def test_check_finds_vllms_dataset_clean_and_catches_shifted_layer_ids(fp32_data
     raw = json.loads((fp32_datasets["vllm"] / formats.DATA_CONFIG_FILE).read_text())
     raw.update(layer_ids=[3, 16, 28, 30], aux_layer_ids=[3, 16, 28])
     (shifted / formats.DATA_CONFIG_FILE).write_text(json.dumps(raw))
-    report = check_dataset(shifted, identity_samples=1)
+    report = check_dataset(CheckOptions(path=shifted, identity_samples=1))
     assert not report.clean and any(p.kind == LAYER_IDENTITY for p in report.errors), report.problems
 
 
@@ -127,27 +129,31 @@ def test_check_finds_vllms_dataset_clean_and_catches_shifted_layer_ids(fp32_data
 def test_vllm_writes_every_layout_within_bf16_rounding(vllm_version, prepared, tmp_path, layout):
     """bf16 through both engines, in the other layouts eaglet writes: the same files up to bf16
     rounding (two engines' kernels round differently: measured cosine >= 0.994), and clean."""
-    extract(prepared, tmp_path / "hf", dtype="bf16", layout=layout, show_progress=False)
-    extract(prepared, tmp_path / "vllm", dtype="bf16", layout=layout, engine="vllm", show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=tmp_path / "hf", dtype="bf16", layout=layout), show_progress=False)
+    extract(ExtractOptions(prepared=prepared, out=tmp_path / "vllm", dtype="bf16", layout=layout, engine="vllm"),
+                           show_progress=False)
     for x, y in compared(stored(tmp_path / "hf"), stored(tmp_path / "vllm")):
         cos = torch.nn.functional.cosine_similarity(x, y, dim=-1).mean()
         assert cos > 0.98, float(cos)
-    assert check_dataset(tmp_path / "vllm", identity_samples=1).clean
+    assert check_dataset(CheckOptions(path=tmp_path / "vllm", identity_samples=1)).clean
 
 
 def test_vllm_shards_resume_without_an_engine(vllm_version, prepared, tmp_path, monkeypatch):
     """A shard writes its own samples only; a rerun finds them done and starts no engine."""
     out = tmp_path / "sharded"
-    first = extract(prepared, out, dtype="fp32", engine="vllm", num_shards=2, shard_id=0, show_progress=False)
+    first = extract(ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm", num_shards=2, shard_id=0),
+                                   show_progress=False)
     assert first.written == 2 and sorted(i for i, _ in formats.list_dataset_files(out).files) == [0, 2]
     monkeypatch.setattr("eaglet.extract.vllm_engine", None)  # an engine start would fail now
-    again = extract(prepared, out, dtype="fp32", engine="vllm", num_shards=2, shard_id=0, show_progress=False)
+    again = extract(ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm", num_shards=2, shard_id=0),
+                                   show_progress=False)
     assert again.written == 0 and again.already_done == 2
 
 
 def test_a_sample_beyond_the_engines_context_is_refused_before_it_starts(vllm_version, prepared, tmp_path):
     with pytest.raises(ValueError, match=r"prepared.jsonl:\d+: sample .* --max-model-len 64"):
-        extract(prepared, tmp_path / "out", engine="vllm", max_model_len=64, show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=tmp_path / "out", engine="vllm", max_model_len=64),
+                               show_progress=False)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
@@ -160,10 +166,11 @@ def memorised(vllm_version, memorised_eagle3) -> dict[str, Path]:
     """The shared memorised EAGLE-3 drafter (conftest), the same chats regenerated by vLLM (fp32),
     and a P-EAGLE drafter trained to memorise the same answers."""
     root = memorised_eagle3["root"]
-    regenerate(str(memorised_eagle3["chats"]), root / "vllm.jsonl", backend="vllm", dtype="fp32",
-               max_new_tokens=NEW_TOKENS, progress_bar=False)
-    train(memorised_eagle3["data"], root / "train-p-eagle", drafter="p-eagle", bf16=False, total_steps=80, lr=5e-3,
-          warmup_steps=5, draft_vocab_size=2048, teacher_top_k=8, eval_fraction=0.0, evals=1, show_progress=False)
+    regenerate(RegenOptions(data=str(memorised_eagle3["chats"]), out=root / "vllm.jsonl", backend="vllm", dtype="fp32",
+                            max_new_tokens=NEW_TOKENS), progress_bar=False)
+    train(TrainOptions(dataset_dir=memorised_eagle3["data"], out_dir=root / "train-p-eagle", drafter="p-eagle",
+                       bf16=False, total_steps=80, lr=5e-3, warmup_steps=5, draft_vocab_size=2048, teacher_top_k=8,
+                       eval_fraction=0.0, evals=1), show_progress=False)
     return {**memorised_eagle3, "eagle3": memorised_eagle3["run"], "p-eagle": root / "train-p-eagle"}
 
 
@@ -185,9 +192,9 @@ def test_vllm_serves_the_drafter_as_eaglet_runs_it(memorised, tmp_path):
     drafts accepted (tau > 1.5) and first-draft acceptance within 0.1 of eaglet's chain; vLLM's own
     n-gram proposer beside it; vLLM plain answers as eaglet's plain does (fp32)."""
     out = tmp_path / "eval"
-    result = evaluate(memorised["eagle3"], prompt_sets=[str(memorised["prompts"])],
-                      methods=["vllm-eagle3", "vllm-ngram"], max_new_tokens=NEW_TOKENS, chain_depth=3, dtype="fp32",
-                      threads=2, out=out, plot=False, progress=False)
+    result = evaluate(EvalOptions(drafter_path=memorised["eagle3"], prompt_sets=[str(memorised["prompts"])],
+                                  methods=["vllm-eagle3", "vllm-ngram"], max_new_tokens=NEW_TOKENS, chain_depth=3,
+                                  dtype="fp32", threads=2, out=out, plot=False), progress=False)
     rows = result.sets["prompts"]
     served, chain = rows["vllm-eagle3"], rows["chain"]
     assert chain["acceptance_rates"][0] > 0.6, f"the drafter did not memorise: {chain}"
@@ -204,8 +211,9 @@ def test_vllm_serves_the_drafter_as_eaglet_runs_it(memorised, tmp_path):
 def test_vllm_serves_a_parallel_drafter(memorised, tmp_path):
     """A P-EAGLE drafter (one pass drafts its whole block) in vLLM's parallel drafting: identical
     outputs, drafts accepted, the same first-draft acceptance as eaglet's own p-eagle decoding."""
-    result = evaluate(memorised["p-eagle"], prompt_sets=[str(memorised["prompts"])], methods=["vllm-p-eagle"],
-                      max_new_tokens=NEW_TOKENS, dtype="fp32", threads=2, plot=False, progress=False)
+    result = evaluate(EvalOptions(drafter_path=memorised["p-eagle"], prompt_sets=[str(memorised["prompts"])],
+                                  methods=["vllm-p-eagle"], max_new_tokens=NEW_TOKENS, dtype="fp32", threads=2,
+                                  plot=False), progress=False)
     rows = result.sets["prompts"]
     served, own = rows["vllm-p-eagle"], rows["p-eagle"]
     assert served["identical_share"] == 1.0 and served["tau"] > 1.2, served
@@ -215,11 +223,11 @@ def test_vllm_serves_a_parallel_drafter(memorised, tmp_path):
 def test_a_family_this_vllm_does_not_serve_is_refused_at_once(memorised, monkeypatch):
     monkeypatch.setattr("eaglet.evaluate.vllm_methods.installed_version", lambda: "0.34.0")
     with pytest.raises(ValueError, match=r"vLLM 0.34.0 does not serve p-eagle drafters; vLLM 0.32 to 0.33.x does"):
-        evaluate(memorised["p-eagle"], prompt_sets=[str(memorised["prompts"])], methods=["vllm-p-eagle"],
-                 num_prompts=1, dtype="fp32", plot=False, progress=False)
+        evaluate(EvalOptions(drafter_path=memorised["p-eagle"], prompt_sets=[str(memorised["prompts"])],
+                             methods=["vllm-p-eagle"], num_prompts=1, dtype="fp32", plot=False), progress=False)
     with pytest.raises(ValueError, match="method vllm-dflash serves a dflash drafter; this drafter is eagle3"):
-        evaluate(memorised["eagle3"], prompt_sets=[str(memorised["prompts"])], methods=["vllm-dflash"],
-                 num_prompts=1, dtype="fp32", plot=False, progress=False)
+        evaluate(EvalOptions(drafter_path=memorised["eagle3"], prompt_sets=[str(memorised["prompts"])],
+                             methods=["vllm-dflash"], num_prompts=1, dtype="fp32", plot=False), progress=False)
 
 
 def test_an_engine_that_cannot_start_is_named_and_a_rerun_resumes(vllm_version, prepared, tmp_path):
@@ -227,7 +235,8 @@ def test_an_engine_that_cannot_start_is_named_and_a_rerun_resumes(vllm_version, 
     is written, and the corrected rerun fills the folder."""
     out = tmp_path / "data"
     with pytest.raises(vllm_engine.VllmError, match=r"vLLM refused start: .*no_such_keyword"):
-        extract(prepared, out, dtype="fp32", engine="vllm", vllm_args='{"no_such_keyword": 1}', show_progress=False)
+        extract(ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm",
+                               vllm_args='{"no_such_keyword": 1}'), show_progress=False)
     assert formats.list_dataset_files(out).files == []
-    done = extract(prepared, out, dtype="fp32", engine="vllm", show_progress=False)
+    done = extract(ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm"), show_progress=False)
     assert done.written == 3

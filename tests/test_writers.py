@@ -28,6 +28,8 @@ from eaglet.regen import regenerate
 from eaglet.training.checkpoints import iter_metrics
 from eaglet.training.loop import train
 from helpers import FAST, chat_records
+from eaglet.options import (CheckOptions, ConvertOptions, ExportOptions, ExtractOptions, ImportOptions, PrepareOptions,
+                            RegenOptions, RunOptions, TrainOptions)
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -58,22 +60,23 @@ class Holder:
 def work(tiny_target, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("writers")
     chats = write_jsonl(root / "chats.jsonl", chat_records(8))
-    prepare(str(tiny_target), str(chats), root / "prep", max_length=256)
-    extract(root / "prep", root / "data", str(tiny_target), show_progress=False)
-    train(root / "data", root / "run", total_steps=4, show_progress=False, **FAST)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=root / "prep", max_length=256))
+    extract(ExtractOptions(prepared=root / "prep", out=root / "data", target=str(tiny_target)), show_progress=False)
+    train(TrainOptions(dataset_dir=root / "data", out_dir=root / "run", total_steps=4, **FAST), show_progress=False)
     return {"chats": chats, "prep": root / "prep", "data": root / "data", "run": root / "run"}
 
 
 def stage_calls(work: dict[str, Path], target: Path, out: Path) -> dict[str, object]:
     """Each writing stage, writing `out`."""
     return {
-        "prepare": lambda: prepare(str(target), str(work["chats"]), out, max_length=256),
-        "regen": lambda: regenerate(str(work["chats"]), out, backend="local", target=str(target), max_new_tokens=4,
-                                    num_samples=1),
-        "convert": lambda: convert(work["data"], out, "compact", target=str(target), show_progress=False),
-        "export": lambda: export_drafter(work["run"], out, "eagle", dtype="fp32"),
-        "import": lambda: import_drafter(work["run"] / "checkpoints" / "step_00000004", out),
-        "run": lambda: run_recipe(recipe_file(out.parent, target), out),
+        "prepare": lambda: prepare(PrepareOptions(target=str(target), data=str(work["chats"]), out=out, max_length=256)),
+        "regen": lambda: regenerate(RegenOptions(data=str(work["chats"]), out=out, backend="local", target=str(target),
+                                                 max_new_tokens=4, num_samples=1)),
+        "convert": lambda: convert(ConvertOptions(src=work["data"], out=out, layout="compact", target=str(target)),
+                                                  show_progress=False),
+        "export": lambda: export_drafter(ExportOptions(ckpt=work["run"], out=out, fmt="eagle", dtype="fp32")),
+        "import": lambda: import_drafter(ImportOptions(src=work["run"] / "checkpoints" / "step_00000004", out=out)),
+        "run": lambda: run_recipe(RunOptions(spec=recipe_file(out.parent, target), out=out)),
     }
 
 
@@ -109,7 +112,7 @@ def test_an_output_reached_through_a_link_has_the_same_lock(work, tmp_path):
     holder = Holder(out, "export")
     try:
         with pytest.raises(formats.OutputBusy, match=rf"^{alias}: another `eaglet export`"):
-            export_drafter(work["run"], alias, "eagle", dtype="fp32")
+            export_drafter(ExportOptions(ckpt=work["run"], out=alias, fmt="eagle", dtype="fp32"))
     finally:
         holder.kill()
 
@@ -119,13 +122,16 @@ def test_extract_shards_write_side_by_side_but_one_shard_has_one_writer(work, ti
     holder = Holder(out, "extract", formats.lock_path(out, "shard-0-of-2"))
     try:
         with pytest.raises(formats.OutputBusy, match="another `eaglet extract`"):
-            extract(work["prep"], out, str(tiny_target), num_shards=2, shard_id=0, show_progress=False)
-        summary = extract(work["prep"], out, str(tiny_target), num_shards=2, shard_id=1, show_progress=False)
+            extract(ExtractOptions(prepared=work["prep"], out=out, target=str(tiny_target), num_shards=2, shard_id=0),
+                                   show_progress=False)
+        summary = extract(ExtractOptions(prepared=work["prep"], out=out, target=str(tiny_target), num_shards=2,
+                                         shard_id=1), show_progress=False)
         assert summary.written > 0
     finally:
         holder.kill()
-    extract(work["prep"], out, str(tiny_target), num_shards=2, shard_id=0, show_progress=False)
-    assert check_dataset(out, use_target=False).clean
+    extract(ExtractOptions(prepared=work["prep"], out=out, target=str(tiny_target), num_shards=2, shard_id=0),
+                           show_progress=False)
+    assert check_dataset(CheckOptions(path=out, use_target=False)).clean
 
 
 @pytest.mark.parametrize("odd", ["folder", "dangling link"])
@@ -138,24 +144,25 @@ def test_a_lock_path_that_is_not_a_file_is_named(odd, work, tmp_path):
         lock.symlink_to(tmp_path / "nowhere")
     what = "a folder" if odd == "folder" else rf"a symbolic link \(to {tmp_path / 'nowhere'}\)"
     with pytest.raises(OSError, match=rf"{lock}: {what}, not eaglet's lock file; remove it"):
-        export_drafter(work["run"], out, "eagle", dtype="fp32")
+        export_drafter(ExportOptions(ckpt=work["run"], out=out, fmt="eagle", dtype="fp32"))
     run = tmp_path / "run"  # a run folder's own lock, OUT/.lock, likewise
     (run / ".lock").mkdir(parents=True)
     with pytest.raises(OSError, match=rf"{run / '.lock'}: a folder, not eaglet's lock file; remove it"):
-        train(work["data"], run, total_steps=1, show_progress=False, **FAST)
+        train(TrainOptions(dataset_dir=work["data"], out_dir=run, total_steps=1, **FAST), show_progress=False)
 
 
 def test_a_torn_metrics_line_is_dropped_on_resume(work, tmp_path, caplog):
     """A kill mid-write leaves a last metrics line without its newline: resume drops it, with a
     warning naming the file; a damaged line elsewhere is an error naming file and line."""
     run = tmp_path / "run"
-    train(work["data"], run, total_steps=4, show_progress=False, **FAST)
+    train(TrainOptions(dataset_dir=work["data"], out_dir=run, total_steps=4, **FAST), show_progress=False)
     metrics = run / "metrics.jsonl"
     whole = metrics.read_bytes()
     metrics.write_bytes(whole + b'{"step": 6, "split": "tr')
     assert [r["step"] for r in iter_metrics(run)] == [r["step"] for r in map(json.loads, whole.splitlines())]
     assert "dropping a partial last line" in caplog.text and str(metrics) in caplog.text
-    train(work["data"], run, resume=True, show_progress=False)  # the run's own settings: nothing left to do
+    # the run's own settings: nothing left to do
+    train(TrainOptions(dataset_dir=work["data"], out_dir=run, resume=True), show_progress=False)
     assert metrics.read_bytes() == whole
     lines = metrics.read_bytes().splitlines(keepends=True)
     metrics.write_bytes(lines[0] + b"garbage\n" + b"".join(lines[1:]))
@@ -178,25 +185,26 @@ def test_a_prepare_killed_before_its_config_is_replaced_by_the_rerun(tiny_target
         io.write_json_atomic = killed
         import eaglet.formats.prepared as prepared
         prepared.write_json_atomic = killed
+        from eaglet.options import PrepareOptions
         from eaglet.prepare import prepare
-        prepare({str(tiny_target)!r}, {str(chats)!r}, {str(out)!r}, max_length=256)
+        prepare(PrepareOptions(target={str(tiny_target)!r}, data={str(chats)!r}, out={str(out)!r}, max_length=256))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert (out / formats.PREPARED_FILE).exists() and not (out / formats.PREPARE_CONFIG_FILE).exists()
-    summary = prepare(str(tiny_target), str(chats), out, max_length=256)
+    summary = prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=out, max_length=256))
     assert summary.samples == 4 and (out / formats.PREPARE_CONFIG_FILE).exists()
     with pytest.raises(FileExistsError, match="--overwrite"):  # a finished one is still never replaced silently
-        prepare(str(tiny_target), str(chats), out, max_length=256)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=out, max_length=256))
 
 
 def test_check_fails_when_options_that_ask_for_the_target_cannot_load_it(work):
     """--device-map with the recorded target: asked for, so not run is not clean (100 KB of memory and no
     offload folder: the weights have nowhere to go)."""
-    report = check_dataset(work["data"], device_map="sequential", max_memory="cpu=100KB")
+    report = check_dataset(CheckOptions(path=work["data"], device_map="sequential", max_memory="cpu=100KB"))
     assert not report.clean
     assert any(p.kind == "not checked" and "could not run" in p.message for p in report.errors)
-    quiet = check_dataset(work["data"])  # nothing asked beyond the recorded target, which loads: clean
+    quiet = check_dataset(CheckOptions(path=work["data"]))  # nothing asked beyond the recorded target, which loads: clean
     assert quiet.clean
 
 
@@ -232,7 +240,8 @@ def test_convert_killed_at_any_write_resumes_to_the_same_files(n, work, tiny_tar
     killed_at(n, [*args, "--out", str(tmp_path / "killed")])
     assert subprocess.run([sys.executable, "-m", "eaglet.cli", *args, "--out", str(tmp_path / "killed")],
                           capture_output=True).returncode == 0
-    convert(work["data"], tmp_path / "whole", "compact", target=str(tiny_target), show_progress=False)
+    convert(ConvertOptions(src=work["data"], out=tmp_path / "whole", layout="compact", target=str(tiny_target)),
+                           show_progress=False)
     whole, killed = tree(tmp_path / "whole"), tree(tmp_path / "killed")
     assert set(killed) == set(whole), set(killed) ^ set(whole)
     assert [k for k in whole if k != "data_config.json" and killed[k] != whole[k]] == []
@@ -245,8 +254,8 @@ def test_train_killed_at_any_write_resumes_exactly(n, work, tmp_path):
     killed_at(n, ["train", str(work["data"]), "--out", str(tmp_path / "killed"), *opts])
     assert subprocess.run([sys.executable, "-m", "eaglet.cli", "train", str(work["data"]), "--out",
                            str(tmp_path / "killed"), "--resume"], capture_output=True).returncode == 0
-    train(work["data"], tmp_path / "whole", total_steps=8, show_progress=False,
-          **{**FAST, "save_every": 2})
+    train(TrainOptions(dataset_dir=work["data"], out_dir=tmp_path / "whole", total_steps=8, **{**FAST, "save_every": 2}),
+                       show_progress=False)
     step = "checkpoints/step_00000008/model.safetensors"
     assert (tmp_path / "killed" / step).read_bytes() == (tmp_path / "whole" / step).read_bytes()
 
@@ -259,7 +268,7 @@ def test_a_cut_off_torch_file_is_named(work, tmp_path):
     freq.write_bytes(freq.read_bytes()[:100])
     with pytest.raises(ValueError, match=rf"^{freq}: not a readable torch file \(cut off or damaged: .*central "
                                          r"directory.*\); restore it or write it again$"):
-        train(data, tmp_path / "run", total_steps=1, show_progress=False, **FAST)
+        train(TrainOptions(dataset_dir=data, out_dir=tmp_path / "run", total_steps=1, **FAST), show_progress=False)
 
 
 def test_the_sweep_removes_safetensors_own_temp_files(tmp_path):

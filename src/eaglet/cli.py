@@ -62,52 +62,48 @@ def build_parser() -> argparse.ArgumentParser:
 # From parsed arguments to the entry function
 # ---------------------------------------------------------------------------------------------
 
-def stage_kwargs(stage: Stage, args: argparse.Namespace, names: set[str] | None = None) -> dict[str, Any]:
-    """The entry function's keywords from the parsed arguments (only `names`, when given)."""
-    return {o.key: (not getattr(args, o.name)) if o.invert else getattr(args, o.name)
-            for o in stage.options if not o.cli_only and (names is None or o.name in names)}
+def stage_options(stage: Stage, args: argparse.Namespace) -> Any:
+    """The stage's options object from the parsed arguments."""
+    return stage.config(**{o.key: (not getattr(args, o.name)) if o.invert else getattr(args, o.name)
+                           for o in stage.options if not o.cli_only})
 
 
-def call_entry(stage: Stage, kwargs: dict[str, Any], command: str) -> Any:
+def call_entry(stage: Stage, args: argparse.Namespace, **runtime: Any) -> Any:
     entry = resolve(stage.entry)
     if "command" in inspect.signature(entry).parameters:
-        kwargs = {**kwargs, "command": command}
-    return entry(**kwargs)
+        runtime["command"] = args.command
+    return entry(stage_options(stage, args), **runtime)
 
 
 def run_default(stage: Stage, args: argparse.Namespace) -> None:
-    print("\n".join(call_entry(stage, stage_kwargs(stage, args), args.command).lines()))
+    print("\n".join(call_entry(stage, args).lines()))
 
 
 def run_check(stage: Stage, args: argparse.Namespace) -> None:
     """Print the report (or JSON); exit 1 when the dataset is not clean, so scripts can gate on it."""
-    report = call_entry(stage, stage_kwargs(stage, args), args.command)
+    report = call_entry(stage, args)
     print(json.dumps(report.to_json(), indent=2, default=str) if args.json else "\n".join(report.lines(args.max_per_kind)))
     if not report.clean:
         raise SystemExit(1)
 
 
 def run_train(stage: Stage, args: argparse.Namespace) -> None:
-    names = None
-    if args.resume:  # the run's own settings apply; pass on only what was given now, to be compared with them
-        names = given_options(args, [o.name for o in stage.options]) | {"data", "out", "target", "resume"}
-    print("\n".join(call_entry(stage, stage_kwargs(stage, args, names), args.command).lines()))
+    # with --resume the run's own settings apply; those written now are compared with them
+    given = given_options(args, [o.name for o in stage.options]) if args.resume else None
+    keys = None if given is None else {o.key for o in stage.options if o.name in given}
+    print("\n".join(call_entry(stage, args, given=keys).lines()))
 
 
 def run_eval(stage: Stage, args: argparse.Namespace) -> None:
-    result = call_entry(stage, stage_kwargs(stage, args), args.command)
+    result = call_entry(stage, args)
     print(result.table())
     for label, path in (("results", result.json_path), ("plot", result.plot_path)):
         if path is not None:
             print(f"{label}: {path}")
 
 
-def run_demo(stage: Stage, args: argparse.Namespace) -> None:
-    print("\n".join(call_entry(stage, {"spec": "demo", **stage_kwargs(stage, args)}, args.command).lines()))
-
-
 RUNNERS: dict[str, Callable[[Stage, argparse.Namespace], None]] = {
-    "check": run_check, "train": run_train, "eval": run_eval, "demo": run_demo}
+    "check": run_check, "train": run_train, "eval": run_eval}
 
 
 def stage_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

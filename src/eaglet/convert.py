@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from eaglet import formats, heads, ranges
 from eaglet.drafter.teacher import StoredTeacherMaker
-from eaglet.options import DECLARED, takes_options
+from eaglet.options import ConvertOptions
 from eaglet.target import load_heads, resolve_target, target_source, text_config
 from eaglet.dataset import Dataset, check_target_matches, dataset_target, open_dataset, recorded_target_where
 
@@ -121,19 +121,16 @@ def teacher_maker(ds: Dataset, target: str | None, stored_top_k: int) -> StoredT
     return StoredTeacherMaker(target_heads, stored_top_k, ds.last_hidden_state)
 
 
-@takes_options("convert")
-def convert(src: str | Path = DECLARED, out: str | Path = DECLARED, layout: str = DECLARED,
-            target: str | None = DECLARED, aux_layer_ids: list[int] | None = DECLARED,
-            last_hidden_state: str | None = DECLARED, command: str = "", workers: int = 2, show_progress: bool = True,
-            stored_top_k: int = DECLARED) -> ConvertSummary:
+def convert(options: ConvertOptions, command: str = "", workers: int = 2, show_progress: bool = True) -> ConvertSummary:
     """Write the hidden-state dataset at `src` into `out` in `layout` (a `formats.WRITTEN_LAYOUTS`
     name). `aux_layer_ids` / `last_hidden_state` / `target` describe a source whose
     data_config.json does not (as for `eaglet train`)."""
+    target, layout, stored_top_k = options.target, options.layout, options.stored_top_k
     ranges.at_least(1, workers=workers, stored_top_k=stored_top_k)
     written = formats.written_layout(layout)
-    src, out = Path(src), Path(out)
+    src, out = Path(options.src), Path(options.out)
     formats.refuse_overlap(out, "convert", {"the source": src})
-    ds = open_dataset(src, aux_layer_ids, last_hidden_state, show_progress)
+    ds = open_dataset(src, options.aux_layer_ids, options.last_hidden_state, show_progress)
     if formats.layout(ds.layout).stores_teacher:
         raise ValueError(f"{src} is compact: it keeps no last-layer state and its aux states are rounded to 6 bits, "
                          "so no other layout can be made from it; convert the dataset it was made from")

@@ -21,8 +21,7 @@ from eaglet.drafter import DraftConfig
 from eaglet.target import resolve_target, text_config
 from eaglet.drafter.files import (Drafter, expected_tensors, export_config, read_drafter, recorded_target,
                                   unservable, write_engine_folder, write_gguf)
-from eaglet.options import (DECLARED, EXPORT_DTYPE_NAMES, EXPORT_FORMAT_NAMES, declared_default,
-                            takes_options)
+from eaglet.options import EXPORT_DTYPE_NAMES, EXPORT_FORMAT_NAMES, ExportOptions, ImportOptions
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class ExportSummary:
                f"of {c.target_vocab_size}"]
         if self.format == formats.FORMAT_GGUF:  # `target` is the GGUF whose tokenizer it carries
             return out + [f"  llama.cpp: llama-server -m {target} -md {self.out} --spec-type draft-eagle3 "
-                          f"--spec-draft-n-max {declared_default('export', 'speculative_tokens')}"]
+                          f"--spec-draft-n-max {ExportOptions.speculative_tokens}"]
         return out + serving_commands(c, target, self.out, self.format) + [f"  note: {n}" for n in self.notes]
 
 
@@ -53,7 +52,7 @@ def serving_commands(c: DraftConfig, target: str, out: Path, fmt: str) -> list[s
     """How vLLM (and SGLang, for the eagle format) serve the exported drafter, from its family's traits."""
     family = families.family(c.family)
     drafts = (family.drafts_per_pass(c.block_size) if family.parallel
-              else declared_default("export", "speculative_tokens"))
+              else ExportOptions.speculative_tokens)
     spec = json.dumps(family.vllm_speculative_config(str(out), drafts))
     lines = [f"  vLLM:   vllm serve {target} --speculative-config '{spec}'"]
     if fmt == formats.FORMAT_EAGLE and family.sglang_algorithm:
@@ -64,12 +63,10 @@ def serving_commands(c: DraftConfig, target: str, out: Path, fmt: str) -> list[s
     return lines
 
 
-@takes_options("export")
-def export_drafter(ckpt: str | Path = DECLARED, out: str | Path = DECLARED, fmt: str = DECLARED,
-                   dtype: str = DECLARED, verifier: str | None = DECLARED, speculative_tokens: int = DECLARED,
-                   target_gguf: str | Path | None = DECLARED) -> ExportSummary:
+def export_drafter(options: ExportOptions) -> ExportSummary:
     """Write `out` (config.json + model.safetensors, atomically; for gguf one file) in `fmt` from
     a checked drafter. `ckpt`: a checkpoint folder or a train run folder (its best checkpoint)."""
+    ckpt, out, fmt, dtype, target_gguf = options.ckpt, options.out, options.fmt, options.dtype, options.target_gguf
     if fmt not in EXPORT_FORMAT_NAMES:
         raise ValueError(f"--format {fmt!r}: expected one of {list(EXPORT_FORMAT_NAMES)}")
     if dtype not in EXPORT_DTYPE_NAMES:
@@ -78,7 +75,8 @@ def export_drafter(ckpt: str | Path = DECLARED, out: str | Path = DECLARED, fmt:
         raise ValueError(f"--target-gguf: only --format gguf carries the target's tokenizer (this is --format {fmt})")
     formats.refuse_overlap(out, "export", {"the checkpoint": ckpt}, inside_ok=True)
     with formats.output_lock(out, "export"):  # one writer per output: a second is refused, naming the first
-        return export_locked(read_drafter(ckpt), Path(out), fmt, dtype, verifier, speculative_tokens, target_gguf)
+        return export_locked(read_drafter(ckpt), Path(out), fmt, dtype, options.verifier, options.speculative_tokens,
+                             target_gguf)
 
 
 def refuse_layers_beyond(d: Drafter, target: str) -> None:
@@ -126,11 +124,10 @@ class ImportSummary:
                 + (", embeddings copied from the target" if self.embeddings_from_target else "")]
 
 
-@takes_options("import")
-def import_drafter(src: str | Path = DECLARED, out: str | Path = DECLARED,
-                  target: str | None = DECLARED) -> ImportSummary:
+def import_drafter(options: ImportOptions) -> ImportSummary:
     """Read a drafter in any format and write it as an eaglet checkpoint folder (the layout of
     `training.checkpoints.save_checkpoint`, without training state): fp32 weights, int64 d2t, bool t2d."""
+    src, out, target = options.src, options.out, options.target
     formats.refuse_overlap(out, "import", {"the drafter folder": src}, inside_ok=True)
     d = read_drafter(src, target)
     if target is not None:

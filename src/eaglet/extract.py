@@ -33,7 +33,7 @@ from eaglet import __version__, formats, layers, ranges
 from eaglet.chat import template_hash
 from eaglet.drafter.teacher import StoredTeacherMaker
 from eaglet.formats import DataConfig, TokenizedSample
-from eaglet.options import DECLARED, HF_ENGINE, VLLM_ENGINE, takes_options
+from eaglet.options import HF_ENGINE, VLLM_ENGINE, ExtractOptions
 from eaglet.placement import placement_from_options
 from eaglet.target import (LayerCapture, TargetRef, config_positions, config_where, decoder_layers, dtype_name,
                            load_heads, load_target, load_tokenizer, parse_dtype, pick_device, prepared_target,
@@ -344,19 +344,16 @@ def refuse_before_writing(out: Path, prepared: str | Path, samples: list[Tokeniz
     refuse_beyond_engine_context(prepared, samples, range(shard_id, len(samples), num_shards), options)
 
 
-def engine_choice(engine: str, device_map: str | None, tensor_parallel_size: int, pipeline_parallel_size: int,
-                  max_model_len: int | None, gpu_memory_utilization: float | None, vllm_kv_cache_gib: float,
-                  vllm_args: str | None) -> EngineOptions | None:
+def engine_choice(options: ExtractOptions) -> EngineOptions | None:
     """The vLLM engine's options (None: the hf engine), each checked before anything is read."""
-    if engine not in (HF_ENGINE, VLLM_ENGINE):
-        raise ValueError(f"--engine {engine!r}: choose {HF_ENGINE} or {VLLM_ENGINE}")
-    if engine == HF_ENGINE:
+    if options.engine not in (HF_ENGINE, VLLM_ENGINE):
+        raise ValueError(f"--engine {options.engine!r}: choose {HF_ENGINE} or {VLLM_ENGINE}")
+    if options.engine == HF_ENGINE:
         return None
-    if device_map is not None:
-        raise ValueError(f"--device-map {device_map}: places the target of --engine {HF_ENGINE}; vLLM places its "
-                         "own (--tensor-parallel-size, --pipeline-parallel-size)")
-    return engine_options_from(tensor_parallel_size, pipeline_parallel_size, max_model_len, gpu_memory_utilization,
-                               vllm_kv_cache_gib, vllm_args)
+    if options.device_map is not None:
+        raise ValueError(f"--device-map {options.device_map}: places the target of --engine {HF_ENGINE}; vLLM places "
+                         "its own (--tensor-parallel-size, --pipeline-parallel-size)")
+    return engine_options_from(options)
 
 
 def vllm_options(options: EngineOptions, compute_dtype: torch.dtype, samples: list[TokenizedSample],
@@ -380,45 +377,38 @@ def load_engine_side(engine: EngineOptions | None, ref: TargetRef, compute_dtype
     return None, text_config(ref), StoredTeacherMaker(heads, stored_top_k) if heads is not None else None
 
 
-@takes_options("extract")
-def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target: str | None = DECLARED,
-            layer_ids: list[int] | None = DECLARED, dtype: str = DECLARED, store_dtype: str = DECLARED,
-            device: str | None = DECLARED, batch_tokens: int = DECLARED, max_batch_size: int = DECLARED,
-            num_shards: int = DECLARED, shard_id: int = DECLARED, command: str = "", write_threads: int = 2,
-            show_progress: bool = True, layout: str = DECLARED, stored_top_k: int = DECLARED,
-            device_map: str | None = DECLARED, max_memory: str | None = DECLARED,
-            offload_folder: str | None = DECLARED, engine: str = DECLARED, tensor_parallel_size: int = DECLARED,
-            pipeline_parallel_size: int = DECLARED, max_model_len: int | None = DECLARED,
-            gpu_memory_utilization: float | None = DECLARED, vllm_kv_cache_gib: float = DECLARED,
-            vllm_args: str | None = DECLARED) -> ExtractSummary:
+def extract(options: ExtractOptions, command: str = "", write_threads: int = 2,
+            show_progress: bool = True) -> ExtractSummary:
     """Extract the hidden states of every prepared sample of this shard into `out`, in `layout`
     (a `formats.WRITTEN_LAYOUTS` name); the compact layout stores the target's `stored_top_k`
     most likely next tokens in place of the last state. `engine` "hf" runs the target here (with
     `device_map` across devices, `eaglet.placement`); "vllm" has vLLM compute the same states
     (`eaglet.vllm_engine`, with its parallelism and memory options) and writes them the same way."""
+    prepared, target, layer_ids, stored_top_k = options.prepared, options.target, options.layer_ids, options.stored_top_k
+    num_shards, shard_id, batch_tokens, max_batch_size = (options.num_shards, options.shard_id, options.batch_tokens,
+                                                          options.max_batch_size)
     ranges.at_least(1, num_shards=num_shards, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
                     write_threads=write_threads, stored_top_k=stored_top_k)
     check_shard(num_shards, shard_id)
-    written = formats.written_layout(layout)
-    options = engine_choice(engine, device_map, tensor_parallel_size, pipeline_parallel_size, max_model_len,
-                            gpu_memory_utilization, vllm_kv_cache_gib, vllm_args)
-    placed = placement_from_options(device_map, max_memory, offload_folder, device)
-    out = Path(out)
+    written = formats.written_layout(options.layout)
+    engine = engine_choice(options)
+    placed = placement_from_options(options.device_map, options.max_memory, options.offload_folder, options.device)
+    out = Path(options.out)
     formats.refuse_overlap(out, "extract", {"--prepared": prepared})
     # one writer per shard of the output; the shards of one run (--shard-id) write side by side
     with formats.output_lock(out, "extract", lock=formats.lock_path(out, f"shard-{shard_id}-of-{num_shards}")):
         samples, pconfig = formats.read_prepared(prepared)
         ref = prepared_target(prepared, pconfig, target)
-        refuse_before_writing(out, prepared, samples, ref, (shard_id, num_shards), options)
+        refuse_before_writing(out, prepared, samples, ref, (shard_id, num_shards), engine)
         template_sha = template_hash(load_tokenizer(ref))
-        dev = pick_device(device)
-        compute_dtype, save_dtype = parse_dtype(dtype, dev), parse_dtype(store_dtype, dev)
-        model, target_config, teacher = load_engine_side(options, ref, compute_dtype, dev, placed, written, stored_top_k)
+        dev = pick_device(options.device)
+        compute_dtype, save_dtype = parse_dtype(options.dtype, dev), parse_dtype(options.store_dtype, dev)
+        model, target_config, teacher = load_engine_side(engine, ref, compute_dtype, dev, placed, written, stored_top_k)
         written.check_hidden_size(target_config.hidden_size, ref.name)
         layer_ids = chosen_layer_ids(layer_ids, target_config.num_hidden_layers)
         config = build_data_config(out, ref, target_config, template_sha, pconfig, samples, layer_ids, compute_dtype,
                                    save_dtype, command, written, stored_top_k,
-                                   HF_ENGINE if options is None else engine_record())
+                                   HF_ENGINE if engine is None else engine_record())
         out.mkdir(parents=True, exist_ok=True)
         formats.ensure_data_config(out, config)
         lengths = {i: len(s.input_ids) for i, s in enumerate(samples)}
@@ -432,9 +422,9 @@ def extract(prepared: str | Path = DECLARED, out: str | Path = DECLARED, target:
         if model is not None:
             run_and_write(model, samples, batches, layer_ids, dev, save_dtype, out, written, config, teacher,
                           write_threads, bar)
-        elif options is not None and shard.todo:
+        elif engine is not None and shard.todo:
             started = extract_with_vllm(ref, prepared, samples, batches, layer_ids,
-                                        vllm_options(options, compute_dtype, samples, shard.todo), save_dtype, out,
+                                        vllm_options(engine, compute_dtype, samples, shard.todo), save_dtype, out,
                                         written, config, teacher, write_threads, (shard_id, num_shards), bar)
         bar.close()
         disk_bytes, disk_tokens = dataset_disk_usage(out, lengths)

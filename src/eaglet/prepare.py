@@ -15,7 +15,7 @@ from eaglet import __version__, formats, ranges
 from eaglet.chat import (ReadStats, Tally, TemplateSpanError, iter_records, special_token_ids, template_hash,
                          tokenize_chat, to_messages, within_chars)
 from eaglet.formats import PREPARE_CONFIG_FILE, PREPARED_FILE, PreparedWriter, TokenizedSample
-from eaglet.options import DECLARED, PREPARE_MAX_LENGTH, takes_options
+from eaglet.options import PREPARE_MAX_LENGTH, PrepareOptions
 from eaglet.target import (TargetRef, config_positions, config_where, load_chat_tokenizer, resolve_target,
                            text_config)
 
@@ -214,23 +214,21 @@ def prepared_config(ref: TargetRef, target: str | None, tokenizer, sources: list
     }
 
 
-@takes_options("prepare")
-def prepare(target: str | None = DECLARED, data: str = DECLARED, out: str | Path = DECLARED,
-            max_length: int | None = DECLARED, num_samples: int | None = DECLARED, skip: int = DECLARED,
-            command: str = "", overwrite: bool = DECLARED, mix: str | None = DECLARED,
-            mix_samples: int | None = DECLARED, mix_skip: int = DECLARED) -> PrepareSummary:
+def prepare(options: PrepareOptions, command: str = "") -> PrepareSummary:
     """Tokenize chats with the target's template and write the prepared dataset to `out`; a
     prepared dataset already there is replaced only with `overwrite`. `max_length` (default
     PREPARE_MAX_LENGTH, or the target's positions where fewer) may not exceed the target's positions.
     `mix`: a second chat source whose chats follow those of `data` (its first `mix_skip` records
     skipped, at most `mix_samples` kept): e.g. ShareGPT's original answers beside the target's
     regenerated ones, more unique tokens for the price of extraction rather than of generation."""
+    target, data, out, max_length, skip = options.target, options.data, options.out, options.max_length, options.skip
+    num_samples, mix, mix_samples, mix_skip = options.num_samples, options.mix, options.mix_samples, options.mix_skip
     ranges.at_least(1, max_length=max_length, num_samples=num_samples, mix_samples=mix_samples)
     ranges.at_least(0, skip=skip, mix_skip=mix_skip)
     sources = sources_of(data, skip, num_samples, mix, mix_skip, mix_samples)
     formats.refuse_overlap(out, "prepare", {"--data": data, "--mix": mix})
     with formats.output_lock(out, "prepare"):  # one writer per output: a second is refused, naming the first
-        refuse_existing(out, overwrite)
+        refuse_existing(out, options.overwrite)
         ref = resolve_target(target)
         max_length = checked_max_length(max_length, config_positions(text_config(ref)), ref)
         tokenizer = load_chat_tokenizer(ref)

@@ -40,10 +40,11 @@ from eaglet.cli import resolve
 from eaglet.prepare import prepare
 from eaglet.evaluate import evaluate
 from eaglet.extract import extract
-from eaglet.options import (APPEND, BOOL, DECLARED, DRAFTER_FAMILIES, DRAFTER_METHODS, EAGLE3, FLAG, RECIPE_STAGES,
-                            Option, declared_default, parse_duration, parse_float, parse_layer_ids, parse_list,
-                            parse_threads, takes_options)
-from eaglet.options import STAGES as STAGES_DECLARED
+from eaglet.options import (APPEND, BOOL, DRAFTER_FAMILIES, DRAFTER_METHODS, EAGLE3, FLAG, RECIPE_STAGES,
+                            CheckOptions, DemoOptions, EvalOptions, ExtractOptions, Option, PrepareOptions, RegenOptions,
+                            RunOptions, TrainOptions, defaults_of, parse_duration, parse_float, parse_layer_ids,
+                            parse_list, parse_threads)
+from eaglet.options import STAGES as STAGE_OPTIONS
 from eaglet.regen import regenerate
 from eaglet.target import TargetRef, resolve_target
 from eaglet.training.loop import train
@@ -211,7 +212,7 @@ def option_hint(o: Option) -> Any:
 def option_types(stage: str) -> dict[str, Any]:
     """A stage's recipe options and their types, from the one declaration of its options
     (eaglet.options): what the recipe wires itself (folders, target, resume) is not among them."""
-    return {key: option_hint(o) for key, o in STAGES_DECLARED[stage].recipe_options().items()}
+    return {key: option_hint(o) for key, o in STAGE_OPTIONS[stage].recipe_options().items()}
 
 
 def matches(value: Any, hint: Any) -> bool:
@@ -345,13 +346,13 @@ def refuse_what_a_file_may_not_set(recipe: dict[str, Any], source: str | Path, s
 
 def check_ranges(recipe: dict[str, Any], source: str | Path) -> None:
     """The options of each stage that checks them in a config dataclass (train's TrainConfig,
-    eval's DecodeSettings: eaglet.options `Stage.config`), checked now: those stages run last, and
+    eval's DecodeSettings: eaglet.options `Stage.checked_by`), checked now: those stages run last, and
     an out-of-range number would otherwise stop the recipe only after the stages before them."""
     for stage in STAGES:
-        config = STAGES_DECLARED[stage].config
-        if stage not in recipe or config is None:
+        checked_by = STAGE_OPTIONS[stage].checked_by
+        if stage not in recipe or checked_by is None:
             continue
-        cls = resolve(config)
+        cls = resolve(checked_by)
         names = {f.name for f in dataclasses.fields(cls)}
         try:
             cls(**{k: v for k, v in recipe[stage].items() if k in names})
@@ -360,9 +361,7 @@ def check_ranges(recipe: dict[str, Any], source: str | Path) -> None:
 
 
 def run_regen(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    opts = dict(opts)
-    data = opts.pop("data", declared_default("regen", "data"))
-    s = regenerate(data, paths.chats, target, resume=True, **opts)
+    s = regenerate(RegenOptions(out=paths.chats, target=target, resume=True, **opts))
     log_lines(s.lines())
     return {"conversations": s.written + s.already_done, "failed": s.failed, "turns": s.turns,
             "tokens": s.tokens, "tokens_per_s": round(s.tokens / s.seconds, 1) if s.seconds else None}
@@ -370,8 +369,8 @@ def run_regen(opts: dict[str, Any], paths: Paths, target: str | None, command: s
 
 def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command: str,
                 has_regen: bool) -> dict[str, Any]:
-    opts = dict(opts)  # `validate` refused 'data' here when the recipe regenerates
-    data = str(paths.chats) if has_regen else opts.pop("data", declared_default("prepare", "data"))
+    # `validate` refused 'data' here when the recipe regenerates
+    data = {"data": str(paths.chats)} if has_regen else {}
     # an unfinished earlier attempt is redone whole (prepare is quick): replaced as prepare replaces
     # a dataset, the old one kept until the new is complete, and a folder of other files refused.
     # A finished one without this recipe's marker was made outside it: never replaced unasked.
@@ -379,20 +378,20 @@ def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command:
         raise ValueError(f"{paths.prepared}: a finished prepared dataset that {paths.marker('prepare')} does not "
                          f"record (made outside this recipe, or its marker removed); remove {paths.prepared} to "
                          "have the recipe prepare it again, or use another --out")
-    s = prepare(target, data, paths.prepared, command=command, **{**opts, "overwrite": True})
+    s = prepare(PrepareOptions(target=target, out=paths.prepared, **{**opts, **data, "overwrite": True}), command)
     log_lines(s.lines())
     return {"samples": s.samples, "tokens": s.tokens, "assistant_tokens": s.masked_tokens}
 
 
 def run_extract(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    s = extract(paths.prepared, paths.data, target, command=command, **opts)
+    s = extract(ExtractOptions(prepared=paths.prepared, out=paths.data, target=target, **opts), command)
     log_lines(s.lines())
     return {"samples": s.written + s.already_done, "tokens": s.tokens_on_disk, "bytes": s.bytes_on_disk,
             "tokens_per_s": round(s.tokens / s.seconds, 1) if s.seconds else None}
 
 
 def run_check(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
-    report = check_dataset(paths.data, target, True, **opts)
+    report = check_dataset(CheckOptions(path=paths.data, target=target, **opts))
     log_lines(report.lines())
     if not report.clean:
         raise ValueError(f"check: {paths.data} is not clean, training would learn from wrong data:\n"
@@ -418,7 +417,9 @@ def run_train(opts: dict[str, Any], paths: Paths, target: str | None, command: s
 def train_one(opts: dict[str, Any], out: Path, paths: Paths, target: str | None, command: str) -> dict[str, Any]:
     # online training runs the target in the loop on the prepared chats: no extract stage needed
     data = paths.prepared if opts.get("online") else paths.data
-    s = train(data, out, target, resume=True, command=command, **opts)
+    # resumed: the options of the recipe are those given now, compared with the run's own
+    s = train(TrainOptions(dataset_dir=data, out_dir=out, target=target, resume=True, **opts), command=command,
+              given=set(opts))
     log_lines(s.lines())
     last = s.last_eval or {}
     return {"steps": s.step, "best_step": s.best_step, "best_tau": s.best_tau, "heldout_acc": last.get("acc"),
@@ -442,7 +443,7 @@ def run_eval(opts: dict[str, Any], paths: Paths, target: str | None, command: st
     greedy, and the one whose best drafter method is fastest kept (`kept`, said why)."""
     if not families:
         return eval_one(opts, paths.train, paths.eval, target)
-    methods = opts.get("methods", declared_default("eval", "methods"))
+    methods = opts.get("methods", defaults_of(EvalOptions)["methods"])
     runs = {}
     for family in families:
         print(f"  drafter {family} ({paths.train / family}) -> {paths.eval / family}")
@@ -452,7 +453,7 @@ def run_eval(opts: dict[str, Any], paths: Paths, target: str | None, command: st
 
 
 def eval_one(opts: dict[str, Any], drafter: Path, out: Path, target: str | None) -> dict[str, Any]:
-    result = evaluate(drafter, target, out=out, **opts)
+    result = evaluate(EvalOptions(drafter_path=drafter, target=target, out=out, **opts))
     log_lines(result.table().splitlines())
     return {"sets": result.sets, "json": str(result.json_path), "plot": str(result.plot_path)}
 
@@ -518,12 +519,15 @@ class RecipeSummary:
         return summary_lines(self)
 
 
-@takes_options("run")  # `eaglet demo` is `run` of the built-in recipe "demo", with the same options
-def run_recipe(spec: str | Path = DECLARED, out: str | Path | None = DECLARED, scale: float = DECLARED,
-               overrides: list[str] | None = DECLARED, only: list[str] | None = DECLARED,
-               command: str = "") -> RecipeSummary:
+def run_demo(options: DemoOptions, command: str = "") -> RecipeSummary:
+    """`eaglet demo`: `run` of the built-in recipe "demo", with the same options."""
+    return run_recipe(options.as_run(), command)
+
+
+def run_recipe(options: RunOptions, command: str = "") -> RecipeSummary:
     """Run (or continue) every stage of a recipe into `out`; returns the figures of each stage."""
-    source, overrides = recipe_path(spec), overrides or []
+    out, only, scale = options.out, options.only, options.scale
+    source, overrides = recipe_path(options.spec), options.overrides
     set_by = overridden(overrides)
     recipe = apply_overrides(load_recipe(source), overrides)
     validate(recipe, source, set_by)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from eaglet import families, ranges
-from eaglet.options import REMOTE_CODE_ENV, env_switch
+from eaglet.options import REMOTE_CODE_ENV, VllmEngineOptions, env_switch
 from eaglet.subprocesses import log_tail, spawn, stop
 
 PYTHON_ENV = "EAGLET_VLLM_PYTHON"
@@ -354,17 +354,16 @@ def refuse_unserved(family: str, version: str) -> None:
 # The stages' vLLM options (eaglet.options.vllm_options) as the engine's
 # ---------------------------------------------------------------------------------------------
 
-def engine_options_from(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                        max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
-                        vllm_kv_cache_gib: float = 2.0, vllm_args: str | None = None, **fixed: Any) -> EngineOptions:
+def engine_options_from(given: VllmEngineOptions, **fixed: Any) -> EngineOptions:
     """EngineOptions from a stage's vLLM options, each in range; `fixed`: fields the stage sets."""
-    ranges.at_least(1, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                    max_model_len=max_model_len)
-    ranges.within(0, 1, low_open=True, gpu_memory_utilization=gpu_memory_utilization)
-    ranges.above(0, vllm_kv_cache_gib=vllm_kv_cache_gib)
-    return EngineOptions(max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                         pipeline_parallel_size=pipeline_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-                         cpu_kv_cache_gib=vllm_kv_cache_gib, extra=parse_engine_args(vllm_args), **fixed)
+    ranges.at_least(1, tensor_parallel_size=given.tensor_parallel_size,
+                    pipeline_parallel_size=given.pipeline_parallel_size, max_model_len=given.max_model_len)
+    ranges.within(0, 1, low_open=True, gpu_memory_utilization=given.gpu_memory_utilization)
+    ranges.above(0, vllm_kv_cache_gib=given.vllm_kv_cache_gib)
+    return EngineOptions(max_model_len=given.max_model_len, tensor_parallel_size=given.tensor_parallel_size,
+                         pipeline_parallel_size=given.pipeline_parallel_size,
+                         gpu_memory_utilization=given.gpu_memory_utilization, cpu_kv_cache_gib=given.vllm_kv_cache_gib,
+                         extra=parse_engine_args(given.vllm_args), **fixed)
 
 
 def engine_record() -> str:

@@ -15,6 +15,7 @@ from eaglet.check import files as check_files
 from eaglet import formats
 from eaglet.cli import main
 from references import write_flat_v1_sample, write_specforge_sample  # tests/references.py
+from eaglet.options import CheckOptions, ExtractOptions, PrepareOptions
 
 
 def tiny_config(folder: Path) -> dict:
@@ -46,8 +47,9 @@ def clean(tiny_target, tmp_path_factory, LAYER_IDS) -> Path:
         chat[-1]["content"] = chat[-1]["content"] + " " + " ".join(["More words."] * (n % 5))
         records.append({"id": f"chat{n}", "messages": chat})
     chats = write_jsonl(root / "chats.jsonl", records)
-    prepare(str(tiny_target), str(chats), root / "prep", max_length=256)
-    extract(root / "prep", root / "data", str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32", show_progress=False)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=root / "prep", max_length=256))
+    extract(ExtractOptions(prepared=root / "prep", out=root / "data", target=str(tiny_target), layer_ids=LAYER_IDS,
+                           dtype="fp32"), show_progress=False)
     return root / "data"
 
 
@@ -96,7 +98,7 @@ def run_cli(*argv: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def test_clean_dataset_passes_with_target(clean, capsys, LAYER_IDS):
-    report = C.check_dataset(clean)  # target from data_config's target_path
+    report = C.check_dataset(CheckOptions(path=clean))  # target from data_config's target_path
     assert report.clean, report.lines()
     assert report.format == formats.FORMAT_V1
     assert report.files == report.samples == 12 and report.tokens > 0 and 0 < report.masked_tokens < report.tokens
@@ -159,7 +161,7 @@ def test_unsafe_pickle_is_reported_not_executed(copy, tmp_path):
     ds = copy()
     marker = tmp_path / "executed"
     torch.save({"input_ids": torch.zeros(3, dtype=torch.long), "boom": Boom(str(marker))}, sample_path(ds, 2))
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     p = assert_found(report, C.UNSAFE_PICKLE, formats.v1_relative_path(2), "weights_only")
     assert "open" in p.message  # names the global it refused
     assert not marker.exists()
@@ -170,13 +172,14 @@ def test_truncated_file(copy):
     path = sample_path(ds, 7)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    assert_found(C.check_dataset(ds, use_target=False), C.UNREADABLE, formats.v1_relative_path(7), "truncated")
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.UNREADABLE, formats.v1_relative_path(7),
+                 "truncated")
 
 
 def test_garbage_file(copy):
     ds = copy()
     sample_path(ds, 1).write_bytes(b"not a torch file" * 10)
-    assert_found(C.check_dataset(ds, use_target=False), C.UNREADABLE, formats.v1_relative_path(1))
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.UNREADABLE, formats.v1_relative_path(1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,23 +193,23 @@ def test_mask_5147_vs_input_ids_4095(copy, LAYER_IDS, tiny_target):
     sample = {"input_ids": torch.randint(0, 300, (T,)), "loss_mask": torch.ones(5147, dtype=torch.long),
               "hidden_states": [torch.randn(T, H).mul(0.02).to(torch.bfloat16) for _ in LAYER_IDS]}
     torch.save(sample, sample_path(ds, 3))
-    assert_found(C.check_dataset(ds, use_target=False), C.LENGTH_MISMATCH, formats.v1_relative_path(3),
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.LENGTH_MISMATCH, formats.v1_relative_path(3),
                  "loss_mask has 5147 entries, input_ids has 4095")
 
 
 def test_wrong_keys(copy):
     ds = copy()
     rel = edit(ds, 0, lambda o: o.update(extra=torch.zeros(1)))
-    assert_found(C.check_dataset(ds, use_target=False), C.WRONG_KEYS, rel, "unexpected ['extra']")
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.WRONG_KEYS, rel, "unexpected ['extra']")
     rel = edit(ds, 1, lambda o: o.pop("loss_mask"))
-    assert_found(C.check_dataset(ds, use_target=False), C.WRONG_KEYS, rel, "missing ['loss_mask']")
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.WRONG_KEYS, rel, "missing ['loss_mask']")
 
 
 def test_wrong_dtypes(copy):
     ds = copy()
     rel_h = edit(ds, 0, lambda o: o.update(hidden_states=[h.half() for h in o["hidden_states"]]))
     rel_i = edit(ds, 1, lambda o: o.update(input_ids=o["input_ids"].float()))
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.WRONG_DTYPE, rel_h, "float16, recorded bfloat16")
     assert_found(report, C.WRONG_DTYPE, rel_i, "input_ids")
 
@@ -215,7 +218,7 @@ def test_hidden_size_and_state_count(copy, LAYER_IDS, tiny_target):
     ds = copy()
     rel_h = edit(ds, 0, lambda o: o.update(hidden_states=[h[:, :32].clone() for h in o["hidden_states"]]))
     rel_n = edit(ds, 1, lambda o: o.update(hidden_states=o["hidden_states"][:3]))
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.HIDDEN_SIZE, rel_h, f"H=32, expected {tiny_config(tiny_target)['hidden_size']}")
     assert_found(report, C.STATE_COUNT, rel_n, "3 hidden states, expected 4")
 
@@ -223,7 +226,7 @@ def test_hidden_size_and_state_count(copy, LAYER_IDS, tiny_target):
 def test_state_rows_differ_from_tokens(copy):
     ds = copy()
     rel = edit(ds, 5, lambda o: o["hidden_states"].__setitem__(2, o["hidden_states"][2][:-1].clone()))
-    assert_found(C.check_dataset(ds, use_target=False), C.LENGTH_MISMATCH, rel, "slot 2")
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.LENGTH_MISMATCH, rel, "slot 2")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +237,7 @@ def test_mask_all_zero_and_not_binary(copy):
     ds = copy()
     rel0 = edit(ds, 0, lambda o: o["loss_mask"].zero_())
     rel1 = edit(ds, 1, lambda o: o["loss_mask"].__setitem__(slice(0, 3), 2))
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.MASK_EMPTY, rel0)
     assert_found(report, C.MASK_VALUES, rel1, "[2]")
 
@@ -242,14 +245,14 @@ def test_mask_all_zero_and_not_binary(copy):
 def test_token_id_out_of_range(copy):
     ds = copy()
     rel = edit(ds, 2, lambda o: o["input_ids"].__setitem__(5, 100_000))
-    assert_found(C.check_dataset(ds, use_target=False), C.TOKEN_RANGE, rel, "positions 5")
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.TOKEN_RANGE, rel, "positions 5")
 
 
 def test_nan_row_names_slot_and_row(copy):
     ds = copy()
     rel = edit(ds, 6, lambda o: o["hidden_states"][1][7].fill_(float("nan")))
     rel2 = edit(ds, 8, lambda o: o["hidden_states"][3][2, 9].fill_(float("inf")))
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.NON_FINITE, rel, "slot 1 row 7: NaN")
     assert_found(report, C.NON_FINITE, rel2, "slot 3 row 2: Inf")
 
@@ -258,7 +261,7 @@ def test_all_zero_state_and_zero_rows(copy):
     ds = copy()
     rel = edit(ds, 3, lambda o: o["hidden_states"][0].zero_())
     rel2 = edit(ds, 4, lambda o: o["hidden_states"][2][-5:].zero_())
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.ALL_ZERO, rel, "slot 0 is all zeros")
     assert_found(report, C.ALL_ZERO, rel2, "slot 2: 5 of")
 
@@ -266,7 +269,7 @@ def test_all_zero_state_and_zero_rows(copy):
 def test_rms_outlier(copy):
     ds = copy()
     rel = edit(ds, 9, lambda o: o["hidden_states"][2].mul_(1000))
-    assert_found(C.check_dataset(ds, use_target=False), C.RMS_BOUNDS, rel, "slot 2")
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.RMS_BOUNDS, rel, "slot 2")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +279,7 @@ def test_rms_outlier(copy):
 def test_missing_file_and_side_files_disagree(copy):
     ds = copy()
     sample_path(ds, 10).unlink()
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.MISSING_INDEX, None, "10")
     assert_found(report, C.SAMPLE_LENGTHS, formats.SAMPLE_LENGTHS_FILE, "no file")
     assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE)
@@ -288,7 +291,7 @@ def test_a_recorded_max_length_below_the_samples_is_named(copy):
     ds = copy()
     config = formats.read_json(ds / formats.DATA_CONFIG_FILE)
     formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, {**config, "max_length": 8})
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "max_length is 8, but the files hold a sample of")
 
 
@@ -297,7 +300,7 @@ def test_duplicate_index_and_folder_naming(copy):
     other = ds / formats.HIDDEN_STATES_DIR / "rows_2000-4000"
     other.mkdir()
     shutil.copy(sample_path(ds, 3), other / "data_3.pt")
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.DUPLICATE_INDEX, None, "index 3 appears 2 times")
     assert_found(report, C.FOLDER_NAMING, str(other / "data_3.pt"), "outside its folder")
 
@@ -312,7 +315,7 @@ def test_symlinks_that_loop_or_lead_nowhere(copy):
     (rows / "loop").symlink_to(".")
     (rows / "data_6.pt").rename(ds / "elsewhere.pt")
     (rows / "data_6.pt").symlink_to(ds / "elsewhere.pt")  # a link to a real file is a sample like any other
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert not report.clean
     assert_found(report, C.BROKEN_LINK, str(rows / "data_5.pt"), "loops")
     assert_found(report, C.BROKEN_LINK, str(rows / "data_40.pt"), "does not exist")
@@ -325,7 +328,7 @@ def test_misnamed_folder(copy):
     ds = copy()
     hs = ds / formats.HIDDEN_STATES_DIR
     (hs / "rows_0-2000").rename(hs / "rows_0-1000")
-    assert_found(C.check_dataset(ds, use_target=False), C.FOLDER_NAMING, None, "rows_0-1000")
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.FOLDER_NAMING, None, "rows_0-1000")
 
 
 def test_sample_lengths_and_token_freq_edited(copy):
@@ -336,7 +339,7 @@ def test_sample_lengths_and_token_freq_edited(copy):
     freq = formats.read_token_freq(ds / formats.TOKEN_FREQ_FILE)
     freq[next(iter(freq))] += 5
     formats.write_token_freq(ds / formats.TOKEN_FREQ_FILE, freq)
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.SAMPLE_LENGTHS, formats.SAMPLE_LENGTHS_FILE, "sample 2: recorded length")
     assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE, "1 token ids")
 
@@ -344,12 +347,13 @@ def test_sample_lengths_and_token_freq_edited(copy):
 def test_data_config_missing_or_inconsistent(copy, LAYER_IDS):
     ds = copy()
     (ds / formats.DATA_CONFIG_FILE).unlink()
-    assert_found(C.check_dataset(ds, use_target=False), C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "missing")
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.DATA_CONFIG, formats.DATA_CONFIG_FILE,
+                 "missing")
     ds2 = copy("ds2")
     cfg = formats.read_json(ds2 / formats.DATA_CONFIG_FILE)
     cfg["hidden_size"] = 128
     formats.write_json_atomic(ds2 / formats.DATA_CONFIG_FILE, cfg)
-    assert len(found(C.check_dataset(ds2, use_target=False), C.HIDDEN_SIZE)) == 12 * len(LAYER_IDS)
+    assert len(found(C.check_dataset(CheckOptions(path=ds2, use_target=False)), C.HIDDEN_SIZE)) == 12 * len(LAYER_IDS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +364,7 @@ def test_swapped_layers_are_named(copy):
     ds = copy()
     for i in range(12):
         edit(ds, i, lambda o: o.update(hidden_states=[o["hidden_states"][k] for k in (0, 2, 1, 3)]))
-    report = C.check_dataset(ds)
+    report = C.check_dataset(CheckOptions(path=ds))
     assert_found(report, C.LAYER_IDENTITY, None, "slot 1 matches layer 4, not 3", "slot 2 matches layer 3, not 4")
 
 
@@ -369,7 +373,7 @@ def test_layer_ids_off_by_one(copy, LAYER_IDS):
     cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
     cfg["layer_ids"] = [1, 2, 3, LAYER_IDS[-1]]
     formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
-    report = C.check_dataset(ds)
+    report = C.check_dataset(CheckOptions(path=ds))
     assert_found(report, C.LAYER_IDENTITY, None, "slot 0 matches layer 2, not 1", "slot 2 matches layer 4, not 3")
 
 
@@ -380,7 +384,7 @@ def test_data_config_with_two_aux_layers_is_refused(copy, LAYER_IDS):
     cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
     cfg["layer_ids"] = [LAYER_IDS[0], LAYER_IDS[2], LAYER_IDS[3]]
     formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
-    report = C.check_dataset(ds)
+    report = C.check_dataset(CheckOptions(path=ds))
     assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "expected 4 integer ids: the 3 aux ids")
 
 
@@ -394,7 +398,7 @@ def test_post_norm_last_state_where_pre_norm_recorded(copy, tiny_target, LAYER_I
             with torch.no_grad():
                 o["hidden_states"][3] = norm(o["hidden_states"][3].float()).to(torch.bfloat16)
         edit(ds, i, to_post_norm)
-    report = C.check_dataset(ds)
+    report = C.check_dataset(CheckOptions(path=ds))
     p = assert_found(report, C.LAYER_IDENTITY, None,
                      f"slot 3 (last) matches layer {LAYER_IDS[-1]} post-norm, recorded pre_norm")
     assert p.path.endswith(".pt")
@@ -403,7 +407,7 @@ def test_post_norm_last_state_where_pre_norm_recorded(copy, tiny_target, LAYER_I
 def test_shifted_mask_does_not_match_template(copy):
     ds = copy()
     rel = edit(ds, 1, lambda o: o.update(loss_mask=torch.roll(o["loss_mask"], 1)))
-    report = C.check_dataset(ds)
+    report = C.check_dataset(CheckOptions(path=ds))
     assert_found(report, C.MASK_TEMPLATE, rel, "does not start after the generation prompt")
     assert found(report, C.MASK_TEMPLATE)[0].path == rel  # only the edited file
 
@@ -411,7 +415,7 @@ def test_shifted_mask_does_not_match_template(copy):
 def test_user_turn_masked(copy):
     ds = copy()
     rel = edit(ds, 0, lambda o: o.update(loss_mask=1 - o["loss_mask"]))
-    assert_found(C.check_dataset(ds), C.MASK_TEMPLATE, rel)
+    assert_found(C.check_dataset(CheckOptions(path=ds)), C.MASK_TEMPLATE, rel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,7 +433,7 @@ def test_flat_v1_layout(clean, tmp_path):
         write_flat_v1_sample(ds, i, s)
     for side in (formats.DATA_CONFIG_FILE, formats.SAMPLE_LENGTHS_FILE, formats.TOKEN_FREQ_FILE):
         shutil.copy(clean / side, ds / side)
-    report = C.check_dataset(ds)
+    report = C.check_dataset(CheckOptions(path=ds))
     assert report.format == formats.FORMAT_V1_FLAT
     assert report.clean, report.lines()
     assert all(s.best == s.expected for s in report.identity) and len(report.identity) == 4
@@ -447,7 +451,7 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
         write_specforge_sample(ds, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:3], dim=-1),
                                        compressed=compressed)
     # No data_config: expectations come from the first file; layer ids passed via a config-less target run.
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert report.format == formats.FORMAT_SPECFORGE
     assert report.clean, report.lines()
     assert report.files == 12 and len(report.slots) == 4 and report.masked_tokens > 0
@@ -457,7 +461,7 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
                                                               "hidden_states_dtype": "bfloat16",
                                                               "vocab_size": cfg["vocab_size"],
                                                               "last_hidden_state": "post_norm"})
-    report = C.check_dataset(ds, target=str(tiny_target))
+    report = C.check_dataset(CheckOptions(path=ds, target=str(tiny_target)))
     assert report.clean, report.lines()
     assert report.identity[3].expected == report.identity[3].best == f"layer {LAYER_IDS[-1]} post-norm"
     # A NaN in an aux slot is named by slot (aux_hidden_state's second third is slot 1).
@@ -466,7 +470,8 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
     obj["aux_hidden_state"][3, obj["hidden_state"].shape[-1] + 5] = float("nan")
     write_specforge_sample(ds, 4, obj["input_ids"], obj["loss_mask"], obj["hidden_state"],
                                    obj["aux_hidden_state"], compressed=compressed)
-    assert_found(C.check_dataset(ds, use_target=False), C.NON_FINITE, formats.specforge_relative_path(4, compressed),
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.NON_FINITE,
+                 formats.specforge_relative_path(4, compressed),
                  "slot 1 row 3: NaN")
 
 
@@ -477,7 +482,8 @@ def test_specforge_truncated_gz(clean, tmp_path):
                                        torch.cat(s.hidden_states[:3], dim=-1), compressed=True)
     path = ds / formats.specforge_relative_path(1, True)
     path.write_bytes(path.read_bytes()[:300])
-    assert_found(C.check_dataset(ds, use_target=False), C.UNREADABLE, formats.specforge_relative_path(1, True))
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.UNREADABLE,
+                 formats.specforge_relative_path(1, True))
 
 
 def test_speculators_safetensors_layout(clean, tmp_path):
@@ -485,7 +491,7 @@ def test_speculators_safetensors_layout(clean, tmp_path):
     for i, s in enumerate(load_clean_samples(clean)):
         formats.write_hs_safetensors_sample(ds, i, s.input_ids, torch.stack(s.hidden_states, dim=1),
                                             s.loss_mask if i % 2 else None)  # loss_mask is optional there
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert report.format == formats.FORMAT_HS_SAFETENSORS
     assert report.clean, report.lines()
     assert report.files == 12 and len(report.slots) == 4
@@ -493,13 +499,13 @@ def test_speculators_safetensors_layout(clean, tmp_path):
     s = load_clean_samples(clean)[2]
     formats.write_hs_safetensors_sample(ds, 2, s.input_ids, torch.stack(s.hidden_states[:3], dim=1))
     (ds / "hs_5.safetensors").write_bytes((ds / "hs_5.safetensors").read_bytes()[:200])
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.STATE_COUNT, "hs_2.safetensors", "3 hidden states, expected 4")
     assert_found(report, C.UNREADABLE, "hs_5.safetensors")
 
 
 def test_no_dataset(tmp_path):
-    report = C.check_dataset(tmp_path, use_target=False)
+    report = C.check_dataset(CheckOptions(path=tmp_path, use_target=False))
     assert report.format is None and found(report, C.NO_FILES)
     assert run_cli(str(tmp_path)) == 1
 
@@ -534,8 +540,8 @@ def smollm2_data(smollm2_dir, tmp_path_factory) -> Path:
     from eaglet.prepare import prepare
 
     root = tmp_path_factory.mktemp("slots")
-    prepare(None, "sharegpt", root / "prepared", num_samples=8, max_length=128)
-    extract(root / "prepared", root / "data", dtype="fp32", show_progress=False)
+    prepare(PrepareOptions(target=None, data="sharegpt", out=root / "prepared", num_samples=8, max_length=128))
+    extract(ExtractOptions(prepared=root / "prepared", out=root / "data", dtype="fp32"), show_progress=False)
     return root / "data"
 
 
@@ -559,8 +565,8 @@ def tampered(data: Path, tmp_path: Path, change) -> Path:
 def test_one_file_with_another_layer_in_a_slot_is_caught_in_every_file(smollm2_data, tmp_path, change, slots):
     """Without the target and in every file (not a sample): each slot's scale against the
     dataset's typical scale for it; train runs the same check before its first step."""
-    assert C.check_dataset(smollm2_data, use_target=False).clean
-    report = C.check_dataset(tampered(smollm2_data, tmp_path, change), use_target=False)
+    assert C.check_dataset(CheckOptions(path=smollm2_data, use_target=False)).clean
+    report = C.check_dataset(CheckOptions(path=tampered(smollm2_data, tmp_path, change), use_target=False))
     found = {int(p.message.split()[1]) for p in report.errors if p.kind == C.LAYER_IDENTITY}
     # the file is refused, for a slot it changed (a slot whose scale varies much from file to file,
     # as the last layer's does, may not be named itself when it holds a steadier layer's states)
@@ -573,7 +579,8 @@ def test_a_recorded_vocab_size_other_than_the_targets(copy):
     cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
     cfg["vocab_size"] += 1
     formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
-    assert_found(C.check_dataset(ds), C.LAYER_IDENTITY, formats.DATA_CONFIG_FILE, "vocab_size", "is not the target's")
+    assert_found(C.check_dataset(CheckOptions(path=ds)), C.LAYER_IDENTITY, formats.DATA_CONFIG_FILE, "vocab_size",
+                 "is not the target's")
 
 
 def test_a_recorded_count_costs_no_memory_and_an_unknown_format_is_named(copy):
@@ -582,7 +589,7 @@ def test_a_recorded_count_costs_no_memory_and_an_unknown_format_is_named(copy):
     ds = copy()
     cfg = json.loads((ds / formats.DATA_CONFIG_FILE).read_text())
     (ds / formats.DATA_CONFIG_FILE).write_text(json.dumps({**cfg, "num_samples": 10 ** 11, "format": "weird"}))
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.MISSING_INDEX, "", f"{10 ** 11 - 12} of {10 ** 11} indices have no file: 12, 13,")
     assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "format 'weird' is no layout eaglet knows")
 
@@ -592,5 +599,5 @@ def test_two_records_of_the_layers_must_agree(copy):
     ds = copy()
     cfg = json.loads((ds / formats.DATA_CONFIG_FILE).read_text())
     (ds / formats.DATA_CONFIG_FILE).write_text(json.dumps({**cfg, "aux_layer_ids": [0, 1, 2]}))
-    assert_found(C.check_dataset(ds, use_target=False), C.DATA_CONFIG, formats.DATA_CONFIG_FILE,
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.DATA_CONFIG, formats.DATA_CONFIG_FILE,
                  "aux_layer_ids [0, 1, 2] are not layer_ids")

@@ -24,6 +24,7 @@ from eaglet.training.loop import train
 from references import plain_greedy  # tests/references.py
 from helpers import AUX_IDS, FAST, PROMPTS, run_weights
 from replays import sglang_load_dflash, vllm_load_parallel
+from eaglet.options import EvalOptions, ExportOptions, ImportOptions, TrainOptions
 
 
 def make_parallel(family: str, target_config=None, seed: int = 0, layers: int = 2, block: int = 5,
@@ -206,9 +207,9 @@ PARALLEL.pop("ttt_steps")
 def test_parallel_training_learns_resumes_exactly_and_loads(dataset, tmp_path, family):  # noqa: F811
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     opts = {**PARALLEL, "drafter": family}
-    summary = train(dataset, straight, total_steps=8, show_progress=False, **opts)
-    train(dataset, resumed, total_steps=8, stop_after=4, show_progress=False, **opts)
-    train(dataset, resumed, total_steps=8, resume=True, show_progress=False, **opts)
+    summary = train(TrainOptions(dataset_dir=dataset, out_dir=straight, total_steps=8, **opts), show_progress=False)
+    train(TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=8, stop_after=4, **opts), show_progress=False)
+    train(TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=8, resume=True, **opts), show_progress=False)
     a, b = run_weights(straight, 8), run_weights(resumed, 8)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     positions = 3 if family == DFLASH else 4
@@ -275,7 +276,7 @@ def parallel_checkpoint(tmp_path, family: str, tiny_target, **overrides) -> Path
 @pytest.mark.parametrize("family", PARALLEL_FAMILIES)
 def test_speculators_export_is_what_vllm_loads_and_imports_back_exactly(tmp_path, tiny_target, family):
     ckpt = parallel_checkpoint(tmp_path, family, tiny_target)
-    summary = export_drafter(ckpt, tmp_path / "out", "speculators", dtype="fp32")
+    summary = export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators", dtype="fp32"))
     hf, loaded = vllm_load_parallel(tmp_path / "out")
     w = weights_of(ckpt)
     assert hf["aux"] == AUX_IDS and hf["tokens"] == predicted_positions(load_checkpoint(ckpt).config)
@@ -286,7 +287,7 @@ def test_speculators_export_is_what_vllm_loads_and_imports_back_exactly(tmp_path
         assert "parallel_drafting" in "\n".join(summary.lines())
     else:
         assert hf["dflash_config"] == {"mask_token_id": 399, "target_layer_ids": [1, 3, 4], "causal": False}
-    import_drafter(tmp_path / "out", tmp_path / "back")
+    import_drafter(ImportOptions(src=tmp_path / "out", out=tmp_path / "back"))
     back = weights_of(tmp_path / "back")
     assert back.keys() == w.keys() and all(torch.equal(back[k], w[k]) for k in w)
     assert load_checkpoint(tmp_path / "back").config == load_checkpoint(ckpt).config
@@ -294,28 +295,29 @@ def test_speculators_export_is_what_vllm_loads_and_imports_back_exactly(tmp_path
 
 def test_sglang_dflash_export_loads_and_needs_the_targets_head(tmp_path, tiny_target):
     ckpt = parallel_checkpoint(tmp_path, DFLASH, tiny_target)
-    export_drafter(ckpt, tmp_path / "out", "eagle", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="eagle", dtype="fp32"))
     captured, loaded = sglang_load_dflash(tmp_path / "out")
     w = weights_of(ckpt)
     assert captured == AUX_IDS and torch.equal(loaded["hidden_norm.weight"], w["hidden_norm.weight"])
-    back = import_drafter(tmp_path / "out", tmp_path / "back")
+    back = import_drafter(ImportOptions(src=tmp_path / "out", out=tmp_path / "back"))
     assert back.config.family == DFLASH and back.config.block_size == 5
     # a head of its own would be ignored by SGLang, which drafts with the target's: refused
     own = weights_of(ckpt)
     own["lm_head.weight"] = own["lm_head.weight"] + 0.1
     formats.write_drafter_folder(tmp_path / "own", json.loads((ckpt / "config.json").read_text()), own)
     with pytest.raises(ValueError, match="SGLang's DFLASH drafts with the target's"):
-        export_drafter(tmp_path / "own", tmp_path / "own_out", "eagle", dtype="fp32")
+        export_drafter(ExportOptions(ckpt=tmp_path / "own", out=tmp_path / "own_out", fmt="eagle", dtype="fp32"))
     with pytest.raises(ValueError, match="SGLang serves no P-EAGLE"):
-        export_drafter(parallel_checkpoint(tmp_path, P_EAGLE, tiny_target), tmp_path / "p", "eagle")
+        export_drafter(ExportOptions(ckpt=parallel_checkpoint(tmp_path, P_EAGLE, tiny_target), out=tmp_path / "p",
+                                     fmt="eagle"))
     with pytest.raises(ValueError, match="llama.cpp serves no DFlash drafter"):
-        export_drafter(ckpt, tmp_path / "x.gguf", "gguf")
+        export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "x.gguf", fmt="gguf"))
 
 
 def test_import_of_a_whole_vocabulary_dflash_folder_takes_the_targets_head(tmp_path, tiny_target):
     """z-lab's layout: no embeddings, LM head or vocabulary map; the target supplies them."""
     ckpt = parallel_checkpoint(tmp_path, DFLASH, tiny_target)
-    export_drafter(ckpt, tmp_path / "out", "eagle", dtype="fp32")
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="eagle", dtype="fp32"))
     folder = tmp_path / "out"
     c = json.loads((folder / "config.json").read_text())
     del c["draft_vocab_size"]
@@ -323,8 +325,8 @@ def test_import_of_a_whole_vocabulary_dflash_folder_takes_the_targets_head(tmp_p
                                                                          "t2d")}
     formats.write_drafter_folder(tmp_path / "zlab", c, stored)
     with pytest.raises(ValueError, match="lm_head.weight missing"):
-        import_drafter(tmp_path / "zlab", tmp_path / "no")
-    import_drafter(tmp_path / "zlab", tmp_path / "back", target=str(tiny_target))
+        import_drafter(ImportOptions(src=tmp_path / "zlab", out=tmp_path / "no"))
+    import_drafter(ImportOptions(src=tmp_path / "zlab", out=tmp_path / "back", target=str(tiny_target)))
     model = load_checkpoint(tmp_path / "back")
     assert model.config.draft_vocab_size == 400 and bool(model.t2d.all()) and not bool(model.d2t.any())
 
@@ -335,11 +337,12 @@ def test_eval_runs_a_parallel_drafter_by_its_family_name_exactly(tmp_path, tiny_
 
     ckpt = parallel_checkpoint(tmp_path, DFLASH, tiny_target)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Write a function that adds."}])
-    result = evaluate(ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["dflash", "hybrid"],
-                      max_new_tokens=10, dtype="fp32", threads=1, device="cpu", progress=False, plot=False)
+    result = evaluate(EvalOptions(drafter_path=ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
+                                  methods=["dflash", "hybrid"], max_new_tokens=10, dtype="fp32", threads=1, device="cpu",
+                                  plot=False), progress=False)
     r = result.sets["prompts"]
     assert r["dflash"]["identical_share"] == r["hybrid"]["identical_share"] == 1.0
     with pytest.raises(ValueError, match="method chain drafts with the eagle3 family; this drafter is dflash: use "
                                          "--methods dflash"):
-        evaluate(ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain"], dtype="fp32",
-                 threads=1, device="cpu", progress=False, plot=False)
+        evaluate(EvalOptions(drafter_path=ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain"],
+                             dtype="fp32", threads=1, device="cpu", plot=False), progress=False)

@@ -22,6 +22,7 @@ from eaglet.training.checkpoints import save_checkpoint
 
 from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
 from helpers import target_gguf
+from eaglet.options import EvalOptions
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +111,10 @@ def test_eval_end_to_end_fp32_is_exact(tiny_target, drafter_ckpt, tmp_path, one_
         {"id": "x", "prompt": "Write a function that adds two numbers."},
         {"id": "y", "turns": ["Hello there", "And then?"]}])
     out = tmp_path / "eval"
-    result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                      methods=["chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"], max_new_tokens=12,
-                      depth=3, top_k=3, total_tokens=8, chain_depth=3, dtype="fp32", device="cpu", out=out,
-                      progress=False)
+    result = evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
+                                  methods=["chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"],
+                                  max_new_tokens=12, depth=3, top_k=3, total_tokens=8, chain_depth=3, dtype="fp32",
+                                  device="cpu", out=out), progress=False)
     r = result.sets["prompts"]
     assert r["plain"]["turns"] == 3 and r["plain"]["tau"] == 1.0
     for m in ("chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"):
@@ -144,8 +145,8 @@ def test_eval_refuses_a_drafter_for_another_target(tiny_target, tmp_path, one_th
     ckpt = save_checkpoint(tmp_path / "checkpoints", 1, Eagle3Draft(cfg), export_config(cfg, {}), {})
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     with pytest.raises(ValueError, match="hidden size 32 vs the target's 64"):
-        evaluate(ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], dtype="fp32", device="cpu",
-                 progress=False)
+        evaluate(EvalOptions(drafter_path=ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], dtype="fp32",
+                             device="cpu"), progress=False)
 
 
 def test_a_recorded_target_that_is_no_target_is_named_with_its_file(tiny_target, tmp_path, one_thread):
@@ -163,7 +164,8 @@ def test_a_recorded_target_that_is_no_target_is_named_with_its_file(tiny_target,
         extra = {"target": recorded, **({"target_revision": [1]} if i == 2 else {})}
         ckpt = save_checkpoint(tmp_path / f"c{i}", 1, Eagle3Draft(cfg), export_config(cfg, extra), {})
         with pytest.raises((ValueError, FileNotFoundError), match=said):
-            evaluate(ckpt, prompt_sets=[str(prompts)], dtype="fp32", device="cpu", progress=False)
+            evaluate(EvalOptions(drafter_path=ckpt, prompt_sets=[str(prompts)], dtype="fp32", device="cpu"),
+                                 progress=False)
 
 
 def test_prompts_longer_than_the_target_are_skipped_and_counted(drafter_ckpt, tiny_target, tmp_path, one_thread):
@@ -172,15 +174,15 @@ def test_prompts_longer_than_the_target_are_skipped_and_counted(drafter_ckpt, ti
     prompts = write_jsonl(tmp_path / "p.jsonl", [
         {"id": "short", "prompt": "hi"}, {"id": "long", "prompt": "word " * 1500},
         {"id": "late", "turns": ["hi", "x " * 1100]}])
-    result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain"],
-                      max_new_tokens=4, dtype="fp32", device="cpu", progress=False)
+    result = evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
+                                  methods=["chain"], max_new_tokens=4, dtype="fp32", device="cpu"), progress=False)
     assert result.sets["p"]["plain"]["turns"] == 2
     assert result.config["skipped_turns"] == 2
     assert [(r["id"], r["turn"]) for r in result.prompts if "skipped" in r] == [("long", 0), ("late", 1)]
     only_long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 1500}])
     with pytest.raises(ValueError, match="every prompt is too long for the target's 1024 positions"):
-        evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(only_long)], methods=["chain"],
-                 max_new_tokens=4, dtype="fp32", device="cpu", progress=False)
+        evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(only_long)],
+                             methods=["chain"], max_new_tokens=4, dtype="fp32", device="cpu"), progress=False)
 
 
 def test_cost_admission_needs_measured_pass_costs(tiny_target):
@@ -271,9 +273,9 @@ def test_eval_runs_llama_cpp_methods_beside_eaglets(tiny_target, drafter_ckpt, t
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Add two numbers."},
                                                        {"id": "y", "prompt": "Say hello."}])
     out = tmp_path / "eval"
-    result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                      methods=["llama.cpp-eagle3", "llama.cpp-ngram"], max_new_tokens=6, chain_depth=3, dtype="fp32",
-                      device="cpu", out=out, progress=False, target_gguf=gguf)
+    result = evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
+                                  methods=["llama.cpp-eagle3", "llama.cpp-ngram"], max_new_tokens=6, chain_depth=3,
+                                  dtype="fp32", device="cpu", out=out, target_gguf=gguf), progress=False)
     r = result.sets["prompts"]
     assert list(r) == ["plain", "chain", "llama.cpp", "llama.cpp-eagle3", "llama.cpp-ngram"]
     eagle3, ngram = r["llama.cpp-eagle3"], r["llama.cpp-ngram"]
@@ -307,8 +309,8 @@ def test_llama_cpp_methods_need_the_target_gguf(tiny_target, drafter_ckpt, tmp_p
     monkeypatch.setenv("EAGLET_LLAMA_SERVER", str(exe))
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Hi"}])
     with pytest.raises(ValueError, match="not the embedded one; pass --target-gguf"):
-        evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["llama.cpp"],
-                 dtype="fp32", device="cpu", progress=False)
+        evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
+                             methods=["llama.cpp"], dtype="fp32", device="cpu"), progress=False)
 
 
 def test_gap_verdict_tells_quantization_from_a_mismatch():
@@ -348,8 +350,9 @@ def test_eval_auto_runs_each_method_at_a_measured_configuration(tiny_target, dra
     """Which configuration wins is this machine's business; that every method ran at one of the
     timed ones, said in the table and eval.json, is not."""
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Write a function."}])
-    result = evaluate(drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain", "hybrid"],
-                      max_new_tokens=6, chain_depth=2, device="cpu", out=tmp_path / "eval", progress=False)
+    result = evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
+                                  methods=["chain", "hybrid"], max_new_tokens=6, chain_depth=2, device="cpu",
+                                  out=tmp_path / "eval"), progress=False)
     timed = result.config["pass_costs_by_config_s"]
     assert {label.split("/")[0] for label in timed} == {"bf16", "fp32"}
     assert set(result.config["configs"]) == {"plain", "chain", "hybrid"}

@@ -16,6 +16,7 @@ from eaglet import formats
 from eaglet.convert import convert
 from eaglet.drafter import build_draft_vocab, make_teacher, target_top_k, teacher_from_top_k
 from helpers import final_norm, write_foreign
+from eaglet.options import CheckOptions, ConvertOptions, ExtractOptions, PrepareOptions, TrainOptions
 
 LAYER_IDS = [2, 3, 4, 8]
 
@@ -122,10 +123,11 @@ def made(tiny_target, tmp_path_factory) -> Path:
         chat = [dict(m) for m in CHATS[n % len(CHATS)]]
         chat[-1]["content"] += " More words." * (n % 4)
         records.append({"id": f"c{n}", "messages": chat})
-    prepare(str(tiny_target), str(write_jsonl(root / "chats.jsonl", records)), root / "prep", max_length=256)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(root / "chats.jsonl", records)),
+                           out=root / "prep", max_length=256))
     for name, layout in (("v1", "v1"), ("cmp", "compact")):
-        extract(root / "prep", root / name, str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32", show_progress=False,
-                layout=layout, stored_top_k=8)
+        extract(ExtractOptions(prepared=root / "prep", out=root / name, target=str(tiny_target), layer_ids=LAYER_IDS,
+                               dtype="fp32", layout=layout, stored_top_k=8), show_progress=False)
     return root
 
 
@@ -152,7 +154,7 @@ def test_extract_compact_holds_v1s_states_and_teacher(made, tiny_target):
         assert torch.equal(obj["teacher_ids"], ids) and torch.equal(obj["teacher_log_probs"], lp)
     cfg = json.loads((made / "cmp" / formats.DATA_CONFIG_FILE).read_text())
     assert cfg["format"] == formats.FORMAT_COMPACT and cfg["compact"]["teacher_top_k"] == 8
-    report = C.check_dataset(made / "cmp", target=str(tiny_target))
+    report = C.check_dataset(CheckOptions(path=made / "cmp", target=str(tiny_target)))
     assert report.clean and report.format == formats.FORMAT_COMPACT, report.lines()
     assert [s.best for s in report.identity] == [f"layer {k}" for k in LAYER_IDS[:3]]
     assert report.next_token_accuracy["agreement"] == 1.0
@@ -164,23 +166,24 @@ def test_compact_extraction_resumes(made, tiny_target, tmp_path):
     ds = Path(shutil.copytree(made / "cmp", tmp_path / "cmp"))
     victim = files(ds)[3]
     victim.write_bytes(victim.read_bytes()[:200])
-    summary = extract(made / "prep", ds, str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32", show_progress=False,
-                      layout="compact", stored_top_k=8)
+    summary = extract(ExtractOptions(prepared=made / "prep", out=ds, target=str(tiny_target), layer_ids=LAYER_IDS,
+                                     dtype="fp32", layout="compact", stored_top_k=8), show_progress=False)
     assert summary.written == 1 and summary.already_done == 9
     assert files(ds)[3].read_bytes() == files(made / "cmp")[3].read_bytes()
     with pytest.raises(ValueError, match="compact"):  # another K is another dataset
-        extract(made / "prep", ds, str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32", show_progress=False,
-                layout="compact", stored_top_k=4)
+        extract(ExtractOptions(prepared=made / "prep", out=ds, target=str(tiny_target), layer_ids=LAYER_IDS,
+                               dtype="fp32", layout="compact", stored_top_k=4), show_progress=False)
 
 
 def test_convert_to_compact_equals_extraction(made, tmp_path):
-    convert(made / "v1", tmp_path / "cmp", "compact", stored_top_k=8, show_progress=False)
+    convert(ConvertOptions(src=made / "v1", out=tmp_path / "cmp", layout="compact", stored_top_k=8),
+                           show_progress=False)
     for i, p in files(made / "cmp").items():
         a, b = formats.read_compact_file(p), formats.read_compact_file(files(tmp_path / "cmp")[i])
         assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in formats.COMPACT_KEYS), i
         assert a.metadata == b.metadata and formats.compact_checksum_problems(b) == [], i  # both writers checksum
     with pytest.raises(ValueError, match="no other layout can be made from it"):
-        convert(made / "cmp", tmp_path / "v1", "v1", show_progress=False)
+        convert(ConvertOptions(src=made / "cmp", out=tmp_path / "v1", layout="v1"), show_progress=False)
 
 
 @pytest.mark.parametrize("layout", [formats.FORMAT_V1_FLAT, formats.FORMAT_SPECFORGE, formats.FORMAT_HS_SAFETENSORS,
@@ -190,9 +193,9 @@ def test_every_layout_converts_to_compact_and_trains(made, tiny_target, tmp_path
     from eaglet.training.loop import train
 
     foreign = write_foreign(made / "v1", tmp_path / "foreign", layout, final_norm(tiny_target))
-    convert(foreign, tmp_path / "cmp", "compact", target=str(tiny_target), aux_layer_ids=LAYER_IDS[:3],
-            stored_top_k=8, show_progress=False)
-    report = C.check_dataset(tmp_path / "cmp", target=str(tiny_target))
+    convert(ConvertOptions(src=foreign, out=tmp_path / "cmp", layout="compact", target=str(tiny_target),
+                           aux_layer_ids=LAYER_IDS[:3], stored_top_k=8), show_progress=False)
+    report = C.check_dataset(CheckOptions(path=tmp_path / "cmp", target=str(tiny_target)))
     assert report.clean, report.lines()
     # The teacher's argmax is the one v1's last state gives: the same bits from a pre-norm state;
     # from SpecForge's post-norm one (normed, then rounded to bf16) near-ties of this random model may flip.
@@ -203,8 +206,8 @@ def test_every_layout_converts_to_compact_and_trains(made, tiny_target, tmp_path
         assert layout == formats.FORMAT_SPECFORGE or torch.equal(got, ref), i
         agree, total = agree + int((got == ref).sum()), total + len(ref)
     assert agree / total > 0.95
-    summary = train(tmp_path / "cmp", tmp_path / "run", total_steps=2, teacher_top_k=8, eval_fraction=0.2,
-                    batch_size=3, show_progress=False)  # padded rows of stored teachers too
+    summary = train(TrainOptions(dataset_dir=tmp_path / "cmp", out_dir=tmp_path / "run", total_steps=2, teacher_top_k=8,
+                                 eval_fraction=0.2, batch_size=3), show_progress=False)  # padded rows of stored teachers too
     assert summary.step == 2
 
 
@@ -215,8 +218,8 @@ def test_heldout_accuracy_is_the_same_on_compact_and_v1(made, tmp_path):
     from eaglet.training.loop import train
 
     # fp32 on every machine: under bf16 autocast the 6-bit aux states' rounding can tip an argmax
-    train(made / "v1", tmp_path / "run", total_steps=3, eval_fraction=0.3, batch_size=2, show_progress=False,
-          bf16=False)
+    train(TrainOptions(dataset_dir=made / "v1", out_dir=tmp_path / "run", total_steps=3, eval_fraction=0.3, batch_size=2,
+                       bf16=False), show_progress=False)
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
     v1, cmp = (evaluate_heldout(ckpt, made / name, eval_fraction=0.3, batch_size=2, bf16=False)
                for name in ("v1", "cmp"))
@@ -230,7 +233,8 @@ def test_train_on_compact_refuses_what_needs_the_last_state(made, tmp_path):
                              ({"teacher_top_k": 9}, "stores the target's top 8 only"),
                              ({"teacher_top_k": 8, "feature_loss_weight": 0.1}, "no last-layer state")):
         with pytest.raises(ValueError, match=message):
-            train(made / "cmp", tmp_path / "run", total_steps=1, show_progress=False, **options)
+            train(TrainOptions(dataset_dir=made / "cmp", out_dir=tmp_path / "run", total_steps=1, **options),
+                               show_progress=False)
 
 
 @pytest.fixture
@@ -272,7 +276,7 @@ def test_check_finds_planted_faults_in_compact_files(cmp_copy, tiny_target):
     planted[C.UNREADABLE] = [str(trunc.relative_to(ds))]
     files(ds)[8].unlink()
     planted[C.MISSING_INDEX] = [""]
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     found = {(p.kind, p.path) for p in report.problems}
     for kind, paths in planted.items():
         for path in paths:
@@ -286,7 +290,7 @@ def test_check_names_a_compact_file_of_another_layer_or_model(cmp_copy, tiny_tar
     rel = edit(ds, 2, aux_codes=swapped[0], aux_scales=swapped[1])
     lp = formats.read_safetensors(files(ds)[5])["teacher_log_probs"].float()
     edit(ds, 5, teacher_log_probs=(lp - 0.5).half())  # a teacher from another model
-    report = C.check_dataset(ds, target=str(tiny_target), identity_samples=10)
+    report = C.check_dataset(CheckOptions(path=ds, target=str(tiny_target), identity_samples=10))
     assert any(p.kind == C.LAYER_IDENTITY and p.path == rel and "slot 0" in p.message for p in report.problems), \
         report.lines()
     assert any(p.kind == C.STORED_TEACHER and "recomputed target's by 0.5" in p.message for p in report.problems), \
@@ -320,7 +324,7 @@ def flip_bit(ds: Path, i: int, name: str, offset: int, bit: int) -> str:
 
 def checksum_findings(ds: Path) -> list[tuple[str, str]]:
     """(file, what: the tensor named) of each checksum finding of `eaglet check` without the target."""
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert not report.clean
     return [(p.path, p.message.split(";")[0].split(":")[0]) for p in report.problems if p.kind == C.CHECKSUM]
 
@@ -332,7 +336,7 @@ def code_byte(codes: torch.Tensor, t: int, s: int, j: int) -> tuple[int, int]:
 
 
 def test_a_clean_compact_dataset_is_clean_without_the_target(made):
-    report = C.check_dataset(made / "cmp", use_target=False)
+    report = C.check_dataset(CheckOptions(path=made / "cmp", use_target=False))
     assert report.clean and not [p for p in report.problems if p.kind in (C.CHECKSUM, C.AUX_CODES)], report.lines()
 
 
@@ -349,7 +353,7 @@ def test_check_and_training_find_a_flipped_bit_in_the_aux_codes(cmp_copy):
     with pytest.raises(ValueError, match=f"{rel}: aux_codes: its bytes do not match.*delete the file and re-run"):
         formats.read_training_sample(ds / rel, formats.FORMAT_COMPACT)
     edit(ds, 4)  # the same bytes with checksums that match them
-    assert C.check_dataset(ds, use_target=False).clean
+    assert C.check_dataset(CheckOptions(path=ds, use_target=False)).clean
 
 
 def test_check_finds_a_row_of_0xff_in_the_aux_codes(cmp_copy):
@@ -382,7 +386,7 @@ def test_check_names_impossible_aux_codes_by_row(cmp_copy):
     scales = obj[3]["aux_scales"].clone()
     scales[4, 1, 1] = -scales[4, 1, 1]
     negative = edit(ds, 3, aux_scales=scales)
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     found = {p.path: p.message for p in report.problems if p.kind == C.AUX_CODES}
     assert sorted(found) == sorted([zeroed, negative]) and not [p for p in report.problems if p.kind == C.CHECKSUM]
     assert found[zeroed].startswith("aux row 7, state 2, values 0..31") and "rows 7);" in found[zeroed]
@@ -405,7 +409,7 @@ def test_version_1_compact_data_is_read_with_a_warning(made, cmp_copy, caplog):
     on data_config.json that says what cannot be found and what writes files that can be checked."""
     ds = cmp_copy
     strip_checksums(ds, 1)
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert report.clean, report.lines()
     [w] = [p for p in report.problems if p.kind == C.DATA_CONFIG]
     assert w.severity == C.WARNING and "compact version 1" in w.message
@@ -419,9 +423,10 @@ def test_version_1_compact_data_is_read_with_a_warning(made, cmp_copy, caplog):
     codes[1] = 0
     rel = edit(ds, 0, aux_codes=codes)
     strip_checksums(ds, 1)
-    assert [p.path for p in C.check_dataset(ds, use_target=False).problems if p.kind == C.AUX_CODES] == [rel]
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    assert [p.path for p in report.problems if p.kind == C.AUX_CODES] == [rel]
     with pytest.raises(ValueError, match="made with compact=.*'version': 1.*use another --out"):  # never mixed
-        convert(made / "v1", ds, "compact", stored_top_k=8, show_progress=False)
+        convert(ConvertOptions(src=made / "v1", out=ds, layout="compact", stored_top_k=8), show_progress=False)
 
 
 def test_current_compact_data_needs_its_checksums(cmp_copy):

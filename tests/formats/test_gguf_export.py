@@ -22,6 +22,7 @@ from eaglet.cli import main as cli_main
 from eaglet.export import export_drafter
 from references import read_gguf_drafter  # tests/references.py
 from helpers import TOKENS, random_drafter, target_gguf, tiny_config, write_checkpoint
+from eaglet.options import ExportOptions
 
 
 def raw_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -106,7 +107,8 @@ def test_llama_cpp_graph_on_the_gguf_gives_eaglets_logits(tmp_path, variant):
     draft = random_drafter(tiny_config(**variant))
     ckpt = write_checkpoint(tmp_path, draft)
     out = tmp_path / "drafter.gguf"
-    export_drafter(ckpt, out, "gguf", dtype="fp32", target_gguf=target_gguf(tmp_path / "target.gguf"))
+    export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="gguf", dtype="fp32",
+                                 target_gguf=target_gguf(tmp_path / "target.gguf")))
     torch.manual_seed(3)
     L = 11
     tokens = torch.randint(0, draft.config.target_vocab_size, (L,))
@@ -128,14 +130,14 @@ def test_a_wrong_rope_order_or_swapped_norms_change_the_logits(tmp_path, monkeyp
     torch.manual_seed(3)
     tokens, features = torch.randint(0, 50, (9,)), torch.randn(9, 3 * 32)
     embeddings = draft.embed_tokens.weight.detach()
-    export_drafter(ckpt, tmp_path / "good.gguf", "gguf", dtype="fp32", target_gguf=source)
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "good.gguf", fmt="gguf", dtype="fp32", target_gguf=source))
     good = llama_cpp_eagle3_step0(tmp_path / "good.gguf", embeddings, tokens, features)
     if broken == "rope":
         monkeypatch.setattr(gguf_drafter, "to_ggml_rope_rows", lambda w, heads: w)
     else:
         monkeypatch.setitem(gguf_drafter.GGUF_NAMES, "midlayer.input_layernorm.weight", "blk.0.attn_norm_2.weight")
         monkeypatch.setitem(gguf_drafter.GGUF_NAMES, "midlayer.hidden_norm.weight", "blk.0.attn_norm.weight")
-    export_drafter(ckpt, tmp_path / "bad.gguf", "gguf", dtype="fp32", target_gguf=source)
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "bad.gguf", fmt="gguf", dtype="fp32", target_gguf=source))
     bad = llama_cpp_eagle3_step0(tmp_path / "bad.gguf", embeddings, tokens, features)
     assert not torch.allclose(bad[~bad.isinf()], good[~good.isinf()], atol=1e-3)
 
@@ -144,7 +146,8 @@ def test_gguf_metadata_tokenizer_and_round_trip(tmp_path):
     draft = random_drafter(tiny_config())
     ckpt = write_checkpoint(tmp_path, draft)
     out = tmp_path / "drafter.gguf"
-    summary = export_drafter(ckpt, out, "gguf", target_gguf=target_gguf(tmp_path / "target.gguf"))
+    summary = export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="gguf",
+                                           target_gguf=target_gguf(tmp_path / "target.gguf")))
     reader = gguf.GGUFReader(out)
     meta = {k: f.contents() for k, f in reader.fields.items()}
     assert meta["general.architecture"] == "eagle3" and meta["eagle3.block_count"] == 1
@@ -186,7 +189,7 @@ def test_gguf_export_refusals(tmp_path, variant, options, message):
     source = target_gguf(tmp_path / "t.gguf", options.get("tokens", len(TOKENS)), options.get("width"))
     out = tmp_path / options.get("out", "d.gguf")
     with pytest.raises(ValueError, match=message):
-        export_drafter(ckpt, out, "gguf", target_gguf=options.get("target_gguf", source))
+        export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="gguf", target_gguf=options.get("target_gguf", source)))
     assert not out.exists()
 
 
@@ -195,7 +198,7 @@ def test_gguf_export_never_overwrites(tmp_path):
     out = tmp_path / "d.gguf"
     out.write_bytes(b"keep")
     with pytest.raises(FileExistsError, match="already exists"):
-        export_drafter(ckpt, out, "gguf", target_gguf=target_gguf(tmp_path / "t.gguf"))
+        export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="gguf", target_gguf=target_gguf(tmp_path / "t.gguf")))
     assert out.read_bytes() == b"keep"
 
 

@@ -20,6 +20,7 @@ from eaglet.cli import main  # noqa: E402
 from eaglet.convert import convert  # noqa: E402
 from eaglet.formats.runs import resolve_checkpoint  # noqa: E402
 from references import write_specforge_sample  # tests/references.py
+from eaglet.options import CheckOptions, ConvertOptions, ExtractOptions, PrepareOptions
 
 LAYER_IDS = [2, 3, 4, 8]  # the tiny target has 8 layers
 
@@ -34,10 +35,11 @@ def extracted(tiny_target, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("layouts")
     records = [{"id": f"c{n}", "messages": CHATS[n % len(CHATS)]} for n in range(7)]
-    prepare(str(tiny_target), str(write_jsonl(root / "chats.jsonl", records)), root / "prep", max_length=256)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(root / "chats.jsonl", records)),
+                           out=root / "prep", max_length=256))
     for name, layout in (("v1", "v1"), ("spec", "speculators")):
-        extract(root / "prep", root / name, str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32", show_progress=False,
-                layout=layout)
+        extract(ExtractOptions(prepared=root / "prep", out=root / name, target=str(tiny_target), layer_ids=LAYER_IDS,
+                               dtype="fp32", layout=layout), show_progress=False)
     return root
 
 
@@ -70,7 +72,7 @@ def test_extract_writes_speculators_layout(extracted, tiny_target, tmp_path):
     assert formats.read_token_freq(spec / formats.TOKEN_FREQ_FILE)  # what `speculators train` builds d2t from
     # The same tensors as the v1 extraction, bit for bit, and clean with the target's layer identity.
     assert_same_samples(extracted / "v1", spec)
-    report = C.check_dataset(spec, target=str(tiny_target))
+    report = C.check_dataset(CheckOptions(path=spec, target=str(tiny_target)))
     assert report.clean and report.format == formats.FORMAT_SPECULATORS_ARROW, report.lines()
     assert [s.best for s in report.identity] == [s.expected for s in report.identity]
     # A rerun finds every file complete; one damaged file is redone. On a copy: the module's
@@ -81,8 +83,8 @@ def test_extract_writes_speculators_layout(extracted, tiny_target, tmp_path):
     before = {i: p.read_bytes() for i, p in formats.list_dataset_files(spec).files}
     victim = formats.speculators_hs_path(spec, 2)
     victim.write_bytes(victim.read_bytes()[:100])
-    summary = extract(extracted / "prep", spec, str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32",
-                      show_progress=False, layout="speculators")
+    summary = extract(ExtractOptions(prepared=extracted / "prep", out=spec, target=str(tiny_target), layer_ids=LAYER_IDS,
+                                     dtype="fp32", layout="speculators"), show_progress=False)
     assert summary.written == 1 and summary.already_done == 6
     after = {i: p.read_bytes() for i, p in formats.list_dataset_files(spec).files}
     assert all(after[i] == before[i] for i in after if i != 2)  # the complete files are kept as they were
@@ -99,17 +101,17 @@ def test_one_folder_one_layout(extracted, tiny_target):
     from eaglet.extract import extract
 
     with pytest.raises(ValueError, match="format='speculators-v1'.*'speculators-arrow'"):
-        extract(extracted / "prep", extracted / "v1", str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32",
-                show_progress=False, layout="speculators")
+        extract(ExtractOptions(prepared=extracted / "prep", out=extracted / "v1", target=str(tiny_target),
+                               layer_ids=LAYER_IDS, dtype="fp32", layout="speculators"), show_progress=False)
 
 
 def test_convert_round_trip_is_bit_exact(extracted, tmp_path, capsys):
     """v1 -> speculators -> v1 gives back every tensor; each output is clean and resumable."""
     assert main(["convert", str(extracted / "v1"), "--out", str(tmp_path / "spec"), "--layout", "speculators"]) == 0
     assert "converted 7 samples" in capsys.readouterr().out
-    convert(tmp_path / "spec", tmp_path / "back", "v1", show_progress=False)
+    convert(ConvertOptions(src=tmp_path / "spec", out=tmp_path / "back", layout="v1"), show_progress=False)
     for folder in (tmp_path / "spec", tmp_path / "back"):
-        report = C.check_dataset(folder, use_target=False)
+        report = C.check_dataset(CheckOptions(path=folder, use_target=False))
         assert report.clean, report.lines()
     assert_same_samples(extracted / "v1", tmp_path / "spec")
     assert_same_samples(extracted / "v1", tmp_path / "back")
@@ -125,28 +127,32 @@ def test_convert_round_trip_is_bit_exact(extracted, tmp_path, capsys):
         assert sizes == sorted(p.stat().st_size for p in formats.list_v1_files(extracted / "v1").values())
     # A kill mid-way leaves some files missing: the rerun writes only those.
     formats.speculators_hs_path(tmp_path / "spec", 4).unlink()
-    summary = convert(extracted / "v1", tmp_path / "spec", "speculators", show_progress=False)
+    summary = convert(ConvertOptions(src=extracted / "v1", out=tmp_path / "spec", layout="speculators"),
+                                     show_progress=False)
     assert summary.written == 1 and summary.already_done == 6
     assert_same_samples(extracted / "v1", tmp_path / "spec")
 
 
 def test_convert_refusals(extracted, tmp_path, tiny_target):
     with pytest.raises(FileExistsError, match="is the source"):
-        convert(extracted / "v1", extracted / "v1", "speculators", show_progress=False)
+        convert(ConvertOptions(src=extracted / "v1", out=extracted / "v1", layout="speculators"), show_progress=False)
     with pytest.raises(ValueError, match="eaglet writes"):
-        convert(extracted / "v1", tmp_path / "x", "v2", show_progress=False)
+        convert(ConvertOptions(src=extracted / "v1", out=tmp_path / "x", layout="v2"), show_progress=False)
     # A SpecForge dataset: post-norm last state, no data_config.json.
     sf = tmp_path / "sf"
     for i, s in samples(extracted / "v1").items():
         write_specforge_sample(sf, i, s.input_ids, s.loss_mask, s.last_hidden, s.aux_hidden)
     with pytest.raises(ValueError, match="speculators applies that norm itself"):
-        convert(sf, tmp_path / "x", "speculators", aux_layer_ids=LAYER_IDS[:3], show_progress=False)
+        convert(ConvertOptions(src=sf, out=tmp_path / "x", layout="speculators", aux_layer_ids=LAYER_IDS[:3]),
+                               show_progress=False)
     with pytest.raises(ValueError, match="pass --target"):
-        convert(sf, tmp_path / "x", "v1", aux_layer_ids=LAYER_IDS[:3], show_progress=False)
-    convert(sf, tmp_path / "sf_v1", "v1", target=str(tiny_target), aux_layer_ids=LAYER_IDS[:3], show_progress=False)
+        convert(ConvertOptions(src=sf, out=tmp_path / "x", layout="v1", aux_layer_ids=LAYER_IDS[:3]),
+                               show_progress=False)
+    convert(ConvertOptions(src=sf, out=tmp_path / "sf_v1", layout="v1", target=str(tiny_target),
+                           aux_layer_ids=LAYER_IDS[:3]), show_progress=False)
     cfg = json.loads((tmp_path / "sf_v1" / formats.DATA_CONFIG_FILE).read_text())
     assert cfg["last_hidden_state"] == "post_norm" and cfg["layer_ids"] == LAYER_IDS
-    report = C.check_dataset(tmp_path / "sf_v1", use_target=False)
+    report = C.check_dataset(CheckOptions(path=tmp_path / "sf_v1", use_target=False))
     assert report.clean, report.lines()
     # A gap in the indices cannot be paired row by row.
     gap = Path(shutil.copytree(extracted / "v1", tmp_path / "gap"))
@@ -155,7 +161,7 @@ def test_convert_refusals(extracted, tmp_path, tiny_target):
     cfg.pop("num_samples")
     formats.write_json_atomic(gap / formats.DATA_CONFIG_FILE, cfg)
     with pytest.raises(ValueError, match=r"no file for \[3\]"):
-        convert(gap, tmp_path / "x", "speculators", show_progress=False)
+        convert(ConvertOptions(src=gap, out=tmp_path / "x", layout="speculators"), show_progress=False)
 
 
 @pytest.fixture
@@ -180,7 +186,7 @@ def test_check_names_faults_of_the_speculators_layout(spec_copy):
     shutil.copy(formats.speculators_hs_path(ds, 0), formats.speculators_hs_path(ds, 9))  # a file without a row
     trunc = formats.speculators_hs_path(ds, 5)
     trunc.write_bytes(trunc.read_bytes()[:64])
-    report = C.check_dataset(ds, use_target=False)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert not report.clean
     kinds = {(p.kind, p.path) for p in report.problems}
     assert (C.TABLE_ROW, "hidden_states/hs_1.safetensors") in kinds
@@ -207,17 +213,17 @@ def test_a_file_loss_mask_the_table_contradicts_is_named(spec_copy):
     agrees, shifted = mask.clone(), torch.roll(mask, 1)
     formats.write_hs_safetensors_sample(spec_copy / formats.HIDDEN_STATES_DIR, 2, obj["token_ids"],
                                         obj["hidden_states"], agrees)
-    assert C.check_dataset(spec_copy, use_target=False).clean
+    assert C.check_dataset(CheckOptions(path=spec_copy, use_target=False)).clean
     formats.write_hs_safetensors_sample(spec_copy / formats.HIDDEN_STATES_DIR, 2, obj["token_ids"],
                                         obj["hidden_states"], shifted)
-    report = C.check_dataset(spec_copy, use_target=False)
+    report = C.check_dataset(CheckOptions(path=spec_copy, use_target=False))
     assert [(p.kind, p.path) for p in report.errors] == [(C.TABLE_ROW, "hidden_states/hs_2.safetensors")]
     assert "loss_mask differs from row 2's loss_mask (first difference at position" in report.errors[0].message
 
 
 def test_check_names_a_damaged_table(spec_copy):
     (spec_copy / "state.json").write_text("{not json")
-    report = C.check_dataset(spec_copy, use_target=False)
+    report = C.check_dataset(CheckOptions(path=spec_copy, use_target=False))
     assert [p.kind for p in report.problems] == [C.UNREADABLE] and "state.json" == report.problems[0].path
     assert "Arrow table" in report.problems[0].message
 
@@ -233,7 +239,7 @@ def test_the_table_is_read_from_its_own_folder_only(spec_copy, tmp_path):
     for name in (str(outside / arrow.name), f"../outside/{arrow.name}"):
         state["_data_files"][0]["filename"] = name
         (spec_copy / "state.json").write_text(json.dumps(state))
-        report = C.check_dataset(spec_copy, use_target=False)
+        report = C.check_dataset(CheckOptions(path=spec_copy, use_target=False))
         assert not report.clean and any("_data_files" in p.message for p in report.problems), report.problems
 
 

@@ -14,12 +14,14 @@ from eaglet.evaluate import evaluate
 from eaglet.extract import extract
 from eaglet.prepare import prepare
 from eaglet.training.loop import train
+from eaglet.options import (CheckOptions, ConvertOptions, EvalOptions, ExtractOptions, ImportOptions, PrepareOptions,
+                            RunOptions, TrainOptions)
 
 
 @pytest.fixture
 def outputs(tiny_target, chats_jsonl, tmp_path):
-    prepare(str(tiny_target), str(chats_jsonl), tmp_path / "prepared")
-    extract(tmp_path / "prepared", tmp_path / "data", dtype="fp32", show_progress=False)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "prepared"))
+    extract(ExtractOptions(prepared=tmp_path / "prepared", out=tmp_path / "data", dtype="fp32"), show_progress=False)
     return tmp_path
 
 
@@ -39,27 +41,28 @@ def test_a_stage_refuses_another_stages_folder_and_leaves_it_whole(outputs, tiny
     before = snapshot(victim)
     with pytest.raises(FileExistsError, match=r"holds another stage's output .*nothing was written"):
         if stage == "prepare":
-            prepare(str(tiny_target), str(chats_jsonl), victim)
+            prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=victim))
         elif stage == "extract":
-            extract(outputs / "prepared", victim, dtype="fp32", show_progress=False)
+            extract(ExtractOptions(prepared=outputs / "prepared", out=victim, dtype="fp32"), show_progress=False)
         else:
-            train(outputs / "data", victim, total_steps=1, show_progress=False)
+            train(TrainOptions(dataset_dir=outputs / "data", out_dir=victim, total_steps=1), show_progress=False)
     assert snapshot(victim) == before
 
 
 def test_an_unmarked_folder_is_known_by_its_files(outputs, tiny_target, chats_jsonl):
     (outputs / "data" / formats.OUTPUT_MARKER).unlink()  # a dataset written before markers
     with pytest.raises(FileExistsError, match=r"data_config.json, hidden_states"):
-        prepare(str(tiny_target), str(chats_jsonl), outputs / "data")
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=outputs / "data"))
 
 
 def test_an_existing_file_as_out_is_refused(outputs, tiny_target, chats_jsonl):
     afile = outputs / "afile"
     afile.write_text("mine")
-    for run in (lambda: prepare(str(tiny_target), str(chats_jsonl), afile),
-                lambda: extract(outputs / "prepared", afile, show_progress=False),
-                lambda: train(outputs / "data", afile, total_steps=1, show_progress=False),
-                lambda: evaluate(outputs / "nothing", out=afile)):
+    for run in (lambda: prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=afile)),
+                lambda: extract(ExtractOptions(prepared=outputs / "prepared", out=afile), show_progress=False),
+                lambda: train(TrainOptions(dataset_dir=outputs / "data", out_dir=afile, total_steps=1),
+                                           show_progress=False),
+                lambda: evaluate(EvalOptions(drafter_path=outputs / "nothing", out=afile))):
         with pytest.raises(FileExistsError, match=r"--out .*afile: an existing file; `eaglet \w+` writes a folder"):
             run()
     assert afile.read_text() == "mine"
@@ -70,10 +73,11 @@ def test_an_out_through_a_dangling_link_is_named_as_one(outputs, tiny_target, ch
     link = outputs / "link"
     link.symlink_to(outputs / "nowhere")
     for out in (link, link / "below"):
-        for run in (lambda: prepare(str(tiny_target), str(chats_jsonl), out),
-                    lambda: extract(outputs / "prepared", out, show_progress=False),
-                    lambda: train(outputs / "data", out, total_steps=1, show_progress=False),
-                    lambda: evaluate(outputs / "nothing", out=out),
+        for run in (lambda: prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out)),
+                    lambda: extract(ExtractOptions(prepared=outputs / "prepared", out=out), show_progress=False),
+                    lambda: train(TrainOptions(dataset_dir=outputs / "data", out_dir=out, total_steps=1),
+                                               show_progress=False),
+                    lambda: evaluate(EvalOptions(drafter_path=outputs / "nothing", out=out)),
                     lambda: formats.atomic_dir(out).__enter__()):
             with pytest.raises(FileExistsError, match=rf"{link} is a symbolic link to .*nowhere, which does not "
                                                       "exist; create what it points to, remove the link"):
@@ -91,7 +95,7 @@ def test_paths_read_from_files_stay_inside_their_folder(tmp_path, monkeypatch):
         recipe = tmp_path / "r.toml"
         recipe.write_text(f"[recipe]\n{line}\n\n[prepare]\n")
         with pytest.raises(ValueError, match=said):
-            run_recipe(recipe)
+            run_recipe(RunOptions(spec=recipe))
     assert not (tmp_path.parent.parent / "escaped").exists()
     folder = tmp_path / "drafter"
     folder.mkdir()
@@ -118,11 +122,12 @@ def test_bounds_no_run_reaches_and_contradictory_options_are_refused(outputs):
     from eaglet.recipe import apply_scale
 
     with pytest.raises(ValueError, match=r"--time-budget 1e\+30: must be in \(0, "):
-        train(outputs / "data", outputs / "run", time_budget=1e30, show_progress=False)
+        train(TrainOptions(dataset_dir=outputs / "data", out_dir=outputs / "run", time_budget=1e30),
+                           show_progress=False)
     with pytest.raises(ValueError, match=r"--scale 1e\+30: must be in \(0, "):
         apply_scale({}, 1e30)
     with pytest.raises(ValueError, match="--no-target skips them: give one"):
-        check_dataset(outputs / "data", target="some/model", use_target=False)
+        check_dataset(CheckOptions(path=outputs / "data", target="some/model", use_target=False))
 
 
 def test_extract_shards_of_another_count_exclude_each_other(outputs):
@@ -130,9 +135,11 @@ def test_extract_shards_of_another_count_exclude_each_other(outputs):
     out = outputs / "data"
     with formats.output_lock(out, "extract", lock=formats.lock_path(out, "shard-0-of-2")):
         with pytest.raises(formats.OutputBusy, match=r"--num-shards 2 is writing it now"):
-            extract(outputs / "prepared", out, dtype="fp32", num_shards=3, shard_id=1, show_progress=False)
+            extract(ExtractOptions(prepared=outputs / "prepared", out=out, dtype="fp32", num_shards=3, shard_id=1),
+                                   show_progress=False)
         # the same count (another shard of the same run) goes ahead
-        extract(outputs / "prepared", out, dtype="fp32", num_shards=2, shard_id=1, show_progress=False)
+        extract(ExtractOptions(prepared=outputs / "prepared", out=out, dtype="fp32", num_shards=2, shard_id=1),
+                               show_progress=False)
 
 
 @pytest.mark.parametrize("kind", ["dangling link", "under a file", "under /proc"])
@@ -168,7 +175,7 @@ def test_a_refused_stage_leaves_no_marker_behind(outputs, tiny_target, chats_jso
             (copied / p.name).write_bytes(p.read_bytes())
     for _ in range(2):
         with pytest.raises(FileExistsError, match="holds another stage's output"):
-            extract(outputs / "prepared", copied, show_progress=False)
+            extract(ExtractOptions(prepared=outputs / "prepared", out=copied), show_progress=False)
         assert not (copied / formats.OUTPUT_MARKER).exists()
 
 
@@ -181,7 +188,7 @@ def test_an_output_that_is_holds_or_lies_inside_an_input_is_refused(outputs, tin
     before = chats.read_bytes()
     with pytest.raises(FileExistsError, match=r"--out .*x holds --data .*prepared.jsonl: `eaglet prepare` writes a "
                                               "folder of its own"):
-        prepare(str(tiny_target), str(chats), chats.parent)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=chats.parent))
     assert chats.read_bytes() == before
 
     from eaglet.convert import convert
@@ -189,11 +196,11 @@ def test_an_output_that_is_holds_or_lies_inside_an_input_is_refused(outputs, tin
     for out, where in ((data.parent, "holds the source"), (data / "hidden_states", "is inside the source"),
                        (data, "is the source")):
         with pytest.raises(FileExistsError, match=rf"--out .* {where} "):
-            convert(data, out, layout="speculators", show_progress=False)
+            convert(ConvertOptions(src=data, out=out, layout="speculators"), show_progress=False)
     with pytest.raises(FileExistsError, match="holds --prepared"):
-        extract(outputs / "prepared", outputs, show_progress=False)
+        extract(ExtractOptions(prepared=outputs / "prepared", out=outputs), show_progress=False)
     with pytest.raises(FileExistsError, match="is inside the dataset"):
-        train(data, data / "run", total_steps=1, show_progress=False)
+        train(TrainOptions(dataset_dir=data, out_dir=data / "run", total_steps=1), show_progress=False)
 
 
 def test_extract_never_writes_through_a_link_into_another_dataset(outputs, tmp_path):
@@ -205,7 +212,7 @@ def test_extract_never_writes_through_a_link_into_another_dataset(outputs, tmp_p
     linked.mkdir()
     (linked / "hidden_states").symlink_to(victim)
     with pytest.raises(FileExistsError, match="holds sample files that no data_config.json describes"):
-        extract(outputs / "prepared", linked, show_progress=False)
+        extract(ExtractOptions(prepared=outputs / "prepared", out=linked), show_progress=False)
     assert snapshot(victim) == before
 
 
@@ -213,9 +220,9 @@ def test_an_out_under_a_file_and_a_folder_as_data_are_named(outputs, tiny_target
     afile = outputs / "afile"
     afile.write_text("mine")
     with pytest.raises(FileExistsError, match=r"--out .*afile/sub: .*afile is a file, not a folder"):
-        prepare(str(tiny_target), str(chats_jsonl), afile / "sub")
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=afile / "sub"))
     with pytest.raises(IsADirectoryError, match=r"--data .*prepared: a folder, not a chat file"):
-        prepare(str(tiny_target), str(outputs / "prepared"), outputs / "p2")
+        prepare(PrepareOptions(target=str(tiny_target), data=str(outputs / "prepared"), out=outputs / "p2"))
 
 
 def test_whole_samples_of_other_shapes_are_never_overwritten(outputs, tmp_path):
@@ -230,25 +237,27 @@ def test_whole_samples_of_other_shapes_are_never_overwritten(outputs, tmp_path):
     sample.write_bytes(formats.sample_path(tmp_path / "other", formats.V1_LAYOUT, 1).read_bytes())
     before = sample.read_bytes()
     with pytest.raises(FileExistsError, match=r"data_1.pt: a whole sample of other shapes .*another dataset's file"):
-        extract(outputs / "prepared", data, dtype="fp32", show_progress=False)
+        extract(ExtractOptions(prepared=outputs / "prepared", out=data, dtype="fp32"), show_progress=False)
     assert sample.read_bytes() == before
 
 
 def test_train_keeps_to_checkpoints_of_its_own(outputs, tmp_path):
     """--resume into a folder whose checkpoints/ links to another run's pruned that run."""
     run = tmp_path / "run"
-    train(outputs / "data", run, total_steps=1, show_progress=False)
+    train(TrainOptions(dataset_dir=outputs / "data", out_dir=run, total_steps=1), show_progress=False)
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "checkpoints").symlink_to(run / "checkpoints")
     before = snapshot(run / "checkpoints")
     with pytest.raises(FileExistsError, match="checkpoints: a symbolic link"):
-        train(outputs / "data", linked, total_steps=2, resume=True, show_progress=False)
+        train(TrainOptions(dataset_dir=outputs / "data", out_dir=linked, total_steps=2, resume=True),
+                           show_progress=False)
     copied = tmp_path / "copied"
     copied.mkdir()
     shutil.copytree(run / "checkpoints", copied / "checkpoints")
     with pytest.raises(FileExistsError, match="checkpoints without train_config.json"):
-        train(outputs / "data", copied, total_steps=2, resume=True, show_progress=False)
+        train(TrainOptions(dataset_dir=outputs / "data", out_dir=copied, total_steps=2, resume=True),
+                           show_progress=False)
     assert snapshot(run / "checkpoints") == before
 
 
@@ -258,7 +267,7 @@ def test_prepare_replaces_only_its_own_samples(outputs, tiny_target, chats_jsonl
     folder.mkdir()
     (folder / "prepared.jsonl").write_text('{"my": "notes"}\n')
     with pytest.raises(FileExistsError, match=r"prepared.jsonl: not a prepared dataset's file"):
-        prepare(str(tiny_target), str(chats_jsonl), folder)
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=folder))
     assert (folder / "prepared.jsonl").read_text() == '{"my": "notes"}\n'
 
 
@@ -268,7 +277,7 @@ def test_eval_replaces_only_its_own_drafters_results(outputs, tmp_path):
     results.mkdir()
     (results / "eval.json").write_text('{"config": {"drafter": "/elsewhere/other-run"}, "sets": {}}')
     with pytest.raises(FileExistsError, match=r"eval.json holds the results of another drafter, '/elsewhere/other-run'"):
-        evaluate(outputs / "run", out=results)
+        evaluate(EvalOptions(drafter_path=outputs / "run", out=results))
     assert "other-run" in (results / "eval.json").read_text()
 
 
@@ -292,4 +301,4 @@ def test_import_writes_apart_from_the_folder_it_reads(tmp_path):
     (tmp_path / "drafter").mkdir()
     for out, where in ((tmp_path / "drafter", "is"), (tmp_path, "holds")):
         with pytest.raises(FileExistsError, match=f"{where} the drafter folder"):
-            import_drafter(tmp_path / "drafter", out)
+            import_drafter(ImportOptions(src=tmp_path / "drafter", out=out))

@@ -24,6 +24,7 @@ from eaglet.prepare import prepare
 from eaglet.regen import conversations
 from eaglet.regen import local as regen_local
 from eaglet.regen import openai as regen_openai
+from eaglet.options import PrepareOptions, RegenOptions
 
 # ---------------------------------------------------------------------------------------------
 # Fixtures
@@ -191,9 +192,9 @@ def stand_in():
 
 
 def endpoint_regen(data: Path, out: Path, server: StandIn, **kw):
-    kw = {"base_url": server.url, "concurrency": 4, "max_retries": 3, "backoff": 0.01, "timeout": 5.0,
-          "progress_bar": False, **kw}
-    return regen.regenerate(str(data), out, backend="openai", **kw)
+    kw = {"base_url": server.url, "concurrency": 4, "max_retries": 3, "timeout": 5.0, **kw}
+    return regen.regenerate(RegenOptions(data=str(data), out=out, backend="openai", **kw), backoff=0.01,
+                            progress_bar=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,10 +236,9 @@ def test_local_greedy_batched_equals_unbatched_and_uses_regenerated_history(live
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data = chats_file(tmp_path / "chats.jsonl", 12)
-    kw = {"target": str(lively_target), "dtype": "fp32", "device": "cpu", "max_new_tokens": 12,
-          "progress_bar": False}
-    one = regen.regenerate(str(data), tmp_path / "b1.jsonl", batch_size=1, **kw)
-    many = regen.regenerate(str(data), tmp_path / "b8.jsonl", batch_size=8, **kw)
+    kw = {"target": str(lively_target), "dtype": "fp32", "device": "cpu", "max_new_tokens": 12}
+    one = regen.regenerate(RegenOptions(data=str(data), out=tmp_path / "b1.jsonl", batch_size=1, **kw))
+    many = regen.regenerate(RegenOptions(data=str(data), out=tmp_path / "b8.jsonl", batch_size=8, **kw))
     assert one.written == many.written == 12 and one.turns == many.turns == 21
     b1, b8 = read_out(tmp_path / "b1.jsonl"), read_out(tmp_path / "b8.jsonl")
     assert b1 == b8  # left padding + attention mask change nothing in greedy fp32
@@ -263,9 +263,9 @@ def test_local_greedy_batched_equals_unbatched_and_uses_regenerated_history(live
 def test_local_sampling_is_seeded(lively_target, tmp_path):
     data = chats_file(tmp_path / "chats.jsonl", 4)
     kw = {"target": str(lively_target), "dtype": "fp32", "device": "cpu", "max_new_tokens": 8, "temperature": 0.9,
-          "top_p": 0.9, "batch_size": 4, "progress_bar": False}
-    regen.regenerate(str(data), tmp_path / "s1.jsonl", seed=3, **kw)
-    regen.regenerate(str(data), tmp_path / "s2.jsonl", seed=3, **kw)
+          "top_p": 0.9, "batch_size": 4}
+    regen.regenerate(RegenOptions(data=str(data), out=tmp_path / "s1.jsonl", seed=3, **kw))
+    regen.regenerate(RegenOptions(data=str(data), out=tmp_path / "s2.jsonl", seed=3, **kw))
     assert read_out(tmp_path / "s1.jsonl") == read_out(tmp_path / "s2.jsonl")
     rec = next(iter(read_out(tmp_path / "s1.jsonl").values()))
     assert rec["regen"]["temperature"] == 0.9 and rec["regen"]["top_p"] == 0.9
@@ -275,8 +275,8 @@ def test_local_prompt_too_long(lively_target, tmp_path):
     """A first prompt over the limit fails (errors file); a later one keeps the turns before it."""
     data = chats_file(tmp_path / "chats.jsonl", 4)
     out = tmp_path / "out.jsonl"
-    s = regen.regenerate(str(data), out, str(lively_target), dtype="fp32", device="cpu", max_new_tokens=4,
-                         max_prompt_tokens=55, progress_bar=False)
+    s = regen.regenerate(RegenOptions(data=str(data), out=out, target=str(lively_target), dtype="fp32", device="cpu",
+                                      max_new_tokens=4, max_prompt_tokens=55), progress_bar=False)
     recs = read_out(out)
     errors = [json.loads(line) for line in errors_path(out).read_text().splitlines()]
     assert {e["id"] for e in errors} == {"c3"} and "tokens, more than the 55 allowed" in errors[0]["reason"]
@@ -300,8 +300,9 @@ def test_local_time_budget_stops_after_the_batch_at_hand(lively_target, tmp_path
                           lambda: batches.append(1), out_of_time=lambda: len(batches) >= 1)
     assert len(batches) == 1 and 1 <= len(written) <= 2  # only the chats of the one batch that ran
     assert all(conv.done == 1 for conv in written)
-    s = regen.regenerate(str(data), tmp_path / "out.jsonl", str(lively_target), dtype="fp32", device="cpu",
-                         max_new_tokens=4, time_budget=1e-9, progress_bar=False)
+    s = regen.regenerate(RegenOptions(data=str(data), out=tmp_path / "out.jsonl", target=str(lively_target),
+                                      dtype="fp32", device="cpu", max_new_tokens=4, time_budget=1e-9),
+                                      progress_bar=False)
     assert s.out_of_time and s.written == 0 and "stopped at --time-budget" in "\n".join(s.lines())
 
 
@@ -401,7 +402,7 @@ def test_output_reads_back_with_prepare(stand_in, tiny_target, tmp_path):
     endpoint_regen(data, out, stand_in, num_samples=4, skip=1)
     recs = read_out(out)
     assert set(recs) == {"c1", "c2", "c3", "c4"}
-    summary = prepare(str(tiny_target), str(out), tmp_path / "prepared")
+    summary = prepare(PrepareOptions(target=str(tiny_target), data=str(out), out=tmp_path / "prepared"))
     assert summary.samples == 4
     samples, _ = read_prepared(tmp_path / "prepared")
     from transformers import AutoTokenizer
@@ -504,16 +505,16 @@ def test_local_empty_answer_fails_the_chat(lively_target, tmp_path, monkeypatch)
         return [stopped if "EMPTY" in gen.tokenizer.decode(p) else t for p, t in zip(prompts, turns)]
 
     out = tmp_path / "out.jsonl"
-    kw = {"dtype": "fp32", "device": "cpu", "max_new_tokens": 4, "progress_bar": False}
+    kw = {"dtype": "fp32", "device": "cpu", "max_new_tokens": 4}
     with monkeypatch.context() as m:
         m.setattr(regen_local.LocalGenerator, "generate", generate)
-        s = regen.regenerate(str(data), out, str(lively_target), **kw)
+        s = regen.regenerate(RegenOptions(data=str(data), out=out, target=str(lively_target), **kw))
     assert set(read_out(out)) == {"c2", "c3"} and s.failed == 2 and s.cut_short == 0
     assert s.errors == {"empty answer (finish_reason stop), nothing to train on": 2}  # one kind, two turns
     errors = {e["id"]: e["reason"] for e in map(json.loads, errors_path(out).read_text().splitlines())}
     assert errors == {"c0": "turn 0: " + conversations.empty_answer(conversations.Turn("", "stop", 1)),
                       "c1": "turn 1: " + conversations.empty_answer(conversations.Turn("", "stop", 1))}
-    s2 = regen.regenerate(str(data), out, str(lively_target), resume=True, **kw)
+    s2 = regen.regenerate(RegenOptions(data=str(data), out=out, target=str(lively_target), resume=True, **kw))
     assert s2.written == 2 and set(read_out(out)) == {"c0", "c1", "c2", "c3"}
 
 
@@ -614,9 +615,8 @@ def running_commands(part: str) -> list[str]:
 
 def llama_regen(data: Path, out: Path, target: Path, **kw):
     gguf = target_gguf(out.parent / "target.gguf")  # a whole GGUF, as checked before the server starts
-    kw = {"target": str(target), "target_gguf": gguf, "concurrency": 3, "threads": 1, "max_new_tokens": 4,
-          "progress_bar": False, **kw}
-    return regen.regenerate(str(data), out, backend="llama.cpp", **kw)
+    kw = {"target": str(target), "target_gguf": gguf, "concurrency": 3, "threads": 1, "max_new_tokens": 4, **kw}
+    return regen.regenerate(RegenOptions(data=str(data), out=out, backend="llama.cpp", **kw), progress_bar=False)
 
 
 def test_llama_cpp_prompts_are_the_targets_template_with_regenerated_history(llama_stand_in, tiny_target, tmp_path):
@@ -668,7 +668,7 @@ def test_llama_cpp_prompt_too_long_fails_turn_0_and_cuts_later_turns(llama_stand
 
 def test_llama_cpp_options_belong_to_its_backend(tmp_path):
     with pytest.raises(ValueError, match="--target-gguf, --threads and --engine-f32 are the llama.cpp backend.s"):
-        regen.regenerate("x.jsonl", tmp_path / "o.jsonl", backend="local", threads=2)
+        regen.regenerate(RegenOptions(data="x.jsonl", out=tmp_path / "o.jsonl", backend="local", threads=2))
 
 
 def test_llama_cpp_kill_leaves_no_server_and_resume_loses_nothing(llama_stand_in, tiny_target, tmp_path,
@@ -712,8 +712,8 @@ def test_llama_cpp_backend_names_a_damaged_target_gguf_before_the_server_starts(
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(embedded.smollm2_gguf().read_bytes()[:4096])
     with pytest.raises(ValueError, match=r"cut\.gguf"):
-        regen.regenerate(str(chats_jsonl), tmp_path / "out.jsonl", backend="llama.cpp", target_gguf=cut,
-                         progress_bar=False)
+        regen.regenerate(RegenOptions(data=str(chats_jsonl), out=tmp_path / "out.jsonl", backend="llama.cpp",
+                                      target_gguf=cut), progress_bar=False)
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
 
 

@@ -26,6 +26,7 @@ from eaglet.formats.runs import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE
 from eaglet.training.checkpoints import RunFolderBusy, prune_checkpoints, truncate_metrics
 from eaglet.training.loop import train
 from helpers import chat_records
+from eaglet.options import CheckOptions, ConvertOptions, ExportOptions, ExtractOptions, PrepareOptions, TrainOptions
 
 QUICK = dict(total_steps=4, ttt_steps=2, eval_every=2, log_every=1, batch_size=2, eval_fraction=0.2)
 
@@ -33,8 +34,9 @@ QUICK = dict(total_steps=4, ttt_steps=2, eval_every=2, log_every=1, batch_size=2
 @pytest.fixture(scope="module")
 def data(tiny_target, tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("run_folder")
-    prepare(str(tiny_target), str(write_jsonl(work / "chats.jsonl", chat_records(12))), work / "prep", max_length=256)
-    extract(work / "prep", work / "v1", str(tiny_target), show_progress=False)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(work / "chats.jsonl", chat_records(12))),
+                           out=work / "prep", max_length=256))
+    extract(ExtractOptions(prepared=work / "prep", out=work / "v1", target=str(tiny_target)), show_progress=False)
     return work
 
 
@@ -65,12 +67,12 @@ def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(data, tmp_p
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunFolderBusy, match=rf"{run}: another `eaglet train` \(pid {holder.pid} on .*\) is "
                                                 r"writing this run folder; wait for it to end, or train into"):
-            train(data / "v1", run, show_progress=False, **QUICK)
+            train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **QUICK), show_progress=False)
         assert not (run / CHECKPOINTS_DIR).exists()  # refused before touching anything
     finally:
         holder.kill()  # SIGKILL: no cleanup code runs, the kernel drops the lock
         holder.wait()
-    summary = train(data / "v1", run, show_progress=False, **QUICK)
+    summary = train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **QUICK), show_progress=False)
     assert summary.step == 4 and pointers_name_complete_checkpoints(run)
 
 
@@ -89,17 +91,17 @@ def test_interrupt_while_saving_leaves_pointers_to_complete_checkpoints(data, tm
     monkeypatch.setattr(T, "save_checkpoint", interrupted_on_second_save)
     run = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        train(data / "v1", run, show_progress=False, **QUICK)
+        train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **QUICK), show_progress=False)
     assert calls == [2, 4] and pointers_name_complete_checkpoints(run)
     assert formats.read_json(run / CHECKPOINTS_DIR / BEST_FILE)["step"] == 2  # the new best was never saved
-    export_drafter(run, tmp_path / "export", "eagle")  # export and eval of RUN work as they are
+    export_drafter(ExportOptions(ckpt=run, out=tmp_path / "export", fmt="eagle"))  # export and eval of RUN work as they are
     monkeypatch.setattr(T, "save_checkpoint", real)
-    assert train(data / "v1", run, resume=True, show_progress=False).step == 4
+    assert train(TrainOptions(dataset_dir=data / "v1", out_dir=run, resume=True), show_progress=False).step == 4
 
 
 def test_a_pointer_to_a_missing_checkpoint_is_named(data, tmp_path, capsys):
     run = tmp_path / "run"
-    train(data / "v1", run, show_progress=False, **QUICK)
+    train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **QUICK), show_progress=False)
     best = formats.read_json(run / CHECKPOINTS_DIR / BEST_FILE)["path"]
     shutil.rmtree(run / CHECKPOINTS_DIR / best)
     assert cli_main(["export", str(run), str(tmp_path / "out"), "--format", "eagle"]) == 2
@@ -112,21 +114,22 @@ def test_resume_refuses_other_data(data, tiny_target, tmp_path):
     from eaglet.convert import convert
 
     run = tmp_path / "run"
-    train(data / "v1", run, show_progress=False, stop_after=2, **QUICK)
+    train(TrainOptions(dataset_dir=data / "v1", out_dir=run, stop_after=2, **QUICK), show_progress=False)
     other = tmp_path / "other"  # the same target, other chats
-    prepare(str(tiny_target), str(write_jsonl(tmp_path / "c.jsonl", chat_records(14)[2:])), tmp_path / "p",
-            max_length=256)
-    extract(tmp_path / "p", other, str(tiny_target), show_progress=False)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(tmp_path / "c.jsonl", chat_records(14)[2:])),
+                           out=tmp_path / "p", max_length=256))
+    extract(ExtractOptions(prepared=tmp_path / "p", out=other, target=str(tiny_target)), show_progress=False)
     v1 = formats.FORMAT_V1
     with pytest.raises(ValueError, match=rf"--resume: .*step_00000002 was trained on {data / 'v1'} \({v1} layout, 12 "
                                          rf"samples\); {other} is other data \({v1} layout, 12 samples, other samples\)"):
-        train(other, run, resume=True, show_progress=False)
-    convert(data / "v1", tmp_path / "cmp", "compact", stored_top_k=16)  # the same samples, other stored values
+        train(TrainOptions(dataset_dir=other, out_dir=run, resume=True), show_progress=False)
+    # the same samples, other stored values
+    convert(ConvertOptions(src=data / "v1", out=tmp_path / "cmp", layout="compact", stored_top_k=16))
     said = rf"is other data \({formats.FORMAT_COMPACT} layout, 12 samples\), and the run.s held-out"
     with pytest.raises(ValueError, match=said):
-        train(tmp_path / "cmp", run, resume=True, show_progress=False)
+        train(TrainOptions(dataset_dir=tmp_path / "cmp", out_dir=run, resume=True), show_progress=False)
     moved = Path(shutil.copytree(data / "v1", tmp_path / "moved"))  # a moved copy is the same data
-    assert train(moved, run, resume=True, show_progress=False).step == 4
+    assert train(TrainOptions(dataset_dir=moved, out_dir=run, resume=True), show_progress=False).step == 4
 
 
 def test_train_refuses_layer_ids_the_states_do_not_match(data, tmp_path):
@@ -137,7 +140,7 @@ def test_train_refuses_layer_ids_the_states_do_not_match(data, tmp_path):
     formats.write_json_atomic(edited / formats.DATA_CONFIG_FILE, cfg)
     with pytest.raises(ValueError, match=r"data_config.json: layer_ids \[3, 4, 5, 8\] do not match the stored states "
                                          r"\(slot 0 matches layer 2.*`eaglet check .* --target T`"):
-        train(edited, tmp_path / "run", show_progress=False, **QUICK)
+        train(TrainOptions(dataset_dir=edited, out_dir=tmp_path / "run", **QUICK), show_progress=False)
     assert not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
 
 
@@ -163,7 +166,7 @@ def test_an_evaluation_over_no_position_is_never_the_best(data, tmp_path, monkey
 
     monkeypatch.setattr(T, "evaluate", nothing_scored)
     run = tmp_path / "run"
-    summary = train(data / "v1", run, show_progress=False, **QUICK)
+    summary = train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **QUICK), show_progress=False)
     assert summary.best_step is None and not (run / CHECKPOINTS_DIR / BEST_FILE).exists()
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert "NaN" not in "".join(lines) and all(json.loads(line) for line in lines)
@@ -175,12 +178,12 @@ def test_non_finite_loss_stops_the_run(data, tmp_path, monkeypatch):
     real = T.forward_stats
     monkeypatch.setattr(T, "forward_stats", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     with pytest.raises(FloatingPointError, match=r"step 1: the loss is nan on samples \[.*\]; the weights before"):
-        train(data / "v1", tmp_path / "run", show_progress=False, **QUICK)
+        train(TrainOptions(dataset_dir=data / "v1", out_dir=tmp_path / "run", **QUICK), show_progress=False)
 
 
 def test_eval_refuses_a_target_of_other_weights(data, other_target, tmp_path, capsys):
     run = tmp_path / "run"
-    train(data / "v1", run, show_progress=False, **QUICK)
+    train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **QUICK), show_progress=False)
     args = ["eval", str(run), "--target", str(other_target), "--methods", "chain", "--prompts",
             str(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello there"}])), "--max-new-tokens", "4",
             "--dtype", "fp32", "--no-plot"]
@@ -192,26 +195,26 @@ def test_eval_refuses_a_target_of_other_weights(data, other_target, tmp_path, ca
 
 
 def test_check_names_the_other_revision_first(data, other_target):
-    report = C.check_dataset(data / "v1", target=str(other_target))
+    report = C.check_dataset(CheckOptions(path=data / "v1", target=str(other_target)))
     assert not report.clean
     first = next(p for p in report.problems if p.kind == C.LAYER_IDENTITY)
     assert first.path == formats.DATA_CONFIG_FILE and "is not the revision of the target checked against" in first.message
-    assert C.check_dataset(data / "v1").clean  # its own recorded target
+    assert C.check_dataset(CheckOptions(path=data / "v1")).clean  # its own recorded target
 
 
 def test_both_paths_of_auto_run_on_any_machine(data, tiny_target, tmp_path, monkeypatch, auto_is_bf16):
     """`auto` as on a CPU with bf16 matrix units: extraction computes in bf16, the check with the
     target (recomputing in the recorded dtype) is clean, training autocasts to bf16."""
-    extract(data / "prep", tmp_path / "bf16", str(tiny_target), show_progress=False)
+    extract(ExtractOptions(prepared=data / "prep", out=tmp_path / "bf16", target=str(tiny_target)), show_progress=False)
     assert formats.read_json(tmp_path / "bf16" / formats.DATA_CONFIG_FILE)["compute_dtype"] == "bfloat16"
-    report = C.check_dataset(tmp_path / "bf16", target=str(tiny_target))
+    report = C.check_dataset(CheckOptions(path=tmp_path / "bf16", target=str(tiny_target)))
     assert report.clean, report.lines()
-    bf16 = train(tmp_path / "bf16", tmp_path / "run", show_progress=False, **QUICK)
+    bf16 = train(TrainOptions(dataset_dir=tmp_path / "bf16", out_dir=tmp_path / "run", **QUICK), show_progress=False)
     assert formats.read_json(tmp_path / "run" / "train_config.json")["bf16"] is True
     monkeypatch.setenv("EAGLET_CPU_FAST_BF16", "0")
-    extract(data / "prep", tmp_path / "fp32", str(tiny_target), show_progress=False)
+    extract(ExtractOptions(prepared=data / "prep", out=tmp_path / "fp32", target=str(tiny_target)), show_progress=False)
     assert formats.read_json(tmp_path / "fp32" / formats.DATA_CONFIG_FILE)["compute_dtype"] == "float32"
-    fp32 = train(tmp_path / "fp32", tmp_path / "run32", show_progress=False, **QUICK)
+    fp32 = train(TrainOptions(dataset_dir=tmp_path / "fp32", out_dir=tmp_path / "run32", **QUICK), show_progress=False)
     assert formats.read_json(tmp_path / "run32" / "train_config.json")["bf16"] is False
     # Both held out the same positions; the bf16 run's held-out loss is the fp32 run's within bf16's
     # rounding (2e-4 apart here), and not bit-equal: that run computed in bf16.
@@ -247,16 +250,16 @@ def test_online_refuses_token_ids_outside_the_vocabulary(data, tmp_path):
     lines[3] = json.dumps(record)
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=rf"{path}:4.*400"):
-        train(prep, tmp_path / "run", online=True, show_progress=False, **QUICK)
+        train(TrainOptions(dataset_dir=prep, out_dir=tmp_path / "run", online=True, **QUICK), show_progress=False)
 
 
 def test_the_optimizer_is_fused_and_a_resume_keeps_it(data, tmp_path):
     """AdamW's fused kernel (one pass over every parameter); the checkpoint records it for the resume."""
     run = tmp_path / "run"
-    train(data / "v1", run, show_progress=False, stop_after=2, **QUICK)
+    train(TrainOptions(dataset_dir=data / "v1", out_dir=run, stop_after=2, **QUICK), show_progress=False)
     state = formats.torch_load_safe(run / CHECKPOINTS_DIR / "step_00000002" / "training_state.pt")
     assert state["optimizer"]["param_groups"][0]["fused"] is True
-    assert train(data / "v1", run, resume=True, show_progress=False).step == 4
+    assert train(TrainOptions(dataset_dir=data / "v1", out_dir=run, resume=True), show_progress=False).step == 4
 
 
 @pytest.mark.parametrize("change, said", [
@@ -274,12 +277,12 @@ def test_a_damaged_training_state_is_named_before_it_drives_the_loop(data, tmp_p
     import torch
 
     run = tmp_path / "run"
-    train(data / "v1", run, show_progress=False, **{**QUICK, "stop_after": 2})
+    train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **{**QUICK, "stop_after": 2}), show_progress=False)
     state_file = run / CHECKPOINTS_DIR / "step_00000002" / "training_state.pt"
     state = torch.load(state_file, weights_only=True)
     torch.save({**state, **change}, state_file)
     with pytest.raises(ValueError, match=rf"training_state.pt: damaged \(.*{said}"):
-        train(data / "v1", run, resume=True, show_progress=False, **QUICK)
+        train(TrainOptions(dataset_dir=data / "v1", out_dir=run, resume=True, **QUICK), show_progress=False)
 
 
 def test_a_pipe_where_a_side_file_should_be_is_named_not_read(tmp_path):
@@ -324,26 +327,26 @@ def test_a_damaged_or_edited_checkpoint_is_never_resumed_from_nor_exported(data,
     from eaglet.export import export_drafter
 
     run = tmp_path / "run"
-    train(data / "v1", run, show_progress=False, stop_after=2, **QUICK)
+    train(TrainOptions(dataset_dir=data / "v1", out_dir=run, stop_after=2, **QUICK), show_progress=False)
     ckpt = run / CHECKPOINTS_DIR / "step_00000002"
     weights = formats.read_safetensors(ckpt / formats.DRAFTER_WEIGHTS_FILE)
     config = formats.read_json(ckpt / formats.DRAFTER_CONFIG_FILE)
     damaged = dict(weights, d2t=weights["d2t"] + (torch.arange(weights["d2t"].numel()) % 7 == 5).long() * 7)
     save_file(damaged, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
     with pytest.raises(ValueError, match=r"model\.safetensors: field d2t disagrees with t2d at \d+ draft ids"):
-        train(data / "v1", run, resume=True, show_progress=False)
+        train(TrainOptions(dataset_dir=data / "v1", out_dir=run, resume=True), show_progress=False)
     other_embeddings = dict(weights, **{"embed_tokens.weight": torch.randn_like(weights["embed_tokens.weight"])})
     save_file(other_embeddings, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))  # sound, but not the target's
     with pytest.raises(ValueError, match=r"model\.safetensors: field embed_tokens\.weight is not the target's"):
-        train(data / "v1", run, resume=True, show_progress=False)
+        train(TrainOptions(dataset_dir=data / "v1", out_dir=run, resume=True), show_progress=False)
     save_file(weights, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
     edited = dict(config, eagle_aux_hidden_state_layer_ids=[3, 4, 5])
     formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, edited)
     with pytest.raises(ValueError, match=r"config\.json: field eagle_aux_hidden_state_layer_ids \[3, 4, 5\] is not "
                                          r"what eaglet\.draft_config implies \(\[2, 4, 5\]\); the file was edited"):
-        export_drafter(ckpt, tmp_path / "export", "speculators")
+        export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "export", fmt="speculators"))
     formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, config)
-    export_drafter(ckpt, tmp_path / "export", "speculators")
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "export", fmt="speculators"))
 
 
 def test_a_metrics_file_that_is_a_link_is_refused(tmp_path):

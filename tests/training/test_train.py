@@ -23,6 +23,7 @@ from eaglet.dataset import open_dataset
 from eaglet.training.data import BatchStream, bucketed_batches, pack, read_samples, split_indices
 from eaglet.training.loop import train
 from helpers import FAST, run_weights
+from eaglet.options import TrainOptions
 
 
 def test_split_and_batches_are_deterministic():
@@ -40,7 +41,7 @@ def test_split_and_batches_are_deterministic():
 
 def test_train_writes_metrics_and_checkpoints(dataset, tmp_path):
     run = tmp_path / "run"
-    summary = train(dataset, run, total_steps=8, show_progress=False, **FAST)
+    summary = train(TrainOptions(dataset_dir=dataset, out_dir=run, total_steps=8, **FAST), show_progress=False)
     assert summary.step == 8 and summary.best_step is not None
     records = list(iter_metrics(run))
     train_rec = [r for r in records if r["split"] == "train"]
@@ -64,14 +65,15 @@ def test_train_writes_metrics_and_checkpoints(dataset, tmp_path):
     draft = load_checkpoint(ckpt / "step_00000008")
     assert draft.config.aux_layer_ids == [2, 4, 5] and torch.equal(draft.fc.weight, w["fc.weight"])
     with pytest.raises(ValueError, match="--resume"):
-        train(dataset, run, total_steps=8, show_progress=False, **FAST)
+        train(TrainOptions(dataset_dir=dataset, out_dir=run, total_steps=8, **FAST), show_progress=False)
 
 
 def test_resume_continues_exactly(dataset, tmp_path, capsys):
     """`train --out R --resume` alone takes the run's settings; a kill's half-written checkpoint is removed."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(dataset, straight, total_steps=8, show_progress=False, **FAST)
-    first = train(dataset, resumed, total_steps=8, stop_after=4, show_progress=False, **FAST)
+    train(TrainOptions(dataset_dir=dataset, out_dir=straight, total_steps=8, **FAST), show_progress=False)
+    first = train(TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=8, stop_after=4, **FAST),
+                               show_progress=False)
     assert first.step == 4
     half_written = resumed / "checkpoints" / f".step_00000006{formats.TMP_MARK}k1ll3d"
     half_written.mkdir()
@@ -85,13 +87,14 @@ def test_resume_continues_exactly(dataset, tmp_path, capsys):
     assert cli_main(["train", str(dataset), "--out", str(resumed), "--resume", "--lr", "1e-3"]) == 2
     assert "'lr': (0.003, 0.001)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="lr"):
-        train(dataset, resumed, total_steps=8, resume=True, show_progress=False, **{**FAST, "lr": 1e-3})
+        train(TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=8, resume=True, **{**FAST, "lr": 1e-3}),
+                           show_progress=False)
 
 
 def test_refuses_bad_dataset_and_other_target(dataset, tiny_target, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="data_config.json"):
-        train(tmp_path / "empty", tmp_path / "r", show_progress=False)
+        train(TrainOptions(dataset_dir=tmp_path / "empty", out_dir=tmp_path / "r"), show_progress=False)
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in dataset.iterdir():
@@ -106,7 +109,7 @@ def test_refuses_bad_dataset_and_other_target(dataset, tiny_target, tmp_path):
             open_dataset(bad)
     formats.write_json_atomic(bad / formats.DATA_CONFIG_FILE, {**cfg, "target_revision": "0123"})
     with pytest.raises(ValueError, match="target_revision"):
-        train(bad, tmp_path / "r", target=str(tiny_target), show_progress=False)
+        train(TrainOptions(dataset_dir=bad, out_dir=tmp_path / "r", target=str(tiny_target)), show_progress=False)
 
 
 def test_dataset_the_check_rejects_is_refused_with_its_message(dataset, tmp_path):
@@ -119,7 +122,7 @@ def test_dataset_the_check_rejects_is_refused_with_its_message(dataset, tmp_path
     sample.loss_mask = torch.cat([sample.loss_mask, sample.loss_mask])  # 2T mask beside T tokens
     formats.torch_save_atomic(sample.to_dict(), path)
     with pytest.raises(ValueError, match=r"eaglet check. rejects this dataset(.|\n)*data_1.pt"):
-        train(bad, tmp_path / "r", show_progress=False)
+        train(TrainOptions(dataset_dir=bad, out_dir=tmp_path / "r"), show_progress=False)
 
 
 def test_cli_train(dataset, tmp_path, capsys):
@@ -142,8 +145,9 @@ def test_torchrun_two_processes_match_one(dataset, tmp_path):
                           "train", str(dataset), "--out", str(tmp_path / "two"), "--device", "cpu", *opts],
                          capture_output=True, text=True, env=env, timeout=120)
     assert two.returncode == 0, two.stderr[-3000:]
-    one = train(dataset, tmp_path / "one", show_progress=False, device="cpu", grad_accum=2, total_steps=4,
-                ttt_steps=2, lr=3e-3, warmup_steps=1, batch_size=2, eval_every=2, log_every=1, eval_fraction=0.1)
+    one = train(TrainOptions(dataset_dir=dataset, out_dir=tmp_path / "one", device="cpu", grad_accum=2, total_steps=4,
+                             ttt_steps=2, lr=3e-3, warmup_steps=1, batch_size=2, eval_every=2, log_every=1,
+                             eval_fraction=0.1), show_progress=False)
     assert one.step == 4
     a, b = run_weights(tmp_path / "one", 4), run_weights(tmp_path / "two", 4)
     for k in a:
@@ -262,18 +266,19 @@ def test_packed_training_resumes_exactly(dataset, tmp_path, compile):
     says they really ran compiled (inductor built a graph; a silent fall back to eager would not)."""
     opts = {**FAST, "batch_size": 1, "pack_tokens": 160, "compile": compile}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(dataset, straight, total_steps=6, show_progress=False, **opts)
+    train(TrainOptions(dataset_dir=dataset, out_dir=straight, total_steps=6, **opts), show_progress=False)
     if compile:
         eager = tmp_path / "eager"
-        train(dataset, eager, total_steps=6, show_progress=False, **{**opts, "compile": False})
+        train(TrainOptions(dataset_dir=dataset, out_dir=eager, total_steps=6, **{**opts, "compile": False}),
+                           show_progress=False)
         ran = [json.loads((run / "train_config.json").read_text()) for run in (straight, eager)]
         assert (ran[0]["compile"], ran[0]["compile_mode"]) == (True, "inductor") and ran[0]["compile_graphs"] >= 1
         assert (ran[1]["compile"], ran[1]["compile_mode"], ran[1]["compile_graphs"]) == (False, "eager", 0)
         loss = [[r["loss"][0] for r in iter_metrics(run) if r["split"] == "train"] for run in (straight, eager)]
         assert loss[0] == pytest.approx(loss[1], rel=2e-3)
         return
-    train(dataset, resumed, total_steps=6, stop_after=2, show_progress=False, **opts)
-    train(dataset, resumed, total_steps=6, resume=True, show_progress=False, **opts)
+    train(TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=6, stop_after=2, **opts), show_progress=False)
+    train(TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=6, resume=True, **opts), show_progress=False)
     a, b = run_weights(straight, 6), run_weights(resumed, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
     config = json.loads((straight / "train_config.json").read_text())
@@ -282,8 +287,8 @@ def test_packed_training_resumes_exactly(dataset, tmp_path, compile):
 
 def test_time_budget_sizes_the_schedule(dataset, tmp_path):
     run = tmp_path / "run"
-    summary = train(dataset, run, time_budget=3.0, show_progress=False, **{**FAST, "eval_every": None,
-                                                                            "save_every": None})
+    summary = train(TrainOptions(dataset_dir=dataset, out_dir=run, time_budget=3.0, **{**FAST, "eval_every": None,
+                                                                            "save_every": None}), show_progress=False)
     cfg = json.loads((run / "checkpoints" / "latest.json").read_text())
     state = torch.load(run / "checkpoints" / cfg["path"] / "training_state.pt", weights_only=True)
     assert state["plan"]["calibrated"] and state["plan"]["total_steps"] == summary.total_steps == summary.step
@@ -293,7 +298,8 @@ def test_time_budget_sizes_the_schedule(dataset, tmp_path):
     evals = [r for r in iter_metrics(run) if r["split"] == "eval"]
     assert evals and evals[-1]["step"] == summary.step and evals[-1]["train_seconds"] > 0
     with pytest.raises(ValueError, match="time-budget"):
-        train(dataset, tmp_path / "r2", time_budget=3.0, total_steps=5, show_progress=False)
+        train(TrainOptions(dataset_dir=dataset, out_dir=tmp_path / "r2", time_budget=3.0, total_steps=5),
+                           show_progress=False)
 
 
 def test_ttt_ramp_lm_head_init_and_loss_on_all(dataset, tiny_target, tmp_path):
@@ -304,8 +310,9 @@ def test_ttt_ramp_lm_head_init_and_loss_on_all(dataset, tiny_target, tmp_path):
     cfg = TrainConfig(ttt_steps=3, ttt_ramp=0.5)
     assert [cfg.ttt_steps_at(s, 12) for s in range(0, 12, 2)] == [1, 2, 3, 3, 3, 3]
     run = tmp_path / "run"
-    train(dataset, run, total_steps=6, show_progress=False, lm_head_init="target", freeze_lm_head=True,
-          loss_on="all", teacher_top_k=8, **{**FAST, "eval_every": 6, "save_every": 6})
+    train(TrainOptions(dataset_dir=dataset, out_dir=run, total_steps=6, lm_head_init="target", freeze_lm_head=True,
+                       loss_on="all", teacher_top_k=8, **{**FAST, "eval_every": 6, "save_every": 6}),
+                       show_progress=False)
     w = run_weights(run, 6)
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     ids = torch.arange(w["d2t"].shape[0]) + w["d2t"]
@@ -322,7 +329,7 @@ def test_evaluate_heldout_measures_any_drafter_on_a_datasets_split(dataset, tmp_
     from eaglet.training.heldout import evaluate_heldout
 
     run = tmp_path / "run"
-    train(dataset, run, total_steps=4, show_progress=False, **FAST)
+    train(TrainOptions(dataset_dir=dataset, out_dir=run, total_steps=4, **FAST), show_progress=False)
     last = [r for r in iter_metrics(run) if r["split"] == "eval"][-1]
     best = formats.read_json(run / "checkpoints" / "best.json")
     assert best["step"] == 4 or last["tau"] <= best["tau"]
@@ -366,7 +373,8 @@ def test_train_options_are_validated_in_one_place(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**options)
     with pytest.raises(ValueError, match=message):
-        train(tmp_path / "no-such-dataset", tmp_path / "no-such-run", show_progress=False, **options)
+        train(TrainOptions(dataset_dir=tmp_path / "no-such-dataset", out_dir=tmp_path / "no-such-run", **options),
+                           show_progress=False)
     assert not any(tmp_path.iterdir())  # refused before anything is written
 
 

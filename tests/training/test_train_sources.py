@@ -22,9 +22,10 @@ from eaglet.dataset import open_dataset
 from eaglet.formats.prepared import count_masked
 from eaglet.training.loop import train
 from helpers import FAST, chat_records, final_norm, write_foreign
+from eaglet.options import ExtractOptions, PrepareOptions, TrainOptions
 
 AUX = [2, 4, 5]  # the default aux ids of the tiny 8-layer target, which the fixture's extraction used
-RUN = dict(FAST, total_steps=4, show_progress=False)
+RUN = dict(FAST, total_steps=4)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,15 +39,17 @@ def one_thread():
 def work(tiny_target, tmp_path_factory) -> Path:
     """`prep/` (eaglet prepare) and `data/` (its fp32 v1 extraction, so online can match it closely)."""
     work = tmp_path_factory.mktemp("sources")
-    prepare(str(tiny_target), str(write_jsonl(work / "chats.jsonl", chat_records())), work / "prep", max_length=512)
-    extract(work / "prep", work / "data", str(tiny_target), dtype="fp32", store_dtype="fp32", show_progress=False)
+    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(work / "chats.jsonl", chat_records())),
+                           out=work / "prep", max_length=512))
+    extract(ExtractOptions(prepared=work / "prep", out=work / "data", target=str(tiny_target), dtype="fp32",
+                           store_dtype="fp32"), show_progress=False)
     return work
 
 
 @pytest.fixture(scope="module")
 def v1_run(work, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("v1_run") / "run"
-    train(work / "data", run, **RUN)
+    train(TrainOptions(dataset_dir=work / "data", out_dir=run, **RUN))
     return run
 
 
@@ -69,7 +72,7 @@ def test_foreign_layout_trains_exactly_like_v1(layout, work, v1_run, tiny_target
     assert (ds.lengths, ds.token_freq) == (v1.lengths, v1.token_freq)
     assert ds.last_hidden_state == ("post_norm" if layout == formats.FORMAT_SPECFORGE else "pre_norm")
     run = tmp_path / "run"
-    train(foreign, run, target=str(tiny_target), aux_layer_ids=AUX, **RUN)
+    train(TrainOptions(dataset_dir=foreign, out_dir=run, target=str(tiny_target), aux_layer_ids=AUX, **RUN))
     assert records(run) == records(v1_run)
     a, b = weights(v1_run, 4), weights(run, 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -82,7 +85,7 @@ def test_foreign_side_files_are_used_when_present(work, v1_run, tmp_path):
     foreign = write_foreign(work / "data", tmp_path / "flat", formats.FORMAT_V1_FLAT, torch.nn.Identity())
     for name in (formats.DATA_CONFIG_FILE, formats.SAMPLE_LENGTHS_FILE, formats.TOKEN_FREQ_FILE):
         shutil.copy(work / "data" / name, foreign / name)
-    train(foreign, tmp_path / "run", **RUN)
+    train(TrainOptions(dataset_dir=foreign, out_dir=tmp_path / "run", **RUN))
     assert records(tmp_path / "run") == records(v1_run)
     with pytest.raises(ValueError, match="records aux ids"):
         open_dataset(foreign, aux_layer_ids=[1, 4, 5])
@@ -93,9 +96,10 @@ def test_foreign_dataset_refusals(work, tiny_target, tmp_path):
     with pytest.raises(ValueError, match="--aux-layer-ids"):
         open_dataset(hs)
     with pytest.raises(ValueError, match="pass --target"):
-        train(hs, tmp_path / "r", aux_layer_ids=AUX, **RUN)
+        train(TrainOptions(dataset_dir=hs, out_dir=tmp_path / "r", aux_layer_ids=AUX, **RUN))
     with pytest.raises(ValueError, match="aux layer ids"):
-        train(hs, tmp_path / "r", target=str(tiny_target), aux_layer_ids=[2, 4, 8], **RUN)
+        train(TrainOptions(dataset_dir=hs, out_dir=tmp_path / "r", target=str(tiny_target), aux_layer_ids=[2, 4, 8],
+                           **RUN))
     s = formats.read_hs_safetensors_sample(hs / "hs_0.safetensors")
     formats.write_hs_safetensors_sample(hs, 0, s["token_ids"], s["hidden_states"])  # no loss_mask
     with pytest.raises(ValueError, match="hs_0.safetensors: no loss_mask"):
@@ -103,15 +107,15 @@ def test_foreign_dataset_refusals(work, tiny_target, tmp_path):
     with pytest.raises(FileNotFoundError, match="--online"):
         open_dataset(work / "prep")
     with pytest.raises(FileNotFoundError, match="without --online"):
-        train(work / "data", tmp_path / "r", online=True, show_progress=False)
+        train(TrainOptions(dataset_dir=work / "data", out_dir=tmp_path / "r", online=True), show_progress=False)
 
 
 @pytest.mark.parametrize("max_length", [None, 40])  # online truncates before the target runs, offline after
 def test_online_matches_offline(work, tmp_path, max_length):
     """The target run in the loop gives the hidden states extraction stored: same losses and metrics."""
     opts = dict(RUN, total_steps=2, eval_every=1, log_every=1, max_length=max_length)
-    train(work / "data", tmp_path / "off", **opts)
-    train(work / "prep", tmp_path / "on", online=True, target_dtype="fp32", **opts)
+    train(TrainOptions(dataset_dir=work / "data", out_dir=tmp_path / "off", **opts))
+    train(TrainOptions(dataset_dir=work / "prep", out_dir=tmp_path / "on", online=True, target_dtype="fp32", **opts))
     off, on = records(tmp_path / "off"), records(tmp_path / "on")
     assert [(r["step"], r["split"]) for r in off] == [(r["step"], r["split"]) for r in on] == \
         [(1, "train"), (1, "eval"), (2, "train"), (2, "eval")]
@@ -126,14 +130,14 @@ def test_online_matches_offline(work, tmp_path, max_length):
 def test_online_resume_continues_exactly(work, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     opts = dict(RUN, online=True, target_dtype="fp32", eval_every=2, save_every=2)  # stop_after=2 evaluates at 2
-    train(work / "prep", straight, **opts)
-    assert train(work / "prep", resumed, stop_after=2, **opts).step == 2
-    train(work / "prep", resumed, resume=True, **opts)
+    train(TrainOptions(dataset_dir=work / "prep", out_dir=straight, **opts))
+    assert train(TrainOptions(dataset_dir=work / "prep", out_dir=resumed, stop_after=2, **opts)).step == 2
+    train(TrainOptions(dataset_dir=work / "prep", out_dir=resumed, resume=True, **opts))
     a, b = weights(straight, 4), weights(resumed, 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["step"] for r in iter_metrics(resumed)] == [r["step"] for r in iter_metrics(straight)]
     with pytest.raises(ValueError, match="aux_layer_ids"):  # other captured layers: another trajectory
-        train(work / "prep", resumed, resume=True, aux_layer_ids=[1, 3, 5], **opts)
+        train(TrainOptions(dataset_dir=work / "prep", out_dir=resumed, resume=True, aux_layer_ids=[1, 3, 5], **opts))
 
 
 def test_cli_train_online(work, tmp_path, capsys):
@@ -164,7 +168,7 @@ def test_online_refuses_a_prepared_folder_its_side_files_contradict(work, tmp_pa
     prep = Path(shutil.copytree(work / "prep", tmp_path / "prep"))
     formats.write_token_freq(prep / formats.TOKEN_FREQ_FILE, {7: 10 ** 9})
     with pytest.raises(ValueError, match=r"token_freq.pt counts token \d+ .* times, the samples' masks \d+"):
-        train(prep, tmp_path / "run", online=True, total_steps=1, show_progress=False)
+        train(TrainOptions(dataset_dir=prep, out_dir=tmp_path / "run", online=True, total_steps=1), show_progress=False)
 
 
 def test_online_refuses_a_loss_mask_the_chat_template_does_not_imply(work, tmp_path):
@@ -182,4 +186,4 @@ def test_online_refuses_a_loss_mask_the_chat_template_does_not_imply(work, tmp_p
     with pytest.raises(ValueError, match=rf"prepared.jsonl sample '{lines[1]['id']}': loss_mask: masked run at "
                                          r"tokens \d+\.\.\d+ does not start after the generation prompt; prepare the "
                                          "data again"):
-        train(prep, tmp_path / "run", online=True, total_steps=1, show_progress=False)
+        train(TrainOptions(dataset_dir=prep, out_dir=tmp_path / "run", online=True, total_steps=1), show_progress=False)

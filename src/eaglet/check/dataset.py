@@ -33,7 +33,7 @@ from eaglet.check.report import (BROKEN_LINK, DATA_CONFIG, DUPLICATE_INDEX, ERRO
 from eaglet.chat import special_token_ids
 from eaglet.formats import fmt_rows
 from eaglet.heads import TargetHeads
-from eaglet.options import DECLARED, takes_options
+from eaglet.options import CheckOptions
 from eaglet.placement import Placement, placement_from_options
 
 # A file whose median row RMS in a slot is this far from the dataset's median for that slot is
@@ -470,21 +470,20 @@ def dataset_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.Dat
     return out + rms_outlier_problems(results) + slot_order_problems(results, slot_names(cfg))
 
 
-@takes_options("check")
-def check_dataset(path: str | os.PathLike = DECLARED, target: str | None = DECLARED, use_target: bool = DECLARED,
-                  identity_samples: int = DECLARED, workers: int | None = DECLARED, device_map: str | None = DECLARED,
-                  max_memory: str | None = DECLARED, offload_folder: str | None = DECLARED) -> CheckReport:
+def check_dataset(options: CheckOptions) -> CheckReport:
     """Check every file of the hidden-state dataset at `path`; with a target (`target`, else
     data_config's `target_path`, placed by `device_map` when given), also layer identity and
     mask-vs-template on sampled files."""
+    target, use_target, identity_samples, workers = (options.target, options.use_target, options.identity_samples,
+                                                     options.workers)
     ranges.at_least(0, identity_samples=identity_samples)
     ranges.at_least(1, workers=workers)
-    placed = placement_from_options(device_map, max_memory, offload_folder)
+    placed = placement_from_options(options.device_map, options.max_memory, options.offload_folder)
     if target is not None and not use_target:
         raise ValueError(f"--target {target} asks for the checks with the target, and --no-target skips them: give one")
     if placed is not None and not use_target:
-        raise ValueError(f"--device-map {device_map} places the target, and --no-target skips it: give one")
-    root = Path(path)
+        raise ValueError(f"--device-map {options.device_map} places the target, and --no-target skips it: give one")
+    root = Path(options.path)
     report = CheckReport(str(root))
     if not root.is_dir():
         report.problems.append(Problem(NO_FILES, str(root), "not a folder"))

@@ -12,7 +12,7 @@ import torch
 from eaglet import families, layers, options
 
 DEFAULT_DRAFT_VOCAB = 8192  # bench/train_efficiency.py: 8k beat 16k and 32k at equal time on a CPU
-DEFAULT_TTT_STEPS: int = options.declared_default("train", "ttt_steps")  # the train option's, declared once
+DEFAULT_TTT_STEPS: int = options.TrainSettings.ttt_steps  # the train option's, declared once
 
 
 # An MLA target's drafter attention may be this much wider than the hidden size (heads x head_dim).

@@ -7,7 +7,7 @@ plain greedy, eaglet's engine with the drafter or prompt lookup, Hugging Face ge
 figures, the table, eval.json and eval.png (`report`); `settings` is how every method decodes,
 `tuning` the dtype and threads each runs at (its fastest on this machine, measured).
 
-Entry point: `evaluate(drafter_path, ..., **decode_options) -> EvalResult`.
+Entry point: `evaluate(EvalOptions(drafter_path=..., ...)) -> EvalResult`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from eaglet.evaluate.settings import DecodeSettings
 from eaglet.evaluate.tuning import AUTO, Config
 from eaglet.evaluate import tuning
 from eaglet.decode import measure_drafter_pass, measure_pass_costs, target_runner
-from eaglet.options import (BASELINE, DECLARED, DRAFTER_METHODS, LLAMA_CPP_METHODS, LOOKUP_METHODS, OUTSIDE_METHODS,
-                            OWN_COUNTERPART, takes_options)
+from eaglet.options import (BASELINE, DRAFTER_METHODS, LLAMA_CPP_METHODS, LOOKUP_METHODS, OUTSIDE_METHODS,
+                            OWN_COUNTERPART, EvalOptions)
 from eaglet.placement import Placement, placement_from_options
 from eaglet.prompts import Prompt, load_prompt_set
 from eaglet.target import (TargetRef, cpu_description, decoder_layers, dtype_name, input_device, load_target,
@@ -55,19 +55,9 @@ __all__ = ["evaluate", "EvalResult", "DecodeSettings", "MethodTotals", "Run", "F
            "load_prompt_set"]
 
 
-@takes_options("eval")
-def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_sets: Sequence[str] = DECLARED,
-             num_prompts: int | None = DECLARED, methods: Sequence[str] = DECLARED, dtype: str = DECLARED,
-             device: str | None = DECLARED, threads: int | str | None = DECLARED, out: str | Path | None = DECLARED,
-             plot: bool = DECLARED, progress: bool = True, other_target: bool = DECLARED,
-             device_map: str | None = DECLARED, max_memory: str | None = DECLARED,
-             offload_folder: str | None = DECLARED, target_gguf: str | Path | None = DECLARED,
-             engine_f32: bool = DECLARED, tensor_parallel_size: int = DECLARED, pipeline_parallel_size: int = DECLARED,
-             max_model_len: int | None = DECLARED, gpu_memory_utilization: float | None = DECLARED,
-             vllm_kv_cache_gib: float = DECLARED, vllm_args: str | None = DECLARED,
-             **decode_options: Any) -> EvalResult:
+def evaluate(options: EvalOptions, progress: bool = True) -> EvalResult:
     """Decode every prompt of every set with plain greedy and each method; sums, table, JSON, plot.
-    `decode_options`: how every method decodes, the fields of `DecodeSettings` (max_new_tokens,
+    How every method decodes is `options`' part that `DecodeSettings` checks (max_new_tokens,
     preset, depth, chain_depth, ...). A target whose revision is not the one the drafter records is
     refused unless `other_target`. With `device_map` the target spans devices and the drafter runs
     where its inputs go. llama.cpp's methods run llama-server on `target_gguf` (default: the
@@ -75,26 +65,28 @@ def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_set
     vLLM's engine on the target with the vLLM options (`eaglet.vllm_engine.engine_options_from`).
     `dtype` and `threads` "auto": each method at its fastest configuration on this machine (`tuning`;
     vLLM: `auto` is bf16 where fast, and its engines use every core)."""
+    drafter_path, target, dtype, device, threads, out = (options.drafter_path, options.target, options.dtype,
+                                                         options.device, options.threads, options.out)
+    num_prompts, device_map = options.num_prompts, options.device_map
     ranges.at_least(1, num_prompts=num_prompts, threads=None if threads == AUTO else threads)
     if out is not None:
         formats.claim_output(out, "eval")  # not a file, nor another stage's folder: refused before any work
         refuse_other_results(Path(out), drafter_path)
-    placed = placement_from_options(device_map, max_memory, offload_folder, device)
-    vllm_options = engine_options_from(tensor_parallel_size, pipeline_parallel_size, max_model_len,
-                                       gpu_memory_utilization, vllm_kv_cache_gib, vllm_args,
-                                       threads=None if threads == AUTO else threads)
-    methods = with_implied_methods(methods)
-    settings = DecodeSettings(**decode_options)  # checked before anything loads
-    sets = prompt_sets_by_name(prompt_sets, num_prompts)  # read and checked before any model loads
+    placed = placement_from_options(device_map, options.max_memory, options.offload_folder, device)
+    vllm_options = engine_options_from(options, threads=None if threads == AUTO else threads)
+    methods = with_implied_methods(options.methods)
+    settings = DecodeSettings(**options.decode_settings())  # checked before anything loads
+    sets = prompt_sets_by_name(options.prompt_sets, num_prompts)  # read and checked before any model loads
     configs = tuning.candidates(dtype, threads, pick_device(device).type if placed is None else "placed")
     with torch_threads(configs[0].threads if len(configs) == 1 else None):
-        loaded = {c.dtype: load_models(drafter_path, target, methods, c.dtype, device, placed, other_target)
+        loaded = {c.dtype: load_models(drafter_path, target, methods, c.dtype, device, placed, options.other_target)
                   for c in configs}
         models = next(iter(loaded.values()))
         settings = replace(settings, eos_ids=tuple(sorted(stop_token_ids(models.target, models.tokenizer))))
         vllm_options = replace(vllm_options, dtype=dtype_name(parse_dtype(dtype, "cpu" if placed else device)),
                                max_model_len=vllm_options.max_model_len or max_positions(models.target))
-        with outside_engines(methods, drafter_path, models, target_gguf, out, settings, engine_f32, vllm_options,
+        with outside_engines(methods, drafter_path, models, options.target_gguf, out, settings, options.engine_f32,
+                             vllm_options,
                              first_prompt_ids(models.tokenizer, sets)) as (runners, engines):
             variants, lanes, tuned = tuned_lanes(variants_for(methods, settings), configs, loaded)
             tuned["costs"] = pass_costs_record(lanes[BASELINE], variants)
@@ -102,12 +94,13 @@ def evaluate(drafter_path: str | Path, target: str | None = DECLARED, prompt_set
                     lanes=lanes)
             results, records = measure(sets, variants, models, runners, engines, progress, lanes)
         skipped = warn_skipped(records, max_positions(models.target))
-        config = run_config(drafter_path, models, dtype, device_map, prompt_sets, num_prompts, methods, variants,
+        config = run_config(drafter_path, models, dtype, device_map, options.prompt_sets, num_prompts, methods, variants,
                             skipped, engines, tuned)
     result = EvalResult(config, results, records)
     if out is not None:
-        result.save(Path(out), plot, title=f"drafter {drafter_path} | target {Path(models.ref.name).name} | {dtype}, "
-                                           f"{settings.max_new_tokens} new tokens, T={settings.temperature:g}")
+        result.save(Path(out), options.plot,
+                    title=f"drafter {drafter_path} | target {Path(models.ref.name).name} | {dtype}, "
+                          f"{settings.max_new_tokens} new tokens, T={settings.temperature:g}")
     return result
 
 

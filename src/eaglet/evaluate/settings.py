@@ -1,9 +1,9 @@
 """How `eaglet eval` decodes: the decode options every method runs with (`DecodeSettings`).
 
-Each field's default is the option's declared one (eaglet.options); the draft shapes and the
-probability floor left unset are the device preset's (presets.toml). `evaluate` builds one from
-its keyword options, so the command line, a recipe's [eval] and Python callers split them the
-same way.
+The fields and their defaults are declared once, in eaglet.options (`DecodeOptions`); the draft
+shapes and the probability floor left unset are the device preset's (presets.toml). `evaluate`
+builds one from its options, so the command line, a recipe's [eval] and Python callers split
+them the same way.
 """
 
 from __future__ import annotations
@@ -12,32 +12,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglet import ranges
-from eaglet.options import ADMISSIONS, HYBRID_DRAFTS, PRESETS, declared
+from eaglet.options import ADMISSIONS, HYBRID_DRAFTS, PRESETS, DecodeOptions
 
 
-@dataclass
-class DecodeSettings:
-    max_new_tokens: int = declared("eval", "max_new_tokens")
-    # The four shapes below and min_draft_prob given as None are the preset's: typed as what they
-    # are once made (__post_init__ fills them in)
-    preset: str = declared("eval", "preset")
-    depth: int = declared("eval", "depth")
-    top_k: int = declared("eval", "top_k")
-    total_tokens: int = declared("eval", "total_tokens")
-    chain_depth: int = declared("eval", "chain_depth")
-    min_draft_prob: float = declared("eval", "min_draft_prob")
-    temperature: float = declared("eval", "temperature")
-    top_p: float = declared("eval", "top_p")
-    seed: int = declared("eval", "seed")
-    # hybrid / ngram: the tokens prompt lookup adds to a cycle's tree and the n-gram sizes looked up
-    lookup_tokens: int = declared("eval", "lookup_tokens")
-    max_ngram: int = declared("eval", "max_ngram")
-    hybrid_draft: str = declared("eval", "hybrid_draft")  # the drafter's part of a hybrid cycle: a chain or a tree
-    hybrid_chain_depth: int = declared("eval", "hybrid_chain_depth")  # ... that chain's depth
-    drop_rivals: bool = declared("eval", "drop_rivals")  # hybrid: leave out drafted rivals of a trusted lookup token
-    # hybrid / ngram: "cost" verifies a node only where its calibrated acceptance pays for the longer
-    # pass (pass times measured on this machine before decoding); "all" verifies every proposed node
-    admission: str = declared("eval", "admission")
+@dataclass(frozen=True, kw_only=True)
+class DecodeSettings(DecodeOptions):
+    """The decode options checked, the preset's values filled in where left None."""
+
+    # the preset's where given as None (__post_init__ fills them in): typed as what they are once made
+    depth: int = None  # type: ignore[assignment]
+    top_k: int = None  # type: ignore[assignment]
+    total_tokens: int = None  # type: ignore[assignment]
+    chain_depth: int = None  # type: ignore[assignment]
+    min_draft_prob: float = None  # type: ignore[assignment]
     eos_ids: tuple[int, ...] = ()  # the target's stop tokens (filled in by evaluate)
     pass_costs: tuple[float, ...] = ()  # seconds of a target pass over 1, 2, ... tokens (methods.with_pass_costs)
 
@@ -46,7 +33,7 @@ class DecodeSettings:
             raise ValueError(f"--preset {self.preset!r}: choose one of {', '.join(PRESETS)} (presets.toml)")
         for key, value in PRESETS[self.preset]["eval"].items():
             if getattr(self, key) is None:
-                setattr(self, key, value)
+                object.__setattr__(self, key, value)  # frozen: filled once, while it is made
         ranges.at_least(1, max_new_tokens=self.max_new_tokens, depth=self.depth, top_k=self.top_k,
                         total_tokens=self.total_tokens, chain_depth=self.chain_depth,
                         lookup_tokens=self.lookup_tokens, max_ngram=self.max_ngram,

@@ -22,7 +22,6 @@ a run in which every chat fails (and OUT holds none from earlier runs) ends with
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from tqdm import tqdm
 
 from eaglet import formats, ranges
 from eaglet.formats import RegenWriter, errors_path, open_output
-from eaglet.options import DECLARED, REGEN_BACKENDS, takes_options
+from eaglet.options import REGEN_BACKENDS, RegenOptions
 from eaglet.placement import placement_from_options
 from eaglet.regen.backend import Backend, Settings
 from eaglet.regen.conversations import AllChatsFailed, RegenError, iter_conversations
@@ -51,34 +50,34 @@ BACKENDS: dict[str, Callable[[Settings], Backend]] = {
 assert tuple(BACKENDS) == REGEN_BACKENDS, "a backend declared in eaglet.options without an implementation here"
 
 
-def check_options(backend: str, s: Settings, skip: int, num_samples: int | None, max_turns: int | None,
-                  time_budget: float | None, device_map: str | None) -> None:
+def check_options(s: Settings) -> None:
     """Every option in range and meant for this backend, before anything is read or loaded."""
-    if backend not in BACKENDS:
-        raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if s.placed is not None and backend != "local":
-        raise ValueError(f"--device-map {device_map}: places the target of --backend local; the {backend} "
+    o = s.options
+    if o.backend not in BACKENDS:
+        raise ValueError(f"--backend {o.backend!r}: choose one of {', '.join(BACKENDS)}")
+    if s.placed is not None and o.backend != "local":
+        raise ValueError(f"--device-map {o.device_map}: places the target of --backend local; the {o.backend} "
                          "endpoint's server places its own")
-    ranges.at_least(0, temperature=s.temperature, skip=skip, max_retries=s.max_retries)
-    ranges.within(0, 1, low_open=True, top_p=s.top_p)
-    ranges.seeds(seed=s.seed)
-    ranges.at_least(1, max_new_tokens=s.max_new_tokens, batch_size=s.batch_size, concurrency=s.concurrency,
-                    num_samples=num_samples, max_prompt_tokens=s.max_prompt_tokens, max_turns=max_turns,
-                    threads=s.threads)
-    ranges.within(1, ranges.MAX_NEW_TOKENS, "more than any model's positions", max_new_tokens=s.max_new_tokens)
-    if backend != "llama.cpp" and (s.target_gguf is not None or s.threads is not None or s.engine_f32):
+    ranges.at_least(0, temperature=o.temperature, skip=o.skip, max_retries=o.max_retries)
+    ranges.within(0, 1, low_open=True, top_p=o.top_p)
+    ranges.seeds(seed=o.seed)
+    ranges.at_least(1, max_new_tokens=o.max_new_tokens, batch_size=o.batch_size, concurrency=o.concurrency,
+                    num_samples=o.num_samples, max_prompt_tokens=o.max_prompt_tokens, max_turns=o.max_turns,
+                    threads=o.threads)
+    ranges.within(1, ranges.MAX_NEW_TOKENS, "more than any model's positions", max_new_tokens=o.max_new_tokens)
+    if o.backend != "llama.cpp" and (o.target_gguf is not None or o.threads is not None or o.engine_f32):
         raise ValueError(f"--target-gguf, --threads and --engine-f32 are the llama.cpp backend's (this is --backend "
-                         f"{backend})")
-    ranges.above(0, timeout=s.timeout)
-    ranges.seconds(time_budget=time_budget)
+                         f"{o.backend})")
+    ranges.above(0, timeout=o.timeout)
+    ranges.seconds(time_budget=o.time_budget)
 
 
 def record_meta(backend: str, s: Settings, own: dict[str, Any]) -> dict[str, Any]:
     """What every output line records about how its answers were made: the target first, then
     the sampling, then the backend's own (the key order lines have always had)."""
     target: dict[str, Any] = {key: own[key] for key in ("target", "target_revision") if key in own}
-    return {**target, "backend": backend, "temperature": s.temperature, "top_p": s.top_p,
-            "max_new_tokens": s.max_new_tokens, **own}
+    return {**target, "backend": backend, "temperature": s.options.temperature, "top_p": s.options.top_p,
+            "max_new_tokens": s.options.max_new_tokens, **own}
 
 
 def progress_bar_for(num_samples: int | None, done: set[str], enabled: bool) -> tqdm:
@@ -95,51 +94,32 @@ def refuse_all_failed(summary: RegenSummary, done: set[str]) -> None:
                              "--resume to retry them")
 
 
-@takes_options("regen")
-def regenerate(data: str = DECLARED, out: str | os.PathLike = DECLARED, target: str | None = DECLARED,
-               backend: str = DECLARED, *, base_url: str | None = DECLARED, model: str | None = DECLARED,
-               api_key: str | None = DECLARED, temperature: float = DECLARED, top_p: float = DECLARED,
-               max_new_tokens: int = DECLARED, batch_size: int = DECLARED, concurrency: int = DECLARED,
-               max_retries: int = DECLARED, timeout: float = DECLARED, backoff: float = 1.0,
-               resume: bool = DECLARED, num_samples: int | None = DECLARED, skip: int = DECLARED,
-               dtype: str = DECLARED, device: str | None = DECLARED, seed: int = DECLARED,
-               max_prompt_tokens: int | None = DECLARED, max_turns: int | None = DECLARED,
-               time_budget: float | None = DECLARED, device_map: str | None = DECLARED,
-               max_memory: str | None = DECLARED, offload_folder: str | None = DECLARED,
-               target_gguf: str | os.PathLike | None = DECLARED, threads: int | None = DECLARED,
-               engine_f32: bool = DECLARED, tensor_parallel_size: int = DECLARED,
-               pipeline_parallel_size: int = DECLARED, max_model_len: int | None = DECLARED,
-               gpu_memory_utilization: float | None = DECLARED, vllm_kv_cache_gib: float = DECLARED,
-               vllm_args: str | None = DECLARED, progress_bar: bool = True) -> RegenSummary:
+def regenerate(options: RegenOptions, backoff: float = 1.0, progress_bar: bool = True) -> RegenSummary:
     """Regenerate every assistant turn of the chats in `data` with the target; write `out` (JSONL).
     With `time_budget` (seconds) no new chat starts after that long. The local backend places the
     target with `device_map` (`eaglet.placement`) or on `device`; the llama.cpp backend runs
     llama-server on `target_gguf` with `concurrency` slots and `threads` threads; the vllm backend
     vLLM's offline engine with the vLLM options, `batch_size` prompts a call."""
-    out = Path(out)
-    placed = placement_from_options(device_map, max_memory, offload_folder, device)
-    settings = Settings(out, target, temperature, top_p, max_new_tokens, max_prompt_tokens, seed, concurrency,
-                        batch_size, dtype, device, placed, base_url, model, api_key, max_retries, timeout, backoff,
-                        None if target_gguf is None else str(target_gguf), threads, engine_f32,
-                        engine_options_from(tensor_parallel_size, pipeline_parallel_size, max_model_len,
-                                            gpu_memory_utilization, vllm_kv_cache_gib, vllm_args)
-                        if backend == "vllm" else None)
-    check_options(backend, settings, skip, num_samples, max_turns, time_budget, device_map)
+    o = options
+    out = Path(o.out)
+    placed = placement_from_options(o.device_map, o.max_memory, o.offload_folder, o.device)
+    settings = Settings(o, out, placed, engine_options_from(o) if o.backend == "vllm" else None, backoff)
+    check_options(settings)
     with formats.output_lock(out, "regen"):  # one writer per output: two resumes would write each chat twice
         formats.claim_errors_report(out)
-        done = open_output(out, resume)
-        answerer = BACKENDS[backend](settings)
-        meta = record_meta(backend, settings, answerer.meta)
+        done = open_output(out, o.resume)
+        answerer = BACKENDS[o.backend](settings)
+        meta = record_meta(o.backend, settings, answerer.meta)
         if done:
             formats.refuse_mixed_regen(out, meta)
         summary = RegenSummary(out, errors_path(out))
-        selected = iter_conversations(data, summary.stats, num_samples, skip, max_turns)
-        bar = progress_bar_for(num_samples, done, progress_bar)
+        selected = iter_conversations(o.data, summary.stats, o.num_samples, o.skip, o.max_turns)
+        bar = progress_bar_for(o.num_samples, done, progress_bar)
         errors_file = open(summary.errors_file, "w", encoding="utf-8")  # a report of this run; resume retries them
         run = None
         try:
             with contextlib.ExitStack() as resources, RegenWriter(out) as writer:
-                run = Run(summary, writer, errors_file, meta, bar, time_budget)
+                run = Run(summary, writer, errors_file, meta, bar, o.time_budget)
                 answerer.run(run.todo(selected, done), run, resources)
         finally:
             errors_file.close()

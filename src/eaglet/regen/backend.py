@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from eaglet.options import RegenOptions
 from eaglet.placement import Placement
 from eaglet.regen.conversations import Conversation
 from eaglet.regen.run import Run
@@ -16,30 +17,14 @@ from eaglet.vllm_engine import EngineOptions
 
 @dataclass(frozen=True)
 class Settings:
-    """How answers are made: the regen options a backend reads (each backend its own part)."""
+    """How answers are made: the regen options (each backend reads its own part) and what is made
+    of them before any backend opens."""
 
+    options: RegenOptions
     out: Path  # the output file (a server's logs go beside it)
-    target: str | None
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    max_prompt_tokens: int | None
-    seed: int
-    concurrency: int  # openai: conversations in flight; llama.cpp: the server's slots
-    batch_size: int  # local
-    dtype: str  # local
-    device: str | None  # local
     placed: Placement | None  # local: the target across devices
-    base_url: str | None  # openai
-    model: str | None  # openai
-    api_key: str | None  # openai
-    max_retries: int  # openai
-    timeout: float  # openai
-    backoff: float  # openai
-    target_gguf: str | None  # llama.cpp
-    threads: int | None  # llama.cpp
-    engine_f32: bool  # llama.cpp
-    vllm: EngineOptions | None = None  # vllm: the engine's options (parallelism, memory, any vllm.LLM keyword)
+    vllm: EngineOptions | None  # vllm: the engine's options (parallelism, memory, any vllm.LLM keyword)
+    backoff: float = 1.0  # openai: seconds before the first retry, doubled each time
 
 
 class Backend(Protocol):

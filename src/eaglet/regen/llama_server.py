@@ -107,26 +107,28 @@ class LlamaCppBackend:
 
     @classmethod
     def open(cls, s: Settings) -> LlamaCppBackend:
-        ref = resolve_target(s.target)
+        ref = resolve_target(s.options.target)
         tokenizer = load_chat_tokenizer(ref)
-        gguf = find_target_gguf(s.target_gguf, ref.name, "the llama.cpp backend runs the target's GGUF")
-        gguf = f32_target_gguf(gguf) if s.engine_f32 else gguf
-        max_prompt_tokens = prompt_limit(config_positions(text_config(ref)), s.max_prompt_tokens, s.max_new_tokens)
+        gguf = find_target_gguf(s.options.target_gguf, ref.name, "the llama.cpp backend runs the target's GGUF")
+        gguf = f32_target_gguf(gguf) if s.options.engine_f32 else gguf
+        max_prompt_tokens = prompt_limit(config_positions(text_config(ref)), s.options.max_prompt_tokens,
+                                         s.options.max_new_tokens)
         meta = {"target": ref.name, "target_revision": ref.revision, "gguf": gguf.name,
-                "server": llama_cpp.server_version(), **({"seed": s.seed} if s.temperature > 0 else {})}
+                "server": llama_cpp.server_version(), **({"seed": s.options.seed} if s.options.temperature > 0 else {})}
         return cls(gguf, tokenizer, end_of_turn_ids(tokenizer, target_generation(ref)), max_prompt_tokens, s, meta)
 
     def server_options(self) -> dict[str, Any]:
         # a context for the longest prompt and its answer in every slot (llama-server splits it among slots)
-        return {"threads": self.settings.threads or os.cpu_count() or 1, "parallel": self.settings.concurrency,
-                "ctx_size": (self.max_prompt_tokens or UNNAMED_CONTEXT) + self.settings.max_new_tokens}
+        o = self.settings.options
+        return {"threads": o.threads or os.cpu_count() or 1, "parallel": o.concurrency,
+                "ctx_size": (self.max_prompt_tokens or UNNAMED_CONTEXT) + o.max_new_tokens}
 
     def run(self, convs: Iterator[Conversation], run: Run, resources: contextlib.ExitStack) -> None:
         s = self.settings
         server = resources.enter_context(llama_cpp.llama_server(
             self.gguf, log_dir=s.out.with_name(s.out.name + ".llama-server"), **self.server_options()))
-        turns = LlamaCppTurns(server, self.tokenizer, self.stop_ids, s.max_new_tokens, self.max_prompt_tokens,
-                              s.temperature, s.top_p, s.seed)
+        turns = LlamaCppTurns(server, self.tokenizer, self.stop_ids, s.options.max_new_tokens, self.max_prompt_tokens,
+                              s.options.temperature, s.options.top_p, s.options.seed)
         run.restart_clock()  # the server's start-up is not regeneration time
-        run_parallel(convs, lambda conv: turns.regen(conv, run.progress), s.concurrency, run.emit, run.fail,
+        run_parallel(convs, lambda conv: turns.regen(conv, run.progress), s.options.concurrency, run.emit, run.fail,
                      run.tick)

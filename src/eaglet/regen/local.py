@@ -148,16 +148,16 @@ class LocalBackend:
 
     @classmethod
     def open(cls, s: Settings) -> LocalBackend:
-        ref = resolve_target(s.target)
+        ref = resolve_target(s.options.target)
         tokenizer = load_chat_tokenizer(ref)
-        torch.manual_seed(s.seed)
-        dev = pick_device(s.device)
-        dtype = parse_dtype(s.dtype, dev)
-        gen = LocalGenerator(load_target(ref, dtype, dev, s.placed), tokenizer, s.temperature, s.top_p,
-                             s.max_new_tokens)
+        torch.manual_seed(s.options.seed)
+        dev = pick_device(s.options.device)
+        dtype = parse_dtype(s.options.dtype, dev)
+        gen = LocalGenerator(load_target(ref, dtype, dev, s.placed), tokenizer, s.options.temperature, s.options.top_p,
+                             s.options.max_new_tokens)
         meta = {"target": ref.name, "target_revision": ref.revision, "dtype": dtype_name(dtype),
-                **({"seed": s.seed} if s.temperature > 0 else {})}
-        return cls(gen, s.batch_size, s.max_prompt_tokens or gen.max_prompt_tokens, meta)
+                **({"seed": s.options.seed} if s.options.temperature > 0 else {})}
+        return cls(gen, s.options.batch_size, s.options.max_prompt_tokens or gen.max_prompt_tokens, meta)
 
     def run(self, convs: Iterator[Conversation], run: Run, resources: contextlib.ExitStack) -> None:
         run_local(convs, self.gen, self.batch_size, self.max_prompt_tokens, run.emit, run.fail, run.progress,

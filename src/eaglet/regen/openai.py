@@ -151,16 +151,16 @@ class OpenAIBackend:
 
     @classmethod
     def open(cls, s: Settings) -> OpenAIBackend:
-        if not s.base_url:
+        if not s.options.base_url:
             raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
-        api_key = s.api_key or os.environ.get("OPENAI_API_KEY") or None
-        model = s.model or endpoint_model(s.base_url, api_key, min(s.timeout, 30.0))
-        ep = Endpoint(s.base_url, model, api_key, s.timeout, s.max_retries, s.backoff)
-        return cls(ep, s, {"target": model, "base_url": s.base_url})
+        api_key = s.options.api_key or os.environ.get("OPENAI_API_KEY") or None
+        model = s.options.model or endpoint_model(s.options.base_url, api_key, min(s.options.timeout, 30.0))
+        ep = Endpoint(s.options.base_url, model, api_key, s.options.timeout, s.options.max_retries, s.backoff)
+        return cls(ep, s, {"target": model, "base_url": s.options.base_url})
 
     def run(self, convs: Iterator[Conversation], run: Run, resources: contextlib.ExitStack) -> None:
-        s = self.settings
+        o = self.settings.options
         # looked up when called, so a test can stand in for one conversation's requests
-        run_parallel(convs, lambda conv: regen_conversation_remote(self.ep, conv, s.max_new_tokens, s.temperature,
-                                                                   s.top_p, run.progress),
-                     s.concurrency, run.emit, run.fail, run.tick)
+        run_parallel(convs, lambda conv: regen_conversation_remote(self.ep, conv, o.max_new_tokens, o.temperature,
+                                                                   o.top_p, run.progress),
+                     o.concurrency, run.emit, run.fail, run.tick)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import families, ranges
-from eaglet.options import LM_HEAD_INITS, LOSS_ON, OBJECTIVES, declared, env_switch
+from eaglet.options import LM_HEAD_INITS, LOSS_ON, OBJECTIVES, TrainSettings, env_switch
 from eaglet.placement import Placement, placement_from_options, size_text
 
 BUDGET_WARMUP_STEPS = 25  # default warmup under --time-budget (the schedule's length is not known yet)
@@ -31,70 +31,10 @@ PARALLEL_DEFAULTS = {"draft_layers": 2, "block_size": None, "anchor_stride": 8}
 EAGLE3_ONLY = ("fc_norm", "norm_output", "norm_before_residual", "sliding_window", "feature_loss_weight")
 
 
-@dataclass
-class TrainConfig:
-    epochs: float = declared("train", "epochs")  # length of the schedule when `total_steps` is not given
-    total_steps: int | None = declared("train", "total_steps")  # optimizer steps of the schedule (overrides epochs)
-    # end this run at this step (the schedule is unchanged; resume later)
-    stop_after: int | None = declared("train", "stop_after")
-    lr: float = declared("train", "lr")  # batch 1; bench/train_efficiency.py "learning"
-    min_lr_ratio: float = declared("train", "min_lr_ratio")  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int | None = declared("train", "warmup_steps")  # default: 2% of the schedule, at least 1
-    weight_decay: float = declared("train", "weight_decay")
-    max_grad_norm: float = declared("train", "max_grad_norm")
-    batch_size: int = declared("train", "batch_size")  # samples (packed: packs) per micro-batch, per process
-    grad_accum: int = declared("train", "grad_accum")  # micro-batches per optimizer step, per process
-    # rows of exactly this many tokens, samples packed (None: `pack_budget`; 0: unpacked)
-    pack_tokens: int | None = declared("train", "pack_tokens")
-    compile: bool | None = declared("train", "compile")  # torch.compile the training forward (None: when packed)
-    max_length: int | None = declared("train", "max_length")  # truncate samples to this many tokens
-    drafter: str = declared("train", "drafter")  # a registered family (eaglet.families)
-    draft_layers: int | None = declared("train", "draft_layers")  # parallel families: decoder layers
-    block_size: int | None = declared("train", "block_size")  # parallel families: K / the block
-    anchor_stride: int | None = declared("train", "anchor_stride")  # parallel families: a block every N positions
-    ttt_steps: int = declared("train", "ttt_steps")
-    # over this fraction of the schedule the unroll grows from 1 step to ttt_steps
-    ttt_ramp: float = declared("train", "ttt_ramp")
-    draft_vocab_size: int | None = declared("train", "draft_vocab_size")  # default min(8192, target vocab)
-    # keep the teacher's top-k draft ids, computed once per sample (0/None: dense)
-    teacher_top_k: int | None = declared("train", "teacher_top_k")
-    loss_on: str = declared("train", "loss_on")  # positions the loss uses: every real token, or assistant tokens only
-    objective: str = declared("train", "objective")  # what each position minimises (drafter.objectives.objective_loss)
-    # EAGLE-1 regression of the target's next last-layer state
-    feature_loss_weight: float = declared("train", "feature_loss_weight")
-    lm_head_init: str = declared("train", "lm_head_init")  # or "target": the target's LM head rows and final norm
-    freeze_lm_head: bool = declared("train", "freeze_lm_head")  # keep the LM head (and final norm) as initialised
-    fc_norm: bool = declared("train", "fc_norm")
-    norm_output: bool = declared("train", "norm_output")
-    # speculators' default drafter layout (residual = hidden_norm(g))
-    norm_before_residual: bool = declared("train", "norm_before_residual")
-    # the drafter attends to the last W positions (speculators' default 2048)
-    sliding_window: int | None = declared("train", "sliding_window")
-    # autocast the drafter's forward to bf16 (None: where fast, see target.fast_bf16)
-    bf16: bool | None = declared("train", "bf16")
-    # seconds of training: the schedule is sized to fit, measured on the fly
-    time_budget: float | None = declared("train", "time_budget")
-    eval_fraction: float = declared("train", "eval_fraction")
-    eval_every: int | None = declared("train", "eval_every")  # default: `evals` evaluations over the schedule
-    evals: int = declared("train", "evals")  # held-out evaluations over the schedule when eval_every is not given
-    save_every: int | None = declared("train", "save_every")  # default: with every evaluation
-    log_every: int = declared("train", "log_every")
-    keep_checkpoints: int = declared("train", "keep_checkpoints")  # newest step checkpoints kept, besides the best one
-    seed: int = declared("train", "seed")
-    device: str | None = declared("train", "device")
-    # Where the hidden states come from. Offline (default): a stored dataset in any layout `eaglet
-    # check` accepts. Online: the target runs inside the loop on an `eaglet prepare` output.
-    online: bool = declared("train", "online")
-    # online: compute dtype of the target (its states are used in it as is)
-    target_dtype: str = declared("train", "target_dtype")
-    # online: layers to capture; offline: what a foreign dataset holds
-    aux_layer_ids: list[int] | None = declared("train", "aux_layer_ids")
-    # a foreign dataset's last state, pre_norm or post_norm
-    last_hidden_state: str | None = declared("train", "last_hidden_state")
-    # online: the target across devices (eaglet.placement); the drafter trains on `device`'s default
-    device_map: str | None = declared("train", "device_map")
-    max_memory: str | None = declared("train", "max_memory")
-    offload_folder: str | None = declared("train", "offload_folder")
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(TrainSettings):
+    """The training settings, checked once, with the family's defaults filled in. The fields and
+    their defaults are declared once, in eaglet.options (`TrainSettings`)."""
 
     # Options that define the trajectory: a resumed run must use the same ones.
     TRAJECTORY = ("drafter", "draft_layers", "block_size", "anchor_stride", "epochs", "total_steps", "lr",
@@ -135,7 +75,7 @@ class TrainConfig:
             raise ValueError(f"--pack-tokens {self.pack_tokens}: a pack must hold a sample of at least "
                              f"{min_sample_tokens(self.ttt_steps)} tokens (--ttt-steps {self.ttt_steps})")
         if self.teacher_top_k == 0:
-            self.teacher_top_k = None  # one spelling of "dense" in train_config.json
+            object.__setattr__(self, "teacher_top_k", None)  # one spelling of "dense" in train_config.json
         if self.time_budget is not None and self.total_steps is not None:
             raise ValueError("--time-budget sizes the schedule itself: give it or --total-steps, not both")
         self.placement()  # a wrong --device-map, --max-memory or pairing with --device: refused now
@@ -172,7 +112,7 @@ class TrainConfig:
         defaults = {**PARALLEL_DEFAULTS, "block_size": families.family(family).default_block_size}
         for k, default in defaults.items():
             if getattr(self, k) is None:
-                setattr(self, k, default)
+                object.__setattr__(self, k, default)  # frozen: filled once, while it is made
         ranges.at_least(2, block_size=self.block_size)
 
     # Options left None to be decided (by the family here, by the device in train), as what they

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from eaglet import formats
+from eaglet.options import CheckOptions
 from eaglet.check import check_dataset, convention_hits, convention_problem, layer_identity_problems, problem_lines
 from eaglet.dataset import Dataset, open_dataset
 from eaglet.heads import TargetHeads
@@ -59,7 +60,7 @@ def check_stored_teacher(ds: Dataset, cfg: TrainConfig) -> None:
 def refuse_unclean_dataset(root: str | Path) -> None:
     """Run `eaglet check` on every file (no target: schema, values, side files) and refuse to
     spend training time on a dataset it rejects, with the check's own messages."""
-    report = check_dataset(root, use_target=False)
+    report = check_dataset(CheckOptions(path=root, use_target=False))
     if not report.clean:
         raise ValueError(f"{root}: `eaglet check` rejects this dataset:\n" + "\n".join(problem_lines(report.errors, 5)))
 

@@ -29,9 +29,9 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, cast
+from typing import Any, Collection, Iterator, cast
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from eaglet import families, formats, layers
 from eaglet.check import prepared_mask_problem
 from eaglet.drafter import STAT_ROWS, DraftModel, make_teacher_head, num_parameters, stats_summary
 from eaglet.dataset import Dataset, check_target_matches, dataset_target, recorded_target_where
-from eaglet.options import DECLARED, EAGLE3, takes_options
+from eaglet.options import EAGLE3, TrainOptions, TrainSettings, defaults_of
 from eaglet.heads import TargetHeads, heads_summary
 from eaglet.target import (LAYER_CHECK_MAX_BYTES, TargetRef, fast_bf16, heads_of_model, load_heads, load_target,
                            load_tokenizer, parse_dtype, prepared_target, resolve_target, target_source,
@@ -142,25 +142,28 @@ class RunState:
         return min(self.plan.total_steps, self.stop_after) if self.stop_after is not None else self.plan.total_steps
 
 
-@takes_options("train")
-def train(dataset_dir: str | Path = DECLARED, out_dir: str | Path = DECLARED, target: str | None = DECLARED,
-          resume: bool = DECLARED, show_progress: bool = True, command: str = "", **options: Any) -> TrainSummary:
-    """Train a drafter on `dataset_dir` into `out_dir`; `options` are TrainConfig fields.
-    `dataset_dir` holds stored hidden states, or with `online=True` an `eaglet prepare` output.
-    The run folder has one writer at a time (`run_lock`)."""
-    unknown = set(options) - {f.name for f in fields(TrainConfig)}
-    if unknown:
-        raise TypeError(f"unknown training option(s): {sorted(unknown)}")
-    formats.refuse_overlap(out_dir, "train", {"the dataset": dataset_dir})
-    with run_lock(Path(out_dir), env_rank() == 0):
-        return train_locked(dataset_dir, out_dir, target, resume, show_progress, command, **options)
+def train(options: TrainOptions, show_progress: bool = True, command: str = "",
+          given: Collection[str] | None = None) -> TrainSummary:
+    """Train a drafter on `options.dataset_dir` into `options.out_dir`: stored hidden states, or
+    with `online` an `eaglet prepare` output. With `resume` the run's own settings apply, and those
+    named in `given` (by default every setting that is not its declared default) are compared
+    with them. The run folder has one writer at a time (`run_lock`)."""
+    formats.refuse_overlap(options.out_dir, "train", {"the dataset": options.dataset_dir})
+    with run_lock(Path(options.out_dir), env_rank() == 0):
+        return train_locked(options, show_progress, command, given)
 
 
-def train_locked(dataset_dir: str | Path, out_dir: str | Path, target: str | None, resume: bool,
-                 show_progress: bool, command: str, **options: Any) -> TrainSummary:
+def train_locked(options: TrainOptions, show_progress: bool, command: str,
+                 given: Collection[str] | None) -> TrainSummary:
     """`train` with the run folder's lock held."""
-    out = Path(out_dir)
-    cfg, from_run = options_of_run(out, resume, options)
+    dataset_dir, target, resume = options.dataset_dir, options.target, options.resume
+    settings = options.settings()
+    if resume:
+        defaults = defaults_of(TrainSettings)
+        settings = {k: v for k, v in settings.items()
+                    if (k in given if given is not None else v != defaults[k])}
+    out = Path(options.out_dir)
+    cfg, from_run = options_of_run(out, resume, settings)
     if env_rank() == 0:
         # checkpoint folders and pointers a kill left half-written: all beside the checkpoints, never
         # inside a folder of the user's there (a step_00000004.bak)
