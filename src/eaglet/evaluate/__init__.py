@@ -367,7 +367,7 @@ def measure(sets: dict[str, list[Prompt]], variants: Variants, models: Models,
                     results[name][label]["config"] = lane.config.label
             for method, own in OWN_COUNTERPART.items():
                 weights = engines.get("llama_cpp", {}).get("target_weights") if method in LLAMA_CPP_METHODS else None
-                warn_on_gap(name, first_draft_check(results[name], weights, s.min_draft_prob, method, own), method)
+                warn_on_gap(name, first_draft_check(results[name], weights, s.floor, method, own), method)
     return results, records
 
 

@@ -102,8 +102,8 @@ def hf_generate(method: str, target: PreTrainedModel, ids: list[int], s: DecodeS
 
 def drafter_limits(mode: str, s: DecodeSettings, chain_depth: int | None = None) -> tuple[int, int, int]:
     """(depth, top_k, total_tokens) of the drafter's chain or tree."""
-    depth = chain_depth or s.chain_depth
-    return (depth, 1, depth) if mode == "chain" else (s.depth, s.top_k, s.total_tokens)
+    depth = chain_depth or s.chain
+    return (depth, 1, depth) if mode == "chain" else s.tree
 
 
 def drafter_family(drafter: DraftModel | None) -> str | None:
@@ -129,8 +129,8 @@ def hybrid_drafter(drafter: DraftModel, s: DecodeSettings) -> tuple[Proposer, tu
     """The drafter's part of a hybrid cycle: a parallel drafter's block (one pass: the cost rule
     times it as such), or an EAGLE-3 chain / tree of the hybrid's shape."""
     if isinstance(drafter, ParallelDraft):
-        return ParallelProposer(drafter, s.min_draft_prob), parallel_limits(drafter)
-    return Eagle3Proposer(drafter, s.min_draft_prob), drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth)
+        return ParallelProposer(drafter, s.floor), parallel_limits(drafter)
+    return Eagle3Proposer(drafter, s.floor), drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth)
 
 
 def engine_proposer(method: str, drafter: DraftModel | None,
@@ -139,10 +139,10 @@ def engine_proposer(method: str, drafter: DraftModel | None,
     refuse_wrong_family(method, drafter)
     if method in ("chain", "tree"):
         assert isinstance(drafter, Eagle3Draft)  # (refused above otherwise)
-        return Eagle3Proposer(drafter, s.min_draft_prob), drafter_limits(method, s)
+        return Eagle3Proposer(drafter, s.floor), drafter_limits(method, s)
     if method in PARALLEL_METHODS:
         assert isinstance(drafter, ParallelDraft)
-        return ParallelProposer(drafter, s.min_draft_prob), parallel_limits(drafter)
+        return ParallelProposer(drafter, s.floor), parallel_limits(drafter)
     if method != "ngram" and drafter is None:
         raise ValueError(f"method {method} drafts with a drafter; none was given")
     drafted = None if method == "ngram" or drafter is None else hybrid_drafter(drafter, s)
@@ -153,7 +153,7 @@ def engine_proposer(method: str, drafter: DraftModel | None,
         hybrid = HybridProposer(None if drafted is None else drafted[0], NgramProposer(s.max_ngram),
                                 (0, 1, 0) if drafted is None else drafted[1], s.lookup_tokens, pass_costs=s.pass_costs)
         return hybrid, hybrid.limits
-    lookup = NgramProposer(s.max_ngram, min_prob=s.min_draft_prob)
+    lookup = NgramProposer(s.max_ngram, min_prob=s.floor)
     if drafted is None:
         return lookup, (s.lookup_tokens, 1, s.lookup_tokens)
     hybrid = HybridProposer(drafted[0], lookup, drafted[1], s.lookup_tokens, s.drop_rivals)

@@ -19,12 +19,6 @@ from eaglet.options import ADMISSIONS, HYBRID_DRAFTS, PRESETS, DecodeOptions
 class DecodeSettings(DecodeOptions):
     """The decode options checked, the preset's values filled in where left None."""
 
-    # the preset's where given as None (__post_init__ fills them in): typed as what they are once made
-    depth: int = None  # type: ignore[assignment]
-    top_k: int = None  # type: ignore[assignment]
-    total_tokens: int = None  # type: ignore[assignment]
-    chain_depth: int = None  # type: ignore[assignment]
-    min_draft_prob: float = None  # type: ignore[assignment]
     eos_ids: tuple[int, ...] = ()  # the target's stop tokens (filled in by evaluate)
     pass_costs: tuple[float, ...] = ()  # seconds of a target pass over 1, 2, ... tokens (methods.with_pass_costs)
 
@@ -52,6 +46,26 @@ class DecodeSettings(DecodeOptions):
         ranges.at_least(0, temperature=self.temperature)
         ranges.within(0, 1, low_open=True, top_p=self.top_p)
         ranges.seeds(seed=self.seed)
+
+    # The preset's settings, filled in by __post_init__ where given as None, as what they are once
+    # made: deciding comes first
+    @property
+    def tree(self) -> tuple[int, int, int]:
+        """The tree's depth, branching per node and draft tokens verified per pass."""
+        assert self.depth is not None and self.top_k is not None and self.total_tokens is not None
+        return self.depth, self.top_k, self.total_tokens
+
+    @property
+    def chain(self) -> int:
+        """Draft tokens per pass in chain mode."""
+        assert self.chain_depth is not None
+        return self.chain_depth
+
+    @property
+    def floor(self) -> float:
+        """The least path probability of a proposed draft token."""
+        assert self.min_draft_prob is not None
+        return self.min_draft_prob
 
     def record(self) -> dict[str, Any]:
         """What eval.json says of how the methods decoded (the preset's values filled in)."""

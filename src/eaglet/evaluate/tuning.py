@@ -56,16 +56,16 @@ def verify_tokens(method: str, s: DecodeSettings, drafter: DraftModel | None) ->
     if method == BASELINE or method == "hf-greedy":
         return 1
     if method == "chain":
-        return 1 + s.chain_depth
+        return 1 + s.chain
     if method == "tree":
-        return 1 + s.total_tokens
+        return 1 + s.tree[2]
     if method in PARALLEL_METHODS and isinstance(drafter, ParallelDraft):
         return 1 + predicted_positions(drafter.config)
     if method == "ngram":
         return 1 + s.lookup_tokens
     if method == "hybrid":
         drafted = (predicted_positions(drafter.config) if isinstance(drafter, ParallelDraft)
-                   else s.hybrid_chain_depth if s.hybrid_draft == "chain" else s.total_tokens)
+                   else s.hybrid_chain_depth if s.hybrid_draft == "chain" else s.tree[2])
         return 1 + s.lookup_tokens + drafted
     if method in HF_METHODS:  # Hugging Face prompt lookup verifies its 10 candidates
         return 11

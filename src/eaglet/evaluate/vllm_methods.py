@@ -50,7 +50,7 @@ def speculative_config(method: str, s: DecodeSettings, export: Path | None,
                 "prompt_lookup_min": 1}
     family = families.family(VLLM_FAMILY_METHODS[method])
     assert export is not None and drafter is not None
-    drafts = family.drafts_per_pass(drafter.config.block_size) if family.parallel else s.chain_depth
+    drafts = family.drafts_per_pass(drafter.config.block_size) if family.parallel else s.chain
     return family.vllm_speculative_config(str(export), drafts)
 
 
