@@ -19,8 +19,10 @@ from pathlib import Path
 from eaglet import families, formats
 from eaglet.drafter import DraftConfig
 from eaglet.target import resolve_target, text_config
-from eaglet.drafter.files import (Drafter, expected_tensors, export_config, read_drafter, recorded_target,
-                                  unservable, write_engine_folder, write_gguf)
+from eaglet.drafter.files import (EMBEDDINGS, Drafter, expected_tensors, export_config, read_drafter, recorded_target,
+                                  target_embeddings, unservable, write_engine_folder, write_gguf)
+from eaglet.heads import same_embeddings
+from eaglet.formats.runs import refuse_inside_checkpoints
 from eaglet.options import EXPORT_DTYPE_NAMES, EXPORT_FORMAT_NAMES, ExportOptions, ImportOptions
 
 log = logging.getLogger(__name__)
@@ -74,17 +76,25 @@ def export_drafter(options: ExportOptions) -> ExportSummary:
     if target_gguf is not None and fmt != formats.FORMAT_GGUF:
         raise ValueError(f"--target-gguf: only --format gguf carries the target's tokenizer (this is --format {fmt})")
     formats.refuse_overlap(out, "export", {"the checkpoint": ckpt}, inside_ok=True)
+    refuse_inside_checkpoints(out, "export")
     with formats.output_lock(out, "export"):  # one writer per output: a second is refused, naming the first
         return export_locked(read_drafter(ckpt), Path(out), fmt, dtype, options.verifier, options.speculative_tokens,
                              target_gguf)
 
 
-def refuse_layers_beyond(d: Drafter, target: str) -> None:
-    """The drafter reads these layers of the target: they must exist."""
+def refuse_other_target(d: Drafter, target: str) -> None:
+    """The drafter is the target's: the layers it reads exist, and the embeddings it carries (the
+    target's, frozen in training) are the target's."""
     layers = text_config(resolve_target(target)).num_hidden_layers
     if not all(0 <= i <= layers for i in d.config.aux_layer_ids):
         raise ValueError(f"{d.folder}: aux layer ids {list(d.config.aux_layer_ids)} are not all in 0..{layers}, the "
                          f"layers of the target {target}; a drafter for another target, or a damaged config.json")
+    copy = d.tensors.get(EMBEDDINGS)
+    if copy is not None and not d.embeddings_from_target and not same_embeddings(copy, target_embeddings(target)):
+        raise ValueError(f"{d.folder / formats.DRAFTER_WEIGHTS_FILE}: field {EMBEDDINGS} is not the embeddings of the "
+                         f"target {target} (a drafter keeps its target's, frozen in training): a drafter of another "
+                         "target, or its weights were changed since; give the target it was trained for (--target), "
+                         "or use a checkpoint as training wrote it")
 
 
 def export_locked(d: Drafter, out: Path, fmt: str, dtype: str, verifier: str | None, speculative_tokens: int,
@@ -92,7 +102,7 @@ def export_locked(d: Drafter, out: Path, fmt: str, dtype: str, verifier: str | N
     """`export_drafter`'s work, its output locked."""
     recorded = recorded_target(d)
     if recorded and Path(recorded).is_dir():  # a target here (a hub id is the serving machine's to check)
-        refuse_layers_beyond(d, recorded)
+        refuse_other_target(d, recorded)
     problems = unservable(d.config, fmt)
     if problems:
         raise ValueError(f"{d.folder}: cannot export as {fmt}: " + "; ".join(problems))
@@ -129,9 +139,10 @@ def import_drafter(options: ImportOptions) -> ImportSummary:
     `training.checkpoints.save_checkpoint`, without training state): fp32 weights, int64 d2t, bool t2d."""
     src, out, target = options.src, options.out, options.target
     formats.refuse_overlap(out, "import", {"the drafter folder": src}, inside_ok=True)
+    refuse_inside_checkpoints(out, "import")
     d = read_drafter(src, target)
     if target is not None:
-        refuse_layers_beyond(d, target)
+        refuse_other_target(d, target)
     expected = expected_tensors(d.config)
     tensors = {k: v.to(expected[k].dtype) for k, v in d.tensors.items()}
     extra = {"imported_from": str(src), "source_format": d.format, "target": target or recorded_target(d)}

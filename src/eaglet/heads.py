@@ -395,6 +395,15 @@ def read_heads(folder: str | Path, dtype: torch.dtype | None = None, device: tor
     return TargetHeads(config, embeddings, norm, lm_head, source)
 
 
+def same_embeddings(copy: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether a drafter's copy of its target's input embeddings (frozen in training) is `target`'s,
+    compared at the lower precision of the two (a bf16 export of an fp32 target holds them rounded)."""
+    if copy.shape != target.shape:
+        return False
+    low = copy.dtype if copy.element_size() <= target.element_size() else target.dtype
+    return torch.equal(copy.to(low), target.to(low))
+
+
 def heads_summary(h: TargetHeads) -> str:
     """e.g. "embeddings 163840x7168 bfloat16, lm_head tied: 2.35 GB", for the log."""
     parts, seen, total = [], set(), 0

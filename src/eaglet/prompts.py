@@ -7,7 +7,7 @@ import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from eaglet import embedded
 from eaglet.chat import Message, ReadStats, iter_records, to_messages
@@ -61,6 +61,24 @@ def sharegpt_prompts(start: int = SHAREGPT_HELDOUT_START) -> Iterator[Prompt]:
 PROMPT_ROLES = ("system", "user", "assistant")
 
 
+def refuse_non_text(value: Any, where: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer takes (a raw TypeError
+    deep in it): a string that is not text is refused with its line."""
+    pending = [value]  # a stack, not recursion: a record may nest as deep as JSON reads
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{where}: {item[max(0, e.start - 20):e.end + 20]!r} holds a lone surrogate "
+                                 f"({item[e.start]!r}), which is no text; fix the line") from None
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+
+
 def jsonl_prompts(path: Path) -> Iterator[Prompt]:
     """Any JSONL: one prompt per line, `{"prompt": str}`, `{"turns": [str, ...]}` or
     `{"messages": [...]}` ending with a user message; optional `"id"`."""
@@ -78,6 +96,7 @@ def jsonl_prompts(path: Path) -> Iterator[Prompt]:
             except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
                 raise ValueError(f"{where}: invalid JSON ({e})") from None
             pid = str(rec.get("id", line_no)) if isinstance(rec, dict) else str(line_no)
+            refuse_non_text(rec, where)
             if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
                 if not rec["prompt"].strip():  # as an empty turn: nothing to answer
                     raise ValueError(f"{where}: field 'prompt' is empty")

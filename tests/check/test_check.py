@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -342,6 +343,31 @@ def test_sample_lengths_and_token_freq_edited(copy):
     report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.SAMPLE_LENGTHS, formats.SAMPLE_LENGTHS_FILE, "sample 2: recorded length")
     assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE, "1 token ids")
+
+
+@pytest.mark.parametrize("change, kind, words", [
+    (lambda o: o.update(input_ids=o["input_ids"].int()), C.WRONG_DTYPE, "input_ids is int32: the layout stores int64"),
+    (lambda o: o.update(loss_mask=o["loss_mask"].int()), C.WRONG_DTYPE, "loss_mask is int32"),
+    (lambda o: o.update(hidden_states=tuple(o["hidden_states"])), C.WRONG_SHAPE, "hidden_states is a tuple"),
+    (lambda o: o["hidden_states"].__setitem__(0, o["hidden_states"][0].to_sparse()), C.WRONG_DTYPE,
+     "sparse_coo tensor: the layout stores dense")])
+def test_a_file_stored_in_another_kind_than_its_layout_is_named(copy, change, kind, words):
+    """int32 ids, a tuple of states (CLEAN, and trained on), a sparse state (check ended in a raw
+    error naming no file): each a finding about that file."""
+    ds = copy()
+    rel = edit(ds, 4, change)
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), kind, rel, words)
+
+
+@pytest.mark.parametrize("value", ['"35"', "35.0", "true"])
+def test_sample_lengths_that_are_no_counts_are_named(copy, value):
+    ds = copy()
+    path = ds / formats.SAMPLE_LENGTHS_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), "3": json.loads(value)}))
+    with pytest.raises(ValueError, match=rf"sample_lengths.json: .*'3': {re.escape(repr(json.loads(value)))} "
+                                         r"are no index: token count"):
+        formats.read_sample_lengths(path)
+    assert not C.check_dataset(CheckOptions(path=ds, use_target=False)).clean
 
 
 def test_data_config_missing_or_inconsistent(copy, LAYER_IDS):

@@ -27,13 +27,19 @@ from eaglet.options import EvalOptions
 
 @pytest.fixture(scope="module")
 def drafter_ckpt(tiny_target, tmp_path_factory):
-    """A random-weight drafter saved as an eaglet checkpoint for the tiny target."""
+    """A random-weight drafter saved as an eaglet checkpoint for the tiny target (whose embeddings
+    it carries, as training gives it)."""
     from transformers import AutoConfig
+
+    from eaglet.drafter.files import target_embeddings
 
     torch.manual_seed(0)
     cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), [2, 4, 5], draft_vocab_size=300)
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target_embeddings(str(tiny_target)))
     root = tmp_path_factory.mktemp("run") / "checkpoints"
-    return save_checkpoint(root, 1, Eagle3Draft(cfg), export_config(cfg, {"target": str(tiny_target)}), {})
+    return save_checkpoint(root, 1, draft, export_config(cfg, {"target": str(tiny_target)}), {})
 
 
 @pytest.fixture
@@ -380,7 +386,31 @@ def test_prompt_files_are_checked_before_any_model_loads(tmp_path):
                        ('{"prompt": " \\n\\t "}', "field 'prompt' is empty"),
                        ('{"turns": ["hi", "  "]}', "field 'turns': every turn is a non-empty string"),
                        ('{"messages": [{"role": "user", "content": ""}]}', "the last message must be the user's, and "
-                                                                          "not empty")):
+                                                                          "not empty"),
+                       # a lone surrogate: a raw TypeError from the tokenizer, no file named
+                       ('{"prompt": "Hi \\ud800 there"}', "holds a lone surrogate"),
+                       ('{"messages": [{"role": "system", "content": "\\udc00"}, {"role": "user", "content": "y"}]}',
+                        "holds a lone surrogate")):
         (tmp_path / "odd.jsonl").write_text(line + "\n")
         with pytest.raises(ValueError, match=rf"odd.jsonl:1: .*{said}"):
             prompt_sets_by_name([str(tmp_path / "odd.jsonl")], None)
+
+
+def test_eval_refuses_a_drafter_whose_embeddings_are_not_the_targets(tiny_target, drafter_ckpt, tmp_path):
+    """A checkpoint whose (frozen) embeddings were replaced was measured as if it were the target's
+    drafter: refused, and measured only when asked with --other-target."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(drafter_ckpt, ckpt)
+    weights = formats.read_safetensors(ckpt / formats.DRAFTER_WEIGHTS_FILE)
+    weights["embed_tokens.weight"] = torch.randn_like(weights["embed_tokens.weight"])
+    save_file(weights, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Hello"}])
+    options = EvalOptions(drafter_path=ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain"],
+                          max_new_tokens=4, dtype="fp32", device="cpu", plot=False)
+    with pytest.raises(ValueError, match=r"its embed_tokens\.weight is not the target's embeddings .*--other-target"):
+        evaluate(options, progress=False)
+    assert evaluate(replace(options, other_target=True), progress=False).sets["prompts"]["chain"]["turns"] == 1

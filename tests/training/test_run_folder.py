@@ -22,11 +22,12 @@ from eaglet import formats
 from eaglet.cli import main as cli_main
 from eaglet.prepare import prepare
 from eaglet.extract import extract
-from eaglet.formats.runs import BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE
+from eaglet.formats.runs import BEST_FILE, CHECKPOINTS_DIR, DRAFTER_CONFIG_FILE, LATEST_FILE, MODEL_FILE, STATE_FILE
 from eaglet.training.checkpoints import RunFolderBusy, prune_checkpoints, truncate_metrics
 from eaglet.training.loop import train
 from helpers import chat_records
-from eaglet.options import CheckOptions, ConvertOptions, ExportOptions, ExtractOptions, PrepareOptions, TrainOptions
+from eaglet.options import (CheckOptions, ConvertOptions, ExportOptions, ExtractOptions, ImportOptions, PrepareOptions,
+                            TrainOptions)
 
 QUICK = dict(total_steps=4, ttt_steps=2, eval_every=2, log_every=1, batch_size=2, eval_fraction=0.2)
 
@@ -298,14 +299,20 @@ def test_a_pipe_where_a_side_file_should_be_is_named_not_read(tmp_path):
 
 
 def test_pruning_removes_only_the_checkpoints_a_run_writes(tmp_path):
-    """A user's step_00000004.bak sorted among the steps and was deleted as one."""
+    """A user's step_00000004.bak sorted among the steps and was deleted as one; an export put into
+    a checkpoint folder, and one named like a checkpoint, were deleted with the step folders."""
     root = tmp_path / CHECKPOINTS_DIR
-    for name in ("step_00000002", "step_00000004", "step_00000004.bak", "step_00000004-copy", "step_00000006",
-                 "step_notes"):
+    for name in ("step_00000002", "step_00000004", "step_00000004.bak", "step_00000004-copy", "step_00000005",
+                 "step_00000006", "step_00000007", "step_notes", "step_00000008"):
         (root / name).mkdir(parents=True)
+        for file in (DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE):
+            (root / name / file).write_text("x")
+    (root / "step_00000005" / "exported").mkdir()  # a user's export inside a checkpoint
+    (root / "step_00000007" / STATE_FILE).unlink()  # an export named like a checkpoint: no training state
     prune_checkpoints(root, keep=1, protect={"step_00000002"})
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004-copy", "step_00000004.bak",
-                                                       "step_00000006", "step_notes"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step_00000002", "step_00000004-copy", "step_00000004.bak", "step_00000005", "step_00000007",
+        "step_00000008", "step_notes"]
 
 
 @pytest.mark.parametrize("line", ['{"foo": 1}', '{"step": "x"}', "[1, 2]", '{"step": true}', '{"step": -5}'])
@@ -320,11 +327,11 @@ def test_a_metrics_line_that_is_no_metric_is_named_on_resume(tmp_path, line):
     assert path.read_text() == '{"step": 1, "loss": 2.0}\n'
 
 
-def test_a_damaged_or_edited_checkpoint_is_never_resumed_from_nor_exported(data, tmp_path):
+def test_a_damaged_or_edited_checkpoint_is_never_resumed_from_nor_exported(data, tiny_target, tmp_path):
     """A d2t shifted in the latest checkpoint was resumed from and carried to the end of the run
     (export refused it only then); a checkpoint's top-level aux ids edited apart from its
-    eaglet.draft_config were exported as if untouched."""
-    from eaglet.export import export_drafter
+    eaglet.draft_config were exported as if untouched; embeddings not the target's were exported."""
+    from eaglet.export import export_drafter, import_drafter
 
     run = tmp_path / "run"
     train(TrainOptions(dataset_dir=data / "v1", out_dir=run, stop_after=2, **QUICK), show_progress=False)
@@ -339,6 +346,13 @@ def test_a_damaged_or_edited_checkpoint_is_never_resumed_from_nor_exported(data,
     save_file(other_embeddings, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))  # sound, but not the target's
     with pytest.raises(ValueError, match=r"model\.safetensors: field embed_tokens\.weight is not the target's"):
         train(TrainOptions(dataset_dir=data / "v1", out_dir=run, resume=True), show_progress=False)
+    # export and import compare them with the target too (eval: tests/evaluate)
+    other = r"field embed_tokens\.weight is not the embeddings of the target .*a drafter of another target"
+    with pytest.raises(ValueError, match=other):
+        export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "export", fmt="speculators"))
+    with pytest.raises(ValueError, match=other):
+        import_drafter(ImportOptions(src=ckpt, out=tmp_path / "imported", target=str(tiny_target)))
+    assert not (tmp_path / "export").exists() and not (tmp_path / "imported").exists()
     save_file(weights, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
     edited = dict(config, eagle_aux_hidden_state_layer_ids=[3, 4, 5])
     formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, edited)
@@ -347,6 +361,24 @@ def test_a_damaged_or_edited_checkpoint_is_never_resumed_from_nor_exported(data,
         export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "export", fmt="speculators"))
     formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, config)
     export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "export", fmt="speculators"))
+
+
+def test_no_drafter_folder_is_written_among_a_runs_checkpoints(data, tmp_path):
+    """An export into a checkpoint folder, or named like a future checkpoint, was deleted by the
+    run's pruning on --resume: refused before anything is written."""
+    from eaglet.export import export_drafter, import_drafter
+
+    run = tmp_path / "run"
+    train(TrainOptions(dataset_dir=data / "v1", out_dir=run, stop_after=2, **QUICK), show_progress=False)
+    checkpoints = run / CHECKPOINTS_DIR
+    for out in (checkpoints / "step_00000002" / "exported", checkpoints / "step_00000012"):
+        with pytest.raises(FileExistsError, match=r"inside .*checkpoints, a train run's checkpoints, which the run "
+                                                  r"prunes"):
+            export_drafter(ExportOptions(ckpt=run, out=out, fmt="eagle"))
+        with pytest.raises(FileExistsError, match=r"a train run's checkpoints"):
+            import_drafter(ImportOptions(src=checkpoints / "step_00000002", out=out))
+        assert not out.exists()
+    export_drafter(ExportOptions(ckpt=run, out=run / "exported", fmt="eagle"))  # beside them: as before
 
 
 def test_a_metrics_file_that_is_a_link_is_refused(tmp_path):

@@ -38,10 +38,12 @@ from eaglet.evaluate import tuning
 from eaglet.decode import measure_drafter_pass, measure_pass_costs, target_runner
 from eaglet.options import (BASELINE, DRAFTER_METHODS, LLAMA_CPP_METHODS, LOOKUP_METHODS, OUTSIDE_METHODS,
                             OWN_COUNTERPART, EvalOptions)
+from eaglet.heads import same_embeddings
 from eaglet.placement import Placement, placement_from_options
 from eaglet.prompts import Prompt, load_prompt_set
-from eaglet.target import (TargetRef, cpu_description, decoder_layers, dtype_name, input_device, load_target,
-                           load_tokenizer, max_positions, parse_dtype, pick_device, resolve_target, target_source)
+from eaglet.target import (TargetRef, cpu_description, decoder_layers, dtype_name, embedding_weight, input_device,
+                           load_target, load_tokenizer, max_positions, parse_dtype, pick_device, resolve_target,
+                           target_source)
 from eaglet.vllm_engine import EngineOptions, engine_options_from
 
 if TYPE_CHECKING:  # transformers' modelling code loads only with a model
@@ -136,9 +138,24 @@ def load_models(drafter_path: str | Path, target: str | None, methods: Sequence[
     model = load_target(ref, torch_dtype, pick_device(device), placed)
     if drafter is not None:
         check_drafter_fits(drafter, model)
+        if not other_target:
+            refuse_other_embeddings(drafter, model, drafter_path)
         # the drafter drafts where the target's inputs (and its aux states) go
         drafter = drafter.to(device=input_device(model), dtype=torch_dtype).eval()
     return Models(ref, model, tokenizer, drafter, trained_for)
+
+
+def refuse_other_embeddings(drafter: DraftModel, target: PreTrainedModel, drafter_path: str | Path) -> None:
+    """A drafter carries its target's embeddings, frozen in training: other ones are another
+    target's (the revision check misses a drafter that records none) or weights changed since."""
+    copy, own = drafter.state_dict().get("embed_tokens.weight"), embedding_weight(target).detach()
+    if own.device.type == "meta":  # offloaded to disk by a device map: nothing here to compare with
+        return
+    if copy is not None and not same_embeddings(copy.to(own.device), own):
+        raise ValueError(f"{drafter_path}: its embed_tokens.weight is not the target's embeddings (a drafter keeps "
+                         "its target's, frozen in training): a drafter of another target, or its weights were "
+                         "changed since; pass the target it was trained for with --target, or --other-target to "
+                         "measure it on this one anyway")
 
 
 def check_drafter_fits(drafter: DraftModel, target: PreTrainedModel) -> None:

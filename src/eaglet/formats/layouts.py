@@ -46,9 +46,9 @@ from eaglet.formats.io import (TMP_MARK, failures_named, header_shapes, inside_f
                                torch_save_atomic, write_safetensors_atomic)
 from eaglet.formats.listing import DatasetFiles, files_in, flat_layout_files, nested_layout_files, rows_layout_files
 from eaglet.formats.samples import (HIDDEN_STATES_DIR, LAST_STATE_POST_NORM, LAST_STATE_PRE_NORM, ROWS_PER_FOLDER,
-                                    TABLE_ROW, V1_FOLDER_RE, WRONG_SHAPE, FileStates, Finding, StoredTeacher,
-                                    TrainingSample, drop_batch_dim, eagle3_states, keys_findings, lacks_keys,
-                                    rows_folder, stacked_states_finding)
+                                    TABLE_ROW, V1_FOLDER_RE, WRONG_DTYPE, WRONG_SHAPE, FileStates, Finding,
+                                    StoredTeacher, TrainingSample, drop_batch_dim, eagle3_states, keys_findings,
+                                    lacks_keys, rows_folder, stacked_states_finding, stored_kind_findings)
 from eaglet.options import WRITTEN_LAYOUT_NAMES
 
 # The layouts' names: data_config.json's "format", `eaglet check`'s report.
@@ -163,8 +163,12 @@ def v1_file_states(obj: Any, where: str) -> tuple[FileStates | None, list[Findin
     if found and lacks_keys(obj, V1_KEYS):
         return None, found
     hs = obj["hidden_states"]
-    if not isinstance(hs, (list, tuple)) or not all(isinstance(h, torch.Tensor) for h in hs):
-        return None, found or [Finding(WRONG_SHAPE, "hidden_states must be a list of tensors")]
+    if not isinstance(hs, list) or not all(isinstance(h, torch.Tensor) for h in hs):
+        return None, found or [Finding(WRONG_SHAPE, f"hidden_states is a {type(hs).__name__}: the layout stores a "
+                                                    "list of tensors")]
+    found += stored_kind_findings(obj, ("input_ids", "loss_mask"))
+    if any(f.kind == WRONG_DTYPE and "dense" in f.message for f in found):
+        return None, found
     return FileStates(obj["input_ids"], obj["loss_mask"], list(hs)), found
 
 
@@ -286,6 +290,7 @@ def hs_file_states(obj: Any, where: str) -> tuple[FileStates | None, list[Findin
     wrong = stacked_states_finding(obj["hidden_states"])
     if wrong:
         return None, found + [wrong]
+    found += stored_kind_findings(obj, ("token_ids", "loss_mask"))
     return FileStates(obj["token_ids"], obj.get("loss_mask"), list(obj["hidden_states"].unbind(1))), found
 
 
@@ -486,6 +491,7 @@ def table_file_states(t: TableSample, where: str) -> tuple[FileStates | None, li
     wrong = stacked_states_finding(hs)
     if wrong:
         return None, found + [wrong]
+    found += stored_kind_findings(obj, ("token_ids", "loss_mask"))
     if token_ids.shape != ids.shape or not torch.equal(token_ids.long(), ids):
         differ = (f"{token_ids.shape[0]} token ids, the row has {ids.shape[0]}" if token_ids.shape != ids.shape else
                   f"first difference at position {int((token_ids.long() != ids).nonzero()[0])}")

@@ -9,6 +9,7 @@ Layout of a run folder: `metrics.jsonl`, `train_config.json`, `.lock`,
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,38 @@ CHECKPOINT_NAME_RE = re.compile(r"step_\d{8,}")  # what `checkpoint_name` writes
 def is_checkpoint_name(name: str) -> bool:
     """A folder name `checkpoint_name` writes (a user's `step_00000004.bak` is not one)."""
     return CHECKPOINT_NAME_RE.fullmatch(name) is not None
+
+
+# What `save_checkpoint` writes into a checkpoint folder, and nothing else
+CHECKPOINT_FILES = frozenset({DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE})
+
+
+def is_own_checkpoint(folder: Path) -> bool:
+    """A checkpoint folder as a run wrote it: its name, and its files and no others (pruning may
+    delete it; a folder a user put there, or one holding a user's files, is not the run's)."""
+    if not is_checkpoint_name(folder.name) or folder.is_symlink() or not folder.is_dir():
+        return False
+    names = set(os.listdir(folder))
+    return STATE_FILE in names and names <= CHECKPOINT_FILES
+
+
+def run_checkpoints_above(path: str | os.PathLike) -> Path | None:
+    """The checkpoints/ folder of a train run that `path` is in (or is), if any: a run prunes it."""
+    here = Path(os.path.realpath(path))
+    for folder in (here, *here.parents):
+        if folder.name == CHECKPOINTS_DIR and (folder.parent / TRAIN_CONFIG_FILE).exists():
+            return folder
+    return None
+
+
+def refuse_inside_checkpoints(out: str | os.PathLike, stage: str) -> None:
+    """A drafter folder is never written among a run's checkpoints: the run's pruning deletes
+    step folders there, and a folder named like one would pass for a checkpoint."""
+    folder = run_checkpoints_above(out)
+    if folder is not None:
+        raise FileExistsError(f"--out {out}: inside {folder}, a train run's checkpoints, which the run prunes as it "
+                              f"goes: nothing was written; `eaglet {stage}` elsewhere, e.g. into "
+                              f"{folder.parent / 'exported'}")
 
 
 def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:

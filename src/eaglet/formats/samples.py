@@ -52,7 +52,10 @@ def read_sample_lengths(path: str | os.PathLike) -> dict[int, int]:
     try:
         if not isinstance(raw, dict):
             raise TypeError(f"a JSON {type(raw).__name__}")
-        return {int(k): int(v) for k, v in raw.items()}
+        wrong = [f"{k!r}: {v!r}" for k, v in raw.items() if type(v) is not int or not k.isdigit()]
+        if wrong:  # "35" or 35.0 for a count: not what eaglet writes, so not a file to trust
+            raise TypeError(f"entries {', '.join(wrong[:3])} are no index: token count")
+        return {int(k): v for k, v in raw.items()}
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: expected {{\"sample index\": tokens, ...}} ({e}); `eaglet check` for the full "
                          "report, or extract the dataset again") from None
@@ -142,6 +145,17 @@ def lacks_keys(obj: Any, expected: tuple[str, ...]) -> bool:
     """Whether `obj` cannot be read at all for want of a dict or of one of the `expected` keys
     (extra keys are reported, but the file is still read)."""
     return not isinstance(obj, dict) or any(k not in obj for k in expected)
+
+
+def stored_kind_findings(obj: dict[str, Any], token_names: tuple[str, ...]) -> list[Finding]:
+    """What a file's tensors must be as its layout stores them (docs/formats.md): token ids and
+    masks int64, every tensor dense (a sparse one is no state any reader takes)."""
+    found = [Finding(WRONG_DTYPE, f"{name} is {str(t.dtype).removeprefix('torch.')}: the layout stores int64")
+             for name in token_names if isinstance(t := obj.get(name), torch.Tensor) and t.dtype != torch.int64]
+    tensors = [(k, t) for k, v in obj.items() for t in (v if isinstance(v, (list, tuple)) else [v])]
+    found += [Finding(WRONG_DTYPE, f"{k} is a {t.layout} tensor: the layout stores dense (strided) tensors")
+              for k, t in tensors if isinstance(t, torch.Tensor) and t.layout != torch.strided]
+    return found
 
 
 def stacked_states_finding(hs: torch.Tensor) -> Finding | None:

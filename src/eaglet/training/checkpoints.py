@@ -28,8 +28,9 @@ import torch
 from eaglet import formats
 from eaglet.drafter import DraftModel
 from eaglet.drafter.files import export_config, load_draft_weights
-from eaglet.formats.runs import (BEST_FILE, CHECKPOINTS_DIR, LATEST_FILE, LOCK_FILE, METRICS_FILE, STATE_FILE,
-                                 TRAIN_CONFIG_FILE, checkpoint_name, is_checkpoint_name, read_pointer)
+from eaglet.formats.runs import (BEST_FILE, CHECKPOINT_FILES, CHECKPOINTS_DIR, LATEST_FILE, LOCK_FILE, METRICS_FILE,
+                                 STATE_FILE, TRAIN_CONFIG_FILE, checkpoint_name, is_checkpoint_name, is_own_checkpoint,
+                                 read_pointer)
 from eaglet.training.config import Plan, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -56,12 +57,18 @@ def save_checkpoint(ckpt_root: Path, step: int, model: DraftModel, config_json: 
 
 
 def prune_checkpoints(ckpt_root: Path, keep: int, protect: set[str]) -> None:
-    # only the folders a run writes (a user's step_00000004.bak stays), and never through a link
+    # only the folders a run writes, as it wrote them (a user's step_00000004.bak, an export put in a
+    # checkpoint folder or named like one stay), and never through a link
     steps = sorted(p for p in ckpt_root.glob("step_*") if is_checkpoint_name(p.name) and p.is_dir()
                    and not p.is_symlink())
     for p in steps[:-keep] if keep > 0 else steps:
-        if p.name not in protect:
+        if p.name in protect:
+            continue
+        if is_own_checkpoint(p):
             shutil.rmtree(p, ignore_errors=True)
+        else:
+            log.warning("%s: not pruned: it holds files a run does not write there (%s); remove it yourself once "
+                        "they are safe", p, ", ".join(sorted(set(os.listdir(p)) - CHECKPOINT_FILES)) or "no state")
 
 
 
