@@ -19,6 +19,10 @@ class Family:
     title: str  # how prose names it
     parallel: bool  # a block of drafts from one pass (else EAGLE-3's chain: one draft a pass, TTT in training)
     default_block_size: int | None = None  # a parallel family's block when --block-size is not given
+    # a parallel family's decoder layers when --draft-layers is not given: the first multi-layer
+    # size (a CPU pays for every layer at every pass)
+    default_draft_layers: int = 2
+    default_anchor_stride: int = 8  # a parallel family trains a block at every N-th position by default
     # the block's first position is the anchor itself (DFlash: B positions, B - 1 drafts, the first
     # prediction at anchor + 1) rather than the token after it (P-EAGLE: K drafts from anchor + 2)
     anchor_in_block: bool = False
@@ -33,6 +37,11 @@ class Family:
     vllm_served: tuple[Version | None, Version | None] = (None, None)  # (first, last) vLLM that serves it
     sglang_algorithm: str | None = None  # SGLang's --speculative-algorithm for its `eagle` export
     llama_cpp: bool = False  # llama.cpp serves its GGUF export
+
+    def parallel_defaults(self) -> dict[str, int | None]:
+        """The parallel options (train's --draft-layers, --block-size, --anchor-stride) left unset."""
+        return {"draft_layers": self.default_draft_layers, "block_size": self.default_block_size,
+                "anchor_stride": self.default_anchor_stride}
 
     @property
     def position_name(self) -> str:
@@ -69,6 +78,11 @@ def register(family: Family) -> Family:
         raise ValueError(f"drafter family {family.name!r} is registered twice")
     FAMILIES[family.name] = family
     return family
+
+
+def defaults_text(option: str) -> str:
+    """How the parallel families default a train option, for its help: 'p-eagle 2, dflash 2'."""
+    return ", ".join(f"{f.name} {f.parallel_defaults()[option]}" for f in FAMILIES.values() if f.parallel)
 
 
 def is_family(name: Any) -> bool:

@@ -440,12 +440,13 @@ class TrainSettings:
                           "dflash (block diffusion: the target's fused states injected as context into every layer, "
                           "a block of --block-size - 1 drafts from one pass)", default=EAGLE3,
                           choices=DRAFTER_FAMILIES)
-    draft_layers: int | None = option("p-eagle / dflash: decoder layers of the drafter (default 2)", type=int)
-    block_size: int | None = option("p-eagle: drafts per pass, K (default 8); dflash: the block, anchor + B-1 drafts "
-                                    "(default 16)", type=int)
+    draft_layers: int | None = option("p-eagle / dflash: decoder layers of the drafter (default: the family's: "
+                                      f"{families.defaults_text('draft_layers')})", type=int)
+    block_size: int | None = option("p-eagle: drafts per pass, K; dflash: the block, anchor + B-1 drafts (default: the "
+                                    f"family's: {families.defaults_text('block_size')})", type=int)
     anchor_stride: int | None = option("p-eagle / dflash: a block is trained at every N-th position that counts (the "
                                        "grid turns one position a step, so every position is an anchor in turn; "
-                                       "default 8)", type=int)
+                                       f"default: the family's: {families.defaults_text('anchor_stride')})", type=int)
     epochs: float = option("schedule length in epochs", type=parse_float, default=1.0)
     total_steps: int | None = option("schedule length in optimizer steps (overrides --epochs)", type=int)
     stop_after: int | None = option("stop this run at this step; --resume continues", type=int)

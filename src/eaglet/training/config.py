@@ -24,9 +24,8 @@ CALIBRATION_SKIP = 2  # first steps left out of the timing (one-time allocations
 RESIZE_STEPS = 4 * CALIBRATION_STEPS  # steps after the sizing that are timed once more (training.loop.resize_budget)
 RESIZE_SLACK = 0.05  # a re-sized plan within this share of the first is left as it was
 UNSIZED_STEPS = 1 << 40  # the schedule's length before --time-budget has sized it
-# The parallel families' defaults: two layers (the first multi-layer size; a CPU pays for every
-# layer at every pass), the family's own block (families.Family.default_block_size), a block every 8th position.
-PARALLEL_DEFAULTS = {"draft_layers": 2, "block_size": None, "anchor_stride": 8}
+# The options only the parallel families take (their defaults: families.Family.parallel_defaults)
+PARALLEL_OPTIONS = ("draft_layers", "block_size", "anchor_stride")
 # EAGLE-3 drafter options a parallel drafter has no use for (its layers have no TTT unroll to feed)
 EAGLE3_ONLY = ("fc_norm", "norm_output", "norm_before_residual", "sliding_window", "feature_loss_weight")
 
@@ -99,7 +98,7 @@ class TrainConfig(TrainSettings):
         family = self.drafter
         if not families.is_family(family):  # registered now: a plug-in family registers at import
             raise ValueError(f"--drafter {family!r}: choose one of {list(families.FAMILIES)}")
-        parallel = {k: getattr(self, k) for k in PARALLEL_DEFAULTS}
+        parallel = {k: getattr(self, k) for k in PARALLEL_OPTIONS}
         if not families.family(family).parallel:
             given = [k for k, v in parallel.items() if v is not None]
             if given:
@@ -109,8 +108,7 @@ class TrainConfig(TrainSettings):
         unused = [k for k in EAGLE3_ONLY if getattr(self, k)]
         if unused:
             raise ValueError(f"--{unused[0].replace('_', '-')} is an eagle3 option; --drafter {family} has no use for it")
-        defaults = {**PARALLEL_DEFAULTS, "block_size": families.family(family).default_block_size}
-        for k, default in defaults.items():
+        for k, default in families.family(family).parallel_defaults().items():
             if getattr(self, k) is None:
                 object.__setattr__(self, k, default)  # frozen: filled once, while it is made
         ranges.at_least(2, block_size=self.block_size)
