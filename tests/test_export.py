@@ -305,10 +305,14 @@ def test_import_official_eagle_bin_with_target(tmp_path, tiny_target):
     assert load_drafter(folder, target=str(tiny_target)).config.aux_layer_ids == AUX  # the engines' default ids
 
 
-def test_embedded_target_exports_as_its_hub_id(tmp_path):
+def test_embedded_target_exports_as_its_hub_id(tmp_path, monkeypatch):
     """A drafter trained on the embedded SmolLM2 names the model engines can load, not eaglet's
     record name or a local cache folder."""
+    from eaglet import export
     from eaglet.target import embedded_cache_dir, embedded_name
+
+    # the name is under test: this tiny drafter is no drafter of SmolLM2 (export compares that elsewhere)
+    monkeypatch.setattr(export, "refuse_other_target", lambda d, target: None)
 
     draft = random_drafter(tiny_config())
     for i, recorded in enumerate((embedded_name(), str(embedded_cache_dir()))):
@@ -408,3 +412,112 @@ def test_export_refuses_layers_its_recorded_target_lacks(tiny_target, tmp_path):
     with pytest.raises(ValueError, match=r"aux layer ids \[1, 2, 99\] are not all in 0..8, the layers of the target"):
         export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators"))
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Every config.json field import reads is checked, by kind and range, naming the file and field
+# ---------------------------------------------------------------------------------------------
+
+def layer_block(c: dict) -> dict:
+    """The Llama keys: speculators' transformer_layer_config, or an eagle folder's top level."""
+    return c.get("transformer_layer_config", c)
+
+
+def edited_folder(tmp_path: Path, ckpt: Path, fmt: str, edit) -> Path:
+    """`ckpt` exported as `fmt` (fmt eaglet: the checkpoint itself), its config.json edited by `edit`."""
+    folder = ckpt
+    if fmt != "eaglet":
+        folder = tmp_path / fmt
+        export_drafter(ExportOptions(ckpt=ckpt, out=folder, fmt=fmt, dtype="fp32"))
+    c = config(folder)
+    edit(c)
+    (folder / "config.json").write_text(json.dumps(c))
+    return folder
+
+
+def refusal(tmp_path: Path, folder: Path) -> str:
+    """import_drafter's refusal of `folder`, which must leave no output behind."""
+    with pytest.raises(ValueError) as e:
+        import_drafter(ImportOptions(src=folder, out=tmp_path / "back"))
+    assert not (tmp_path / "back").exists()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("fmt,edit,field", [
+    ("speculators", lambda c: layer_block(c).update(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ("speculators", lambda c: layer_block(c).update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                     "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor"),
+    ("eagle", lambda c: c.update(partial_rotary_factor=0.25), "partial_rotary_factor"),
+    ("eagle", lambda c: c.update(rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.5}),
+     "rope_scaling.partial_rotary_factor"),
+    ("eaglet", lambda c: c.update(partial_rotary_factor=0.5), "partial_rotary_factor"),  # SGLang serves it as is
+])
+def test_import_refuses_a_partial_rotary_factor(tmp_path, ckpt, fmt, edit, field):
+    """transformers and vLLM rotate only head_dim * factor dims; eaglet's drafter rotates them all."""
+    message = refusal(tmp_path, edited_folder(tmp_path, ckpt, fmt, edit))
+    assert "config.json" in message and f"field {field} = " in message and "plain RoPE over the whole head" in message
+    whole = edited_folder(tmp_path / "whole", ckpt, fmt, lambda c: layer_block(c).update(partial_rotary_factor=1.0))
+    assert import_drafter(ImportOptions(src=whole, out=tmp_path / "back")).config.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("fmt,section", [("speculators", "rope_parameters"), ("eagle", "rope_parameters"),
+                                         ("eagle", "rope_scaling"), ("eaglet", "rope_parameters")])
+def test_import_refuses_a_rope_theta_that_contradicts_itself(tmp_path, ckpt, fmt, section):
+    """transformers takes rope_parameters' rope_theta over the top-level one; eaglet took the other:
+    a folder that gives two bases is refused, one that repeats its base is read."""
+    folder = edited_folder(tmp_path, ckpt, fmt, lambda c: layer_block(c).update(
+        {section: {"rope_type": "default", "rope_theta": 50000.0}}))
+    message = refusal(tmp_path, folder)
+    assert "config.json" in message and f"field rope_theta = 10000.0 and field {section}.rope_theta = 50000.0 " \
+                                       "disagree" in message
+    same = edited_folder(tmp_path / "same", ckpt, fmt, lambda c: layer_block(c).update(
+        {section: {"rope_type": "default", "rope_theta": 10000.0}}))
+    assert import_drafter(ImportOptions(src=same, out=tmp_path / "back")).config.rope_theta == 10000.0
+
+
+def proposal(c: dict) -> dict:
+    return c["speculators_config"]["proposal_methods"][0]
+
+
+@pytest.mark.parametrize("fmt,edit,field", [
+    ("eagle", lambda c: c.update(rms_norm_eps="abc"), "rms_norm_eps = 'abc': expected a finite number > 0"),
+    ("eagle", lambda c: c.update(rms_norm_eps=[1]), "rms_norm_eps = [1]: expected a finite number > 0"),
+    ("eagle", lambda c: c.update(rope_theta=True), "rope_theta = True: expected a finite number > 0"),
+    ("eagle", lambda c: c.update(eagle_config=5), "eagle_config = 5: expected an object"),
+    ("eagle", lambda c: c.update(rope_parameters=5), "rope_parameters = 5: expected an object"),
+    ("eagle", lambda c: c.update(architectures=5), "architectures = 5: expected a list of class names"),
+    ("eagle", lambda c: c.update(eaglet_export=5), "eaglet_export = 5: expected an object"),
+    ("eagle", lambda c: c.update(norm_output="false"), "norm_output = 'false': expected true or false"),
+    ("eagle", lambda c: c.update(hidden_size=True), "hidden_size = True: expected an integer >= 1"),
+    ("eagle", lambda c: c.update(max_position_embeddings="1024"),
+     "max_position_embeddings = '1024': expected an integer >= 1"),
+    ("eagle", lambda c: c.update(max_position_embeddings=0), "max_position_embeddings = 0: expected an integer >= 1"),
+    ("eagle", lambda c: c.update(eagle_aux_hidden_state_layer_ids="2,4,5"),
+     "eagle_aux_hidden_state_layer_ids = '2,4,5': expected a list of integer layer ids"),
+    ("speculators", lambda c: layer_block(c).update(hidden_size="64"), "hidden_size = '64': expected an integer >= 1"),
+    ("speculators", lambda c: layer_block(c).update(num_key_value_heads=2.5),
+     "num_key_value_heads = 2.5: expected an integer >= 1"),
+    ("speculators", lambda c: c["speculators_config"].update(verifier=[1]),
+     "speculators_config.verifier = [1]: expected an object"),
+    ("speculators", lambda c: proposal(c).update(speculative_tokens="x"),
+     "speculators_config.proposal_methods[0].speculative_tokens = 'x': expected an integer >= 1"),
+    ("speculators", lambda c: proposal(c).update(speculative_tokens=0),
+     "speculators_config.proposal_methods[0].speculative_tokens = 0: expected an integer >= 1"),
+    ("speculators", lambda c: c.update(target_hidden_size="32"), "target_hidden_size = '32': expected an integer >= 1"),
+])
+def test_import_names_the_file_and_field_of_a_value_of_the_wrong_kind(tmp_path, ckpt, fmt, edit, field):
+    """Once raw TypeErrors, AttributeErrors and float()'s message, or strings and zeros read as numbers."""
+    message = refusal(tmp_path, edited_folder(tmp_path, ckpt, fmt, edit))
+    assert message.startswith(str(tmp_path / fmt / "config.json")) and f"field {field}" in message
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "eagle"])
+def test_import_refuses_quantized_weights_naming_the_dtype(tmp_path, ckpt, fmt):
+    """A float8 tensor once failed inside torch.isfinite, naming neither file nor tensor."""
+    folder = tmp_path / fmt
+    export_drafter(ExportOptions(ckpt=ckpt, out=folder, fmt=fmt, dtype="fp32"))
+    tamper(folder, lambda w: w.update({"fc.weight": w["fc.weight"].to(torch.float8_e4m3fn)}))
+    message = refusal(tmp_path, folder)
+    assert (f"{folder / 'model.safetensors'}: field fc.weight is torch.float8_e4m3fn, expected one of torch.float32, "
+            "torch.bfloat16, torch.float16, torch.float64") in message

@@ -38,7 +38,7 @@ from speculators.train.vocab_mapping import build_vocab_mappings_from_distributi
 from transformers import AutoConfig, LlamaConfig  # noqa: E402
 
 from eaglet.drafter import DraftConfig, Eagle3Draft, build_draft_vocab  # noqa: E402
-from eaglet.drafter.files import export_config, load_drafter  # noqa: E402
+from eaglet.drafter.files import export_config, load_drafter, target_embeddings  # noqa: E402
 from eaglet.export import export_drafter, import_drafter  # noqa: E402
 from eaglet.training.checkpoints import save_checkpoint  # noqa: E402
 from eaglet.options import ExportOptions, ImportOptions  # noqa: E402
@@ -175,6 +175,8 @@ def exported(tmp_path_factory, tiny_target):
                                           **EXPORT_VARIANTS[name])
             draft = Eagle3Draft(cfg)
             randomize_(draft, seed=list(EXPORT_VARIANTS).index(name) + 1)
+            with torch.no_grad():  # the target's, as training gives them (export compares them)
+                draft.embed_tokens.weight.copy_(target_embeddings(str(tiny_target)))
             draft.set_draft_vocab(*build_draft_vocab(random_vocab_freq(cfg.target_vocab_size, 3),
                                                      cfg.target_vocab_size, DRAFT_VOCAB))
             ckpt = save_checkpoint(root / "checkpoints", 5, draft,

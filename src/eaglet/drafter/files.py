@@ -23,12 +23,16 @@ import torch
 from eaglet import __version__, families, formats, heads, layers, vllm_engine
 from eaglet.drafter.config import DraftConfig
 from eaglet.drafter.parallel import DraftModel, build_model
+from eaglet.formats.drafters import SECTION, plain_rope_theta, read_field
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
 from eaglet.target import find_target_gguf, load_heads, resolve_target, serving_name, text_config
 
 log = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # an export's weights (options.EXPORT_DTYPE_NAMES)
+# The float dtypes a drafter's weights may be read in: plain floats, which convert to the model's
+# fp32 as they are. A float8 (or other quantized) tensor means nothing without its scales.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 EMBEDDINGS = "embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 # Why a missing tensor matters, for the error message.
@@ -101,6 +105,10 @@ def weight_problems(cfg: DraftConfig, tensors: dict[str, torch.Tensor], fmt: str
             problems.append(f"field {shown[name]} has shape {list(got.shape)}, config.json implies {list(want.shape)}")
         elif kind(got) != kind(want):
             problems.append(f"field {shown[name]} is {got.dtype}, expected a {kind(want)} tensor")
+        elif got.is_floating_point() and got.dtype not in FLOAT_DTYPES:
+            problems.append(f"field {shown[name]} is {got.dtype}, expected one of "
+                            f"{', '.join(str(d) for d in FLOAT_DTYPES)} (quantized weights are not read: "
+                            "dequantize them first)")
         elif got.is_floating_point() and not torch.isfinite(got).all():
             problems.append(f"field {shown[name]} holds NaN or Inf")
         else:
@@ -174,6 +182,8 @@ def refuse_edited_engine_fields(c: dict[str, Any], cfg: DraftConfig, where: Path
         k = edited[0]
         raise ValueError(f"{where}: field {k} {c[k]!r} is not what eaglet.draft_config implies ({implied[k]!r}); the "
                          "file was edited: restore it (or export from another checkpoint)")
+    if not families.family(cfg.family).parallel:  # RoPE keys eaglet never writes, but SGLang would read as set
+        plain_rope_theta(c, str(where))
 
 
 def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
@@ -182,6 +192,8 @@ def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
     folder = resolve_checkpoint(path)
     config_path = folder / formats.DRAFTER_CONFIG_FILE
     c = formats.read_json(config_path)
+    if not isinstance(c, dict):
+        raise ValueError(f"{config_path}: holds {type(c).__name__}, expected a JSON object (a drafter's config)")
     fmt = formats.detect_drafter_format(c, str(config_path))
     weights_where = ", ".join(str(f) for f in formats.weight_files(folder))
     stored = formats.read_weight_files(folder)
@@ -208,13 +220,18 @@ def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
     return Drafter(folder, fmt, cfg, tensors, c, from_target)
 
 
+def export_record(d: Drafter) -> dict[str, Any]:
+    """What eaglet's export recorded in an engine folder (`eaglet_export`); {} in other tools' folders."""
+    return read_field(d.source, "eaglet_export", str(d.folder / formats.DRAFTER_CONFIG_FILE), SECTION, {})
+
+
 def recorded_target_revision(d: Drafter) -> str | None:
     """The revision (content hash) of the target the drafter was trained for: an eaglet checkpoint
     and eaglet's exports record it; folders from other tools do not."""
     if d.format == formats.FORMAT_EAGLET:
         field, value = "eaglet.target_revision", d.source["eaglet"].get("target_revision")
     else:
-        field, value = "eaglet_export.target_revision", (d.source.get("eaglet_export") or {}).get("target_revision")
+        field, value = "eaglet_export.target_revision", export_record(d).get("target_revision")
     if value is not None and not (isinstance(value, str) and value):
         raise ValueError(f"{d.folder / formats.DRAFTER_CONFIG_FILE}: field {field} {value!r} is not a revision (a "
                          "content hash eaglet records); restore the file")
@@ -230,7 +247,7 @@ def recorded_target(d: Drafter) -> str | None:
         name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
         field, value = "speculators_config.verifier.name_or_path", name
     else:
-        field, value = "eaglet_export.target", (d.source.get("eaglet_export") or {}).get("target")
+        field, value = "eaglet_export.target", export_record(d).get("target")
     if value is not None and not (isinstance(value, str) and value):
         raise ValueError(f"{d.folder / formats.DRAFTER_CONFIG_FILE}: field {field} {value!r} is not a model folder "
                          "or hub id; write the target's folder or id there, or pass --target")

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,65 +123,164 @@ def _llama_block(cfg: Any, model_type: str = "llama") -> dict[str, Any]:
     }
 
 
-def _sliding_window(block: dict[str, Any], where: str) -> int | None:
-    """The one layer's window, read as speculators does: sliding only when `layer_types` says so
-    (a `sliding_window` without `layer_types` is full attention there)."""
-    layer_types = block.get("layer_types") or []
-    if not layer_types or layer_types[0] != "sliding_attention":
-        return None
-    window = block.get("sliding_window")
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"{where}: layer_types says sliding_attention but sliding_window is {window!r}")
-    return window
+@dataclass(frozen=True)
+class Kind:
+    """What a config.json field must hold: a test, and the words that say it in a refusal."""
+
+    holds: Callable[[Any], bool]
+    expected: str
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON `true` is a Python int, and no count
+
+
+COUNT = Kind(lambda v: _integer(v) and v >= 1, "an integer >= 1")
+INDEX = Kind(lambda v: _integer(v) and v >= 0, "an integer >= 0")
+POSITIVE = Kind(lambda v: (_integer(v) or isinstance(v, float)) and math.isfinite(v) and v > 0,
+                "a finite number > 0")
+SWITCH = Kind(lambda v: isinstance(v, bool), "true or false")  # "false" would read as true
+SECTION = Kind(lambda v: isinstance(v, dict), "an object")
+LIST = Kind(lambda v: isinstance(v, list), "a list")
+SECTIONS = Kind(lambda v: isinstance(v, list) and bool(v) and all(isinstance(m, dict) for m in v),
+                "a non-empty list of objects")
+LAYER_IDS = Kind(layers.is_id_list, "a list of integer layer ids")
+NAMES = Kind(lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v), "a list of class names")
+REQUIRED: Any = object()  # read_field's default for a field the folder must have
+PLAIN_ROPE = "eaglet's drafter uses plain RoPE"
 
 
 def _refuse(where: str, field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{where}: field {field} = {value!r}: {why}")
 
 
+def read_field(c: dict[str, Any], key: str, where: str, kind: Kind, default: Any = REQUIRED, prefix: str = "",
+               why: str = "") -> Any:
+    """`c[key]` checked against `kind`; absent or null: `default` (REQUIRED: refused as missing).
+    Every config.json field the readers below use comes through here, so a wrong kind or a
+    meaningless value is refused naming the file (`where`) and the field (`prefix` + key), never
+    met later as a raw TypeError, or as a string Python happens to convert."""
+    value = c.get(key)
+    if value is None:
+        if default is REQUIRED:
+            raise ValueError(f"{where}: field {prefix}{key} missing: expected {kind.expected}{why}")
+        return default
+    if not kind.holds(value):
+        raise _refuse(where, prefix + key, value, f"expected {kind.expected}{why}")
+    return value
+
+
+def _agreed(key: str, where: str, kind: Kind, places: list[tuple[str, dict[str, Any]]], default: Any) -> Any:
+    """A field a layout may keep in several places, (prefix, section) each: every one present is
+    checked, and they must agree. Engines differ on which they read (transformers takes
+    rope_parameters' rope_theta over the top-level one), so a folder that says two things is refused."""
+    found = [(prefix + key, read_field(section, key, where, kind, None, prefix)) for prefix, section in places]
+    found = [(name, value) for name, value in found if value is not None]
+    for name, value in found[1:]:
+        if value != found[0][1]:
+            raise ValueError(f"{where}: field {found[0][0]} = {found[0][1]!r} and field {name} = {value!r} disagree "
+                             "(the engines differ on which they read): make them one value")
+    if found:
+        return found[0][1]
+    if default is REQUIRED:
+        raise ValueError(f"{where}: field {places[0][0]}{key} missing: expected {kind.expected}")
+    return default
+
+
+def _switch(key: str, where: str, places: list[tuple[str, dict[str, Any]]]) -> bool:
+    return bool(_agreed(key, where, SWITCH, places, False))
+
+
+def architectures(c: dict[str, Any], where: str) -> list[str]:
+    return list(read_field(c, "architectures", where, NAMES, []))
+
+
+def _sliding_window(block: dict[str, Any], where: str) -> int | None:
+    """The one layer's window, read as speculators does: sliding only when `layer_types` says so
+    (a `sliding_window` without `layer_types` is full attention there)."""
+    layer_types = read_field(block, "layer_types", where, LIST, [])
+    if not layer_types or layer_types[0] != "sliding_attention":
+        return None
+    return int(read_field(block, "sliding_window", where, COUNT, why=" (layer_types says sliding_attention)"))
+
+
+def plain_rope_theta(block: dict[str, Any], where: str) -> float:
+    """Plain RoPE's base. transformers (and vLLM) read RoPE from the top level, `rope_parameters`
+    and `rope_scaling` together; any variant eaglet's drafter does not run (a scaled type, per
+    layer type parameters, a rotary over part of each head) is refused rather than run as plain RoPE."""
+    places = [("", block)] + [(f"{key}.", section) for key in ("rope_parameters", "rope_scaling")
+                              if (section := read_field(block, key, where, SECTION, None)) is not None]
+    for prefix, section in places[1:]:
+        type_key = "rope_type" if "rope_type" in section else "type"
+        if section.get(type_key, "default") != "default":
+            raise _refuse(where, prefix + type_key, section[type_key], PLAIN_ROPE)
+        nested = next((k for k, v in section.items() if isinstance(v, dict)), None)
+        if nested is not None:
+            raise _refuse(where, prefix + nested, section[nested], f"{PLAIN_ROPE}, one set of parameters (not one "
+                                                                    "per layer type)")
+    for prefix, section in places:
+        factor = read_field(section, "partial_rotary_factor", where, POSITIVE, 1.0, prefix)
+        if factor != 1.0:
+            raise _refuse(where, prefix + "partial_rotary_factor", factor, f"{PLAIN_ROPE} over the whole head "
+                          f"(transformers and vLLM would rotate only head_dim * {factor} of its dims)")
+    return float(_agreed("rope_theta", where, POSITIVE, places, 10000.0))
+
+
 def _llama_fields(block: dict[str, Any], where: str, layers_of: str | None = None) -> dict[str, Any]:
     """DraftConfig fields from a Llama block; variants eaglet's drafter cannot run are refused.
     `layers_of`: the parallel family whose drafters have num_hidden_layers layers (EAGLE-3: one)."""
-    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if not isinstance(block.get(key), int):
-            raise ValueError(f"{where}: field {key} missing or not an integer")
-    layer_count = block.get("num_hidden_layers", 1)
+    hidden, heads, intermediate, vocab = (read_field(block, key, where, COUNT) for key in (
+        "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"))
+    layer_count = read_field(block, "num_hidden_layers", where, COUNT, 1)
     if layers_of is None and layer_count != 1:
         raise _refuse(where, "num_hidden_layers", layer_count, "eaglet's EAGLE-3 drafters have one decoder layer")
-    if not isinstance(layer_count, int) or layer_count < 1:
-        raise _refuse(where, "num_hidden_layers", layer_count, "a count of decoder layers >= 1 is needed")
     if block.get("hidden_act", "silu") != "silu":
         raise _refuse(where, "hidden_act", block["hidden_act"], "eaglet's MLP is SwiGLU (silu)")
     for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
-        if block.get(key):
+        if read_field(block, key, where, SWITCH, False):
             raise _refuse(where, key, block[key], "not supported by eaglet's drafter")
-    rope = block.get("rope_parameters") or block.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise _refuse(where, "rope_parameters.rope_type", rope_type, "eaglet's drafter uses plain RoPE")
-    heads, hidden = block["num_attention_heads"], block["hidden_size"]
-    return dict(hidden_size=hidden, num_heads=heads, num_kv_heads=int(block.get("num_key_value_heads") or heads),
-                head_dim=int(block.get("head_dim") or hidden // heads), intermediate_size=block["intermediate_size"],
-                rms_norm_eps=float(block.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(block.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                max_position_embeddings=layers.config_positions(block),
-                target_vocab_size=block["vocab_size"], sliding_window=_sliding_window(block, where),
+    return dict(hidden_size=hidden, num_heads=heads, num_kv_heads=read_field(block, "num_key_value_heads", where,
+                                                                             COUNT, heads),
+                head_dim=read_field(block, "head_dim", where, COUNT, hidden // heads), intermediate_size=intermediate,
+                rms_norm_eps=float(read_field(block, "rms_norm_eps", where, POSITIVE, 1e-6)),
+                rope_theta=plain_rope_theta(block, where),
+                max_position_embeddings=read_field(block, "max_position_embeddings", where, COUNT,
+                                                   layers.UNBOUNDED_POSITIONS),
+                target_vocab_size=vocab, sliding_window=_sliding_window(block, where),
                 **({"num_layers": layer_count, "family": layers_of} if layers_of else {}))
 
 
-def _draft_fields(c: dict[str, Any], fields: dict[str, Any], where: str, norm_before_residual: Any,
-                  norm_before_fc: Any, per_layer_fc_norm: Any, norm_output: Any) -> dict[str, Any]:
+def _vocab_fields(c: dict[str, Any], fields: dict[str, Any], where: str, draft_vocab_default: Any) -> dict[str, Any]:
+    """The Llama block's fields with the drafter's vocabulary and the width of the states it reads."""
+    why = " (engines disagree on the default)" if draft_vocab_default is REQUIRED else ""
+    return {**fields, "draft_vocab_size": read_field(c, "draft_vocab_size", where, COUNT, draft_vocab_default, why=why),
+            "target_hidden_size": read_field(c, "target_hidden_size", where, COUNT, fields["hidden_size"])}
+
+
+def _draft_fields(c: dict[str, Any], fields: dict[str, Any], where: str, norm_before_residual: bool,
+                  norm_before_fc: bool, per_layer_fc_norm: bool, norm_output: bool) -> dict[str, Any]:
     """The EAGLE-3 fields both formats share, on top of the Llama block's."""
     if per_layer_fc_norm:
         raise _refuse(where, "fc_norm", per_layer_fc_norm, "per-layer norms before fc are not eaglet's "
                       "fc_norm (one RMSNorm over the concat, `norm_before_fc`)")
-    draft_vocab = c.get("draft_vocab_size")
-    if not isinstance(draft_vocab, int):
-        raise ValueError(f"{where}: field draft_vocab_size missing or not an integer (engines disagree on the default)")
-    return {**fields, "draft_vocab_size": draft_vocab,
-            "target_hidden_size": int(c.get("target_hidden_size") or fields["hidden_size"]),
-            "fc_norm": bool(norm_before_fc), "norm_output": bool(norm_output),
-            "norm_before_residual": bool(norm_before_residual)}
+    return {**_vocab_fields(c, fields, where, REQUIRED), "fc_norm": norm_before_fc, "norm_output": norm_output,
+            "norm_before_residual": norm_before_residual}
+
+
+def _layer_ids(c: dict[str, Any], key: str, where: str, prefix: str = "") -> list[int] | None:
+    """A list of layer ids, or None when the folder names none (engines then use their defaults)."""
+    return list(read_field(c, key, where, LAYER_IDS, [], prefix)) or None
+
+
+def _speculative_tokens(c: dict[str, Any], where: str, default: Any = None) -> Any:
+    """The drafts per pass of a speculators config (its first proposal method's, as vLLM reads
+    them), its verifier checked on the way: vLLM serves the folder with these, so they are checked
+    even where eaglet itself does not need them."""
+    spec = read_field(c, "speculators_config", where, SECTION, {})
+    read_field(spec, "verifier", where, SECTION, None, "speculators_config.")
+    methods = read_field(spec, "proposal_methods", where, SECTIONS, [{}], "speculators_config.")
+    return read_field(methods[0], "speculative_tokens", where, COUNT, default,
+                      "speculators_config.proposal_methods[0].")
 
 
 def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any] | None) -> dict[str, Any]:
@@ -200,29 +302,26 @@ def build_eagle_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any] | 
 
 def parse_eagle_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
     """(DraftConfig fields, aux ids in HF indexing or None when the folder names none)."""
-    if not any(a in EAGLE_ARCHITECTURES for a in c.get("architectures") or []):
+    if not any(a in EAGLE_ARCHITECTURES for a in architectures(c, where)):
         raise _refuse(where, "architectures", c.get("architectures"), f"expected one of {list(EAGLE_ARCHITECTURES)}")
-    eagle = c.get("eagle_config") or {}
-    if eagle.get("use_aux_hidden_state") is False:
+    eagle = read_field(c, "eagle_config", where, SECTION, {})
+    if not read_field(eagle, "use_aux_hidden_state", where, SWITCH, True, "eagle_config."):
         raise _refuse(where, "eagle_config.use_aux_hidden_state", False, "not an EAGLE-3 drafter (no fused aux states)")
-    fields = _draft_fields(c, _llama_fields(c, where), where, c.get("norm_before_residual"),
-                           eagle.get("norm_before_fc", c.get("norm_before_fc")), c.get("fc_norm") or eagle.get("fc_norm"),
-                           c.get("norm_output", eagle.get("norm_output")))
-    top, nested = c.get("eagle_aux_hidden_state_layer_ids"), eagle.get("eagle_aux_hidden_state_layer_ids")
-    for name, ids in (("eagle_aux_hidden_state_layer_ids", top), ("eagle_config.eagle_aux_hidden_state_layer_ids",
-                                                                  nested)):
-        if ids and not layers.is_id_list(ids):
-            raise ValueError(f"{where}: field {name} {ids!r}: expected a list of integer layer ids")
+    places = [("", c), ("eagle_config.", eagle)]  # engines read the norm switches from either
+    fields = _draft_fields(c, _llama_fields(c, where), where, *(_switch(key, where, places) for key in (
+        "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")))
+    top = _layer_ids(c, "eagle_aux_hidden_state_layer_ids", where)
+    nested = _layer_ids(eagle, "eagle_aux_hidden_state_layer_ids", where, "eagle_config.")
     if top:
-        if nested and list(nested) not in (list(top), layers.to_sglang(list(top))):
+        if nested and nested not in (top, layers.to_sglang(top)):
             raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {top} and eagle_config."
                              f"eagle_aux_hidden_state_layer_ids {nested} name different layers")
-        return fields, list(top)
+        return fields, top
     if nested:
         if nested[0] != 1:
             log.warning("%s: eagle_config.eagle_aux_hidden_state_layer_ids %s: read as capture-before-layer ids "
                         "(as SGLang >= #25454 does; older SGLang adds 1)", where, nested)
-        return fields, layers.from_sglang(list(nested))
+        return fields, layers.from_sglang(nested)
     return fields, None
 
 
@@ -253,15 +352,14 @@ def parse_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, A
     if c.get("speculators_model_type") != families.EAGLE3.speculators_type:
         raise _refuse(where, "speculators_model_type", c.get("speculators_model_type"),
                       f"expected one of {sorted({f.speculators_type for f in families.FAMILIES.values()})}")
-    block = c.get("transformer_layer_config")
-    if not isinstance(block, dict):
-        raise ValueError(f"{where}: field transformer_layer_config missing or not a dict")
-    if "norm_before_residual" not in c:
-        raise ValueError(f"{where}: field norm_before_residual missing (vLLM then assumes true, speculators false)")
-    fields = _draft_fields(c, _llama_fields(block, f"{where} transformer_layer_config"), where,
-                           c["norm_before_residual"], c.get("norm_before_fc"), c.get("fc_norm"), c.get("norm_output"))
-    ids = c.get("eagle_aux_hidden_state_layer_ids")
-    return fields, (list(ids) if ids else None)
+    block = read_field(c, "transformer_layer_config", where, SECTION)
+    _speculative_tokens(c, where)
+    residual = read_field(c, "norm_before_residual", where, SWITCH,
+                          why=" (vLLM then assumes true, speculators false)")
+    fields = _draft_fields(c, _llama_fields(block, f"{where} transformer_layer_config"), where, residual,
+                           *(read_field(c, key, where, SWITCH, False) for key in ("norm_before_fc", "fc_norm",
+                                                                                  "norm_output")))
+    return fields, _layer_ids(c, "eagle_aux_hidden_state_layer_ids", where)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,40 +418,35 @@ def build_parallel_speculators_config(cfg: Any, torch_dtype: str, verifier_name:
     return {**config, "eaglet_export": provenance}
 
 
-def _parallel_fields(c: dict[str, Any], block: dict[str, Any], where: str, family: str,
-                     block_size: Any, mask_token_id: Any) -> dict[str, Any]:
-    """DraftConfig fields of a parallel drafter: its layers' (block), vocabulary, block and mask token."""
-    fields = _llama_fields(block, where, family)
-    for key, value in (("block size", block_size), ("mask_token_id", mask_token_id)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{where}: field {key} missing or not an integer")
-    draft_vocab = c.get("draft_vocab_size") or fields["target_vocab_size"]  # none: the whole vocabulary
-    return {**fields, "draft_vocab_size": int(draft_vocab),
-            "target_hidden_size": int(c.get("target_hidden_size") or fields["hidden_size"]),
-            "block_size": block_size, "mask_token_id": mask_token_id}
+def _parallel_fields(c: dict[str, Any], block: dict[str, Any], where: str, block_where: str, family: str,
+                     block_size: int, mask_token_id: int) -> dict[str, Any]:
+    """DraftConfig fields of a parallel drafter: its layers' (`block`, read at `block_where`),
+    vocabulary (none: the whole vocabulary), block and mask token."""
+    fields = _llama_fields(block, block_where, family)
+    return {**_vocab_fields(c, fields, where, fields["target_vocab_size"]), "block_size": block_size,
+            "mask_token_id": mask_token_id}
 
 
 def parse_parallel_speculators_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
     """(DraftConfig fields, aux ids in HF indexing or None) of a speculators `peagle` / `dflash` config."""
     family = speculators_family(c["speculators_model_type"])
     assert family is not None, "parse_engine_config reads only the parallel families' types here"
-    block = c.get("transformer_layer_config")
-    if not isinstance(block, dict):
-        raise ValueError(f"{where}: field transformer_layer_config missing or not a dict")
-    if families.family(family).injects_context:  # DFlash's schema
-        if c.get("sample_from_anchor"):
+    block = read_field(c, "transformer_layer_config", where, SECTION)
+    dflash = families.family(family).injects_context
+    drafts = _speculative_tokens(c, where, None if dflash else REQUIRED)  # P-EAGLE's block size
+    if dflash:  # DFlash's schema
+        if read_field(c, "sample_from_anchor", where, SWITCH, False):
             raise _refuse(where, "sample_from_anchor", True, "DSpark, not plain DFlash (eaglet's anchor predicts "
                                                              "nothing)")
-        ids, block_size = c.get("aux_hidden_state_layer_ids"), c.get("block_size")
+        ids_key, block_size = "aux_hidden_state_layer_ids", read_field(c, "block_size", where, COUNT)
     else:
         for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
-            if c.get(key):
+            if read_field(c, key, where, SWITCH, False):
                 raise _refuse(where, key, c[key], "eaglet's P-EAGLE drafter has no such norm")
-        methods = (c.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        ids, block_size = c.get("eagle_aux_hidden_state_layer_ids"), methods[0].get("speculative_tokens")
-    fields = _parallel_fields(c, block, f"{where} transformer_layer_config", family, block_size,
-                              c.get("mask_token_id"))
-    return fields, (list(ids) if ids else None)
+        ids_key, block_size = "eagle_aux_hidden_state_layer_ids", drafts
+    fields = _parallel_fields(c, block, where, f"{where} transformer_layer_config", family, block_size,
+                              read_field(c, "mask_token_id", where, INDEX))
+    return fields, _layer_ids(c, ids_key, where)
 
 
 def build_dflash_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any]) -> dict[str, Any]:
@@ -369,10 +462,12 @@ def build_dflash_config(cfg: Any, torch_dtype: str, provenance: dict[str, Any]) 
 
 def parse_dflash_config(c: dict[str, Any], where: str) -> tuple[dict[str, Any], list[int] | None]:
     """(DraftConfig fields, aux ids in HF indexing or None) of a `DFlashDraftModel` config."""
-    dflash = c.get("dflash_config") or {}
-    ids = dflash.get("target_layer_ids")
-    fields = _parallel_fields(c, c, where, families.DFLASH.name, dflash.get("block_size", c.get("block_size")),
-                              dflash.get("mask_token_id", c.get("mask_token_id")))
+    dflash = read_field(c, "dflash_config", where, SECTION, {})
+    places = [("dflash_config.", dflash), ("", c)]
+    block_size, mask = (_agreed(key, where, kind, places, REQUIRED) for key, kind in (("block_size", COUNT),
+                                                                                      ("mask_token_id", INDEX)))
+    fields = _parallel_fields(c, c, where, where, families.DFLASH.name, block_size, mask)
+    ids = _layer_ids(dflash, "target_layer_ids", where, "dflash_config.")
     return fields, ([i + 1 for i in ids] if ids else None)
 
 
@@ -382,7 +477,7 @@ def parse_engine_config(c: dict[str, Any], fmt: str, where: str) -> tuple[dict[s
         kind = c.get("speculators_model_type")
         return (parse_parallel_speculators_config if speculators_family(kind) is not None
                 else parse_speculators_config)(c, where)
-    if DFLASH_ARCHITECTURE in (c.get("architectures") or []):
+    if DFLASH_ARCHITECTURE in architectures(c, where):
         return parse_dflash_config(c, where)
     return parse_eagle_config(c, where)
 
@@ -392,7 +487,7 @@ def detect_drafter_format(c: dict[str, Any], where: str) -> str:
         return FORMAT_EAGLET
     if "speculators_model_type" in c:
         return FORMAT_SPECULATORS
-    if any(a in (*EAGLE_ARCHITECTURES, DFLASH_ARCHITECTURE) for a in c.get("architectures") or []):
+    if any(a in (*EAGLE_ARCHITECTURES, DFLASH_ARCHITECTURE) for a in architectures(c, where)):
         return FORMAT_EAGLE
     raise ValueError(f"{where}: not a drafter config (no 'eaglet' section, no speculators_model_type, "
                      f"architectures {c.get('architectures')} not in {[*EAGLE_ARCHITECTURES, DFLASH_ARCHITECTURE]})")
