@@ -181,7 +181,12 @@ def test_eval_greedy_with_a_mapped_target_is_exact(llama, tmp_path, monkeypatch)
 
     torch.manual_seed(0)
     cfg = DraftConfig.from_target(AutoConfig.from_pretrained(llama), [1, 2, 3], draft_vocab_size=300)
-    ckpt = save_checkpoint(tmp_path / "checkpoints", 1, Eagle3Draft(cfg), export_config(cfg, {"target": str(llama)}),
+    from eaglet.drafter.files import target_embeddings
+
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():  # the target's, as training gives them (eval compares them)
+        draft.embed_tokens.weight.copy_(target_embeddings(str(llama)))
+    ckpt = save_checkpoint(tmp_path / "checkpoints", 1, draft, export_config(cfg, {"target": str(llama)}),
                            {})
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "Write a function that adds."},
                                                  {"id": "b", "prompt": "Hello there"}])
