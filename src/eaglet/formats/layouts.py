@@ -46,9 +46,10 @@ from eaglet.formats.io import (TMP_MARK, failures_named, header_shapes, inside_f
                                torch_save_atomic, write_safetensors_atomic)
 from eaglet.formats.listing import DatasetFiles, files_in, flat_layout_files, nested_layout_files, rows_layout_files
 from eaglet.formats.samples import (HIDDEN_STATES_DIR, LAST_STATE_POST_NORM, LAST_STATE_PRE_NORM, ROWS_PER_FOLDER,
-                                    TABLE_ROW, V1_FOLDER_RE, WRONG_DTYPE, WRONG_SHAPE, FileStates, Finding,
+                                    TABLE_ROW, V1_FOLDER_RE, WRONG_SHAPE, FileStates, Finding,
                                     StoredTeacher, TrainingSample, drop_batch_dim, eagle3_states, keys_findings,
-                                    lacks_keys, rows_folder, stacked_states_finding, stored_kind_findings)
+                                    lacks_keys, rows_folder, sparse_tensors, stacked_states_finding,
+                                    stored_kind_findings)
 from eaglet.options import WRITTEN_LAYOUT_NAMES
 
 # The layouts' names: data_config.json's "format", `eaglet check`'s report.
@@ -167,7 +168,7 @@ def v1_file_states(obj: Any, where: str) -> tuple[FileStates | None, list[Findin
         return None, found or [Finding(WRONG_SHAPE, f"hidden_states is a {type(hs).__name__}: the layout stores a "
                                                     "list of tensors")]
     found += stored_kind_findings(obj, ("input_ids", "loss_mask"))
-    if any(f.kind == WRONG_DTYPE and "dense" in f.message for f in found):
+    if sparse_tensors(obj):  # named above; no value check can read them
         return None, found
     return FileStates(obj["input_ids"], obj["loss_mask"], list(hs)), found
 

@@ -147,15 +147,19 @@ def lacks_keys(obj: Any, expected: tuple[str, ...]) -> bool:
     return not isinstance(obj, dict) or any(k not in obj for k in expected)
 
 
+def sparse_tensors(obj: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """(key, tensor) of each tensor of a file (in lists too) that is not dense: no reader takes one."""
+    tensors = [(k, t) for k, v in obj.items() for t in (v if isinstance(v, (list, tuple)) else [v])]
+    return [(k, t) for k, t in tensors if isinstance(t, torch.Tensor) and t.layout != torch.strided]
+
+
 def stored_kind_findings(obj: dict[str, Any], token_names: tuple[str, ...]) -> list[Finding]:
     """What a file's tensors must be as its layout stores them (docs/formats.md): token ids and
     masks int64, every tensor dense (a sparse one is no state any reader takes)."""
     found = [Finding(WRONG_DTYPE, f"{name} is {str(t.dtype).removeprefix('torch.')}: the layout stores int64")
              for name in token_names if isinstance(t := obj.get(name), torch.Tensor) and t.dtype != torch.int64]
-    tensors = [(k, t) for k, v in obj.items() for t in (v if isinstance(v, (list, tuple)) else [v])]
-    found += [Finding(WRONG_DTYPE, f"{k} is a {t.layout} tensor: the layout stores dense (strided) tensors")
-              for k, t in tensors if isinstance(t, torch.Tensor) and t.layout != torch.strided]
-    return found
+    return found + [Finding(WRONG_DTYPE, f"{k} is a {t.layout} tensor: the layout stores dense (strided) tensors")
+                    for k, t in sparse_tensors(obj)]
 
 
 def stacked_states_finding(hs: torch.Tensor) -> Finding | None:

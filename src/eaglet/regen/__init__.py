@@ -72,12 +72,12 @@ def check_options(s: Settings) -> None:
     ranges.seconds(time_budget=o.time_budget)
 
 
-def record_meta(backend: str, s: Settings, own: dict[str, Any]) -> dict[str, Any]:
+def record_meta(o: RegenOptions, own: dict[str, Any]) -> dict[str, Any]:
     """What every output line records about how its answers were made: the target first, then
     the sampling, then the backend's own (the key order lines have always had)."""
     target: dict[str, Any] = {key: own[key] for key in ("target", "target_revision") if key in own}
-    return {**target, "backend": backend, "temperature": s.options.temperature, "top_p": s.options.top_p,
-            "max_new_tokens": s.options.max_new_tokens, **own}
+    return {**target, "backend": o.backend, "temperature": o.temperature, "top_p": o.top_p,
+            "max_new_tokens": o.max_new_tokens, **own}
 
 
 def progress_bar_for(num_samples: int | None, done: set[str], enabled: bool) -> tqdm:
@@ -109,7 +109,7 @@ def regenerate(options: RegenOptions, backoff: float = 1.0, progress_bar: bool =
         formats.claim_errors_report(out)
         done = open_output(out, o.resume)
         answerer = BACKENDS[o.backend](settings)
-        meta = record_meta(o.backend, settings, answerer.meta)
+        meta = record_meta(o, answerer.meta)
         if done:
             formats.refuse_mixed_regen(out, meta)
         summary = RegenSummary(out, errors_path(out))
