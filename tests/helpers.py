@@ -118,14 +118,23 @@ def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Pa
     return out
 
 
-def target_gguf(path: Path, n_tokens: int = len(TOKENS), width: int | None = None) -> Path:
+def target_gguf(path: Path, n_tokens: int = len(TOKENS), width: int | None = None, tokenizer: Path | None = None
+                ) -> Path:
     """A stand-in for the target's GGUF: just the tokenizer keys the drafter copies (and, given a
-    width, the hidden size a real one records)."""
+    width, the hidden size a real one records): the tokens of the model folder `tokenizer` (padded
+    to `n_tokens`, as a converter pads a vocabulary), else tok0, tok1, ..."""
+    tokens = [f"tok{i}" for i in range(n_tokens)]
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        own = tok.convert_ids_to_tokens(list(range(len(tok))))
+        tokens = [*own, *(f"[PAD{i}]" for i in range(len(own), n_tokens))]
     w = gguf.GGUFWriter(path, "llama")
     if width is not None:
         w.add_embedding_length(width)
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"tok{i}" for i in range(n_tokens)])
+    w.add_token_list(tokens)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.write_header_to_file()

@@ -263,6 +263,15 @@ def test_prepare_mix_follows_data_with_its_own_skip_and_count(tiny_target, chats
     assert [s.input_ids for s in samples[4:]] == [s.input_ids for s in formats.read_prepared(alone.out)[0]]
     with pytest.raises(ValueError, match="--mix-samples / --mix-skip: set, but no --mix source"):
         prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "p2", mix_samples=3))
+    # a fault in the mix is the mix's, not --data's
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"--mix .*folder: a folder, not a chat file"):
+        prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "p3",
+                               mix=str(tmp_path / "folder")))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"--data .*empty.jsonl and --mix .*empty.jsonl: no usable chat in 0 records"):
+        prepare(PrepareOptions(target=str(tiny_target), data=str(tmp_path / "empty.jsonl"), out=tmp_path / "p4",
+                               mix=str(tmp_path / "empty.jsonl")))
 
 
 @pytest.mark.parametrize("options, message", [({"max_length": -5}, "--max-length -5: must be >= 1"),

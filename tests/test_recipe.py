@@ -165,6 +165,9 @@ def test_a_finished_prepared_dataset_the_recipe_did_not_record_is_never_replaced
     prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=out / "prepared", max_length=128,
                            num_samples=2))
     before = (out / "prepared" / formats.PREPARED_FILE).read_bytes()
+    with pytest.raises(FileExistsError, match=r"run: holds prepared, which no eaglet stage marked as its own"):
+        run_recipe(RunOptions(spec=recipe, out=out))
+    formats.io.mark_output(out, "run")  # in a recipe's own folder even: the stage marker says what the recipe made
     with pytest.raises(ValueError, match=r"prepared: a finished prepared dataset that .*prepare\.json does not "
                                          r"record \(made outside this recipe, or its marker removed\); remove"):
         run_recipe(RunOptions(spec=recipe, out=out))

@@ -247,7 +247,7 @@ def test_convert_killed_at_any_write_resumes_to_the_same_files(n, work, tiny_tar
     assert [k for k in whole if k != "data_config.json" and killed[k] != whole[k]] == []
 
 
-@pytest.mark.parametrize("n", [2, 5])
+@pytest.mark.parametrize("n", [3, 6])  # the first write is the run folder's marker, the second train_config.json
 def test_train_killed_at_any_write_resumes_exactly(n, work, tmp_path):
     opts = ["--total-steps", "8", "--ttt-steps", "3", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "4",
             "--save-every", "2", "--log-every", "2", "--batch-size", "2", "--eval-fraction", "0.1"]

@@ -177,19 +177,21 @@ def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
             yield f"{path}:{line_no}", record
 
 
-def iter_records(source: str, stats: ReadStats) -> Iterator[tuple[str, Any]]:
+def iter_records(source: str, stats: ReadStats, option: str = "--data") -> Iterator[tuple[str, Any]]:
     """Yield `(sample_id, raw record)` from `sharegpt` (embedded), a .json array or a .jsonl file;
-    `stats.where` names the record yielded last (file:line, or file[index], and its id)."""
+    `stats.where` names the record yielded last (file:line, or file[index], and its id). `option`:
+    the option that named the file, for messages."""
     path = embedded.sharegpt_json() if source == EMBEDDED_SHAREGPT else Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"--data {source}: no such file")
+        raise FileNotFoundError(f"{option} {source}: no such file")
     if not path.is_file():
-        raise IsADirectoryError(f"--data {source}: a folder, not a chat file (.json or .jsonl)")
+        raise IsADirectoryError(f"{option} {source}: a folder, not a chat file (.json or .jsonl)")
     with open(path, "rb") as f:
         magic = f.read(6)
     packed = next((kind for kind, start in COMPRESSED.items() if magic.startswith(start)), None)
     if packed:
-        raise ValueError(f"--data {source}: a {packed} file; decompress it first (eaglet reads .json and .jsonl text)")
+        raise ValueError(f"{option} {source}: a {packed} file; decompress it first (eaglet reads .json and .jsonl "
+                         "text)")
     is_array = path.suffix == ".json"
     if is_array:
         with open(path, "rb") as f:

@@ -48,7 +48,8 @@ def reason_lines(stats: ReadStats, template_failures: Tally) -> list[str]:
 
 def no_usable_chat(data: str, stats: ReadStats, template_failures: Tally, first_failure: str | None,
                    max_length: int, skip: int) -> ValueError:
-    """Why not one chat of `data` made a sample, and what to do, in one line."""
+    """Why not one chat of `data` (the sources as named: "--data F", and "--mix G") made a sample,
+    and what to do, in one line."""
     cut = stats.skipped[TRUNCATED_AWAY]
     if not stats.records:
         why = "it holds no chat record"
@@ -63,7 +64,7 @@ def no_usable_chat(data: str, stats: ReadStats, template_failures: Tally, first_
     details = reason_lines(stats, template_failures)
     if first_failure:
         details.append(f"first template failure: {first_failure}")
-    return ValueError(f"--data {data}: no usable chat in {stats.records} records read; {why}"
+    return ValueError(f"{data}: no usable chat in {stats.records} records read; {why}"
                       + "".join(f"; {d}" for d in details))
 
 
@@ -99,6 +100,7 @@ class Source:
     data: str
     skip: int
     limit: int | None
+    option: str = "--data"  # the option that named it, for messages
 
 
 @dataclass
@@ -115,7 +117,7 @@ def sources_of(data: str, skip: int, num_samples: int | None, mix: str | None, m
                mix_samples: int | None) -> list[Source]:
     if mix is None and (mix_samples is not None or mix_skip):
         raise ValueError("--mix-samples / --mix-skip: set, but no --mix source to take them from")
-    return [Source(data, skip, num_samples)] + ([Source(mix, mix_skip, mix_samples)] if mix is not None else [])
+    return [Source(data, skip, num_samples)] + ([Source(mix, mix_skip, mix_samples, "--mix")] if mix is not None else [])
 
 
 def refuse_foreign_samples(existing: Path) -> None:
@@ -182,7 +184,7 @@ def write_source(writer: PreparedWriter, source: Source, tokenizer, special_ids:
                  seen: Tokenizing, bar: tqdm) -> None:
     """The usable chats of one source, in order, appended to `writer`."""
     written_before = writer.samples
-    for n, (sample_id, record) in enumerate(iter_records(source.data, seen.stats)):
+    for n, (sample_id, record) in enumerate(iter_records(source.data, seen.stats, source.option)):
         if n < source.skip:
             continue
         if source.limit is not None and writer.samples - written_before >= source.limit:
@@ -242,7 +244,8 @@ def prepare(options: PrepareOptions, command: str = "") -> PrepareSummary:
                 write_source(writer, source, tokenizer, special_ids, max_length, seen, bar)
             bar.close()
             if not writer.samples:
-                raise no_usable_chat(data, seen.stats, seen.template_failures, seen.first_failure, max_length, skip)
+                named = " and ".join(f"{s.option} {s.data}" for s in sources)
+                raise no_usable_chat(named, seen.stats, seen.template_failures, seen.first_failure, max_length, skip)
         writer.finish(prepared_config(ref, target, tokenizer, sources, max_length, writer, seen, command))
         return PrepareSummary(Path(out), writer.samples, writer.tokens, writer.masked_tokens, seen.stats,
                               seen.stats.skipped[TRUNCATED_AWAY], seen.template_failures, seen.missing_eot)

@@ -229,6 +229,24 @@ def find_target_gguf(given: str | Path | None, target: str | None, why: str) -> 
                      f"({why})")
 
 
+def target_vocabulary(target: str | None) -> list[str | None] | None:
+    """The target's tokens by id (None past its tokenizer), to compare with a GGUF's; None when
+    the target cannot be read here (a hub id not in the cache), said in the log. A hub id is read
+    from the cache only: a check is no reason to reach the network."""
+    from transformers import AutoTokenizer  # seconds to import: only where a target is read
+
+    try:
+        if is_embedded(target) or Path(str(target)).is_dir():
+            tokenizer = load_tokenizer(resolve_target(target))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        log.warning("the target %s cannot be read here (%s): its GGUF's tokens are not compared with its tokenizer's",
+                    target, e)
+        return None
+    return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+
+
 def file_fingerprint(path: Path) -> str:
     """A content hash of one file: its size and first and last MiB (enough to tell two GGUFs
     apart without reading gigabytes)."""

@@ -499,6 +499,19 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
     assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.NON_FINITE,
                  formats.specforge_relative_path(4, compressed),
                  "slot 1 row 3: NaN")
+    # ids stored narrower than the vocabulary needs were taken as they are (CLEAN), then a raw torch error
+    for dtype in (torch.uint8, torch.int16):
+        write_specforge_sample(ds, 5, obj["input_ids"].to(dtype), obj["loss_mask"], obj["hidden_state"],
+                               obj["aux_hidden_state"], compressed=compressed)
+        assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.WRONG_DTYPE,
+                     formats.specforge_relative_path(5, compressed),
+                     f"input_ids is {str(dtype).removeprefix('torch.')}: the layout stores int64 or int32")
+    for i in range(12):  # with the target too (its identity sample reads some of them), named, not a raw error
+        o = formats.read_specforge_sample(ds / formats.specforge_relative_path(i, compressed))
+        write_specforge_sample(ds, i, o["input_ids"].to(torch.int16), o["loss_mask"], o["hidden_state"],
+                               o["aux_hidden_state"], compressed=compressed)
+    assert_found(C.check_dataset(CheckOptions(path=ds, target=str(tiny_target))), C.WRONG_DTYPE,
+                 formats.specforge_relative_path(0, compressed), "input_ids is int16")
 
 
 def test_specforge_truncated_gz(clean, tmp_path):

@@ -275,7 +275,7 @@ def test_eval_runs_llama_cpp_methods_beside_eaglets(tiny_target, drafter_ckpt, t
     x_ids, x_answer = greedy_answer(tiny_target, "Add two numbers.", 6)
     assert len(x_answer) == 6  # no early stop: the stand-in's timings count 6 tokens a turn
     monkeypatch.setenv("STAND_IN_ANSWERS", json.dumps([[x_ids, x_answer]]))
-    gguf = target_gguf(tmp_path / "target.gguf", 400)
+    gguf = target_gguf(tmp_path / "target.gguf", 400, tokenizer=tiny_target)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Add two numbers."},
                                                        {"id": "y", "prompt": "Say hello."}])
     out = tmp_path / "eval"

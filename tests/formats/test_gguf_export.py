@@ -193,6 +193,24 @@ def test_gguf_export_refusals(tmp_path, variant, options, message):
     assert not out.exists()
 
 
+def test_gguf_export_compares_the_targets_tokens_with_the_gguf_s(tmp_path, monkeypatch):
+    """A target GGUF of another model whose vocabulary has the same size was taken, and its tokenizer
+    copied into the drafter."""
+    import eaglet.drafter.files as files
+
+    ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config()))
+    source = target_gguf(tmp_path / "t.gguf")
+    other = [f"word{i}" for i in range(len(TOKENS))]
+    monkeypatch.setattr(files, "target_vocabulary", lambda target: other)
+    with pytest.raises(ValueError, match=r"t.gguf: its tokenizer is not the drafter's target's \(50 of 50 tokens differ; "
+                                         r"token 0 is 'tok0' there, 'word0' in the target's tokenizer\)"):
+        export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "d.gguf", fmt="gguf", target_gguf=source))
+    assert not (tmp_path / "d.gguf").exists()
+    # the target's own tokens (past its tokenizer: none, as for a padded vocabulary) pass
+    monkeypatch.setattr(files, "target_vocabulary", lambda target: [*TOKENS[:40], *[None] * 10])
+    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "d.gguf", fmt="gguf", target_gguf=source))
+
+
 def test_gguf_export_never_overwrites(tmp_path):
     ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config()))
     out = tmp_path / "d.gguf"

@@ -55,6 +55,60 @@ def test_an_unmarked_folder_is_known_by_its_files(outputs, tiny_target, chats_js
         prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=outputs / "data"))
 
 
+# What a user's folder may hold under a name a stage writes, by stage (a speculators dataset whose
+# hidden_states/ is elsewhere lost its Arrow table to extract; a tool's own train_config.json was
+# replaced by train's; an eval's vllm-drafter/ of the user's own was deleted)
+USERS_FILES = {"prepare": ["token_freq.pt"], "extract": ["data_config.json", "state.json", "data-00000-of-00001.arrow"],
+               "convert": ["sample_lengths.json"], "train": ["train_config.json"], "eval": ["vllm-drafter/notes"],
+               "run": ["summary.json"]}
+
+
+def stage_run(stage, outputs, tiny_target, chats_jsonl, out):
+    from eaglet.convert import convert
+    from eaglet.recipe import run_recipe
+
+    recipe = outputs / "r.toml"
+    recipe.write_text('[recipe]\nname = "r"\n\n[prepare]\n')
+    return {"prepare": lambda: prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out)),
+            "extract": lambda: extract(ExtractOptions(prepared=outputs / "prepared", out=out), show_progress=False),
+            "convert": lambda: convert(ConvertOptions(src=outputs / "data", out=out, layout="compact"),
+                                       show_progress=False),
+            "train": lambda: train(TrainOptions(dataset_dir=outputs / "data", out_dir=out, total_steps=1),
+                                   show_progress=False),
+            "eval": lambda: evaluate(EvalOptions(drafter_path=outputs / "nothing", out=out)),
+            "run": lambda: run_recipe(RunOptions(spec=recipe, out=out))}[stage]
+
+
+@pytest.mark.parametrize("stage", sorted(USERS_FILES))
+def test_a_folder_no_stage_marked_keeps_the_files_a_stage_would_write(outputs, tiny_target, chats_jsonl, stage):
+    folder = outputs / "users"
+    for name in USERS_FILES[stage]:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("the user's")
+    before = snapshot(folder)
+    with pytest.raises(FileExistsError, match=rf"--out .*users: holds .*{USERS_FILES[stage][0].split('/')[0]}.*, which "
+                                              rf"no eaglet stage marked as its own .*`eaglet {stage}` would replace"):
+        stage_run(stage, outputs, tiny_target, chats_jsonl, folder)()
+    assert snapshot(folder) == before and not (folder / formats.OUTPUT_MARKER).exists()
+
+
+@pytest.mark.parametrize("stage, name", [("eval", "llama-server-logs"), ("eval", "vllm-drafter"),
+                                         ("extract", "hidden_states"), ("train", "metrics.jsonl")])
+def test_a_link_where_a_stage_writes_is_refused_even_in_its_own_folder(outputs, tiny_target, chats_jsonl, stage,
+                                                                        name):
+    """eval wrote llama-server's logs through a link at OUT/llama-server-logs; an OUT/vllm-drafter
+    link ended in a raw rmtree error."""
+    folder, elsewhere = outputs / "own", outputs / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    (folder / formats.OUTPUT_MARKER).write_text(formats.io.OUTPUT_KINDS[stage] + "\n")
+    (folder / name).symlink_to(elsewhere)
+    with pytest.raises(FileExistsError, match=rf"own/{name}: a symbolic link \(to .*elsewhere\) where `eaglet {stage}` "
+                                              rf"writes its own {name}"):
+        stage_run(stage, outputs, tiny_target, chats_jsonl, folder)()
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_an_existing_file_as_out_is_refused(outputs, tiny_target, chats_jsonl):
     afile = outputs / "afile"
     afile.write_text("mine")
@@ -211,7 +265,7 @@ def test_extract_never_writes_through_a_link_into_another_dataset(outputs, tmp_p
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "hidden_states").symlink_to(victim)
-    with pytest.raises(FileExistsError, match="holds sample files that no data_config.json describes"):
+    with pytest.raises(FileExistsError, match="hidden_states: a symbolic link .* writes its own hidden_states"):
         extract(ExtractOptions(prepared=outputs / "prepared", out=linked), show_progress=False)
     assert snapshot(victim) == before
 
@@ -255,7 +309,7 @@ def test_train_keeps_to_checkpoints_of_its_own(outputs, tmp_path):
     copied = tmp_path / "copied"
     copied.mkdir()
     shutil.copytree(run / "checkpoints", copied / "checkpoints")
-    with pytest.raises(FileExistsError, match="checkpoints without train_config.json"):
+    with pytest.raises(FileExistsError, match="holds checkpoints, which no eaglet stage marked as its own"):
         train(TrainOptions(dataset_dir=outputs / "data", out_dir=copied, total_steps=2, resume=True),
                            show_progress=False)
     assert snapshot(run / "checkpoints") == before
@@ -266,6 +320,7 @@ def test_prepare_replaces_only_its_own_samples(outputs, tiny_target, chats_jsonl
     folder = tmp_path / "y"
     folder.mkdir()
     (folder / "prepared.jsonl").write_text('{"my": "notes"}\n')
+    (folder / formats.OUTPUT_MARKER).write_text("prepared dataset\n")  # in a prepared dataset's folder even
     with pytest.raises(FileExistsError, match=r"prepared.jsonl: not a prepared dataset's file"):
         prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=folder))
     assert (folder / "prepared.jsonl").read_text() == '{"my": "notes"}\n'
@@ -276,6 +331,7 @@ def test_eval_replaces_only_its_own_drafters_results(outputs, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     (results / "eval.json").write_text('{"config": {"drafter": "/elsewhere/other-run"}, "sets": {}}')
+    (results / formats.OUTPUT_MARKER).write_text("eval results\n")
     with pytest.raises(FileExistsError, match=r"eval.json holds the results of another drafter, '/elsewhere/other-run'"):
         evaluate(EvalOptions(drafter_path=outputs / "run", out=results))
     assert "other-run" in (results / "eval.json").read_text()

@@ -25,7 +25,8 @@ from eaglet.drafter.config import DraftConfig
 from eaglet.drafter.parallel import DraftModel, build_model
 from eaglet.formats.drafters import SECTION, plain_rope_theta, read_field
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
-from eaglet.target import find_target_gguf, load_heads, resolve_target, serving_name, text_config
+from eaglet.target import (find_target_gguf, load_heads, resolve_target, serving_name, target_vocabulary,
+                           text_config)
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +333,7 @@ def write_gguf(d: Drafter, out: Path, dtype: str, target_gguf: str | Path | None
                   "step": (d.source.get("eaglet") or {}).get("step")}
     size = formats.write_gguf_drafter(out, d.config, tensors, source, WEIGHT_DTYPES[dtype],
                                       name=f"eaglet drafter for {recorded or 'its target'}",
-                                      provenance=json.dumps(provenance))
+                                      provenance=json.dumps(provenance), expected_tokens=target_vocabulary(recorded))
     return source, len(tensors), size
 
 

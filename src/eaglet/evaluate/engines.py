@@ -80,8 +80,7 @@ def engine_servers(methods: Sequence[str], drafter_path: str | Path, target_name
     if engine_f32:
         model = f32_target_gguf(model)
     with tempfile.TemporaryDirectory(prefix="eaglet-eval-") as tmp:
-        folder = Path(out) if out is not None else Path(tmp)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = formats.make_output(out, "eval") if out is not None else Path(tmp)
         draft = None
         if "llama.cpp-eagle3" in wanted:
             draft = folder / DRAFTER_GGUF

@@ -138,8 +138,7 @@ class EvalResult:
         return format_table(self.sets) + costs_line(self.config.get("costs"))
 
     def save(self, out: Path, plot: bool, title: str) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        formats.mark_output(out, "eval")
+        formats.make_output(out, "eval")
         self.json_path = out / RESULTS_FILE
         formats.write_json_atomic(self.json_path, {"config": self.config, "sets": self.sets, "prompts": self.prompts})
         if plot:

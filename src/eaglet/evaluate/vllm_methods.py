@@ -106,7 +106,7 @@ def vllm_engines(methods: Sequence[str], drafter_path: str | Path, drafter: Draf
     version = installed_version()  # a missing vLLM is said before anything is exported
     refuse_unfit(wanted, drafter, version)
     with tempfile.TemporaryDirectory(prefix="eaglet-eval-vllm-") as tmp:
-        folder = Path(out) if out is not None else Path(tmp)
+        folder = formats.make_output(out, "eval") if out is not None else Path(tmp)
         export = None
         if any(m in VLLM_FAMILY_METHODS for m in wanted):
             export = folder / DRAFTER_FOLDER

@@ -23,7 +23,7 @@ code outside the package uses, no more; anything else is reached through its mod
 """
 
 from eaglet.formats.io import (OUTPUT_MARKER, PICKLED_CODE_MARKERS, TMP_MARK, OutputBusy, WriteFailed, atomic_dir,
-                               atomic_path, claim_output, inside_folder, mark_output, refuse_other_sharding,
+                               atomic_path, claim_output, inside_folder, make_output, refuse_other_sharding,
                                refuse_overlap,
                                lock_path, os_error_reason, output_lock, read_json, read_jsonl_log, read_safetensors,
                                read_weight_index,

@@ -127,12 +127,29 @@ def tokenizer_fields(target_gguf: Path) -> tuple[int | None, list[tuple[str, Any
     return target_width(reader), out
 
 
+# Tokens a GGUF may spell otherwise than its model's tokenizer (a converter's normalised special
+# tokens), as a share of those compared; another model's tokenizer differs in most.
+TOKENS_ALLOWED_TO_DIFFER = 0.01
+
+
+def refuse_other_vocabulary(target_gguf: Path, tokens: list[str], expected: list[str | None]) -> None:
+    """The target GGUF's tokens are the drafter's target's, id by id (a vocabulary of the same size
+    from another model would make llama.cpp draft and verify in two token spaces)."""
+    compared = [(i, ours, theirs) for i, (theirs, ours) in enumerate(zip(tokens, expected)) if ours is not None]
+    differ = [c for c in compared if c[1] != c[2]]
+    if len(differ) > TOKENS_ALLOWED_TO_DIFFER * len(compared):
+        i, ours, theirs = differ[0]
+        raise ValueError(f"{target_gguf}: its tokenizer is not the drafter's target's ({len(differ):,} of "
+                         f"{len(compared):,} tokens differ; token {i} is {theirs!r} there, {ours!r} in the target's "
+                         "tokenizer); pass the GGUF of the drafter's own target")
+
+
 def write_gguf_drafter(path: str | os.PathLike, cfg: Any, tensors: dict[str, torch.Tensor], target_gguf: Path,
                        dtype: torch.dtype = torch.bfloat16, name: str = "eaglet drafter",
-                       provenance: str | None = None) -> int:
+                       provenance: str | None = None, expected_tokens: list[str | None] | None = None) -> int:
     """Write `tensors` (eaglet names, checked against `cfg`, a variant `gguf_unservable` passes) as
-    llama.cpp's eagle3 GGUF, the tokenizer copied from `target_gguf`, atomically; returns the bytes
-    written."""
+    llama.cpp's eagle3 GGUF, the tokenizer copied from `target_gguf` (its tokens checked against
+    `expected_tokens`, the drafter's target's, where known), atomically; returns the bytes written."""
     import gguf  # 0.17 s to import (numpy, yaml): only where a GGUF is read or written
 
     width, tokenizer = tokenizer_fields(target_gguf)  # parsed once: its 49k-token arrays are most of the work
@@ -143,6 +160,9 @@ def write_gguf_drafter(path: str | os.PathLike, cfg: Any, tensors: dict[str, tor
     if vocab != cfg.target_vocab_size:
         raise ValueError(f"{target_gguf}: its tokenizer has {vocab:,} tokens, the drafter was trained for a target "
                          f"vocabulary of {cfg.target_vocab_size:,}; pass the GGUF of the drafter's own target")
+    if expected_tokens is not None:
+        refuse_other_vocabulary(target_gguf, next(v for k, v, *_ in tokenizer if k == "tokenizer.ggml.tokens"),
+                                expected_tokens)
     path = Path(path)
     with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(tmp, GGUF_ARCH)

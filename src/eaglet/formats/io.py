@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import fnmatch
 import glob
 import io
 import json
@@ -229,6 +230,8 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
     refuse_blocked_path(out)
     lock = lock or lock_path(out)
     refuse_odd_lock(lock)
+    out, ours = Path(out), {OUTPUT_MARKER, lock.name}  # as it was before this run (the lock may live inside)
+    existed, before, marked_before = out.is_dir(), entries(out) - ours, (out / OUTPUT_MARKER).exists()
     fd = held_lock(lock)
     if fd is None:
         try:
@@ -246,11 +249,21 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
         try:
             claim_output(out, stage)
             claimed = True
+            if marked(stage):  # marked before the first write: a killed run's folder is its rerun's
+                make_output(out, stage)
             yield
         finally:
-            if claimed:  # a refused output is left as it was, unmarked
-                mark_output(out, stage)
             lock.unlink(missing_ok=True)  # while still held: see held_lock
+            if claimed and marked(stage) and not marked_before and entries(out) - ours == before:
+                unmake_output(out, existed)  # refused before writing: the folder is left as it was
+
+
+def unmake_output(out: Path, existed: bool) -> None:
+    """Undo `make_output` for a run that wrote nothing: its marker, and the folder if it made it."""
+    with contextlib.suppress(OSError):
+        (out / OUTPUT_MARKER).unlink(missing_ok=True)
+        if not existed:
+            out.rmdir()
 
 
 def inside_folder(folder: str | os.PathLike, relative: str, where: str) -> Path:
@@ -295,6 +308,16 @@ KIND_FILES = {"prepared dataset": ("prepared.jsonl", "prepare_config.json"),
               "train run": ("train_config.json", "checkpoints", "metrics.jsonl"),
               "eval results": ("eval.json",), "recipe run": ("stages",),
               "drafter": ("config.json", "model.safetensors")}
+# Every name a stage of each kind writes at the top of its folder (glob patterns): in a folder no
+# eaglet stage marked, one of these is someone else's file that the stage would replace or adopt
+# (a speculators dataset's Arrow table, a tool's own train_config.json), so it is refused.
+WRITTEN_NAMES = {"prepared dataset": ("prepared.jsonl", "prepare_config.json", "token_freq.pt"),
+                 "hidden-state dataset": ("data_config.json", "hidden_states", "sample_lengths.json", "token_freq.pt",
+                                          "rows_*", "compact", "state.json", "dataset_info.json", "data-*.arrow"),
+                 "train run": ("train_config.json", "checkpoints", "metrics.jsonl", "tensorboard"),
+                 "eval results": ("eval.json", "eval.png", "vllm-drafter", "vllm-logs", "drafter.gguf",
+                                  "llama-server-logs"),
+                 "recipe run": ("stages", "summary.json", "regen", "prepared", "data", "train", "eval")}
 # stages whose output is not a folder of their own kind: the file a stage writes (regen's JSONL,
 # export's GGUF) and drafter folders, which appear whole by rename and are refused when not empty
 UNMARKED = ("regen", "export", "import")
@@ -302,13 +325,13 @@ UNMARKED = ("regen", "export", "import")
 
 def claim_output(out: str | os.PathLike, stage: str) -> None:
     """Before a stage writes anything into `out`: refuse a path that is a file where the stage
-    writes a folder, and a folder that holds another kind of output (its marker, or that kind's own
-    files, named)."""
+    writes a folder, a folder that holds another kind of output (its marker, or that kind's own
+    files, named), and one no stage marked that holds files of the names this stage writes."""
     refuse_blocked_path(out)
-    kind = OUTPUT_KINDS.get(stage)
     out = Path(out)
-    if kind is None or stage in UNMARKED:
+    if not marked(stage):
         return
+    kind = OUTPUT_KINDS[stage]
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out}: an existing file; `eaglet {stage}` writes a folder ({kind}): give a "
                               f"folder path that does not exist yet, or an empty one")
@@ -335,26 +358,64 @@ def refuse_overlap(out: str | os.PathLike, stage: str, inputs: dict[str, str | o
                                   "apart from its inputs; nothing was written: choose another --out")
 
 
+def marked(stage: str) -> bool:
+    """Whether `stage` writes a folder of its own kind, marked as such."""
+    return stage in OUTPUT_KINDS and stage not in UNMARKED
+
+
 def mark_output(out: str | os.PathLike, stage: str) -> None:
-    """When a stage leaves its output folder: mark it as this stage's kind of output (once)."""
-    kind, marker = OUTPUT_KINDS.get(stage), Path(out) / OUTPUT_MARKER
-    if kind is not None and stage not in UNMARKED and Path(out).is_dir() and not marker.exists():
+    """Mark a stage's output folder as its kind of output (once)."""
+    marker = Path(out) / OUTPUT_MARKER
+    if marked(stage) and Path(out).is_dir() and not marker.exists():
         with contextlib.suppress(OSError):  # a marker that cannot be written (full disk) leaves the output as it is
-            write_text_atomic(marker, f"{kind}\n")
+            write_text_atomic(marker, f"{OUTPUT_KINDS[stage]}\n")
+
+
+def make_output(out: str | os.PathLike, stage: str) -> Path:
+    """Create a stage's output folder (claimed first) marked as its kind from the start, so a run
+    killed before it ends leaves a folder its rerun knows as its own."""
+    out = Path(out)
+    with failures_named(out):
+        out.mkdir(parents=True, exist_ok=True)
+    mark_output(out, stage)
+    return out
+
+
+def entries(folder: Path) -> set[str]:
+    """The names in `folder` (none when it is no folder)."""
+    return set(os.listdir(folder)) if folder.is_dir() else set()
+
+
+def present_names(out: Path, patterns: tuple[str, ...]) -> list[str]:
+    """The entries of `out` (links too, dangling or not) that match `patterns`, sorted."""
+    return sorted(n for n in entries(out) if any(fnmatch.fnmatchcase(n, pattern) for pattern in patterns))
 
 
 def refuse_other_kind(out: Path, stage: str, kind: str) -> None:
     marker = out / OUTPUT_MARKER
+    if marker.is_symlink() or (marker.exists() and not marker.is_file()):
+        raise FileExistsError(f"--out {out}: {OUTPUT_MARKER} is not eaglet's marker file (a folder or a link); "
+                              "nothing was written: remove it, or choose another --out")
     if marker.is_file():
         recorded = marker.read_text(encoding="utf-8", errors="replace").strip()
         found = [f"{OUTPUT_MARKER} says {recorded!r}"] if recorded != kind else []
     else:
         found = [name for other, names in KIND_FILES.items() if other != kind for name in names
-                 if (out / name).exists()]
+                 if os.path.lexists(out / name)]
     if found:
         raise FileExistsError(f"--out {out}: holds another stage's output ({', '.join(found)}), and `eaglet {stage}` "
                               f"writes its own ({kind}): nothing was written; choose another --out (each stage writes a "
                               f"folder of its own)")
+    written = present_names(out, WRITTEN_NAMES.get(kind, ()))
+    for name in (n for n in written if (out / n).is_symlink()):
+        raise FileExistsError(f"{out / name}: a symbolic link (to {os.readlink(out / name)}) where `eaglet {stage}` "
+                              f"writes its own {name}; eaglet writes inside its output folder only: nothing was "
+                              "written; remove the link, or choose another --out")
+    unowned = [] if marker.is_file() else written
+    if unowned:
+        raise FileExistsError(f"--out {out}: holds {', '.join(unowned)}, which no eaglet stage marked as its own (no "
+                              f"{OUTPUT_MARKER}): `eaglet {stage}` would replace or adopt them; nothing was written: "
+                              "choose another --out, or move those files away")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ V1_KEYS = ("input_ids", "hidden_states", "loss_mask")
 V1_FILE_RE = re.compile(r"^data_(\d+)\.pt$")
 SPECFORGE_KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 SPECFORGE_DIMS = {"input_ids": 1, "loss_mask": 1, "hidden_state": 2, "aux_hidden_state": 2}  # without a batch dim
+SPECFORGE_TOKEN_DTYPES = (torch.int64, torch.int32)  # SpecForge's versions store ids and masks as either
 SPECFORGE_FILE_RE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
 HS_SAFETENSORS_KEYS = ("token_ids", "hidden_states")  # plus an optional "loss_mask"
 HS_SAFETENSORS_FILE_RE = re.compile(r"^hs_(\d+)\.safetensors$")
@@ -231,10 +232,13 @@ def specforge_file_states(obj: Any, where: str) -> tuple[FileStates | None, list
     found = keys_findings(obj, SPECFORGE_KEYS)
     if found and lacks_keys(obj, SPECFORGE_KEYS):
         return None, found
+    found += stored_kind_findings(obj, ("input_ids", "loss_mask"), SPECFORGE_TOKEN_DTYPES)
     f = specforge_fields(obj)
     aux, last = f["aux_hidden_state"], f["hidden_state"]
     if not specforge_shapes_fit(aux, last):
         return None, found + [Finding(WRONG_SHAPE, specforge_shapes_message(aux, last))]
+    if sparse_tensors(obj):  # named above; no value check can read them
+        return None, found
     # aux_hidden_state is the three aux states concatenated low, mid, high; the last comes after.
     return FileStates(f["input_ids"], f["loss_mask"], [*aux.chunk(3, dim=-1), last]), found
 

@@ -153,11 +153,14 @@ def sparse_tensors(obj: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     return [(k, t) for k, t in tensors if isinstance(t, torch.Tensor) and t.layout != torch.strided]
 
 
-def stored_kind_findings(obj: dict[str, Any], token_names: tuple[str, ...]) -> list[Finding]:
+def stored_kind_findings(obj: dict[str, Any], token_names: tuple[str, ...],
+                         allowed: tuple[torch.dtype, ...] = (torch.int64,)) -> list[Finding]:
     """What a file's tensors must be as its layout stores them (docs/formats.md): token ids and
-    masks int64, every tensor dense (a sparse one is no state any reader takes)."""
-    found = [Finding(WRONG_DTYPE, f"{name} is {str(t.dtype).removeprefix('torch.')}: the layout stores int64")
-             for name in token_names if isinstance(t := obj.get(name), torch.Tensor) and t.dtype != torch.int64]
+    masks of the `allowed` integer kinds (int64; a narrower one cuts ids above its range), every
+    tensor dense (a sparse one is no state any reader takes)."""
+    kinds = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+    found = [Finding(WRONG_DTYPE, f"{name} is {str(t.dtype).removeprefix('torch.')}: the layout stores {kinds}")
+             for name in token_names if isinstance(t := obj.get(name), torch.Tensor) and t.dtype not in allowed]
     return found + [Finding(WRONG_DTYPE, f"{k} is a {t.layout} tensor: the layout stores dense (strided) tensors")
                     for k, t in sparse_tensors(obj)]
 

@@ -300,13 +300,7 @@ def run_lock(out: Path, enabled: bool = True) -> Iterator[None]:
         yield
         return
     formats.claim_output(out, "train")  # before the lock, which lives inside the run folder
-    created = not out.exists()
-    try:
-        with formats.output_lock(out, "train", "is writing this run folder; wait for it to end, or train into "
-                                 "another --out", lock=out / LOCK_FILE):
-            yield
-    finally:
-        if created and out.is_dir() and all(p.name in (LOCK_FILE, formats.OUTPUT_MARKER)
-                                            for p in out.iterdir()):  # refused before writing
-            shutil.rmtree(out, ignore_errors=True)
+    with formats.output_lock(out, "train", "is writing this run folder; wait for it to end, or train into "
+                             "another --out", lock=out / LOCK_FILE):
+        yield
 

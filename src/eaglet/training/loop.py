@@ -218,6 +218,9 @@ def options_of_run(out: Path, resume: bool, options: dict[str, Any]) -> tuple[Tr
         return TrainConfig(**options), set()
     # the run's own settings, then the options given now (a differing trajectory one is refused at restore)
     resumed = resumed_options(out)
+    if not resumed:
+        log.warning("%s: no run recorded here yet (no %s: a run killed before it wrote one, or none); --resume "
+                    "starts a new run with the options given now", out, TRAIN_CONFIG_FILE)
     try:
         TrainConfig(**resumed)
     except (TypeError, ValueError) as e:
