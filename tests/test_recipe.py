@@ -11,8 +11,8 @@ import torch
 
 from eaglet import formats
 from eaglet.prepare import prepare
-from eaglet.recipe import (Paths, apply_overrides, apply_scale, builtin_recipes, load_recipe, overridden,
-                           parse_override, plan_stages, run_recipe, validate)
+from eaglet.recipe import Paths, plan_stages, run_recipe, validate
+from eaglet.recipe_file import apply_overrides, apply_scale, builtin_recipes, load_recipe, overridden, parse_override
 
 from conftest import CHATS, write_jsonl
 from eaglet.options import PrepareOptions, RunOptions

@@ -1,6 +1,6 @@
 """`eaglet <stage>`: a thin command line over each stage's entry function.
 
-The parser is made from the declarations in `options.py`; a stage's module (and with it torch)
+The parser is made from the declarations in `eaglet.options`; a stage's module (and with it torch)
 is imported only when that stage runs, so `--help` answers at once.
 """
 

@@ -12,7 +12,8 @@ nowhere else:
   "v1" (`eaglet extract`), its current Arrow layout (`--layout speculators`), the foreign ones
   `eaglet check` and `eaglet train` read (flat v1, SpecForge, `hs_*.safetensors`), and eaglet's
   compact one (`compact`: 6-bit aux states and the target's top-K in place of the last state);
-  `samples` holds what they share, `listing` how their files are found;
+  speculators' own two (`hs_*.safetensors`, the Arrow table) are read and written in
+  `speculators_files`; `samples` holds what they share, `listing` how their files are found;
 - `drafters`: drafter folders for the serving engines (`eaglet export` / `eaglet import`): the
   speculators (vLLM) and EAGLE-3 / SGLang `config.json` layouts and their weight names;
   `gguf_drafter`: the one-file GGUF drafter llama.cpp's eagle3 loader reads; `gguf_target`: the
@@ -45,16 +46,16 @@ from eaglet.formats.compact import (COMPACT_DIR, COMPACT_KEYS, FP6_GROUP, FP6_MA
                                     compact_checksum_problems, compact_checksums, compact_version_problem,
                                     compact_version_warning, dequantize_fp6, impossible_fp6_groups, pack_6bit,
                                     quantize_fp6, read_compact_file, unpack_6bit)
-from eaglet.formats.layouts import (ARROW_STATE_FILE, FORMAT_COMPACT, FORMAT_HS_SAFETENSORS, FORMAT_SPECFORGE,
-                                    FORMAT_SPECULATORS_ARROW, FORMAT_V1, FORMAT_V1_FLAT, Layout, V1Sample, V1_LAYOUT,
-                                    WRITTEN_LAYOUTS, files_dir, find_layout, layout, list_dataset_files, list_v1_files,
-                                    read_hs_safetensors_sample, read_sample_tokens, read_specforge_sample,
-                                    read_speculators_rows, read_training_sample, read_v1_sample, refuse_other_samples,
-                                    sample_file_problem,
-                                    sample_path, specforge_relative_path, speculators_hs_path, start_dataset,
-                                    v1_min_bytes_per_token, v1_relative_path, write_hs_safetensors_sample,
-                                    write_sample, write_speculators_rows, write_speculators_sample, write_v1_sample,
+from eaglet.formats.layouts import (FORMAT_COMPACT, FORMAT_HS_SAFETENSORS, FORMAT_SPECFORGE, FORMAT_SPECULATORS_ARROW,
+                                    FORMAT_V1, FORMAT_V1_FLAT, Layout, V1Sample, V1_LAYOUT, WRITTEN_LAYOUTS, files_dir,
+                                    find_layout, layout, list_dataset_files, list_v1_files, read_sample_tokens,
+                                    read_specforge_sample, read_training_sample, read_v1_sample, refuse_other_samples,
+                                    sample_file_problem, sample_path, specforge_relative_path, start_dataset,
+                                    v1_min_bytes_per_token, v1_relative_path, write_sample, write_v1_sample,
                                     written_layout)
+from eaglet.formats.speculators_files import (ARROW_STATE_FILE, read_hs_safetensors_sample, read_speculators_rows,
+                                              speculators_hs_path, write_hs_safetensors_sample, write_speculators_rows,
+                                              write_speculators_sample)
 from eaglet.formats.gguf_drafter import (GGUF_SUFFIX, gguf_unservable, write_gguf_drafter)
 from eaglet.formats.gguf_target import (UNQUANTIZED, GGUFDamaged, is_quantized, read_gguf, weight_type,
                                       write_gguf_as)
