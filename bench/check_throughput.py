@@ -29,8 +29,9 @@ from eaglet.formats import V1Sample
 from eaglet.options import CheckOptions
 
 
-def generate(out: Path, gb: float, hidden: int, vocab: int = 49152, layer_ids: tuple[int, ...] = (2, 15, 27, 30),
-             seed: int = 0) -> None:
+def generate(
+    out: Path, gb: float, hidden: int, vocab: int = 49152, layer_ids: tuple[int, ...] = (2, 15, 27, 30), seed: int = 0
+) -> None:
     g = torch.Generator().manual_seed(seed)
     per_token = len(layer_ids) * hidden * 2 + 16
     target_tokens = int(gb * 1e9 / per_token)
@@ -41,8 +42,10 @@ def generate(out: Path, gb: float, hidden: int, vocab: int = 49152, layer_ids: t
         T = int(torch.randint(256, 2049, (1,), generator=g))
         ids = torch.randint(0, vocab, (T,), generator=g)
         mask = torch.zeros(T, dtype=torch.long)
-        mask[T // 3:] = 1  # one assistant span, as a real chat would have
-        states = [torch.randn(T, hidden, generator=g).mul_(0.5 * (k + 1)).to(torch.bfloat16) for k in range(len(layer_ids))]
+        mask[T // 3 :] = 1  # one assistant span, as a real chat would have
+        states = [
+            torch.randn(T, hidden, generator=g).mul_(0.5 * (k + 1)).to(torch.bfloat16) for k in range(len(layer_ids))
+        ]
         formats.write_v1_sample(out, i, V1Sample(ids, states, mask), fsync=False)
         u, c = torch.unique(ids[mask == 1], return_counts=True)
         for t, n in zip(u.tolist(), c.tolist()):
@@ -53,11 +56,23 @@ def generate(out: Path, gb: float, hidden: int, vocab: int = 49152, layer_ids: t
         i += 1
     formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, lengths)
     formats.write_token_freq(out / formats.TOKEN_FREQ_FILE, freq)
-    formats.write_json_atomic(out / formats.DATA_CONFIG_FILE, {
-        "format": "speculators-v1", "hidden_size": hidden, "vocab_size": vocab, "layer_ids": list(layer_ids),
-        "num_hidden_layers": layer_ids[-1], "last_hidden_state": "pre_norm", "hidden_states_dtype": "bfloat16",
-        "num_samples": len(lengths), "num_tokens": total, "num_masked_tokens": masked_total,
-        "seq_length": max(lengths.values()), "rows_per_folder": formats.ROWS_PER_FOLDER})
+    formats.write_json_atomic(
+        out / formats.DATA_CONFIG_FILE,
+        {
+            "format": "speculators-v1",
+            "hidden_size": hidden,
+            "vocab_size": vocab,
+            "layer_ids": list(layer_ids),
+            "num_hidden_layers": layer_ids[-1],
+            "last_hidden_state": "pre_norm",
+            "hidden_states_dtype": "bfloat16",
+            "num_samples": len(lengths),
+            "num_tokens": total,
+            "num_masked_tokens": masked_total,
+            "seq_length": max(lengths.values()),
+            "rows_per_folder": formats.ROWS_PER_FOLDER,
+        },
+    )
 
 
 def plain_loop(files: list[Path]) -> float:
@@ -96,15 +111,19 @@ def main() -> None:
             with open(p, "rb") as f:
                 while f.read(1 << 24):
                     pass
-        print(f"{len(files)} files, {mb:,.0f} MB, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} intra-op threads")
+        print(
+            f"{len(files)} files, {mb:,.0f} MB, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} intra-op threads"
+        )
         rows = []
         for order in (("plain", "check"), ("check", "plain")):
             t = {name: plain_loop(files) if name == "plain" else timed_check(folder, args.workers) for name in order}
             rows.append((order, t))
         print(f"{'order':<14}{'plain torch.load MB/s':>24}{'eaglet check MB/s':>20}{'check/plain':>14}")
         for order, t in rows:
-            print(f"{'-'.join(order):<14}{mb / t['plain']:>24,.0f}{mb / t['check']:>20,.0f}{t['plain'] / t['check']:>14.2f}")
+            print(
+                f"{'-'.join(order):<14}{mb / t['plain']:>24,.0f}{mb / t['check']:>20,.0f}{t['plain'] / t['check']:>14.2f}"
+            )
     finally:
         if not args.dir:
             shutil.rmtree(folder, ignore_errors=True)

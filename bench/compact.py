@@ -31,8 +31,17 @@ from eaglet.dataset import open_dataset
 from eaglet.training.loop import train
 from eaglet.options import ConvertOptions, ExtractOptions, TrainOptions
 
-TRAIN = dict(lr=2e-3, ttt_steps=2, draft_vocab_size=8192, teacher_top_k=16, loss_on="all", eval_fraction=0.1,
-             batch_size=1, seed=0, log_every=10)
+TRAIN = dict(
+    lr=2e-3,
+    ttt_steps=2,
+    draft_vocab_size=8192,
+    teacher_top_k=16,
+    loss_on="all",
+    eval_fraction=0.1,
+    batch_size=1,
+    seed=0,
+    log_every=10,
+)
 
 
 def bytes_per_token(folder: Path) -> float:
@@ -77,19 +86,20 @@ def teacher_coverage(compact: Path, v1: Path, samples: int = 10) -> dict[str, fl
     from eaglet.target import resolve_target
 
     ds = open_dataset(v1)
-    model = AutoModelForCausalLM.from_pretrained(resolve_target(ds.config.get("target_path")).path,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(resolve_target(ds.config.get("target_path")).path, dtype=torch.float32)
     head = make_teacher_head(model, formats.LAST_STATE_PRE_NORM)
-    d2t, t2d = build_draft_vocab(ds.token_freq, model.config.vocab_size,
-                                 min(TRAIN["draft_vocab_size"], model.config.vocab_size))
+    d2t, t2d = build_draft_vocab(
+        ds.token_freq, model.config.vocab_size, min(TRAIN["draft_vocab_size"], model.config.vocab_size)
+    )
     exact = argmax = total = 0
     cfiles = dict(formats.list_dataset_files(compact).files)
     for i in sorted(ds.files)[:samples]:
         last = formats.read_v1_sample(ds.files[i]).hidden_states[-1].float()[None]
         ref = make_teacher(last, head.final_norm, head.lm_head, d2t, t2d, top_k=TRAIN["teacher_top_k"])
         st = formats.read_safetensors(cfiles[i])
-        got = teacher_from_top_k(st["teacher_ids"][None], st["teacher_log_probs"][None], d2t, t2d,
-                                 TRAIN["teacher_top_k"])
+        got = teacher_from_top_k(
+            st["teacher_ids"][None], st["teacher_log_probs"][None], d2t, t2d, TRAIN["teacher_top_k"]
+        )
         exact += int((got.ids == ref.ids).all(-1).sum())
         argmax += int(((got.argmax == ref.argmax) | ~ref.in_draft).sum())
         total += ref.ids.shape[1]
@@ -100,10 +110,16 @@ def final_eval(run: Path) -> dict[str, Any]:
     rows = [r for r in iter_metrics(run) if r.get("split") == "eval"]
     train_rows = [r for r in iter_metrics(run) if r.get("split") == "train"]
     last = rows[-1]
-    return {"step": last["step"], "acc": last["acc"], "tau": last["tau"], "train_tokens": last["train_tokens"],
-            "train_seconds": last["train_seconds"],
-            "tokens_per_s": last["train_tokens"] / max(last["train_seconds"], 1e-9),
-            "curve": [(r["train_tokens"], r["acc"][0]) for r in rows], "train_rows": len(train_rows)}
+    return {
+        "step": last["step"],
+        "acc": last["acc"],
+        "tau": last["tau"],
+        "train_tokens": last["train_tokens"],
+        "train_seconds": last["train_seconds"],
+        "tokens_per_s": last["train_tokens"] / max(last["train_seconds"], 1e-9),
+        "curve": [(r["train_tokens"], r["acc"][0]) for r in rows],
+        "train_rows": len(train_rows),
+    }
 
 
 def main() -> None:
@@ -134,13 +150,15 @@ def main() -> None:
     results["teacher"] = teacher_coverage(compact, v1)
 
     sub = prepared_subset(args.prepared, out / "prep_subset", args.extract_samples)
-    results["extract_tokens_per_s"] = {name: extraction_rate(sub, out / f"extract_{name}", name)
-                                       for name in ("v1", "compact")}
+    results["extract_tokens_per_s"] = {
+        name: extraction_rate(sub, out / f"extract_{name}", name) for name in ("v1", "compact")
+    }
 
     for name, data in (("v1", v1), ("compact", compact)):
         run = out / f"train_{name}"
-        if not (run / "metrics.jsonl").exists() or not any(r.get("step") == args.steps and r.get("split") == "eval"
-                                                          for r in iter_metrics(run)):
+        if not (run / "metrics.jsonl").exists() or not any(
+            r.get("step") == args.steps and r.get("split") == "eval" for r in iter_metrics(run)
+        ):
             shutil.rmtree(run, ignore_errors=True)
             train(TrainOptions(dataset_dir=data, out_dir=run, total_steps=args.steps, evals=args.evals, **options))
         results[f"train_{name}"] = final_eval(run)
@@ -150,22 +168,34 @@ def main() -> None:
 
 def print_table(r: dict[str, Any]) -> None:
     b, e, tv, tc = r["bytes_per_token"], r["extract_tokens_per_s"], r["train_v1"], r["train_compact"]
-    rows = [("bytes/token (measured)", f"{b['v1']:,.0f}", f"{b['compact']:,.0f}", f"{b['ratio']:.3f}x"),
-            *[(f"bytes/token at H = {h} (layout)", f"{x['v1']:,.0f}", f"{x['compact']:,.0f}", f"{x['ratio']:.3f}x")
-              for h, x in r["layout_bytes"].items()],
-            ("extraction tokens/s", f"{e['v1']:,.0f}", f"{e['compact']:,.0f}", f"{e['compact'] / e['v1']:.2f}x"),
-            ("training tokens/s", f"{tv['tokens_per_s']:,.0f}", f"{tc['tokens_per_s']:,.0f}",
-             f"{tc['tokens_per_s'] / tv['tokens_per_s']:.2f}x"),
-            ("training tokens", f"{tv['train_tokens']:,}", f"{tc['train_tokens']:,}", ""),
-            *[(f"held-out acc@{k + 1}", f"{a:.4f}", f"{c:.4f}", f"{c - a:+.4f}")
-              for k, (a, c) in enumerate(zip(tv["acc"], tc["acc"]))],
-            ("simulated tau", f"{tv['tau']:.4f}", f"{tc['tau']:.4f}", f"{tc['tau'] - tv['tau']:+.4f}")]
+    rows = [
+        ("bytes/token (measured)", f"{b['v1']:,.0f}", f"{b['compact']:,.0f}", f"{b['ratio']:.3f}x"),
+        *[
+            (f"bytes/token at H = {h} (layout)", f"{x['v1']:,.0f}", f"{x['compact']:,.0f}", f"{x['ratio']:.3f}x")
+            for h, x in r["layout_bytes"].items()
+        ],
+        ("extraction tokens/s", f"{e['v1']:,.0f}", f"{e['compact']:,.0f}", f"{e['compact'] / e['v1']:.2f}x"),
+        (
+            "training tokens/s",
+            f"{tv['tokens_per_s']:,.0f}",
+            f"{tc['tokens_per_s']:,.0f}",
+            f"{tc['tokens_per_s'] / tv['tokens_per_s']:.2f}x",
+        ),
+        ("training tokens", f"{tv['train_tokens']:,}", f"{tc['train_tokens']:,}", ""),
+        *[
+            (f"held-out acc@{k + 1}", f"{a:.4f}", f"{c:.4f}", f"{c - a:+.4f}")
+            for k, (a, c) in enumerate(zip(tv["acc"], tc["acc"]))
+        ],
+        ("simulated tau", f"{tv['tau']:.4f}", f"{tc['tau']:.4f}", f"{tc['tau'] - tv['tau']:+.4f}"),
+    ]
     print(f"{'':34s} {'v1':>10s} {'compact':>10s} {'compact vs v1':>14s}")
     for name, a, c, d in rows:
         print(f"{name:34s} {a:>10s} {c:>10s} {d:>14s}")
     t = r["teacher"]
-    print(f"stored top-16 gives training's exact top-16 teacher on {t['exact_top16']:.1%} of {t['positions']} "
-          f"positions; its argmax agrees on {t['argmax_agrees']:.1%}")
+    print(
+        f"stored top-16 gives training's exact top-16 teacher on {t['exact_top16']:.1%} of {t['positions']} "
+        f"positions; its argmax agrees on {t['argmax_agrees']:.1%}"
+    )
 
 
 if __name__ == "__main__":

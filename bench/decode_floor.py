@@ -80,8 +80,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ref = resolve_target(None)
     bandwidth = read_bandwidth()
-    print(f"# {cpu_description()}, {args.threads} thread(s), {args.context} cached tokens; streaming read "
-          f"{bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"# {cpu_description()}, {args.threads} thread(s), {args.context} cached tokens; streaming read "
+        f"{bandwidth / 1e9:.1f} GB/s"
+    )
     print("| dtype | engine | " + " | ".join(f"q={q} ms" for q in range(1, MAX_Q + 1)) + " | q=4 / q=1 |")
     print("| --- | --- | " + " | ".join("---" for _ in range(MAX_Q)) + " | --- |")
     for name in args.dtypes.split(","):
@@ -91,24 +93,33 @@ def main() -> None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         flops = matmul_flops(dtype)
         floor = [max(weight_bytes / bandwidth, 2 * params * q / flops) for q in range(1, MAX_Q + 1)]
-        rows = {"floor (weights read, FLOPs)": floor, "eaglet fast": eaglet_costs(model, args.context, True),
-                "eaglet HF forward": eaglet_costs(model, args.context, False)}
+        rows = {
+            "floor (weights read, FLOPs)": floor,
+            "eaglet fast": eaglet_costs(model, args.context, True),
+            "eaglet HF forward": eaglet_costs(model, args.context, False),
+        }
         if args.drafter:
             rows["drafter pass"] = [drafter_pass(args.drafter, dtype, args.context)]
         for label, costs in rows.items():
             cells = [f"{1000 * c:.1f}" for c in costs] + ["" for _ in range(MAX_Q - len(costs))]
             ratio = f"{costs[3] / costs[0]:.2f}" if len(costs) > 3 else ""
             print(f"| {name} | {label} | " + " | ".join(cells) + f" | {ratio} |", flush=True)
-        print(f"| {name} | (weights {weight_bytes / 2**20:.0f} MiB, matmul {flops / 1e9:.0f} GFLOP/s) | "
-              + " | ".join("" for _ in range(MAX_Q)) + " | |")
+        print(
+            f"| {name} | (weights {weight_bytes / 2**20:.0f} MiB, matmul {flops / 1e9:.0f} GFLOP/s) | "
+            + " | ".join("" for _ in range(MAX_Q))
+            + " | |"
+        )
         del model
     if not args.no_llama_cpp:
         gguf = f32_target_gguf(embedded.smollm2_gguf())
         prompt = torch.randint(100, 40000, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
         with llama_cpp.llama_server(gguf, threads=args.threads) as server:
             costs = server.pass_costs(prompt, prompt[::-1], range(1, MAX_Q + 1))
-        print(f"| f32 | llama.cpp ({llama_cpp.server_version()}) | " + " | ".join(f"{c:.1f}" for c in costs)
-              + f" | {costs[3] / costs[0]:.2f} |")
+        print(
+            f"| f32 | llama.cpp ({llama_cpp.server_version()}) | "
+            + " | ".join(f"{c:.1f}" for c in costs)
+            + f" | {costs[3] / costs[0]:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ class Oracle:
         n = len(self.seq)
         if self.full[:n] != self.seq:
             return DraftTree.empty()
-        return DraftTree.chain(self.full[n: n + min(max_depth, total_tokens)])
+        return DraftTree.chain(self.full[n : n + min(max_depth, total_tokens)])
 
 
 def load(name: str, device: torch.device):
@@ -83,28 +83,35 @@ def main() -> None:
     device = torch.device(args.device)
     model = load(args.target, device)
     n_layers = model.config.num_hidden_layers
-    cfg = DraftConfig.from_target(model.config, default_layer_ids(n_layers)[:-1],
-                                  draft_vocab_size=min(32000, model.config.vocab_size))
+    cfg = DraftConfig.from_target(
+        model.config, default_layer_ids(n_layers)[:-1], draft_vocab_size=min(32000, model.config.vocab_size)
+    )
     torch.manual_seed(0)
     drafter = Eagle3Draft(cfg).to(device).eval()
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
 
     plain_s, ref = timed(lambda: plain_generate(model, PROMPT, args.new)[0], args.repeats)
-    print(f"target {args.target} ({n_layers} layers, H={model.config.hidden_size}), {args.new} new tokens, "
-          f"{args.threads} thread(s), {device}")
+    print(
+        f"target {args.target} ({n_layers} layers, H={model.config.hidden_size}), {args.new} new tokens, "
+        f"{args.threads} thread(s), {device}"
+    )
     print(f"{'plain greedy':34s} {len(ref) / plain_s:8.1f} tok/s  tau 1.00")
     oracle = Oracle(PROMPT + ref)
-    runs = [("oracle chain depth 7", oracle, dict(mode="chain", depth=7)),
-            ("oracle chain depth 4", oracle, dict(mode="chain", depth=4)),
-            ("random drafter chain 7", drafter, dict(mode="chain", depth=7)),
-            ("random drafter tree 7/10/60", drafter, dict(mode="tree", depth=7, top_k=10, total_tokens=60)),
-            ("random drafter tree 5/8/32", drafter, dict(mode="tree", depth=5, top_k=8, total_tokens=32))]
+    runs = [
+        ("oracle chain depth 7", oracle, dict(mode="chain", depth=7)),
+        ("oracle chain depth 4", oracle, dict(mode="chain", depth=4)),
+        ("random drafter chain 7", drafter, dict(mode="chain", depth=7)),
+        ("random drafter tree 7/10/60", drafter, dict(mode="tree", depth=7, top_k=10, total_tokens=60)),
+        ("random drafter tree 5/8/32", drafter, dict(mode="tree", depth=5, top_k=8, total_tokens=32)),
+    ]
     for label, proposer, kw in runs:
         secs, (out, stats) = timed(lambda: speculative_generate(model, proposer, PROMPT, args.new, **kw), args.repeats)
         assert out == ref, f"{label}: output differs from plain greedy"
-        print(f"{label:34s} {len(out) / secs:8.1f} tok/s  tau {stats.tau:.2f}  tau/verify {stats.tau_verify:.2f}  "
-              f"speedup {plain_s / secs:.2f}x  (target {stats.target_s:.2f} s, draft {stats.draft_s:.2f} s)")
+        print(
+            f"{label:34s} {len(out) / secs:8.1f} tok/s  tau {stats.tau:.2f}  tau/verify {stats.tau_verify:.2f}  "
+            f"speedup {plain_s / secs:.2f}x  (target {stats.target_s:.2f} s, draft {stats.draft_s:.2f} s)"
+        )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,16 @@ from dataclasses import replace
 
 import torch
 
-from eaglet.evaluate import (DecodeSettings, evaluate_set, format_table, load_prompt_set, summarize, torch_threads,
-                             warm_up, with_pass_costs)
+from eaglet.evaluate import (
+    DecodeSettings,
+    evaluate_set,
+    format_table,
+    load_prompt_set,
+    summarize,
+    torch_threads,
+    warm_up,
+    with_pass_costs,
+)
 from eaglet.options import BASELINE, DRAFTER_METHODS, ENGINE_METHODS
 from eaglet.drafter.files import load_drafter_for_target
 from eaglet.chat import stop_token_ids
@@ -35,19 +43,28 @@ CONFIGS = [
     *((f"chain {d}", "chain", dict(chain_depth=d)) for d in range(1, 7)),
     ("chain 2 p>=0.35", "chain", dict(chain_depth=2, min_draft_prob=0.35)),  # the demo recipe's eval
     ("tree 4/2/6 p>=0.35", "tree", dict(depth=4, top_k=2, total_tokens=6, min_draft_prob=0.35)),
-    *((f"tree {d}/{k}/{n}", "tree", dict(depth=d, top_k=k, total_tokens=n))
-      for d, k, n in ((2, 2, 3), (3, 2, 4), (4, 2, 6), (5, 4, 12), (5, 4, 20), (6, 8, 30), (7, 10, 60))),
+    *(
+        (f"tree {d}/{k}/{n}", "tree", dict(depth=d, top_k=k, total_tokens=n))
+        for d, k, n in ((2, 2, 3), (3, 2, 4), (4, 2, 6), (5, 4, 12), (5, 4, 20), (6, 8, 30), (7, 10, 60))
+    ),
     ("prompt-lookup", "prompt-lookup", {}),  # Hugging Face's, 10 tokens
     *((f"ngram {n}", "ngram", dict(lookup_tokens=n)) for n in (2, 4, 6, 10)),
-    *((f"hybrid chain {d} + {n}", "hybrid", dict(hybrid_chain_depth=d, lookup_tokens=n))
-      for d, n in ((1, 2), (1, 4), (2, 2), (2, 4), (2, 6), (3, 4))),
+    *(
+        (f"hybrid chain {d} + {n}", "hybrid", dict(hybrid_chain_depth=d, lookup_tokens=n))
+        for d, n in ((1, 2), (1, 4), (2, 2), (2, 4), (2, 6), (3, 4))
+    ),
     ("hybrid chain 1 + 4 p>=0.6", "hybrid", dict(hybrid_chain_depth=1, lookup_tokens=4, min_draft_prob=0.6)),
-    ("hybrid chain 1 + 4 drop rivals", "hybrid",
-     dict(hybrid_chain_depth=1, lookup_tokens=4, drop_rivals=True, admission="all", min_draft_prob=0.35)),
+    (
+        "hybrid chain 1 + 4 drop rivals",
+        "hybrid",
+        dict(hybrid_chain_depth=1, lookup_tokens=4, drop_rivals=True, admission="all", min_draft_prob=0.35),
+    ),
     ("hybrid tree 4/2/6 + 4", "hybrid", dict(hybrid_draft="tree", depth=4, top_k=2, total_tokens=6, lookup_tokens=4)),
     # the same shapes verifying every proposed token (--admission all) instead of what pays
-    *((f"{label} all", method, dict(admission="all", min_draft_prob=0.35))
-      for label, method in (("ngram 4", "ngram"), ("hybrid chain 1 + 4", "hybrid"))),
+    *(
+        (f"{label} all", method, dict(admission="all", min_draft_prob=0.35))
+        for label, method in (("ngram 4", "ngram"), ("hybrid chain 1 + 4", "hybrid"))
+    ),
 ]
 
 
@@ -61,8 +78,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--only", default=None,
-                    help='comma-separated labels to run (default: all); "LABEL [i]" runs a shape with drafter i only')
+    ap.add_argument(
+        "--only",
+        default=None,
+        help='comma-separated labels to run (default: all); "LABEL [i]" runs a shape with drafter i only',
+    )
     ap.add_argument("--min-draft-probs", default="0", help="comma-separated draft-probability floors (default 0)")
     args = ap.parse_args()
 
@@ -86,7 +106,7 @@ def main() -> None:
                 if only is None or {label, name, named} & only:
                     variants[named] = (method, replace(base, **{"min_draft_prob": floor, **changes}))
                     drafter_of[named] = drafter
-    prompts = load_prompt_set(args.prompts, args.skip_prompts + args.num_prompts)[args.skip_prompts:]
+    prompts = load_prompt_set(args.prompts, args.skip_prompts + args.num_prompts)[args.skip_prompts :]
 
     def progress(totals) -> None:
         print(f"prompt {totals[BASELINE].turns}/{len(prompts)} done", flush=True)
@@ -94,10 +114,13 @@ def main() -> None:
     with torch_threads(args.threads), torch.inference_mode():
         variants = with_pass_costs(variants, model)
         warm_up(variants, model, drafters[0], tokenizer, prompts[0], drafter_of)
-        totals = evaluate_set(prompts, variants, model, drafters[0], tokenizer, progress, records=[],
-                              drafters=drafter_of)
-    print(f"\n{len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens, {args.dtype}, "
-          f"{args.threads} thread(s); " + ", ".join(f"drafter [{i}] {p}" for i, p in enumerate(args.drafters, 1)))
+        totals = evaluate_set(
+            prompts, variants, model, drafters[0], tokenizer, progress, records=[], drafters=drafter_of
+        )
+    print(
+        f"\n{len(prompts)} {args.prompts} prompts, {args.max_new_tokens} new tokens, {args.dtype}, "
+        f"{args.threads} thread(s); " + ", ".join(f"drafter [{i}] {p}" for i, p in enumerate(args.drafters, 1))
+    )
     print(format_table({args.prompts: summarize(totals, compared=True)}))
 
 

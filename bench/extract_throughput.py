@@ -46,8 +46,15 @@ def main() -> None:
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="eaglet-bench-extract-"))
-    prepare(PrepareOptions(target=args.target, data=args.data, out=work / "prep", max_length=args.max_length,
-                           num_samples=args.num_samples))
+    prepare(
+        PrepareOptions(
+            target=args.target,
+            data=args.data,
+            out=work / "prep",
+            max_length=args.max_length,
+            num_samples=args.num_samples,
+        )
+    )
     samples, _ = formats.read_prepared(work / "prep")
     tokens = sum(len(s.input_ids) for s in samples)
     device = pick_device()
@@ -56,23 +63,35 @@ def main() -> None:
     plain_forward_seconds(model, samples, batches[-1:], device)  # warm-up
 
     plain_before = plain_forward_seconds(model, samples, batches, device)
-    summary = extract(ExtractOptions(prepared=work / "prep", out=work / "data", target=args.target, dtype=args.dtype,
-                                     batch_tokens=args.batch_tokens), show_progress=False)
+    summary = extract(
+        ExtractOptions(
+            prepared=work / "prep",
+            out=work / "data",
+            target=args.target,
+            dtype=args.dtype,
+            batch_tokens=args.batch_tokens,
+        ),
+        show_progress=False,
+    )
     plain_after = plain_forward_seconds(model, samples, batches, device)
     plain = (plain_before + plain_after) / 2
 
     hidden = model.config.hidden_size
     floor = formats.v1_min_bytes_per_token(hidden)
-    print(f"samples {len(samples)}, tokens {tokens}, batches {len(batches)}, dtype {args.dtype}, "
-          f"threads {torch.get_num_threads()}, device {device}")
+    print(
+        f"samples {len(samples)}, tokens {tokens}, batches {len(batches)}, dtype {args.dtype}, "
+        f"threads {torch.get_num_threads()}, device {device}"
+    )
     print(f"{'':28}{'tok/s':>10}{'seconds':>10}")
     print(f"{'plain forward (before)':28}{tokens / plain_before:>10,.0f}{plain_before:>10.2f}")
     print(f"{'plain forward (after)':28}{tokens / plain_after:>10,.0f}{plain_after:>10.2f}")
     print(f"{'eaglet extract (+writes)':28}{tokens / summary.seconds:>10,.0f}{summary.seconds:>10.2f}")
     print(f"extract / plain throughput: {plain / summary.seconds:.3f} (goal >= 0.9)")
-    print(f"bytes on disk per token: {summary.bytes_on_disk / summary.tokens_on_disk:,.1f} "
-          f"(v1 minimum 4*{hidden}*2+16 = {floor}; overhead "
-          f"{summary.bytes_on_disk / summary.tokens_on_disk / floor - 1:.2%})")
+    print(
+        f"bytes on disk per token: {summary.bytes_on_disk / summary.tokens_on_disk:,.1f} "
+        f"(v1 minimum 4*{hidden}*2+16 = {floor}; overhead "
+        f"{summary.bytes_on_disk / summary.tokens_on_disk / floor - 1:.2%})"
+    )
     print(f"files in {work}")
 
 

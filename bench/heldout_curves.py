@@ -56,11 +56,21 @@ def main() -> None:
     goal_tokens = tokens_for(args.goal, fit)
     lo = min(t for spec in args.runs for t, _ in heldout_points(Path(spec.partition("=")[0])))
     xs = [lo * (goal_tokens * 1.5 / lo) ** (i / 60) for i in range(61)]
-    ax.plot(xs, [fit[0] + fit[1] * math.log(x) for x in xs], "k--", linewidth=1,
-            label=f"fit {fit[0]:.3f} + {fit[1]:.3f} ln(tokens) (+{fit[1] * math.log(2):.3f} per doubling)")
+    ax.plot(
+        xs,
+        [fit[0] + fit[1] * math.log(x) for x in xs],
+        "k--",
+        linewidth=1,
+        label=f"fit {fit[0]:.3f} + {fit[1]:.3f} ln(tokens) (+{fit[1] * math.log(2):.3f} per doubling)",
+    )
     ax.axhline(args.goal, color="grey", linewidth=0.8)
-    ax.annotate(f"goal {args.goal}: ~{goal_tokens / 1e6:.0f}M tokens by the fit", (goal_tokens, args.goal),
-                textcoords="offset points", xytext=(-150, 8), fontsize=8)
+    ax.annotate(
+        f"goal {args.goal}: ~{goal_tokens / 1e6:.0f}M tokens by the fit",
+        (goal_tokens, args.goal),
+        textcoords="offset points",
+        xytext=(-150, 8),
+        fontsize=8,
+    )
     ax.set_xscale("log")
     ax.set_xlabel("training tokens (log)")
     ax.set_ylabel("held-out acc@1 (first draft accepted)")

@@ -54,28 +54,59 @@ DRAFT_VOCAB = 32000
 SHARDS = 64
 SEQ, SAMPLES, TTT_STEPS = 256, 8, 2
 LAYER_IDS = [2, 30, 58, 61]  # three aux states, then the last layer's (hf_hidden_states ids)
-EMBED, NORM, LM_HEAD = "language_model.model.embed_tokens.weight", "language_model.model.norm.weight", \
-    "language_model.lm_head.weight"
+EMBED, NORM, LM_HEAD = (
+    "language_model.model.embed_tokens.weight",
+    "language_model.model.norm.weight",
+    "language_model.lm_head.weight",
+)
 FIRST_SHARD, LAST_SHARD = f"model-00001-of-{SHARDS:05d}.safetensors", f"model-{SHARDS:05d}-of-{SHARDS:05d}.safetensors"
 # Layer tensors the index names in shards this folder does not have: a head-only download.
-ABSENT_TENSORS = {f"language_model.model.layers.{i}.self_attn.o_proj.weight": f"model-{i + 2:05d}-of-{SHARDS:05d}."
-                  "safetensors" for i in range(3)}
+ABSENT_TENSORS = {
+    f"language_model.model.layers.{i}.self_attn.o_proj.weight": f"model-{i + 2:05d}-of-{SHARDS:05d}.safetensors"
+    for i in range(3)
+}
 HEADROOM = 2 * GIB  # kept free for the machine's other work when deciding what to start
 MEM_FLOOR = 1 * GIB  # a watched run is killed when the machine's MemAvailable falls below this
 
 KIMI_TEXT_CONFIG: dict[str, Any] = {
-    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": HIDDEN,
-    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": LAYERS,
-    "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1,
-    "num_experts_per_tok": 8, "first_k_dense_replace": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": VOCAB, "rms_norm_eps": 1e-5,
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": HIDDEN,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": VOCAB,
+    "rms_norm_eps": 1e-5,
     "rope_theta": 50000.0,
-    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
 }
-KIMI_CONFIG = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
-               "tie_word_embeddings": False, "text_config": KIMI_TEXT_CONFIG}
+KIMI_CONFIG = {
+    "model_type": "kimi_k25",
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "tie_word_embeddings": False,
+    "text_config": KIMI_TEXT_CONFIG,
+}
 
 
 def heads_dir(work: Path) -> Path:
@@ -89,6 +120,7 @@ def data_dir(work: Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Memory figures (/proc)
 # ---------------------------------------------------------------------------------------------
+
 
 def proc_kib(path: str, field: str) -> int:
     """A `Field: N kB` line of a /proc file, in KiB (0 when absent)."""
@@ -122,6 +154,7 @@ def gb(n: float) -> str:
 # ---------------------------------------------------------------------------------------------
 # write: the head-only folder and a small dataset
 # ---------------------------------------------------------------------------------------------
+
 
 def random_bf16(rows: int, cols: int, std: float, seed: int) -> torch.Tensor:
     """[rows, cols] bf16 normal values, generated in place: one copy, never an fp32 one."""
@@ -162,16 +195,33 @@ def write_heads(folder: Path) -> None:
 
 def data_config(folder: Path, lengths: dict[int, int], masked: int) -> formats.DataConfig:
     ref = resolve_target(str(folder))
-    return formats.data_config_from({
-        "format": formats.FORMAT_V1, "target": ref.name, "target_path": ref.path, "target_revision": ref.revision,
-        "architecture": KIMI_CONFIG["architectures"][0], "model_type": KIMI_TEXT_CONFIG["model_type"],
-        "num_hidden_layers": LAYERS, "hidden_size": HIDDEN, "vocab_size": VOCAB, "layer_ids": LAYER_IDS,
-        "aux_layer_ids": LAYER_IDS[:-1], "layer_id_convention": formats.LAYER_ID_CONVENTION,
-        "last_hidden_state": formats.LAST_STATE_PRE_NORM, "compute_dtype": "bfloat16",
-        "hidden_states_dtype": "bfloat16", "max_length": SEQ, "seq_length": max(lengths.values()),
-        "num_samples": len(lengths), "num_tokens": sum(lengths.values()), "num_masked_tokens": masked,
-        "rows_per_folder": formats.ROWS_PER_FOLDER, "command": "bench/kimi_heads.py write",
-    }, "data_config.json")
+    return formats.data_config_from(
+        {
+            "format": formats.FORMAT_V1,
+            "target": ref.name,
+            "target_path": ref.path,
+            "target_revision": ref.revision,
+            "architecture": KIMI_CONFIG["architectures"][0],
+            "model_type": KIMI_TEXT_CONFIG["model_type"],
+            "num_hidden_layers": LAYERS,
+            "hidden_size": HIDDEN,
+            "vocab_size": VOCAB,
+            "layer_ids": LAYER_IDS,
+            "aux_layer_ids": LAYER_IDS[:-1],
+            "layer_id_convention": formats.LAYER_ID_CONVENTION,
+            "last_hidden_state": formats.LAST_STATE_PRE_NORM,
+            "compute_dtype": "bfloat16",
+            "hidden_states_dtype": "bfloat16",
+            "max_length": SEQ,
+            "seq_length": max(lengths.values()),
+            "num_samples": len(lengths),
+            "num_tokens": sum(lengths.values()),
+            "num_masked_tokens": masked,
+            "rows_per_folder": formats.ROWS_PER_FOLDER,
+            "command": "bench/kimi_heads.py write",
+        },
+        "data_config.json",
+    )
 
 
 def write_dataset(out: Path, target: Path) -> None:
@@ -214,8 +264,10 @@ def cmd_write(work: Path) -> None:
         seconds = time.perf_counter() - t0
         print(f"{folder}: wrote {gb(size)} in {seconds:.1f} s ({size / GB / seconds:.2f} GB/s)")
     location = locate_heads(folder)
-    print(f"  shards present {list(location.head_shards)}, absent {len(location.missing_shards)} of "
-          f"{len(location.shards)}; identity {resolve_target(str(folder)).revision}")
+    print(
+        f"  shards present {list(location.head_shards)}, absent {len(location.missing_shards)} of "
+        f"{len(location.shards)}; identity {resolve_target(str(folder)).revision}"
+    )
     write_dataset(data_dir(work), folder)
     print(f"{data_dir(work)}: {SAMPLES} samples x {SEQ} tokens, states {len(LAYER_IDS)} x [{SEQ}, {HIDDEN}] bf16")
     if check_dataset(data_dir(work)) != 0:
@@ -225,6 +277,7 @@ def cmd_write(work: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # ranks: every rank reads the heads as offline training does
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class RankRead:
@@ -237,14 +290,18 @@ class RankRead:
     read_s: float  # load_heads
 
     def row(self) -> str:
-        return (f"{self.rank:>4} | {gb(self.rss_before):>10} {gb(self.rss_after):>10} {gb(self.peak):>10} | "
-                f"{gb(self.heads_bytes):>10} {self.rss_after / self.heads_bytes:>7.2f} "
-                f"{(self.rss_after - self.rss_before) / self.heads_bytes:>7.2f} | "
-                f"{self.resolve_s:>9.2f} {self.read_s:>7.2f} {self.heads_bytes / GB / self.read_s:>6.2f}")
+        return (
+            f"{self.rank:>4} | {gb(self.rss_before):>10} {gb(self.rss_after):>10} {gb(self.peak):>10} | "
+            f"{gb(self.heads_bytes):>10} {self.rss_after / self.heads_bytes:>7.2f} "
+            f"{(self.rss_after - self.rss_before) / self.heads_bytes:>7.2f} | "
+            f"{self.resolve_s:>9.2f} {self.read_s:>7.2f} {self.heads_bytes / GB / self.read_s:>6.2f}"
+        )
 
 
-RANK_HEADER = (f"{'rank':>4} | {'RSS before':>10} {'RSS after':>10} {'peak':>10} | {'heads bf16':>10} "
-               f"{'after/h':>7} {'delta/h':>7} | {'resolve s':>9} {'read s':>7} {'GB/s':>6}")
+RANK_HEADER = (
+    f"{'rank':>4} | {'RSS before':>10} {'RSS after':>10} {'peak':>10} | {'heads bf16':>10} "
+    f"{'after/h':>7} {'delta/h':>7} | {'resolve s':>9} {'read s':>7} {'GB/s':>6}"
+)
 
 
 def drop_from_page_cache(folder: Path) -> None:
@@ -279,8 +336,10 @@ def cmd_ranks(work: Path, cold: bool) -> None:
 
     d = init_distributed(torch.device("cpu"))
     if d.world == 1:
-        raise SystemExit("ranks: run under torchrun (python -m torch.distributed.run --standalone "
-                         "--nproc_per_node 2 bench/kimi_heads.py ranks --work DIR)")
+        raise SystemExit(
+            "ranks: run under torchrun (python -m torch.distributed.run --standalone "
+            "--nproc_per_node 2 bench/kimi_heads.py ranks --work DIR)"
+        )
     if cold and d.main:
         drop_from_page_cache(heads_dir(work))
     d.barrier()
@@ -289,20 +348,25 @@ def cmd_ranks(work: Path, cold: bool) -> None:
     rows: list[RankRead | None] = [None] * d.world
     dist.all_gather_object(rows, mine)
     if d.main:
-        print(f"{cpu_description()}; {d.world} ranks (gloo) reading at once, page cache "
-              f"{'dropped first' if cold else 'as left (warm after write)'}")
+        print(
+            f"{cpu_description()}; {d.world} ranks (gloo) reading at once, page cache "
+            f"{'dropped first' if cold else 'as left (warm after write)'}"
+        )
         print(RANK_HEADER)
         for r in rows:
             print(r.row())
         worst = max(r.rss_after / r.heads_bytes for r in rows)
-        print(f"after/h = RSS after / heads' bf16 bytes (goal <= 1.5: {'met' if worst <= 1.5 else 'NOT met'}, "
-              f"worst {worst:.2f}); delta/h = (RSS after - before) / heads bytes; GB/s = heads bytes / read s")
+        print(
+            f"after/h = RSS after / heads' bf16 bytes (goal <= 1.5: {'met' if worst <= 1.5 else 'NOT met'}, "
+            f"worst {worst:.2f}); delta/h = (RSS after - before) / heads bytes; GB/s = heads bytes / read s"
+        )
     dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
 # train: what a real-width training step needs, and the largest configuration that fits
 # ---------------------------------------------------------------------------------------------
+
 
 def kimi_draft_config(folder: Path) -> Any:
     """The drafter `eaglet train` builds for the folder's target (its text config, read without weights)."""
@@ -350,20 +414,43 @@ def estimates(c: Any, base: int) -> list[Estimate]:
     acts = activation_bytes(c, SEQ, TTT_STEPS)
     process = ("process (python, torch)", base)
     # the in-process runs keep the heads as read and build the drafter around them (`worker`)
-    lean_setup = [("heads as read, bf16", 2 * VH * 2), ("trainable fp32 weights", 4 * p),
-                  ("reordering the teacher's LM head (two bf16 copies)", 2 * VH * 2), process]
-    lean = [("frozen embeddings bf16, as read (lossless)", VH * 2), ("teacher LM head reordered bf16", VH * 2),
-            ("autocast bf16 copies of the weights", 2 * p), ("activations (estimate)", acts), process]
+    lean_setup = [
+        ("heads as read, bf16", 2 * VH * 2),
+        ("trainable fp32 weights", 4 * p),
+        ("reordering the teacher's LM head (two bf16 copies)", 2 * VH * 2),
+        process,
+    ]
+    lean = [
+        ("frozen embeddings bf16, as read (lossless)", VH * 2),
+        ("teacher LM head reordered bf16", VH * 2),
+        ("autocast bf16 copies of the weights", 2 * p),
+        ("activations (estimate)", acts),
+        process,
+    ]
     return [
-        Estimate("eaglet train, 3 AdamW steps", [
-            ("heads as read, bf16", 2 * VH * 2), ("drafter: trainable fp32 weights", 4 * p),
-            ("drafter: frozen embeddings fp32", VH * 4),
-            ("reordering the teacher's LM head (two bf16 copies)", 2 * VH * 2), process], [
-            ("trainable fp32 weights + grads + AdamW m, v (16 B/param)", 16 * p),
-            ("frozen embeddings fp32", VH * 4), ("teacher LM head reordered bf16 (DraftFirstHead)", VH * 2),
-            ("autocast bf16 copies of the weights", 2 * p), ("activations (estimate)", acts), process]),
-        Estimate("forward + backward, no optimizer state", lean_setup,
-                 [("trainable fp32 weights + grads (8 B/param)", 8 * p), *lean]),
+        Estimate(
+            "eaglet train, 3 AdamW steps",
+            [
+                ("heads as read, bf16", 2 * VH * 2),
+                ("drafter: trainable fp32 weights", 4 * p),
+                ("drafter: frozen embeddings fp32", VH * 4),
+                ("reordering the teacher's LM head (two bf16 copies)", 2 * VH * 2),
+                process,
+            ],
+            [
+                ("trainable fp32 weights + grads + AdamW m, v (16 B/param)", 16 * p),
+                ("frozen embeddings fp32", VH * 4),
+                ("teacher LM head reordered bf16 (DraftFirstHead)", VH * 2),
+                ("autocast bf16 copies of the weights", 2 * p),
+                ("activations (estimate)", acts),
+                process,
+            ],
+        ),
+        Estimate(
+            "forward + backward, no optimizer state",
+            lean_setup,
+            [("trainable fp32 weights + grads (8 B/param)", 8 * p), *lean],
+        ),
         Estimate("forward alone (no grad)", lean_setup, [("trainable fp32 weights (4 B/param)", 4 * p), *lean]),
     ]
 
@@ -398,8 +485,13 @@ def run_watched(cmd: list[str], budget: int, log: Path) -> Watched:
             child = proc_kib(f"/proc/{proc.pid}/status", "VmRSS") * 1024
         except OSError:
             child = 0
-        why = (f"RSS {gb(child)} over the budget {gb(budget)}" if child > budget else
-               f"MemAvailable {gb(mem_available())} under {gb(MEM_FLOOR)}" if mem_available() < MEM_FLOOR else None)
+        why = (
+            f"RSS {gb(child)} over the budget {gb(budget)}"
+            if child > budget
+            else f"MemAvailable {gb(mem_available())} under {gb(MEM_FLOOR)}"
+            if mem_available() < MEM_FLOOR
+            else None
+        )
         if why and killed is None:
             killed = why
             os.kill(proc.pid, signal.SIGKILL)
@@ -407,10 +499,36 @@ def run_watched(cmd: list[str], budget: int, log: Path) -> Watched:
 
 
 def train_command(work: Path) -> list[str]:
-    return [sys.executable, "-m", "eaglet.cli", "train", str(data_dir(work)), "--out", str(work / "run"),
-            "--target", str(heads_dir(work)), "--total-steps", "3", "--batch-size", "1", "--ttt-steps",
-            str(TTT_STEPS), "--max-length", str(SEQ), "--draft-vocab-size", str(DRAFT_VOCAB), "--pack-tokens", "0",
-            "--no-compile", "--evals", "1", "--log-every", "1", "--eval-fraction", "0.125"]
+    return [
+        sys.executable,
+        "-m",
+        "eaglet.cli",
+        "train",
+        str(data_dir(work)),
+        "--out",
+        str(work / "run"),
+        "--target",
+        str(heads_dir(work)),
+        "--total-steps",
+        "3",
+        "--batch-size",
+        "1",
+        "--ttt-steps",
+        str(TTT_STEPS),
+        "--max-length",
+        str(SEQ),
+        "--draft-vocab-size",
+        str(DRAFT_VOCAB),
+        "--pack-tokens",
+        "0",
+        "--no-compile",
+        "--evals",
+        "1",
+        "--log-every",
+        "1",
+        "--eval-fraction",
+        "0.125",
+    ]
 
 
 def train_seconds_per_step(run: Path) -> float:
@@ -460,13 +578,15 @@ def worker(work: Path, backward: bool, iters: int) -> dict[str, Any]:
     from eaglet.training.loss import forward_stats
     from eaglet.training.teacher import TeacherSource
 
-    cfg = TrainConfig(total_steps=iters, ttt_steps=TTT_STEPS, max_length=SEQ, draft_vocab_size=DRAFT_VOCAB,
-                      pack_tokens=0, bf16=True)
+    cfg = TrainConfig(
+        total_steps=iters, ttt_steps=TTT_STEPS, max_length=SEQ, draft_vocab_size=DRAFT_VOCAB, pack_tokens=0, bf16=True
+    )
     src = offline_source(open_dataset(data_dir(work)), SEQ)
     heads = load_heads(resolve_target(str(heads_dir(work))), None, torch.device("cpu"))
     draft = lean_drafter(heads, src, cfg)
-    teachers = TeacherSource(TeacherHead(heads.final_norm, heads.lm_head), draft.d2t, draft.t2d, cfg.teacher_top_k,
-                             False, True)
+    teachers = TeacherSource(
+        TeacherHead(heads.final_norm, heads.lm_head), draft.d2t, draft.t2d, cfg.teacher_top_k, False, True
+    )
     _ = teachers.lm_head  # the reordered bf16 head (TeacherSource then lets the head as read go)
     del heads
     setup_peak, setup_rss = peak_rss(), rss()
@@ -481,8 +601,14 @@ def worker(work: Path, backward: bool, iters: int) -> dict[str, Any]:
                 loss.backward()
         draft.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    return {"setup_peak": setup_peak, "setup_rss": setup_rss, "step_peak": peak_rss(), "seconds": times,
-            "trainable": sum(p.numel() for p in draft.parameters() if p.requires_grad), "loss": float(loss)}
+    return {
+        "setup_peak": setup_peak,
+        "setup_rss": setup_rss,
+        "step_peak": peak_rss(),
+        "seconds": times,
+        "trainable": sum(p.numel() for p in draft.parameters() if p.requires_grad),
+        "loss": float(loss),
+    }
 
 
 def cmd_train(work: Path, iters: int) -> None:
@@ -490,11 +616,15 @@ def cmd_train(work: Path, iters: int) -> None:
     base = rss()
     available = mem_available()
     budget = available - HEADROOM
-    print(f"{cpu_description()}, {torch.get_num_threads()} threads; MemAvailable {gb(available)}, budget "
-          f"{gb(budget)} (MemAvailable - {gb(HEADROOM)} headroom)")
-    print(f"drafter (DraftConfig.from_target of Kimi-K2.5): hidden {c.hidden_size}, {c.num_heads} heads x "
-          f"{c.head_dim} ({c.num_kv_heads} KV), MLP {c.intermediate_size}, draft vocabulary {c.draft_vocab_size} of "
-          f"{c.target_vocab_size}; {trainable_parameters(c):,} trainable parameters; {SEQ} tokens, TTT {TTT_STEPS}")
+    print(
+        f"{cpu_description()}, {torch.get_num_threads()} threads; MemAvailable {gb(available)}, budget "
+        f"{gb(budget)} (MemAvailable - {gb(HEADROOM)} headroom)"
+    )
+    print(
+        f"drafter (DraftConfig.from_target of Kimi-K2.5): hidden {c.hidden_size}, {c.num_heads} heads x "
+        f"{c.head_dim} ({c.num_kv_heads} KV), MLP {c.intermediate_size}, draft vocabulary {c.draft_vocab_size} of "
+        f"{c.target_vocab_size}; {trainable_parameters(c):,} trainable parameters; {SEQ} tokens, TTT {TTT_STEPS}"
+    )
     plans = estimates(c, base)
     for e in plans:
         print_estimate(e, budget)
@@ -502,16 +632,24 @@ def cmd_train(work: Path, iters: int) -> None:
     if chosen is None:
         print("nothing fits: no run started")
         return
-    print(f"running: {plans[chosen].name}" + ("" if chosen == 0 else
-          f" (the full `eaglet train` would need {gb(plans[0].total)}, {gb(plans[0].total - budget)} over the budget)"))
+    print(
+        f"running: {plans[chosen].name}"
+        + (
+            ""
+            if chosen == 0
+            else f" (the full `eaglet train` would need {gb(plans[0].total)}, {gb(plans[0].total - budget)} over the budget)"
+        )
+    )
     log = work / f"train-{chosen}.log"
     if chosen == 0:
         shutil.rmtree(work / "run", ignore_errors=True)
         w = run_watched(train_command(work), budget, log)
         report_watched(w, log)
         if w.returncode == 0:
-            print(f"  peak RSS {gb(w.peak)} (estimate {gb(plans[0].total)}); "
-                  f"{train_seconds_per_step(work / 'run'):.1f} s/step")
+            print(
+                f"  peak RSS {gb(w.peak)} (estimate {gb(plans[0].total)}); "
+                f"{train_seconds_per_step(work / 'run'):.1f} s/step"
+            )
         return
     cmd = [sys.executable, __file__, "worker", "--work", str(work), "--iters", str(iters)]
     w = run_watched(cmd + (["--backward"] if chosen == 1 else []), budget, log)
@@ -519,12 +657,18 @@ def cmd_train(work: Path, iters: int) -> None:
     if w.returncode == 0:
         r = json.loads(worker_result(work).read_text())
         steps = " ".join(f"{s:.1f}" for s in r["seconds"])
-        print(f"  {'trainable':>14} {'setup RSS':>10} {'setup peak':>10} {'step peak':>10} {'estimate':>10} | "
-              f"s/step per iteration (first warms up)")
-        print(f"  {r['trainable']:>14,} {gb(r['setup_rss']):>10} {gb(r['setup_peak']):>10} {gb(r['step_peak']):>10} "
-              f"{gb(plans[chosen].total):>10} | {steps}")
-        print(f"  peak RSS of the process (wait4) {gb(w.peak)}; loss {r['loss']:.3f}; s/step is teacher (top-"
-              f"16 of the full vocabulary) + drafter forward{' + backward' if chosen == 1 else ''}, no AdamW")
+        print(
+            f"  {'trainable':>14} {'setup RSS':>10} {'setup peak':>10} {'step peak':>10} {'estimate':>10} | "
+            f"s/step per iteration (first warms up)"
+        )
+        print(
+            f"  {r['trainable']:>14,} {gb(r['setup_rss']):>10} {gb(r['setup_peak']):>10} {gb(r['step_peak']):>10} "
+            f"{gb(plans[chosen].total):>10} | {steps}"
+        )
+        print(
+            f"  peak RSS of the process (wait4) {gb(w.peak)}; loss {r['loss']:.3f}; s/step is teacher (top-"
+            f"16 of the full vocabulary) + drafter forward{' + backward' if chosen == 1 else ''}, no AdamW"
+        )
 
 
 def report_watched(w: Watched, log: Path) -> None:
@@ -536,6 +680,7 @@ def report_watched(w: Watched, log: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

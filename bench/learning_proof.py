@@ -61,8 +61,12 @@ def main() -> None:
     base = most_frequent_baseline(args.data, args.eval_fraction, args.seed, args.ttt_steps, args.draft_vocab_size)
     print(f"held-out positions per step: {[int(c) for c in best['positions']]}" if "positions" in best else "")
     print(f"{'TTT step':>10}" + "".join(f"{k:>8}" for k in range(args.ttt_steps)) + f"{'sim tau':>10}")
-    print(f"{'drafter':>10}" + "".join(f"{a:>8.3f}" for a in best["acc"]) + f"{best['tau']:>10.3f}"
-          + f"   (step {best['step']})")
+    print(
+        f"{'drafter':>10}"
+        + "".join(f"{a:>8.3f}" for a in best["acc"])
+        + f"{best['tau']:>10.3f}"
+        + f"   (step {best['step']})"
+    )
     print(f"{'most-freq':>10}" + "".join(f"{a:>8.3f}" for a in base["acc"]) + f"{base['tau']:>10.3f}")
     print(f"ratio of simulated acceptance length: {best['tau'] / max(base['tau'], 1e-9):.1f}x")
 

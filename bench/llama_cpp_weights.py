@@ -59,13 +59,17 @@ def main() -> None:
     drafter = work / "drafter.gguf"
     export_drafter(ExportOptions(ckpt=args.drafter, out=drafter, fmt=formats.FORMAT_GGUF))
     tokenizer = load_tokenizer(resolve_target(None))
-    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}])
-               for q in load_prompt_set(args.prompts, args.num_prompts)]
+    prompts = [
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": q.turns[0]}])
+        for q in load_prompt_set(args.prompts, args.num_prompts)
+    ]
     options = dict(threads=args.threads, draft_max=args.chain_depth, draft_p_min=args.min_draft_prob)
     rows = []
     for w in args.weights.split(","):
-        specs = {"plain": llama_cpp.ServerSpec(None, None),
-                 "eagle3": llama_cpp.ServerSpec(drafter, llama_cpp.SPEC_EAGLE3)}
+        specs = {
+            "plain": llama_cpp.ServerSpec(None, None),
+            "eagle3": llama_cpp.ServerSpec(drafter, llama_cpp.SPEC_EAGLE3),
+        }
         with llama_cpp.llama_servers(targets[w], specs, log_dir=work / "logs", **options) as servers:
             for ids in prompts[:1]:  # untimed warm-up
                 for s in servers.values():
@@ -81,13 +85,19 @@ def main() -> None:
         tau = eagle3[0] / max(1, eagle3[0] - counts.accepted)
         rows.append((w, plain_tps, eagle3_tps, eagle3_tps / plain_tps, tau, acceptance, costs))
         print(rows[-1], flush=True)
-    print(f"\nllama-server, {args.num_prompts} {args.prompts} prompts, {args.max_new_tokens} new tokens, greedy, "
-          f"{args.threads} thread(s), chain {args.chain_depth} (p >= {args.min_draft_prob}); {cpu_description()}")
-    print(f"{'weights':<8}{'plain tok/s':>12}{'eagle3 tok/s':>14}{'speedup':>9}{'tau':>7}  {'acceptance':<14}"
-          f"ms to process {'/'.join(map(str, PASS_SIZES))} new tokens")
+    print(
+        f"\nllama-server, {args.num_prompts} {args.prompts} prompts, {args.max_new_tokens} new tokens, greedy, "
+        f"{args.threads} thread(s), chain {args.chain_depth} (p >= {args.min_draft_prob}); {cpu_description()}"
+    )
+    print(
+        f"{'weights':<8}{'plain tok/s':>12}{'eagle3 tok/s':>14}{'speedup':>9}{'tau':>7}  {'acceptance':<14}"
+        f"ms to process {'/'.join(map(str, PASS_SIZES))} new tokens"
+    )
     for w, plain_tps, eagle3_tps, speedup, tau, acceptance, costs in rows:
-        print(f"{w:<8}{plain_tps:>12.1f}{eagle3_tps:>14.1f}{speedup:>8.2f}x{tau:>7.2f}  {str(acceptance):<14}"
-              f"{' / '.join(map(str, costs))}")
+        print(
+            f"{w:<8}{plain_tps:>12.1f}{eagle3_tps:>14.1f}{speedup:>8.2f}x{tau:>7.2f}  {str(acceptance):<14}"
+            f"{' / '.join(map(str, costs))}"
+        )
 
 
 if __name__ == "__main__":

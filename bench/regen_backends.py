@@ -42,25 +42,40 @@ def main() -> None:
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="eaglet-regen-bench-"))
     out.mkdir(parents=True, exist_ok=True)
-    common = dict(num_samples=args.chats, max_turns=1, max_new_tokens=args.max_new_tokens,
-                  max_prompt_tokens=args.max_prompt_tokens)
-    runs: dict[str, dict] = {f"local {d}": dict(backend="local", dtype=d, batch_size=args.batch_size)
-                             for d in args.dtype.split(",")}
+    common = dict(
+        num_samples=args.chats,
+        max_turns=1,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+    runs: dict[str, dict] = {
+        f"local {d}": dict(backend="local", dtype=d, batch_size=args.batch_size) for d in args.dtype.split(",")
+    }
     for w in args.weights.split(","):
         gguf = embedded.smollm2_gguf() if w == "q4_1" else f32_target_gguf(embedded.smollm2_gguf())
         for c in map(int, args.concurrency.split(",")):
-            runs[f"llama.cpp {w} x{c}"] = dict(backend="llama.cpp", target_gguf=gguf, concurrency=c,
-                                               threads=args.threads)
+            runs[f"llama.cpp {w} x{c}"] = dict(
+                backend="llama.cpp", target_gguf=gguf, concurrency=c, threads=args.threads
+            )
     results = {}
     for label, options in runs.items():
-        s = regenerate(RegenOptions(data="sharegpt", out=out / f"{label.replace(' ', '_')}.jsonl", **options, **common),
-                       progress_bar=False)
-        results[label] = {"chats": s.written, "failed": s.failed, "tokens": s.tokens,
-                          "seconds": round(s.seconds, 1), "tokens_per_s": round(s.tokens_per_s, 1)}
+        s = regenerate(
+            RegenOptions(data="sharegpt", out=out / f"{label.replace(' ', '_')}.jsonl", **options, **common),
+            progress_bar=False,
+        )
+        results[label] = {
+            "chats": s.written,
+            "failed": s.failed,
+            "tokens": s.tokens,
+            "seconds": round(s.seconds, 1),
+            "tokens_per_s": round(s.tokens_per_s, 1),
+        }
         print(f"{label}: {results[label]}", flush=True)
     base = next(iter(results.values()))["tokens_per_s"]
-    print(f"\nregen of the first {args.chats} ShareGPT chats' first turns, greedy, {args.max_new_tokens} new tokens at "
-          f"most; {cpu_description()}, {os.cpu_count()} cores")
+    print(
+        f"\nregen of the first {args.chats} ShareGPT chats' first turns, greedy, {args.max_new_tokens} new tokens at "
+        f"most; {cpu_description()}, {os.cpu_count()} cores"
+    )
     print(f"{'backend':<22}{'chats':>7}{'tokens':>9}{'tok/s':>9}{'vs ' + next(iter(results)):>16}")
     for label, r in results.items():
         ratio = r["tokens_per_s"] / base if base else float("nan")

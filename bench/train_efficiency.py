@@ -93,6 +93,7 @@ PRESETS["learning-more"] = {  # not measured yet
 # Variants
 # ---------------------------------------------------------------------------------------------
 
+
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """'name: key=value key=value' -> (name, options), values read as TOML."""
     from eaglet.recipe import parse_value
@@ -117,6 +118,7 @@ def folder_name(name: str) -> str:
 # Running one variant (in a fresh process)
 # ---------------------------------------------------------------------------------------------
 
+
 def worker(spec: dict[str, Any]) -> None:
     """Train one variant, then (for other training data) measure it on DATA's held-out split."""
     import logging
@@ -128,18 +130,36 @@ def worker(spec: dict[str, Any]) -> None:
     options = dict(spec["options"])
     data = options.pop("data", spec["data"])
     summary = train(TrainOptions(dataset_dir=data, out_dir=spec["out"], **options), show_progress=False)
-    result = {"steps": summary.step, "train_tokens": summary.train_tokens, "train_seconds": summary.seconds,
-              "eval": summary.last_eval, "best_step": summary.best_step}
+    result = {
+        "steps": summary.step,
+        "train_tokens": summary.train_tokens,
+        "train_seconds": summary.seconds,
+        "eval": summary.last_eval,
+        "best_step": summary.best_step,
+    }
     if str(data) != str(spec["data"]):
-        result["eval"] = evaluate_heldout(spec["out"], spec["data"], options.get("eval_fraction", 0.05),
-                                          options.get("seed", 0), options.get("ttt_steps"), options.get("max_length"),
-                                          bf16=options.get("bf16"))
+        result["eval"] = evaluate_heldout(
+            spec["out"],
+            spec["data"],
+            options.get("eval_fraction", 0.05),
+            options.get("seed", 0),
+            options.get("ttt_steps"),
+            options.get("max_length"),
+            bf16=options.get("bf16"),
+        )
         result["eval_on"] = str(spec["data"])
     Path(spec["out"], "bench_result.json").write_text(json.dumps(result, indent=1))
 
 
-def run_variant(name: str, options: dict[str, Any], data: Path, out: Path, budget: float | None,
-                extra: dict[str, Any], report_only: bool = False) -> dict[str, Any] | None:
+def run_variant(
+    name: str,
+    options: dict[str, Any],
+    data: Path,
+    out: Path,
+    budget: float | None,
+    extra: dict[str, Any],
+    report_only: bool = False,
+) -> dict[str, Any] | None:
     folder = out / folder_name(name)
     opts = {**COMMON, **extra, **options}
     if budget is not None and "total_steps" not in opts:
@@ -160,8 +180,9 @@ def run_variant(name: str, options: dict[str, Any], data: Path, out: Path, budge
         (folder / "bench_spec.json").write_text(json.dumps(spec, indent=1))
         print(f"[{name}] training: {json.dumps(opts)}", flush=True)
         with open(folder / "log.txt", "w") as log:
-            rc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], stdout=log,
-                                stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                [sys.executable, __file__, "--worker", json.dumps(spec)], stdout=log, stderr=subprocess.STDOUT
+            ).returncode
         if rc != 0:
             print(f"[{name}] FAILED (exit {rc}); see {folder / 'log.txt'}", flush=True)
             return None
@@ -178,6 +199,7 @@ def eval_curve(folder: Path) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
+
 
 def chain_tau(acc: list[float], depth: int = 2) -> float:
     """Expected tokens per verification of a chain of `depth` drafts (the bonus token included)."""
@@ -216,14 +238,23 @@ def scaling_report(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     rows = []
     for base in dict.fromkeys(r["variant"] for r in results if "eval_on" not in r):
-        runs = sorted((r for r in results if r["variant"] == base and "eval_on" not in r), key=lambda r: r["train_tokens"])
+        runs = sorted(
+            (r for r in results if r["variant"] == base and "eval_on" not in r), key=lambda r: r["train_tokens"]
+        )
         if len(runs) < 2:
             continue
         fit = log_fit([(r["train_tokens"], r["eval"]["acc"][0]) for r in runs])
         rate = sum(r["train_tokens"] for r in runs) / sum(r["train_seconds"] for r in runs)
         reach = math.exp((GOAL_ACC1 - fit[0]) / fit[1]) if fit and fit[1] > 0 else None
-        rows.append({"variant": base, "points": [(r["train_tokens"], r["eval"]["acc"][0]) for r in runs],
-                     "fit": fit, "tokens_per_s": rate, "tokens_to_goal": reach})
+        rows.append(
+            {
+                "variant": base,
+                "points": [(r["train_tokens"], r["eval"]["acc"][0]) for r in runs],
+                "fit": fit,
+                "tokens_per_s": rate,
+                "tokens_to_goal": reach,
+            }
+        )
     for row in rows:
         pts = ", ".join(f"{t / 1e3:,.0f}k: {a:.3f}" for t, a in row["points"])
         a, b = row["fit"]
@@ -231,28 +262,41 @@ def scaling_report(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         print(f"  fit acc@1 = {a:.3f} + {b:.4f} ln(tokens): +{b * math.log(2):.3f} per doubling of tokens")
         if row["tokens_to_goal"]:
             t = row["tokens_to_goal"]
-            print(f"  reaches {GOAL_ACC1} at ~{t / 1e6:,.1f}M tokens = ~{t / row['tokens_per_s'] / 3600:,.1f} h at "
-                  f"{row['tokens_per_s']:.0f} tok/s (an extrapolation of the fit, not a measurement)")
+            print(
+                f"  reaches {GOAL_ACC1} at ~{t / 1e6:,.1f}M tokens = ~{t / row['tokens_per_s'] / 3600:,.1f} h at "
+                f"{row['tokens_per_s']:.0f} tok/s (an extrapolation of the fit, not a measurement)"
+            )
     return rows
 
 
 def report(results: list[dict[str, Any]], out: Path) -> None:
     fractions = (0.25, 0.5, 1.0)
     k_max = max(len(r["eval"]["acc"]) for r in results)
-    head = (f"{'variant':<28} {'tok/s':>6} {'tokens':>9} {'steps':>6} | " + " ".join(f"acc@{k + 1:<2}" for k in range(k_max))
-            + f" | {'sim tau':>7} {'chain2':>6} | " + " ".join(f"@{int(f * 100)}%".rjust(6) for f in fractions))
+    head = (
+        f"{'variant':<28} {'tok/s':>6} {'tokens':>9} {'steps':>6} | "
+        + " ".join(f"acc@{k + 1:<2}" for k in range(k_max))
+        + f" | {'sim tau':>7} {'chain2':>6} | "
+        + " ".join(f"@{int(f * 100)}%".rjust(6) for f in fractions)
+    )
     print("\n" + head)
     print("-" * len(head))
     for r in results:
         ev, secs = r["eval"], r["train_seconds"]
         accs = " ".join(f"{a:6.3f}" for a in ev["acc"]) + "       " * (k_max - len(ev["acc"]))
-        at = " ".join(fmt_opt(acc_at_fraction(r["curve"], secs, f)) for f in fractions) if "eval_on" not in r else \
-            "(held out of DATA: final only)"
-        print(f"{r['name'][:28]:<28} {r['train_tokens'] / max(secs, 1e-9):6.0f} {r['train_tokens']:9,d} {r['steps']:6d} | "
-              f"{accs} | {ev['tau']:7.3f} {chain_tau(ev['acc']):6.3f} | {at}")
-    print("acc@k: held-out acceptance of TTT step k (the drafter's top-1 equals the target's choice, over all "
-          "assistant tokens); chain2: 1 + acc@1 + acc@1*acc@2, tokens per target pass of a 2-token chain if "
-          "acceptance were independent of context; @x%: held-out acc@1 after x% of the training seconds")
+        at = (
+            " ".join(fmt_opt(acc_at_fraction(r["curve"], secs, f)) for f in fractions)
+            if "eval_on" not in r
+            else "(held out of DATA: final only)"
+        )
+        print(
+            f"{r['name'][:28]:<28} {r['train_tokens'] / max(secs, 1e-9):6.0f} {r['train_tokens']:9,d} {r['steps']:6d} | "
+            f"{accs} | {ev['tau']:7.3f} {chain_tau(ev['acc']):6.3f} | {at}"
+        )
+    print(
+        "acc@k: held-out acceptance of TTT step k (the drafter's top-1 equals the target's choice, over all "
+        "assistant tokens); chain2: 1 + acc@1 + acc@1*acc@2, tokens per target pass of a 2-token chain if "
+        "acceptance were independent of context; @x%: held-out acc@1 after x% of the training seconds"
+    )
     scaling = scaling_report(results)
     (out / "results.md").write_text(markdown_table(results, k_max))
     (out / "results.json").write_text(json.dumps({"runs": results, "scaling": scaling}, indent=1))
@@ -262,15 +306,21 @@ def report(results: list[dict[str, Any]], out: Path) -> None:
 
 def markdown_table(results: list[dict[str, Any]], k_max: int) -> str:
     """The same figures as the printed table, as Markdown (for a README)."""
-    lines = ["| variant | tok/s | tokens | " + " | ".join(f"acc@{k + 1}" for k in range(k_max))
-             + " | chain-2 tau (sim.) | acc@1 at 50% of the time |",
-             "| --- " * (k_max + 5) + "|"]
+    lines = [
+        "| variant | tok/s | tokens | "
+        + " | ".join(f"acc@{k + 1}" for k in range(k_max))
+        + " | chain-2 tau (sim.) | acc@1 at 50% of the time |",
+        "| --- " * (k_max + 5) + "|",
+    ]
     for r in results:
         acc, secs = r["eval"]["acc"], r["train_seconds"]
         cells = [f"{a:.3f}" for a in acc] + [""] * (k_max - len(acc))
         half = acc_at_fraction(r["curve"], secs, 0.5) if "eval_on" not in r else None
-        lines.append(f"| {r['name']} | {r['train_tokens'] / max(secs, 1e-9):.0f} | {r['train_tokens']:,} | "
-                     + " | ".join(cells) + f" | {chain_tau(acc):.2f} | {'' if half is None else f'{half:.3f}'} |")
+        lines.append(
+            f"| {r['name']} | {r['train_tokens'] / max(secs, 1e-9):.0f} | {r['train_tokens']:,} | "
+            + " | ".join(cells)
+            + f" | {chain_tau(acc):.2f} | {'' if half is None else f'{half:.3f}'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -318,6 +368,7 @@ def _has_cuda() -> bool:
 # Throughput against an older revision
 # ---------------------------------------------------------------------------------------------
 
+
 def checkout(rev: str, into: Path) -> Path:
     """`src/` of `rev` in a temporary folder (nothing of this checkout is touched)."""
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"], capture_output=True, check=True).stdout
@@ -350,17 +401,26 @@ def train_command(data: Path, out: Path, options: dict[str, Any]) -> list[str]:
     return cmd
 
 
-def throughput(data: Path, out: Path, rev: str, steps: int, variants: list[tuple[str, dict[str, Any]]],
-               extra: dict[str, Any]) -> None:
+def throughput(
+    data: Path, out: Path, rev: str, steps: int, variants: list[tuple[str, dict[str, Any]]], extra: dict[str, Any]
+) -> None:
     common = {k: v for k, v in COMMON.items() if k != "evals"}  # options the old code knows too
-    fixed = {**common, **extra, "total_steps": steps, "eval_every": steps, "save_every": steps,
-             "log_every": max(1, steps // 6)}
+    fixed = {
+        **common,
+        **extra,
+        "total_steps": steps,
+        "eval_every": steps,
+        "save_every": steps,
+        "log_every": max(1, steps // 6),
+    }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         old_src = checkout(rev, Path(tmp))
         # the old code knew only --bf16 (off by default), as the recipes set it, and fp32
-        runs = [(f"{rev}, bf16", {**fixed, **TODAY, "bf16": True}, str(old_src)),
-                (f"{rev}, fp32", {**fixed, **TODAY}, str(old_src))]
+        runs = [
+            (f"{rev}, bf16", {**fixed, **TODAY, "bf16": True}, str(old_src)),
+            (f"{rev}, fp32", {**fixed, **TODAY}, str(old_src)),
+        ]
         runs += [(f"now: {name}", {**fixed, **opts}, str(REPO / "src")) for name, opts in variants]
         from eaglet.target import fast_bf16
 
@@ -384,18 +444,24 @@ def throughput(data: Path, out: Path, rev: str, steps: int, variants: list[tuple
         shown = {k: v for k, v in opts.items() if k not in fixed}
         print(f"{label[:40]:<40} {rate:7.0f} {rate / rows[0][2]:7.2f} {rate / rows[1][2]:7.2f}  {json.dumps(shown)}")
     print(f"this CPU computes bf16 {'fast' if fast_bf16('cpu') else 'slowly (no AMX / AVX512-BF16): auto is fp32'}")
-    print(f"same data, same {steps} steps (tokens/s between the first and last log lines: no startup, no held-out eval)")
+    print(
+        f"same data, same {steps} steps (tokens/s between the first and last log lines: no startup, no held-out eval)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("data", nargs="?", help="an extracted dataset (eaglet extract)")
     ap.add_argument("--out", default="runs/bench-train", help="one folder per variant, results, plot")
-    ap.add_argument("--budget", default="10m",
-                    help="training time per variant (default 10m); a list (2m,5m,16m) runs each variant at each "
-                         "budget, a full schedule each, and fits final acc@1 against tokens (scaling)")
+    ap.add_argument(
+        "--budget",
+        default="10m",
+        help="training time per variant (default 10m); a list (2m,5m,16m) runs each variant at each "
+        "budget, a full schedule each, and fits final acc@1 against tokens (scaling)",
+    )
     ap.add_argument("--variant", action="append", default=[], help="'name: key=value ...' (TrainConfig fields)")
     ap.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[], help="a built-in set of variants")
     ap.add_argument("--eval-fraction", type=float, default=0.02, help="held-out fraction, the same for all (0.02)")

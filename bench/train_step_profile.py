@@ -36,8 +36,18 @@ from eaglet.training.loop import RunState, compiled, setup_optimizer
 from eaglet.training.loss import forward_stats
 from eaglet.training.teacher import TeacherSource
 
-SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5,
-               rope_theta=100000.0, max_position_embeddings=8192, target_vocab_size=49152, aux_layer_ids=[2, 15, 27])
+SMOLLM2 = dict(
+    hidden_size=576,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    target_vocab_size=49152,
+    aux_layer_ids=[2, 15, 27],
+)
 # Kinds of work, by the profiler's op names (first match wins).
 KINDS = (
     ("matmul", ("mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "dot")),
@@ -45,8 +55,27 @@ KINDS = (
     ("optimizer", ("adam", "_foreach", "clip_grad", "addcmul", "addcdiv", "lerp", "sqrt")),
     ("loss", ("log_softmax", "softmax", "cross_entropy", "nll", "logsumexp", "topk", "gather", "scatter")),
     ("copies", ("copy_", "to", "_to_copy", "cat", "clone", "contiguous", "index", "masked", "zero_", "fill_")),
-    ("elementwise", ("mul", "add", "sub", "div", "pow", "rsqrt", "mean", "sum", "silu", "neg", "exp", "where",
-                     "rms_norm", "sigmoid", "native_layer_norm", "_fused_rms_norm")),
+    (
+        "elementwise",
+        (
+            "mul",
+            "add",
+            "sub",
+            "div",
+            "pow",
+            "rsqrt",
+            "mean",
+            "sum",
+            "silu",
+            "neg",
+            "exp",
+            "where",
+            "rms_norm",
+            "sigmoid",
+            "native_layer_norm",
+            "_fused_rms_norm",
+        ),
+    ),
 )
 
 
@@ -68,8 +97,9 @@ def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype, seconds: float = 2.0
     return 2 * m * k * n / best / 1e9
 
 
-def make_step(tokens: int, batch: int, ttt: int, draft_vocab: int, bf16: bool, compiled_step: bool = False,
-              docs: int = 1):
+def make_step(
+    tokens: int, batch: int, ttt: int, draft_vocab: int, bf16: bool, compiled_step: bool = False, docs: int = 1
+):
     """A closure running one training step of `eaglet train` on random data, and the batch's tokens.
     `docs` > 1: each row is a pack of that many samples of equal length (`eaglet train --pack-tokens`)."""
     torch.manual_seed(0)
@@ -80,9 +110,14 @@ def make_step(tokens: int, batch: int, ttt: int, draft_vocab: int, bf16: bool, c
     H, V = dcfg.hidden_size, dcfg.target_vocab_size
     head = TeacherHead(torch.nn.RMSNorm(H), torch.nn.Linear(H, V, bias=False))
     teachers = TeacherSource(head, draft.d2t, draft.t2d, cfg.teacher_top_k, False, bf16)
-    b = Batch(torch.randint(0, V, (batch, tokens)), torch.randn(batch, tokens, 3 * H, dtype=torch.bfloat16),
-              torch.randn(batch, tokens, H, dtype=torch.bfloat16), torch.ones(batch, tokens, dtype=torch.long),
-              [tokens] * batch, list(range(batch)))
+    b = Batch(
+        torch.randint(0, V, (batch, tokens)),
+        torch.randn(batch, tokens, 3 * H, dtype=torch.bfloat16),
+        torch.randn(batch, tokens, H, dtype=torch.bfloat16),
+        torch.ones(batch, tokens, dtype=torch.long),
+        [tokens] * batch,
+        list(range(batch)),
+    )
     if docs > 1:
         part = tokens // docs
         b.docs = [[part] * (docs - 1) + [tokens - part * (docs - 1)]] * batch
@@ -144,8 +179,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile the drafter's forward (the warm-up steps compile; one shape throughout)")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the drafter's forward (the warm-up steps compile; one shape throughout)",
+    )
     ap.add_argument("--docs", type=int, default=1, help="samples packed in each row (eaglet train --pack-tokens)")
     args = ap.parse_args()
     if args.threads:
@@ -155,15 +193,18 @@ def main() -> None:
     print(f"machine: {machine()}; step dtype {'bf16 autocast' if bf16 else 'fp32'} (--dtype {args.dtype})")
     peak = gemm_gflops(2048, 2048, 2048, dtype)
     print(f"GEMM peak ({dtype}, 2048^3): {peak:,.0f} GFLOP/s")
-    header = (f"{'tokens':>7} {'tok/s':>8} {'GFLOP/step':>10} {'GFLOP/s':>8} {'% peak':>6} {'shape GEMM':>10} "
-              f"{'% shape':>7} | wall seconds per step by phase; then by kind of op")
+    header = (
+        f"{'tokens':>7} {'tok/s':>8} {'GFLOP/step':>10} {'GFLOP/s':>8} {'% peak':>6} {'shape GEMM':>10} "
+        f"{'% shape':>7} | wall seconds per step by phase; then by kind of op"
+    )
     print(header)
     for tokens in args.tokens:
         step, n = make_step(tokens, args.batch, args.ttt, args.draft_vocab, bf16, args.compile, args.docs)
         step()  # warm-up: optimizer state, kernel choice (and compiling)
         step()
-        flops = count_flops(make_step(tokens, args.batch, args.ttt, args.draft_vocab, bf16,
-                                      docs=args.docs)[0])  # eager: countable
+        flops = count_flops(
+            make_step(tokens, args.batch, args.ttt, args.draft_vocab, bf16, docs=args.docs)[0]
+        )  # eager: countable
         phases: dict[str, float] = defaultdict(float)
         for _ in range(args.iters):
             for k, v in step().items():
@@ -174,13 +215,18 @@ def main() -> None:
         total = sum(kinds.values())
         split = "  ".join(f"{k} {v:.3f}s ({v / total:.0%})" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
         rate = flops / seconds / 1e9
-        print(f"{n:>7} {n / seconds:>8,.0f} {flops / 1e9:>10.1f} {rate:>8,.0f} {rate / peak:>6.1%} "
-              f"{shape_peak:>10,.0f} {rate / shape_peak:>7.1%} | "
-              + "  ".join(f"{k} {v:.3f}s" for k, v in phases.items()), flush=True)
+        print(
+            f"{n:>7} {n / seconds:>8,.0f} {flops / 1e9:>10.1f} {rate:>8,.0f} {rate / peak:>6.1%} "
+            f"{shape_peak:>10,.0f} {rate / shape_peak:>7.1%} | "
+            + "  ".join(f"{k} {v:.3f}s" for k, v in phases.items()),
+            flush=True,
+        )
         print(f"{'':>60} | ops: {split}", flush=True)
-    print("GFLOP/step: matmul and attention FLOPs of the step, forward and backward (torch.utils.flop_counter); "
-          "% peak: achieved / the 2048^3 GEMM; shape GEMM: [tokens, 576] x [576, 1536] GFLOP/s; by kind: profiler "
-          "CPU self time, whose total exceeds the wall time by the profiler's own overhead")
+    print(
+        "GFLOP/step: matmul and attention FLOPs of the step, forward and backward (torch.utils.flop_counter); "
+        "% peak: achieved / the 2048^3 GEMM; shape GEMM: [tokens, 576] x [576, 1536] GFLOP/s; by kind: profiler "
+        "CPU self time, whose total exceeds the wall time by the profiler's own overhead"
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,19 @@ from ttt_reference import NaiveTTTAttention  # noqa: E402
 
 from eaglet.drafter import DiagonalTTTAttention, DraftConfig, Eagle3Draft, make_teacher, ttt_loss  # noqa: E402
 
-SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5,
-               rope_theta=100000.0, max_position_embeddings=8192, target_vocab_size=49152, draft_vocab_size=32000,
-               aux_layer_ids=[2, 15, 27])
+SMOLLM2 = dict(
+    hidden_size=576,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    target_vocab_size=49152,
+    draft_vocab_size=32000,
+    aux_layer_ids=[2, 15, 27],
+)
 IMPLS = {"efficient": DiagonalTTTAttention, "naive": NaiveTTTAttention}
 
 
@@ -86,8 +96,15 @@ def worker(impl: str, ttt: int, seq: int, iters: int, bf16: bool) -> dict:
     else:
         peak = proc_status_kib("VmHWM") * 1024 - base
     seconds = (time.perf_counter() - t0) / iters
-    return {"impl": impl, "ttt": ttt, "seq": seq, "tok_s": seq / seconds, "step_s": seconds,
-            "peak_mib": peak / 2**20, "device": device.type}
+    return {
+        "impl": impl,
+        "ttt": ttt,
+        "seq": seq,
+        "tok_s": seq / seconds,
+        "step_s": seconds,
+        "peak_mib": peak / 2**20,
+        "device": device.type,
+    }
 
 
 def run_config(impl: str, ttt: int, seq: int, iters: int, bf16: bool) -> dict:
@@ -101,8 +118,9 @@ def run_config(impl: str, ttt: int, seq: int, iters: int, bf16: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, nargs="+", default=None,
-                    help="sequence lengths (default CPU 256 1024, GPU 2048 8192)")
+    ap.add_argument(
+        "--seq", type=int, nargs="+", default=None, help="sequence lengths (default CPU 256 1024, GPU 2048 8192)"
+    )
     ap.add_argument("--ttt", type=int, nargs="+", default=[1, 7])
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--bf16", action="store_true")
@@ -113,19 +131,25 @@ def main() -> None:
         print(json.dumps(worker(impl, int(ttt), int(seq), args.iters, args.bf16)))
         return
     seqs = args.seq or ([2048, 8192] if torch.cuda.is_available() else [256, 1024])
-    print(f"{'ttt':>3} {'seq':>6} | {'efficient tok/s':>15} {'peak MiB':>9} | {'naive tok/s':>11} {'peak MiB':>9} | "
-          f"{'speed x':>7} {'memory x':>8}")
+    print(
+        f"{'ttt':>3} {'seq':>6} | {'efficient tok/s':>15} {'peak MiB':>9} | {'naive tok/s':>11} {'peak MiB':>9} | "
+        f"{'speed x':>7} {'memory x':>8}"
+    )
     for ttt in args.ttt:
         for seq in seqs:
             e, n = (run_config(impl, ttt, seq, args.iters, args.bf16) for impl in ("efficient", "naive"))
             if "error" in e or "error" in n:
                 print(f"{ttt:>3} {seq:>6} | error: {e.get('error') or n.get('error')}")
                 continue
-            print(f"{ttt:>3} {seq:>6} | {e['tok_s']:>15,.0f} {e['peak_mib']:>9,.0f} | {n['tok_s']:>11,.0f} "
-                  f"{n['peak_mib']:>9,.0f} | {e['tok_s'] / n['tok_s']:>7.2f} {n['peak_mib'] / max(e['peak_mib'], 1):>8.2f}",
-                  flush=True)
-    print("speed x = efficient tok/s / naive tok/s; memory x = naive peak / efficient peak "
-          f"({'GPU allocated' if torch.cuda.is_available() else 'CPU peak RSS delta'})")
+            print(
+                f"{ttt:>3} {seq:>6} | {e['tok_s']:>15,.0f} {e['peak_mib']:>9,.0f} | {n['tok_s']:>11,.0f} "
+                f"{n['peak_mib']:>9,.0f} | {e['tok_s'] / n['tok_s']:>7.2f} {n['peak_mib'] / max(e['peak_mib'], 1):>8.2f}",
+                flush=True,
+            )
+    print(
+        "speed x = efficient tok/s / naive tok/s; memory x = naive peak / efficient peak "
+        f"({'GPU allocated' if torch.cuda.is_available() else 'CPU peak RSS delta'})"
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ref = resolve_target(args.target)
-    print(f"target {ref.name}, {args.context} cached tokens, {args.threads} thread(s); break-even p: acceptance "
-          f"at every draft position for a chain of q-1 drafts to pay for its pass (drafter time not counted)")
+    print(
+        f"target {ref.name}, {args.context} cached tokens, {args.threads} thread(s); break-even p: acceptance "
+        f"at every draft position for a chain of q-1 drafts to pay for its pass (drafter time not counted)"
+    )
     print(f"{'dtype':<6} {'q':>2} {'ms':>8} {'x q=1':>6} {'break-even p':>13}")
     for name in args.dtypes.split(","):
         model = load_target(ref, parse_dtype(name), torch.device("cpu"))

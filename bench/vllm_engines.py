@@ -42,8 +42,11 @@ def bench_extract(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-extract-"))
     prepared = Path(args.prepared) if args.prepared else work / "prepared"
     if not args.prepared:
-        prepare(PrepareOptions(target=None, data="sharegpt", out=prepared, num_samples=args.samples,
-                               max_length=args.max_length))
+        prepare(
+            PrepareOptions(
+                target=None, data="sharegpt", out=prepared, num_samples=args.samples, max_length=args.max_length
+            )
+        )
     rows = []
     for engine in ("hf", "vllm"):
         out = work / f"data-{engine}"
@@ -66,15 +69,28 @@ def bench_serve(args: argparse.Namespace) -> None:
         own = {"eagle3": "chain", "p-eagle": "p-eagle", "dflash": "dflash"}[family]
         methods = [own, "hybrid", "vllm", "vllm-ngram", f"vllm-{family}"]
         out = Path(args.out) / run.name
-        result = evaluate(EvalOptions(drafter_path=run, prompt_sets=args.prompts.split(","),
-                                      num_prompts=args.num_prompts, methods=methods, max_new_tokens=args.max_new_tokens,
-                                      dtype=args.dtype, threads=args.threads, out=out))
+        result = evaluate(
+            EvalOptions(
+                drafter_path=run,
+                prompt_sets=args.prompts.split(","),
+                num_prompts=args.num_prompts,
+                methods=methods,
+                max_new_tokens=args.max_new_tokens,
+                dtype=args.dtype,
+                threads=args.threads,
+                out=out,
+            )
+        )
         print(f"# {run} ({family}), {cpu_description()}, vLLM {installed_version()}")
         print(result.table())
         costs = result.config.get("vllm", {}).get("pass_costs", {})
         if costs:
-            steps = " ".join(f"q={q}: {1000 * v:.1f}" for q, v in sorted(costs["step_s"].items(), key=lambda x: int(x[0])))
-            print(f"vLLM plain engine, ms a step: {steps}; a one-token request whole: {1000 * costs['request_s'][1]:.1f}")
+            steps = " ".join(
+                f"q={q}: {1000 * v:.1f}" for q, v in sorted(costs["step_s"].items(), key=lambda x: int(x[0]))
+            )
+            print(
+                f"vLLM plain engine, ms a step: {steps}; a one-token request whole: {1000 * costs['request_s'][1]:.1f}"
+            )
         print(f"eaglet pass costs (ms, 1.. tokens): {[round(1000 * c, 1) for c in result.config['pass_costs_s']]}")
 
 
@@ -89,14 +105,18 @@ def bench_costs(args: argparse.Namespace) -> None:
     options = EngineOptions(dtype=dtype_name(dtype), max_model_len=2048, threads=args.threads, cpu_kv_cache_gib=1)
     with vllm_engine(ref.path, options) as engine:
         theirs = engine.pass_costs(prompt, prompt, sizes)
-    print(f"# pass costs after a 300-token cached prompt, {cpu_description()}, {args.dtype}, {args.threads} threads, "
-          f"vLLM {installed_version()}")
+    print(
+        f"# pass costs after a 300-token cached prompt, {cpu_description()}, {args.dtype}, {args.threads} threads, "
+        f"vLLM {installed_version()}"
+    )
     print("| new tokens | eaglet ms | eaglet / its 1 | vLLM step ms | vLLM / its 1 | vLLM request ms |")
     print("| --- | --- | --- | --- | --- | --- |")
     for q in sizes:
         step, request = theirs["step_s"][q], theirs["request_s"][q]
-        print(f"| {q} | {1000 * ours[q - 1]:.1f} | {ours[q - 1] / ours[0]:.2f} | {1000 * step:.1f} | "
-              f"{step / theirs['step_s'][1]:.2f} | {1000 * request:.1f} |")
+        print(
+            f"| {q} | {1000 * ours[q - 1]:.1f} | {ours[q - 1] / ours[0]:.2f} | {1000 * step:.1f} | "
+            f"{step / theirs['step_s'][1]:.2f} | {1000 * request:.1f} |"
+        )
     print(f"vLLM decode step: {1000 * theirs['decode_step_s']:.1f} ms")
 
 

@@ -57,8 +57,19 @@ SITE = "site"  # pure-Python packages the GPU machine lacks (the GGUF reader)
 # 4 packs of 4,096 tokens a micro-batch: the ~16 samples of 1,024 tokens the unpacked default took,
 # without their padding. Eager: the target's online forward is most of a GPU step, and the compiled
 # drafter step is measured on CPUs only so far.
-GPU_DEFAULTS = dict(batch_size=4, pack_tokens=4096, compile=False, lr=1e-3, ttt_steps=5, draft_vocab_size=8192,
-                    teacher_top_k=16, loss_on="all", eval_fraction=0.01, log_every=20, max_length=1024)
+GPU_DEFAULTS = dict(
+    batch_size=4,
+    pack_tokens=4096,
+    compile=False,
+    lr=1e-3,
+    ttt_steps=5,
+    draft_vocab_size=8192,
+    teacher_top_k=16,
+    loss_on="all",
+    eval_fraction=0.01,
+    log_every=20,
+    max_length=1024,
+)
 
 log = logging.getLogger("gpu_train")
 
@@ -73,8 +84,9 @@ def sha256(path: Path) -> str:
 
 def tracked_tree_bytes() -> int:
     """Bytes of the working tree that travels with every upload (tracked and untracked, not ignored)."""
-    out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"], capture_output=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"], capture_output=True, check=True
+    ).stdout
     return sum((REPO / name).stat().st_size for name in out.decode().split("\0") if name and (REPO / name).is_file())
 
 
@@ -94,6 +106,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 # pack (CPU)
 # ---------------------------------------------------------------------------------------------
 
+
 def merge_prepared(sources: list[Path], out: Path) -> dict[str, Any]:
     """Several `eaglet prepare` outputs (same target) as one, in order."""
     from eaglet import formats
@@ -109,8 +122,13 @@ def merge_prepared(sources: list[Path], out: Path) -> dict[str, Any]:
     revisions = {c["target_revision"] for c in configs}
     if len(revisions) != 1:
         raise SystemExit(f"prepared folders from different targets: {sorted(revisions)}")
-    config = {**configs[0], "sources": [str(s) for s in sources], "num_samples": writer.samples,
-              "num_tokens": writer.tokens, "num_masked_tokens": writer.masked_tokens}
+    config = {
+        **configs[0],
+        "sources": [str(s) for s in sources],
+        "num_samples": writer.samples,
+        "num_tokens": writer.tokens,
+        "num_masked_tokens": writer.masked_tokens,
+    }
     writer.finish(config)
     return config
 
@@ -124,8 +142,16 @@ def pack(out: Path, num_samples: int, skip: int, max_length: int, extra_prepared
         shutil.rmtree(out)
     work = out / "work"
     print(f"tokenizing {num_samples} ShareGPT chats (records from {skip}) with their original answers ...", flush=True)
-    prepare(PrepareOptions(target=None, data="sharegpt", out=work / "sharegpt", max_length=max_length,
-                           num_samples=num_samples, skip=skip))
+    prepare(
+        PrepareOptions(
+            target=None,
+            data="sharegpt",
+            out=work / "sharegpt",
+            max_length=max_length,
+            num_samples=num_samples,
+            skip=skip,
+        )
+    )
     config = merge_prepared([work / "sharegpt", *extra_prepared], work / "prepared")
     files: dict[str, Path] = {}
     with open(work / "prepared" / "prepared.jsonl", "rb") as f, gzip.open(work / PREPARED_GZ, "wb", 6) as g:
@@ -156,9 +182,13 @@ def pack(out: Path, num_samples: int, skip: int, max_length: int, extra_prepared
                 break
         else:
             uploads.append([piece])
-    manifest: dict[str, Any] = {"files": {}, "uploads": len(uploads), "tokenizer": tokenizer_fingerprint(
-        load_tokenizer(resolve_target(None))), "target": embedded.SMOLLM2_NAME,
-        "prepared": {k: config[k] for k in ("num_samples", "num_tokens", "num_masked_tokens")}}
+    manifest: dict[str, Any] = {
+        "files": {},
+        "uploads": len(uploads),
+        "tokenizer": tokenizer_fingerprint(load_tokenizer(resolve_target(None))),
+        "target": embedded.SMOLLM2_NAME,
+        "prepared": {k: config[k] for k in ("num_samples", "num_tokens", "num_masked_tokens")},
+    }
     for n, upload in enumerate(uploads, start=1):
         folder = out / f"upload_{n}"
         folder.mkdir(parents=True)
@@ -168,8 +198,15 @@ def pack(out: Path, num_samples: int, skip: int, max_length: int, extra_prepared
                 f.seek(offset)
                 g.write(f.read(length))
             entry = manifest["files"].setdefault(name, {"parts": []})
-            entry["parts"].append({"upload": n, "path": str(part.relative_to(out)), "offset": offset, "length": length,
-                                   "sha256": sha256(part)})
+            entry["parts"].append(
+                {
+                    "upload": n,
+                    "path": str(part.relative_to(out)),
+                    "offset": offset,
+                    "length": length,
+                    "sha256": sha256(part),
+                }
+            )
     for name, entry in manifest["files"].items():
         entry["parts"].sort(key=lambda p: p["offset"])
         entry["size"] = sum(p["length"] for p in entry["parts"])
@@ -178,13 +215,19 @@ def pack(out: Path, num_samples: int, skip: int, max_length: int, extra_prepared
     for n in range(1, len(uploads) + 1):  # the manifest travels with every upload
         (out / f"upload_{n}" / MANIFEST).write_text(json.dumps(manifest, indent=1))
     p = manifest["prepared"]
-    print(f"packed {p['num_samples']:,} chats, {p['num_tokens']:,} tokens ({p['num_masked_tokens']:,} assistant) and "
-          f"the target into {len(uploads)} uploads (working tree {tree / MIB:.1f} MiB + at most "
-          f"{capacity / MIB:.0f} MiB each):")
+    print(
+        f"packed {p['num_samples']:,} chats, {p['num_tokens']:,} tokens ({p['num_masked_tokens']:,} assistant) and "
+        f"the target into {len(uploads)} uploads (working tree {tree / MIB:.1f} MiB + at most "
+        f"{capacity / MIB:.0f} MiB each):"
+    )
     for n in range(1, len(uploads) + 1):
         last = n == len(uploads)
-        cmd = ("PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/gpu_train.py run --pack gpu_pack --out $OUT "
-               "--time-budget 6m" if last else "true")
+        cmd = (
+            "PYTHONUNBUFFERED=1 PYTHONPATH=src python3 scripts/gpu_train.py run --pack gpu_pack --out $OUT "
+            "--time-budget 6m"
+            if last
+            else "true"
+        )
         print(f"  job {n}: upload {out.name}/upload_{n}, command: {cmd}")
 
 
@@ -192,13 +235,16 @@ def pack(out: Path, num_samples: int, skip: int, max_length: int, extra_prepared
 # run (GPU machine)
 # ---------------------------------------------------------------------------------------------
 
+
 def assemble(pack_dir: Path, name: str, manifest: dict[str, Any], dest: Path) -> Path:
     entry = manifest["files"][name]
     missing = [p for p in entry["parts"] if not (pack_dir / p["path"]).exists()]
     if missing:
         uploads = sorted({p["upload"] for p in missing})
-        raise SystemExit(f"{name}: parts missing from {pack_dir} ({[p['path'] for p in missing]}); run the job(s) "
-                         f"uploading {[f'{pack_dir.name}/upload_{c}' for c in uploads]} first, on the same machine")
+        raise SystemExit(
+            f"{name}: parts missing from {pack_dir} ({[p['path'] for p in missing]}); run the job(s) "
+            f"uploading {[f'{pack_dir.name}/upload_{c}' for c in uploads]} first, on the same machine"
+        )
     with open(dest, "wb") as g:
         for p in entry["parts"]:
             part = pack_dir / p["path"]
@@ -241,8 +287,14 @@ def write_shards(tensors: dict[str, Any], folder: Path, limit: int) -> list[str]
     return names
 
 
-def run(pack_dir: Path, out: Path, time_budget: float, device: str, options: dict[str, Any],
-        work: Path = Path("/tmp/eaglet-gpu")) -> None:
+def run(
+    pack_dir: Path,
+    out: Path,
+    time_budget: float,
+    device: str,
+    options: dict[str, Any],
+    work: Path = Path("/tmp/eaglet-gpu"),
+) -> None:
     import torch
 
     from eaglet import formats
@@ -265,8 +317,10 @@ def run(pack_dir: Path, out: Path, time_budget: float, device: str, options: dic
 
     prepared = work / "prepared"
     prepared.mkdir()
-    with gzip.open(assemble(pack_dir, PREPARED_GZ, manifest, work / PREPARED_GZ), "rb") as f, \
-            open(prepared / formats.PREPARED_FILE, "wb") as g:
+    with (
+        gzip.open(assemble(pack_dir, PREPARED_GZ, manifest, work / PREPARED_GZ), "rb") as f,
+        open(prepared / formats.PREPARED_FILE, "wb") as g,
+    ):
         shutil.copyfileobj(f, g)
     assemble(pack_dir, formats.TOKEN_FREQ_FILE, manifest, prepared / formats.TOKEN_FREQ_FILE)
     pconfig = json.loads(assemble(pack_dir, formats.PREPARE_CONFIG_FILE, manifest, work / "pc.json").read_text())
@@ -276,8 +330,17 @@ def run(pack_dir: Path, out: Path, time_budget: float, device: str, options: dic
     log.info("set-up %.0f s: target %s, %s chats", time.time() - t0, target, f"{pconfig['num_samples']:,}")
 
     run_dir = work / "run"
-    summary = train(TrainOptions(dataset_dir=prepared, out_dir=run_dir, target=str(target), online=True, device=device,
-                                 time_budget=time_budget, **options))
+    summary = train(
+        TrainOptions(
+            dataset_dir=prepared,
+            out_dir=run_dir,
+            target=str(target),
+            online=True,
+            device=device,
+            time_budget=time_budget,
+            **options,
+        )
+    )
     print("\n".join(summary.lines()), flush=True)
 
     exported = work / "export"
@@ -289,10 +352,17 @@ def run(pack_dir: Path, out: Path, time_budget: float, device: str, options: dic
     shutil.copy(exported / formats.DRAFTER_CONFIG_FILE, drafter / formats.DRAFTER_CONFIG_FILE)
     write_shards(tensors, drafter, RETURN_FILE_LIMIT)
     shutil.copy(run_dir / "metrics.jsonl", out / "metrics.jsonl")
-    record = {"summary": summary.lines(), "train_tokens": summary.train_tokens, "train_seconds": summary.seconds,
-              "last_eval": summary.last_eval, "options": {**options, "time_budget": time_budget},
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "torch": torch.__version__, "wall_seconds": time.time() - t0, "prepared": manifest["prepared"]}
+    record = {
+        "summary": summary.lines(),
+        "train_tokens": summary.train_tokens,
+        "train_seconds": summary.seconds,
+        "last_eval": summary.last_eval,
+        "options": {**options, "time_budget": time_budget},
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "wall_seconds": time.time() - t0,
+        "prepared": manifest["prepared"],
+    }
     (out / "run.json").write_text(json.dumps(record, indent=1))
     print(f"drafter in {drafter} ({time.time() - t0:.0f} s in all)")
 
@@ -300,6 +370,7 @@ def run(pack_dir: Path, out: Path, time_budget: float, device: str, options: dic
 # ---------------------------------------------------------------------------------------------
 # finish (CPU)
 # ---------------------------------------------------------------------------------------------
+
 
 def finish(device_out: Path, out: Path, heldout: Path | None) -> None:
     from eaglet.export import import_drafter
@@ -315,7 +386,9 @@ def finish(device_out: Path, out: Path, heldout: Path | None) -> None:
         from eaglet.training.heldout import evaluate_heldout
 
         r = evaluate_heldout(out, heldout, eval_fraction=0.04, ttt_steps=5)
-        print(f"held-out acc per TTT step on {heldout}: {' '.join(f'{a:.3f}' for a in r['acc'])}, sim tau {r['tau']:.3f}")
+        print(
+            f"held-out acc per TTT step on {heldout}: {' '.join(f'{a:.3f}' for a in r['acc'])}, sim tau {r['tau']:.3f}"
+        )
     print(f"next: eaglet eval {out} --prompts mtbench --num-prompts 40 --max-new-tokens 128 --threads 1")
 
 
@@ -325,20 +398,32 @@ def main() -> None:
     p = sub.add_parser("pack", help="(CPU) target, tokenized chats and GGUF reader into upload-sized folders")
     p.add_argument("--out", type=Path, default=Path("gpu_pack"))
     p.add_argument("--num-samples", type=int, default=13000, help="ShareGPT chats (default 13000)")
-    p.add_argument("--skip", type=int, default=800,
-                   help="first ShareGPT record (default 800: past the recipes' regenerated chats; eval's held-out "
-                        "ShareGPT prompts start at 15000)")
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=800,
+        help="first ShareGPT record (default 800: past the recipes' regenerated chats; eval's held-out "
+        "ShareGPT prompts start at 15000)",
+    )
     p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--add-prepared", type=Path, action="append", default=[],
-                   help="also train on this `eaglet prepare` output (e.g. a recipe's regenerated chats)")
+    p.add_argument(
+        "--add-prepared",
+        type=Path,
+        action="append",
+        default=[],
+        help="also train on this `eaglet prepare` output (e.g. a recipe's regenerated chats)",
+    )
     p = sub.add_parser("run", help="(GPU machine) assemble, train online, write the drafter to --out")
     p.add_argument("--pack", type=Path, default=Path("gpu_pack"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--time-budget", default="6m", help="training time (default 6m)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--work", type=Path, default=Path("/tmp/eaglet-gpu"), help="scratch folder (default /tmp/eaglet-gpu)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"a training option (defaults {GPU_DEFAULTS})")
+    p.add_argument(
+        "--work", type=Path, default=Path("/tmp/eaglet-gpu"), help="scratch folder (default /tmp/eaglet-gpu)"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help=f"a training option (defaults {GPU_DEFAULTS})"
+    )
     p = sub.add_parser("finish", help="(CPU) the returned folder as an eaglet checkpoint")
     p.add_argument("device_out", type=Path)
     p.add_argument("--out", type=Path, required=True)

@@ -58,17 +58,20 @@ def activation_bytes_per_token(cfg: DraftConfig, dense_teacher: bool = False) ->
     H, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     bf16_values = (
-        2 * H          # the norms' inputs: embeddings and the fused hidden state
-        + 2 * H        # their concatenation, the input of q/k/v
-        + q + 2 * kv   # roped q, k, v (kept by attention)
-        + q            # attention output (the input of o_proj)
-        + 2 * H        # post-attention norm input and output (the MLP's input)
-        + 4 * inter        # gate, up, act(gate), act(gate) * up (the input of down)
-        + 2 * H        # final norm input and output (the LM head's input)
+        2 * H  # the norms' inputs: embeddings and the fused hidden state
+        + 2 * H  # their concatenation, the input of q/k/v
+        + q
+        + 2 * kv  # roped q, k, v (kept by attention)
+        + q  # attention output (the input of o_proj)
+        + 2 * H  # post-attention norm input and output (the MLP's input)
+        + 4 * inter  # gate, up, act(gate), act(gate) * up (the input of down)
+        + 2 * H  # final norm input and output (the LM head's input)
     )
-    fp32_values = (cfg.num_heads          # attention log-sum-exp per head
-                   + 2 * V                # logits and their log-softmax
-                   + (V if dense_teacher else 0))
+    fp32_values = (
+        cfg.num_heads  # attention log-sum-exp per head
+        + 2 * V  # logits and their log-softmax
+        + (V if dense_teacher else 0)
+    )
     return BF16 * bf16_values + FP32 * fp32_values
 
 
@@ -100,8 +103,13 @@ def size(raw_config: dict[str, Any], draft_vocab_size: int | None = None) -> Siz
     with torch.device("meta"):
         draft = Eagle3Draft(cfg)
     teacher = c.vocab_size * c.hidden_size + c.hidden_size
-    return Sizing(cfg, num_parameters(draft), num_parameters(draft, trainable_only=False) - num_parameters(draft),
-                  teacher, activation_bytes_per_token(cfg))
+    return Sizing(
+        cfg,
+        num_parameters(draft),
+        num_parameters(draft, trainable_only=False) - num_parameters(draft),
+        teacher,
+        activation_bytes_per_token(cfg),
+    )
 
 
 def gib(n: int) -> str:
@@ -129,8 +137,10 @@ def report(name: str, raw_config: dict[str, Any], contexts: list[int], ttt_steps
     ]
     for context in contexts:
         act = s.activation_bytes(context, ttt_steps)
-        lines.append(f"| activations, {context:,} tokens x {ttt_steps} TTT steps | {gib(act)} "
-                     f"(total {gib(s.static_bytes + act)}) |")
+        lines.append(
+            f"| activations, {context:,} tokens x {ttt_steps} TTT steps | {gib(act)} "
+            f"(total {gib(s.static_bytes + act)}) |"
+        )
     lines += [
         f"| dataset per token: v1 (4 bf16 states) | {v1_min_bytes_per_token(H):,} B |",
         f"| dataset per token: compact (K = {top_k}) | {compact_bytes_per_token(H, top_k):,} B |",

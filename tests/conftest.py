@@ -37,11 +37,17 @@ CORPUS = [
 
 CHATS = [
     [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hello! How can I help you today?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add two numbers in Python."},
-     {"role": "assistant", "content": "def add(a, b):\n    return a + b"}, {"role": "user", "content": "Thanks"},
-     {"role": "assistant", "content": "You are welcome."}],
-    [{"role": "user", "content": "What does the fox do?"},
-     {"role": "assistant", "content": "The quick brown fox jumps over the lazy dog."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add two numbers in Python."},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "You are welcome."},
+    ],
+    [
+        {"role": "user", "content": "What does the fox do?"},
+        {"role": "assistant", "content": "The quick brown fox jumps over the lazy dog."},
+    ],
 ]
 
 
@@ -52,11 +58,16 @@ def make_tiny_tokenizer(folder: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token="<|im_start|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>"
+    )
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(folder)
     return fast
@@ -66,9 +77,17 @@ def make_tiny_llama(folder: Path, vocab_size: int, num_layers: int = 8, seed: in
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, rms_norm_eps=1e-5)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
 
@@ -124,7 +143,7 @@ def smollm2_dir(eaglet_home) -> Path:
 # The start of every llama-server stand-in script (an executable named by $EAGLET_LLAMA_SERVER
 # that speaks llama-server's HTTP API): its --version line, its --port, and a handler base class
 # whose `reply` sends JSON (or bytes of another kind). Each script goes on with `class H(Replies)`.
-LLAMA_STAND_IN_PREAMBLE = '''\
+LLAMA_STAND_IN_PREAMBLE = """\
 import json, os, sys, threading, time
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 args = sys.argv
@@ -137,14 +156,14 @@ class Replies(BaseHTTPRequestHandler):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(200); self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
-'''
+"""
 
 
 def llama_server_stand_in(folder: Path, script: str, monkeypatch) -> Path:
     """Install `script` (LLAMA_STAND_IN_PREAMBLE and the rest) as $EAGLET_LLAMA_SERVER."""
     body, exe = folder / "llama_stand_in.py", folder / "llama-server"
     body.write_text(script)
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {body} \"$@\"\n")
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} {body} "$@"\n')
     exe.chmod(0o755)
     monkeypatch.setenv("EAGLET_LLAMA_SERVER", str(exe))
     return exe
@@ -167,17 +186,37 @@ def memorised_eagle3(smollm2_dir, tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("memorised")
     prompts = load_prompt_set("humaneval", MEMORISED_PROMPTS)
-    chats = write_jsonl(root / "chats.jsonl", [{"id": p.id, "messages": [{"role": "user", "content": p.turns[0]},
-                                                                        {"role": "assistant", "content": "-"}]}
-                                               for p in prompts])  # the answer is regenerated
+    chats = write_jsonl(
+        root / "chats.jsonl",
+        [
+            {"id": p.id, "messages": [{"role": "user", "content": p.turns[0]}, {"role": "assistant", "content": "-"}]}
+            for p in prompts
+        ],
+    )  # the answer is regenerated
     eval_prompts = write_jsonl(root / "prompts.jsonl", [{"id": p.id, "prompt": p.turns[0]} for p in prompts])
-    regenerate(RegenOptions(data=str(chats), out=root / "hf.jsonl", backend="local", dtype="fp32",
-                            max_new_tokens=MEMORISED_TOKENS), progress_bar=False)
+    regenerate(
+        RegenOptions(
+            data=str(chats), out=root / "hf.jsonl", backend="local", dtype="fp32", max_new_tokens=MEMORISED_TOKENS
+        ),
+        progress_bar=False,
+    )
     prepare(PrepareOptions(target=None, data=str(root / "hf.jsonl"), out=root / "prepared"))
     extract(ExtractOptions(prepared=root / "prepared", out=root / "data", dtype="fp32"), show_progress=False)
-    train(TrainOptions(dataset_dir=root / "data", out_dir=root / "train", bf16=False, total_steps=60, lr=5e-3,
-                       warmup_steps=5, draft_vocab_size=2048, teacher_top_k=8, eval_fraction=0.0, evals=1),
-                       show_progress=False)
+    train(
+        TrainOptions(
+            dataset_dir=root / "data",
+            out_dir=root / "train",
+            bf16=False,
+            total_steps=60,
+            lr=5e-3,
+            warmup_steps=5,
+            draft_vocab_size=2048,
+            teacher_top_k=8,
+            eval_fraction=0.0,
+            evals=1,
+        ),
+        show_progress=False,
+    )
     return {"root": root, "chats": chats, "prompts": eval_prompts, "data": root / "data", "run": root / "train"}
 
 
@@ -191,8 +230,14 @@ def dataset(tiny_target, tmp_path_factory) -> Path:
 
     work = tmp_path_factory.mktemp("train_data")
     records = chat_records()
-    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(work / "chats.jsonl", records)),
-                           out=work / "prep", max_length=512))
+    prepare(
+        PrepareOptions(
+            target=str(tiny_target),
+            data=str(write_jsonl(work / "chats.jsonl", records)),
+            out=work / "prep",
+            max_length=512,
+        )
+    )
     extract(ExtractOptions(prepared=work / "prep", out=work / "data", target=str(tiny_target)), show_progress=False)
     return work / "data"
 

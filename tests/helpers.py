@@ -20,8 +20,9 @@ from references import write_flat_v1_sample, write_specforge_sample
 
 REPO = Path(__file__).resolve().parents[1]  # the repository's root
 
-FAST = dict(ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4, log_every=2, batch_size=2,
-            eval_fraction=0.1)
+FAST = dict(
+    ttt_steps=3, lr=3e-3, warmup_steps=2, eval_every=4, save_every=4, log_every=2, batch_size=2, eval_fraction=0.1
+)
 
 
 AUX_IDS = [2, 4, 5]
@@ -54,9 +55,19 @@ def run_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def tiny_config(**kw) -> DraftConfig:
-    base = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5,
-                rope_theta=10000.0, max_position_embeddings=128, target_vocab_size=50, draft_vocab_size=30,
-                aux_layer_ids=list(AUX))
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        target_vocab_size=50,
+        draft_vocab_size=30,
+        aux_layer_ids=list(AUX),
+    )
     base.update(kw)
     return DraftConfig(**base)
 
@@ -74,7 +85,9 @@ def random_drafter(cfg: DraftConfig, seed: int = 0) -> Eagle3Draft:
 
 
 def write_checkpoint(root: Path, draft: Eagle3Draft) -> Path:
-    return save_checkpoint(root / "checkpoints", 5, draft, export_config(draft.config, {"step": 5, "target": TARGET}), {})
+    return save_checkpoint(
+        root / "checkpoints", 5, draft, export_config(draft.config, {"step": 5, "target": TARGET}), {}
+    )
 
 
 def head_only_copy(full: Path, out: Path) -> Path:
@@ -107,8 +120,9 @@ def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Pa
         elif layout == formats.FORMAT_SPECFORGE:
             with torch.no_grad():  # SpecForge stores the last state after the final norm
                 last = norm(s.hidden_states[-1])
-            write_specforge_sample(out, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:-1], -1),
-                                           compressed=i % 2 == 1)  # .ckpt and .ckpt.gz side by side
+            write_specforge_sample(
+                out, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:-1], -1), compressed=i % 2 == 1
+            )  # .ckpt and .ckpt.gz side by side
         elif layout == formats.FORMAT_SPECULATORS_ARROW:
             formats.write_speculators_sample(out, i, s.input_ids, s.hidden_states)
         else:
@@ -118,8 +132,9 @@ def write_foreign(v1: Path, out: Path, layout: str, norm: torch.nn.Module) -> Pa
     return out
 
 
-def target_gguf(path: Path, n_tokens: int = len(TOKENS), width: int | None = None, tokenizer: Path | None = None
-                ) -> Path:
+def target_gguf(
+    path: Path, n_tokens: int = len(TOKENS), width: int | None = None, tokenizer: Path | None = None
+) -> Path:
     """A stand-in for the target's GGUF: just the tokenizer keys the drafter copies (and, given a
     width, the hidden size a real one records): the tokens of the model folder `tokenizer` (padded
     to `n_tokens`, as a converter pads a vocabulary), else tok0, tok1, ..."""

@@ -18,14 +18,23 @@ import torch
 from torch import nn
 
 from eaglet.decode import TargetRunner, token_budget
-from eaglet.formats.gguf_drafter import (D2T, EMBEDDINGS, GGUF_ARCH, GGUF_NAMES, ROPE_ROWS, TOKENIZER_PREFIX,
-                                         from_ggml_rope_rows, key)
+from eaglet.formats.gguf_drafter import (
+    D2T,
+    EMBEDDINGS,
+    GGUF_ARCH,
+    GGUF_NAMES,
+    ROPE_ROWS,
+    TOKENIZER_PREFIX,
+    from_ggml_rope_rows,
+    key,
+)
 from eaglet.formats.io import atomic_path, torch_save_atomic
 from eaglet.formats.layouts import V1Sample, flat_v1_relative_path, specforge_relative_path
 
 
-def plain_greedy(target: nn.Module, input_ids: Sequence[int], max_new_tokens: int,
-                 eos_ids: Sequence[int] = ()) -> list[int]:
+def plain_greedy(
+    target: nn.Module, input_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = ()
+) -> list[int]:
     """Greedy decoding through Hugging Face's own forward (`TargetRunner`), token by token: the
     reference eaglet's decoding (its fast target included) must equal."""
     runner, out, feed = TargetRunner(target), [], list(input_ids)
@@ -46,12 +55,22 @@ def write_flat_v1_sample(folder: str | os.PathLike, index: int, sample: V1Sample
     return path
 
 
-def write_specforge_sample(folder: str | os.PathLike, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                           hidden_state: torch.Tensor, aux_hidden_state: torch.Tensor,
-                           compressed: bool = False) -> Path:
+def write_specforge_sample(
+    folder: str | os.PathLike,
+    index: int,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    hidden_state: torch.Tensor,
+    aux_hidden_state: torch.Tensor,
+    compressed: bool = False,
+) -> Path:
     """One SpecForge offline file; `aux_hidden_state` is the three aux states concatenated, [T, 3H]."""
-    obj = {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_state": hidden_state,
-           "aux_hidden_state": aux_hidden_state}
+    obj = {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "hidden_state": hidden_state,
+        "aux_hidden_state": aux_hidden_state,
+    }
     path = Path(folder) / specforge_relative_path(index, compressed)
     with atomic_path(path) as tmp:
         if compressed:
@@ -78,9 +97,15 @@ def read_gguf_drafter(path: str | os.PathLike) -> GGUFDrafter:
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     if arch != GGUF_ARCH:
         raise ValueError(f"{path}: general.architecture is {arch!r}, not {GGUF_ARCH!r}; not an EAGLE-3 drafter GGUF")
-    metadata = {k: f.contents() for k, f in reader.fields.items()
-                if not k.startswith(TOKENIZER_PREFIX) and not k.startswith("GGUF.")}
-    heads = {"num_heads": metadata[key("attention.head_count")], "num_kv_heads": metadata[key("attention.head_count_kv")]}
+    metadata = {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if not k.startswith(TOKENIZER_PREFIX) and not k.startswith("GGUF.")
+    }
+    heads = {
+        "num_heads": metadata[key("attention.head_count")],
+        "num_kv_heads": metadata[key("attention.head_count_kv")],
+    }
     by_gguf = {g: e for e, g in GGUF_NAMES.items()}
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

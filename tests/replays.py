@@ -20,8 +20,13 @@ def config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
-STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+STACKED = (
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+)
 
 
 def engine_params(hf: dict, layer: str) -> dict:
@@ -31,10 +36,16 @@ def engine_params(hf: dict, layer: str) -> dict:
     nkv, hd, inter = hf.get("num_key_value_heads", nh), hf.get("head_dim", H // nh), hf["intermediate_size"]
     T, Vd = hf.get("target_hidden_size") or H, hf.get("draft_vocab_size") or hf["vocab_size"]
     m = f"model.{layer}"
-    params = {"model.embed_tokens.weight": (hf["vocab_size"], H), "model.fc.weight": (H, 3 * T),
-              f"{m}.self_attn.qkv_proj.weight": {"q": (nh * hd, 2 * H), "k": (nkv * hd, 2 * H), "v": (nkv * hd, 2 * H)},
-              f"{m}.self_attn.o_proj.weight": (H, nh * hd), f"{m}.mlp.gate_up_proj.weight": {0: (inter, H), 1: (inter, H)},
-              f"{m}.mlp.down_proj.weight": (H, inter), "model.norm.weight": (H,), "lm_head.weight": (Vd, H)}
+    params = {
+        "model.embed_tokens.weight": (hf["vocab_size"], H),
+        "model.fc.weight": (H, 3 * T),
+        f"{m}.self_attn.qkv_proj.weight": {"q": (nh * hd, 2 * H), "k": (nkv * hd, 2 * H), "v": (nkv * hd, 2 * H)},
+        f"{m}.self_attn.o_proj.weight": (H, nh * hd),
+        f"{m}.mlp.gate_up_proj.weight": {0: (inter, H), 1: (inter, H)},
+        f"{m}.mlp.down_proj.weight": (H, inter),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (Vd, H),
+    }
     for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
         params[f"{m}.{norm}.weight"] = (H,)
     if hf.get("norm_before_fc"):
@@ -56,7 +67,9 @@ def land(params: dict, loaded: dict, name: str, t: torch.Tensor) -> None:
 
 
 def everything(params: dict) -> set:
-    return {(n, s) if isinstance(v, dict) else n for n, v in params.items() for s in (v if isinstance(v, dict) else [0])}
+    return {
+        (n, s) if isinstance(v, dict) else n for n, v in params.items() for s in (v if isinstance(v, dict) else [0])
+    }
 
 
 def vllm_load(folder: Path) -> tuple[dict, dict]:
@@ -67,9 +80,13 @@ def vllm_load(folder: Path) -> tuple[dict, dict]:
     c = config(folder)
     hf = dict(c)
     if "speculators_model_type" in c:
-        hf = {**c["transformer_layer_config"], "draft_vocab_size": c.get("draft_vocab_size"),
-              "norm_before_residual": c.get("norm_before_residual", True),
-              "norm_before_fc": c.get("norm_before_fc", False), "norm_output": c.get("norm_output", False)}
+        hf = {
+            **c["transformer_layer_config"],
+            "draft_vocab_size": c.get("draft_vocab_size"),
+            "norm_before_residual": c.get("norm_before_residual", True),
+            "norm_before_fc": c.get("norm_before_fc", False),
+            "norm_output": c.get("norm_output", False),
+        }
         for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
             if c.get(key) is not None:
                 hf[key] = c[key]
@@ -107,12 +124,18 @@ def sglang_load(folder: Path) -> tuple[list[int], torch.Tensor, dict]:
 
 
 def layer_params(H: int, nh: int, nkv: int, hd: int, inter: int, prefix: str, in_dim: int, qk_norm: bool) -> dict:
-    params = {f"{prefix}.self_attn.qkv_proj.weight": {"q": (nh * hd, in_dim), "k": (nkv * hd, in_dim),
-                                                       "v": (nkv * hd, in_dim)},
-              f"{prefix}.self_attn.o_proj.weight": (H, nh * hd),
-              f"{prefix}.mlp.gate_up_proj.weight": {0: (inter, H), 1: (inter, H)},
-              f"{prefix}.mlp.down_proj.weight": (H, inter),
-              f"{prefix}.input_layernorm.weight": (H,), f"{prefix}.post_attention_layernorm.weight": (H,)}
+    params = {
+        f"{prefix}.self_attn.qkv_proj.weight": {
+            "q": (nh * hd, in_dim),
+            "k": (nkv * hd, in_dim),
+            "v": (nkv * hd, in_dim),
+        },
+        f"{prefix}.self_attn.o_proj.weight": (H, nh * hd),
+        f"{prefix}.mlp.gate_up_proj.weight": {0: (inter, H), 1: (inter, H)},
+        f"{prefix}.mlp.down_proj.weight": (H, inter),
+        f"{prefix}.input_layernorm.weight": (H,),
+        f"{prefix}.post_attention_layernorm.weight": (H,),
+    }
     if qk_norm:
         params.update({f"{prefix}.self_attn.q_norm.weight": (hd,), f"{prefix}.self_attn.k_norm.weight": (hd,)})
     return params
@@ -120,8 +143,14 @@ def layer_params(H: int, nh: int, nkv: int, hd: int, inter: int, prefix: str, in
 
 def block_shapes(block: dict) -> tuple[int, int, int, int, int, int]:
     H, nh = block["hidden_size"], block["num_attention_heads"]
-    return H, nh, block.get("num_key_value_heads", nh), block.get("head_dim", H // nh), block["intermediate_size"], \
-        block["num_hidden_layers"]
+    return (
+        H,
+        nh,
+        block.get("num_key_value_heads", nh),
+        block.get("head_dim", H // nh),
+        block["intermediate_size"],
+        block["num_hidden_layers"],
+    )
 
 
 def vllm_load_parallel(folder) -> tuple[dict, dict]:
@@ -136,22 +165,33 @@ def vllm_load_parallel(folder) -> tuple[dict, dict]:
     H, nh, nkv, hd, inter, n_layers = block_shapes(block)
     T, Vd, V = c["target_hidden_size"], c["draft_vocab_size"], block["vocab_size"]
     dflash = c["speculators_model_type"] == "dflash"
-    hf = {"pard_token" if not dflash else "mask_token_id": c["mask_token_id"],
-          "aux": c["aux_hidden_state_layer_ids" if dflash else "eagle_aux_hidden_state_layer_ids"],
-          "tokens": c["speculators_config"]["proposal_methods"][0]["speculative_tokens"]}
+    hf = {
+        "pard_token" if not dflash else "mask_token_id": c["mask_token_id"],
+        "aux": c["aux_hidden_state_layer_ids" if dflash else "eagle_aux_hidden_state_layer_ids"],
+        "tokens": c["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+    }
     if dflash:
-        hf["dflash_config"] = {"mask_token_id": c["mask_token_id"], "target_layer_ids": [i - 1 for i in hf["aux"]],
-                               "causal": not c["sliding_window_non_causal"]}
-    params = {"model.embed_tokens.weight": (V, H), "model.fc.weight": (H, 3 * T), "model.norm.weight": (H,),
-              "lm_head.weight": (Vd, H), "draft_id_to_target_id": (Vd,)}
+        hf["dflash_config"] = {
+            "mask_token_id": c["mask_token_id"],
+            "target_layer_ids": [i - 1 for i in hf["aux"]],
+            "causal": not c["sliding_window_non_causal"],
+        }
+    params = {
+        "model.embed_tokens.weight": (V, H),
+        "model.fc.weight": (H, 3 * T),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (Vd, H),
+        "draft_id_to_target_id": (Vd,),
+    }
     if dflash:
         params["model.hidden_norm.weight"] = (H,)
     else:
         params["mask_hidden"] = (1, 3 * T)
         params["model.layers.0.hidden_norm.weight"] = (H,)
     for i in range(n_layers):
-        params.update(layer_params(H, nh, nkv, hd, inter, f"model.layers.{i}", 2 * H if i == 0 and not dflash else H,
-                                   dflash))
+        params.update(
+            layer_params(H, nh, nkv, hd, inter, f"model.layers.{i}", 2 * H if i == 0 and not dflash else H, dflash)
+        )
     loaded: dict = {}
     for name, t in weights(folder).items():
         if "t2d" in name:

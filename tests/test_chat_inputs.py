@@ -37,23 +37,39 @@ def test_a_leading_bom_is_read_past_in_jsonl_and_json_arrays(tmp_path):
 
 
 def test_multi_part_content_keeps_its_text_and_counts_what_it_drops(tmp_path):
-    parts = {"id": "p", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {}},
-                                     {"type": "text", "text": "this."}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
+    parts = {
+        "id": "p",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe"},
+                    {"type": "image_url", "image_url": {}},
+                    {"type": "text", "text": "this."},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        ],
+    }
     records, stats = read_all(write_jsonl(tmp_path / "c.jsonl", [parts]))
     assert records == [[{"role": "user", "content": "Describe\nthis."}, {"role": "assistant", "content": "A cat."}]]
     assert stats.trimmed["non-text content parts dropped (counted per message)"] == 1
 
 
 def test_tool_call_turns_are_skipped_and_counted_and_the_chat_kept(tmp_path):
-    tools = {"id": "t", "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w"}}]},
-        {"role": "tool", "content": "18C"},
-        {"role": "assistant", "content": "It is 18C."}]}
+    tools = {
+        "id": "t",
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w"}}]},
+            {"role": "tool", "content": "18C"},
+            {"role": "assistant", "content": "It is 18C."},
+        ],
+    }
     records, stats = read_all(write_jsonl(tmp_path / "c.jsonl", [tools]))
-    assert records == [[{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "It is 18C."}]]
+    assert records == [
+        [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "It is 18C."}]
+    ]
     assert stats.trimmed["assistant tool-call turns skipped (counted per turn)"] == 1
     assert stats.dropped_roles["tool"] == 1
 
@@ -62,14 +78,21 @@ def test_a_record_far_beyond_max_length_costs_memory_by_what_is_kept(tiny_target
     """A 40 MB answer with --max-length 64: cut to its first 64 x 64 characters before it is
     rendered and tokenized, so prepare's peak memory stays near its baseline (the whole text once
     took 14.5 GB for 50 MB), and the sample keeps its first 64 tokens."""
-    huge = {"id": "huge", "messages": [{"role": "user", "content": "Tell me a long story."},
-                                       {"role": "assistant", "content": "The quick brown fox jumps. " * 1_500_000}]}
+    huge = {
+        "id": "huge",
+        "messages": [
+            {"role": "user", "content": "Tell me a long story."},
+            {"role": "assistant", "content": "The quick brown fox jumps. " * 1_500_000},
+        ],
+    }
     data = write_jsonl(tmp_path / "chats.jsonl", [CHAT, huge])
     # VmHWM is this process's own peak: getrusage's ru_maxrss keeps the peak of the (vforked) pytest before exec
-    code = (f"import re\nfrom pathlib import Path\nfrom eaglet.options import PrepareOptions\n"
-            f"from eaglet.prepare import prepare\nprepare(PrepareOptions(target={str(tiny_target)!r}, "
-            f"data={str(data)!r}, out={str(tmp_path / 'out')!r}, max_length=64))\n"
-            "print(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1))")
+    code = (
+        f"import re\nfrom pathlib import Path\nfrom eaglet.options import PrepareOptions\n"
+        f"from eaglet.prepare import prepare\nprepare(PrepareOptions(target={str(tiny_target)!r}, "
+        f"data={str(data)!r}, out={str(tmp_path / 'out')!r}, max_length=64))\n"
+        "print(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     peak_mib = int(done.stdout.split()[-1]) / 1024
@@ -99,11 +122,13 @@ def test_a_record_nested_absurdly_deep_is_refused_by_index_in_bounded_memory(tmp
     array = tmp_path / "chats.json"
     depth = 40_000
     array.write_text(f"[{json.dumps(CHAT)}, {'[' * depth}{']' * depth}, {json.dumps(CHAT)}]")
-    code = ("import re\nfrom pathlib import Path\nfrom eaglet.chat import ReadStats, iter_records\n"
-            "read = []\ntry:\n"
-            f"    for _, rec in iter_records({str(array)!r}, ReadStats()):\n        read.append(rec)\n"
-            "except ValueError as e:\n    print(len(read), e)\n"
-            "print(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1))")
+    code = (
+        "import re\nfrom pathlib import Path\nfrom eaglet.chat import ReadStats, iter_records\n"
+        "read = []\ntry:\n"
+        f"    for _, rec in iter_records({str(array)!r}, ReadStats()):\n        read.append(rec)\n"
+        "except ValueError as e:\n    print(len(read), e)\n"
+        "print(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     first, peak_kib = done.stdout.strip().splitlines()

@@ -40,8 +40,10 @@ def test_stored_aux_states_equal_output_hidden_states(smollm2_dir, tmp_path):
     """Every stored state is the target's own, at the dtype extraction computed in, rounded once to
     the stored dtype; the last slot is the final norm's input (pre-norm)."""
     prepare(PrepareOptions(target=None, data="sharegpt", out=tmp_path / "prep", max_length=256, num_samples=4))
-    extract(ExtractOptions(prepared=tmp_path / "prep", out=tmp_path / "data", target=None, max_batch_size=1),
-                           show_progress=False)
+    extract(
+        ExtractOptions(prepared=tmp_path / "prep", out=tmp_path / "data", target=None, max_batch_size=1),
+        show_progress=False,
+    )
     cfg = formats.read_json(tmp_path / "data" / "data_config.json")
     assert cfg["layer_ids"] == [2, 15, 27, 30] and cfg["last_hidden_state"] == "pre_norm"
     stored = parse_dtype(cfg["hidden_states_dtype"])
@@ -64,9 +66,20 @@ def test_stored_aux_states_equal_output_hidden_states(smollm2_dir, tmp_path):
 def test_demo_command(smollm2_dir, tmp_path, capsys):
     """The README's main job at a tiny scale: every stage runs on SmolLM2 and real data, the
     summary table comes out, and a second run reuses every stage."""
-    tiny = ["--set", "regen.num_samples=3", "--set", "regen.max_new_tokens=24", "--set", "train.time_budget=10",
-            "--set", "train.eval_fraction=0.34", "--set", "eval.num_prompts=1",
-            "--set", "eval.max_new_tokens=12"]
+    tiny = [
+        "--set",
+        "regen.num_samples=3",
+        "--set",
+        "regen.max_new_tokens=24",
+        "--set",
+        "train.time_budget=10",
+        "--set",
+        "train.eval_fraction=0.34",
+        "--set",
+        "eval.num_prompts=1",
+        "--set",
+        "eval.max_new_tokens=12",
+    ]
     threads = torch.get_num_threads()
     try:
         assert main(["demo", "--out", str(tmp_path / "demo"), *tiny]) == 0
@@ -102,7 +115,7 @@ class NoisyOracle:
         from eaglet.decode import DraftTree
 
         n = len(self.seq)
-        truth = self.full[n:n + max_depth] if self.full[:n] == self.seq else []
+        truth = self.full[n : n + max_depth] if self.full[:n] == self.seq else []
         wrong_at = int(torch.randint(0, max_depth + 1, (1,), generator=self.rng))
         tokens, parents, parent = [], [], -1
         for d, t in enumerate(truth):
@@ -148,13 +161,15 @@ def test_speculative_greedy_equals_plain_greedy_on_smollm2(smollm2_dir):
                 ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": p.turns[0]}])
                 plain = plain_greedy(model, ids, 32, eos)
                 if i % 2 == 0:  # the slowest case (about one token per cycle): half the prompts
-                    out, _ = speculative_generate(model, drafter, ids, 32, eos, mode="tree", depth=3, top_k=3,
-                                                  total_tokens=8)
+                    out, _ = speculative_generate(
+                        model, drafter, ids, 32, eos, mode="tree", depth=3, top_k=3, total_tokens=8
+                    )
                     assert out == plain, f"{p.id}: random drafter, tree"
                 for mode, top_k in (("chain", 1), ("tree", 2)):
                     oracle = NoisyOracle(ids + plain, seed=i)
-                    out, stats = speculative_generate(model, oracle, ids, 32, eos, mode=mode, depth=5, top_k=top_k,
-                                                      total_tokens=10)
+                    out, stats = speculative_generate(
+                        model, oracle, ids, 32, eos, mode=mode, depth=5, top_k=top_k, total_tokens=10
+                    )
                     assert out == plain, f"{p.id}: noisy oracle, {mode}"
                     accepted += stats.new_tokens - stats.verify_forwards - 1
                     cycles += stats.verify_forwards

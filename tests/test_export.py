@@ -45,12 +45,19 @@ def ckpt(tmp_path) -> Path:
 # Round trips
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt,variant", [("speculators", {}), ("eagle", {}),
-                                         ("speculators", {"fc_norm": True, "norm_output": True}),
-                                         ("speculators", {"norm_before_residual": True}),
-                                         ("eagle", {"norm_before_residual": True}),
-                                         ("speculators", {"sliding_window": 5}),
-                                         ("eagle", {"norm_output": True, "target_hidden_size": 40})])
+
+@pytest.mark.parametrize(
+    "fmt,variant",
+    [
+        ("speculators", {}),
+        ("eagle", {}),
+        ("speculators", {"fc_norm": True, "norm_output": True}),
+        ("speculators", {"norm_before_residual": True}),
+        ("eagle", {"norm_before_residual": True}),
+        ("speculators", {"sliding_window": 5}),
+        ("eagle", {"norm_output": True, "target_hidden_size": 40}),
+    ],
+)
 def test_round_trip_is_bit_exact(tmp_path, fmt, variant):
     draft = random_drafter(tiny_config(**variant))
     ckpt = write_checkpoint(tmp_path, draft)
@@ -101,10 +108,21 @@ def test_cli_export_and_import(tmp_path, ckpt, capsys):
 # The two config.json layouts, and minimal engine loaders written from the engines' key names
 # ---------------------------------------------------------------------------------------------
 
-LLAMA_KEYS = {"model_type": str, "num_hidden_layers": int, "hidden_size": int, "intermediate_size": int,
-              "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int, "hidden_act": str,
-              "rms_norm_eps": float, "rope_theta": float, "max_position_embeddings": int, "vocab_size": int,
-              "tie_word_embeddings": bool}
+LLAMA_KEYS = {
+    "model_type": str,
+    "num_hidden_layers": int,
+    "hidden_size": int,
+    "intermediate_size": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "head_dim": int,
+    "hidden_act": str,
+    "rms_norm_eps": float,
+    "rope_theta": float,
+    "max_position_embeddings": int,
+    "vocab_size": int,
+    "tie_word_embeddings": bool,
+}
 
 
 def assert_llama_block(block: dict) -> None:
@@ -115,15 +133,17 @@ def assert_llama_block(block: dict) -> None:
 
 
 def test_speculators_config_layout(tmp_path, ckpt):
-    export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators", verifier="org/other",
-                                 speculative_tokens=4))
+    export_drafter(
+        ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators", verifier="org/other", speculative_tokens=4)
+    )
     c = config(tmp_path / "out")
     assert c["architectures"] == ["Eagle3Speculator"] and c["speculators_model_type"] == "eagle3"
     assert_llama_block(c["transformer_layer_config"])
     sc = c["speculators_config"]  # what vLLM's SpeculatorsConfig.validate_speculators_config requires
     assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
-    assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 4, "verifier_accept_k": 1,
-                                       "accept_tolerance": 0.0}]
+    assert sc["proposal_methods"] == [
+        {"proposal_type": "greedy", "speculative_tokens": 4, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    ]
     assert sc["verifier"]["name_or_path"] == "org/other" and isinstance(sc["verifier"]["architectures"], list)
     assert c["draft_vocab_size"] == 30 and c["target_hidden_size"] == 32
     assert c["eagle_aux_hidden_state_layer_ids"] == AUX
@@ -187,6 +207,7 @@ def test_sglang_loads_the_export(tmp_path, ckpt, exported):
 # Refusals
 # ---------------------------------------------------------------------------------------------
 
+
 def flip_first_marked(w: dict) -> None:
     w["t2d"][w["t2d"].nonzero()[0]] = False
 
@@ -195,14 +216,19 @@ def swap_two_offsets(w: dict) -> None:
     w["d2t"][[0, 1]] = w["d2t"][[1, 0]] + torch.tensor([1, -1])
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda w: w.pop("d2t"), "model.safetensors: field d2t missing (without it the engines map draft id i"),
-    (flip_first_marked, "field t2d marks 29 target ids, draft_vocab_size is 30"),
-    (swap_two_offsets, "field d2t disagrees with t2d at 2 draft ids"),
-    (lambda w: w.update({"lm_head.weight": torch.zeros(31, 32)}),
-     "field lm_head.weight has shape [31, 32], config.json implies [30, 32]"),
-    (lambda w: w.update({"norm.weight": torch.full((32,), float("nan"))}), "field norm.weight holds NaN"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda w: w.pop("d2t"), "model.safetensors: field d2t missing (without it the engines map draft id i"),
+        (flip_first_marked, "field t2d marks 29 target ids, draft_vocab_size is 30"),
+        (swap_two_offsets, "field d2t disagrees with t2d at 2 draft ids"),
+        (
+            lambda w: w.update({"lm_head.weight": torch.zeros(31, 32)}),
+            "field lm_head.weight has shape [31, 32], config.json implies [30, 32]",
+        ),
+        (lambda w: w.update({"norm.weight": torch.full((32,), float("nan"))}), "field norm.weight holds NaN"),
+    ],
+)
 def test_export_refuses_broken_weights(tmp_path, ckpt, edit, message):
     tamper(ckpt, edit)
     with pytest.raises(ValueError, match="drafter refused") as e:
@@ -220,8 +246,10 @@ def test_export_names_a_truncated_or_garbage_weights_file(tmp_path, ckpt, damage
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("ids,message", [([], "field aux_layer_ids is missing or empty"),
-                                         ([5, 4, 2], "expected 3 strictly increasing integer ids >= 1")])
+@pytest.mark.parametrize(
+    "ids,message",
+    [([], "field aux_layer_ids is missing or empty"), ([5, 4, 2], "expected 3 strictly increasing integer ids >= 1")],
+)
 def test_export_refuses_bad_layer_ids(tmp_path, ckpt, ids, message):
     c = config(ckpt)
     c["eaglet"]["draft_config"]["aux_layer_ids"] = ids
@@ -251,8 +279,14 @@ def test_import_refuses_unknown_and_mismatched_tensors(tmp_path, ckpt):
         import_drafter(ImportOptions(src=out, out=tmp_path / "back"))
     assert "unknown tensor fc.bias [32]" in str(e.value)
     assert "unknown tensor layers.0.self_attn.q_norm.weight" in str(e.value)
-    tamper(out, lambda w: (w.pop("fc.bias"), w.pop("layers.0.self_attn.q_norm.weight"),
-                           w.update({"layers.0.mlp.down_proj.weight": torch.zeros(32, 47)})))
+    tamper(
+        out,
+        lambda w: (
+            w.pop("fc.bias"),
+            w.pop("layers.0.self_attn.q_norm.weight"),
+            w.update({"layers.0.mlp.down_proj.weight": torch.zeros(32, 47)}),
+        ),
+    )
     with pytest.raises(ValueError, match=r"field layers.0.mlp.down_proj.weight has shape \[32, 47\]"):
         import_drafter(ImportOptions(src=out, out=tmp_path / "back"))
     assert not (tmp_path / "back").exists()
@@ -262,9 +296,11 @@ def test_import_refuses_configs_eaglet_cannot_run(tmp_path, ckpt):
     out = tmp_path / "out"
     export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="speculators", dtype="fp32"))
     c = config(out)
-    for edit, message in ((lambda c: c.pop("norm_before_residual"), "field norm_before_residual missing"),
-                          (lambda c: c.update(fc_norm=True), "field fc_norm = True"),
-                          (lambda c: c.pop("draft_vocab_size"), "field draft_vocab_size missing")):
+    for edit, message in (
+        (lambda c: c.pop("norm_before_residual"), "field norm_before_residual missing"),
+        (lambda c: c.update(fc_norm=True), "field fc_norm = True"),
+        (lambda c: c.pop("draft_vocab_size"), "field draft_vocab_size missing"),
+    ):
         broken = json.loads(json.dumps(c))
         edit(broken)
         (out / "config.json").write_text(json.dumps(broken))
@@ -285,8 +321,11 @@ def test_import_official_eagle_bin_with_target(tmp_path, tiny_target):
     for key in ("eagle_aux_hidden_state_layer_ids", "eagle_config", "eaglet_export"):
         c.pop(key)
     (folder / "config.json").write_text(json.dumps(c))
-    state = {(k if k.startswith("lm_head") or k in ("d2t", "t2d") else "model." + k): v
-             for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    state = {
+        (k if k.startswith("lm_head") or k in ("d2t", "t2d") else "model." + k): v
+        for k, v in draft.state_dict().items()
+        if k != "embed_tokens.weight"
+    }
     torch.save({**state, "model.midlayer.self_attn.rotary_emb.inv_freq": torch.ones(4)}, folder / "pytorch_model.bin")
     with pytest.raises(ValueError, match="no eagle_aux_hidden_state_layer_ids.*pass the target"):
         import_drafter(ImportOptions(src=folder, out=tmp_path / "back"))
@@ -316,16 +355,28 @@ def test_embedded_target_exports_as_its_hub_id(tmp_path, monkeypatch):
 
     draft = random_drafter(tiny_config())
     for i, recorded in enumerate((embedded_name(), str(embedded_cache_dir()))):
-        ck = save_checkpoint(tmp_path / f"r{i}" / "checkpoints", 5, draft,
-                             export_config(draft.config, {"step": 5, "target": recorded}), {})
+        ck = save_checkpoint(
+            tmp_path / f"r{i}" / "checkpoints",
+            5,
+            draft,
+            export_config(draft.config, {"step": 5, "target": recorded}),
+            {},
+        )
         export_drafter(ExportOptions(ckpt=ck, out=tmp_path / f"out{i}", fmt="speculators"))
-        assert (config(tmp_path / f"out{i}")["speculators_config"]["verifier"]["name_or_path"]
-                == "HuggingFaceTB/SmolLM2-135M-Instruct")
+        assert (
+            config(tmp_path / f"out{i}")["speculators_config"]["verifier"]["name_or_path"]
+            == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        )
 
 
-@pytest.mark.parametrize("block, window", [({"sliding_window": 7, "layer_types": ["sliding_attention"]}, 7),
-                                           ({"sliding_window": 7, "layer_types": ["full_attention"]}, None),
-                                           ({"sliding_window": 7}, None)])  # no layer_types: full, as speculators
+@pytest.mark.parametrize(
+    "block, window",
+    [
+        ({"sliding_window": 7, "layer_types": ["sliding_attention"]}, 7),
+        ({"sliding_window": 7, "layer_types": ["full_attention"]}, None),
+        ({"sliding_window": 7}, None),
+    ],
+)  # no layer_types: full, as speculators
 def test_import_reads_the_sliding_window_as_speculators_does(tmp_path, ckpt, block, window):
     out = tmp_path / "out"
     export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="speculators", dtype="fp32"))
@@ -379,8 +430,11 @@ def test_import_of_a_pickle_that_needs_code_says_what_to_do(tmp_path, ckpt, caps
 def test_import_of_a_damaged_bin_names_it(tmp_path, ckpt):
     folder = bin_folder(tmp_path, ckpt, {})
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x02garbage")  # a pickle header, then nonsense
-    with pytest.raises(ValueError, match=r"pytorch_model.bin: not a readable torch file \(Unsupported operand "
-                                         r"\d+\); it is damaged") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"pytorch_model.bin: not a readable torch file \(Unsupported operand "
+        r"\d+\); it is damaged",
+    ) as e:
         import_drafter(ImportOptions(src=folder, out=tmp_path / "back"))
     assert "weights_only=False" not in str(e.value)
 
@@ -391,8 +445,9 @@ def test_import_refuses_layers_the_target_lacks_and_a_rope_base_that_is_no_base(
     cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), AUX, draft_vocab_size=64)
     out = tmp_path / "out"
     formats.write_drafter_folder(tmp_path / "ckpt", export_config(cfg, {}), random_drafter(cfg).state_dict())
-    export_drafter(ExportOptions(ckpt=tmp_path / "ckpt", out=out, fmt="speculators", dtype="fp32",
-                                 verifier=str(tiny_target)))
+    export_drafter(
+        ExportOptions(ckpt=tmp_path / "ckpt", out=out, fmt="speculators", dtype="fp32", verifier=str(tiny_target))
+    )
     c = config(out)
     c["eagle_aux_hidden_state_layer_ids"] = [2, 4, 50]
     (out / "config.json").write_text(json.dumps(c))
@@ -407,8 +462,9 @@ def test_export_refuses_layers_its_recorded_target_lacks(tiny_target, tmp_path):
     """aux_layer_ids beyond the target (an edited config.json) once exported for vLLM as they were;
     a recorded target on this machine is checked (a hub id is the serving machine's to check)."""
     draft = random_drafter(tiny_config(aux_layer_ids=[1, 2, 99]))
-    ckpt = save_checkpoint(tmp_path / "checkpoints", 5, draft,
-                           export_config(draft.config, {"step": 5, "target": str(tiny_target)}), {})
+    ckpt = save_checkpoint(
+        tmp_path / "checkpoints", 5, draft, export_config(draft.config, {"step": 5, "target": str(tiny_target)}), {}
+    )
     with pytest.raises(ValueError, match=r"aux layer ids \[1, 2, 99\] are not all in 0..8, the layers of the target"):
         export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators"))
     assert not (tmp_path / "out").exists()
@@ -417,6 +473,7 @@ def test_export_refuses_layers_its_recorded_target_lacks(tiny_target, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Every config.json field import reads is checked, by kind and range, naming the file and field
 # ---------------------------------------------------------------------------------------------
+
 
 def layer_block(c: dict) -> dict:
     """The Llama keys: speculators' transformer_layer_config, or an eagle folder's top level."""
@@ -443,16 +500,26 @@ def refusal(tmp_path: Path, folder: Path) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("fmt,edit,field", [
-    ("speculators", lambda c: layer_block(c).update(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    ("speculators", lambda c: layer_block(c).update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                     "partial_rotary_factor": 0.5}),
-     "rope_parameters.partial_rotary_factor"),
-    ("eagle", lambda c: c.update(partial_rotary_factor=0.25), "partial_rotary_factor"),
-    ("eagle", lambda c: c.update(rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.5}),
-     "rope_scaling.partial_rotary_factor"),
-    ("eaglet", lambda c: c.update(partial_rotary_factor=0.5), "partial_rotary_factor"),  # SGLang serves it as is
-])
+@pytest.mark.parametrize(
+    "fmt,edit,field",
+    [
+        ("speculators", lambda c: layer_block(c).update(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (
+            "speculators",
+            lambda c: layer_block(c).update(
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+            ),
+            "rope_parameters.partial_rotary_factor",
+        ),
+        ("eagle", lambda c: c.update(partial_rotary_factor=0.25), "partial_rotary_factor"),
+        (
+            "eagle",
+            lambda c: c.update(rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.5}),
+            "rope_scaling.partial_rotary_factor",
+        ),
+        ("eaglet", lambda c: c.update(partial_rotary_factor=0.5), "partial_rotary_factor"),  # SGLang serves it as is
+    ],
+)
 def test_import_refuses_a_partial_rotary_factor(tmp_path, ckpt, fmt, edit, field):
     """transformers and vLLM rotate only head_dim * factor dims; eaglet's drafter rotates them all."""
     message = refusal(tmp_path, edited_folder(tmp_path, ckpt, fmt, edit))
@@ -461,18 +528,32 @@ def test_import_refuses_a_partial_rotary_factor(tmp_path, ckpt, fmt, edit, field
     assert import_drafter(ImportOptions(src=whole, out=tmp_path / "back")).config.rope_theta == 10000.0
 
 
-@pytest.mark.parametrize("fmt,section", [("speculators", "rope_parameters"), ("eagle", "rope_parameters"),
-                                         ("eagle", "rope_scaling"), ("eaglet", "rope_parameters")])
+@pytest.mark.parametrize(
+    "fmt,section",
+    [
+        ("speculators", "rope_parameters"),
+        ("eagle", "rope_parameters"),
+        ("eagle", "rope_scaling"),
+        ("eaglet", "rope_parameters"),
+    ],
+)
 def test_import_refuses_a_rope_theta_that_contradicts_itself(tmp_path, ckpt, fmt, section):
     """transformers takes rope_parameters' rope_theta over the top-level one; eaglet took the other:
     a folder that gives two bases is refused, one that repeats its base is read."""
-    folder = edited_folder(tmp_path, ckpt, fmt, lambda c: layer_block(c).update(
-        {section: {"rope_type": "default", "rope_theta": 50000.0}}))
+    folder = edited_folder(
+        tmp_path, ckpt, fmt, lambda c: layer_block(c).update({section: {"rope_type": "default", "rope_theta": 50000.0}})
+    )
     message = refusal(tmp_path, folder)
-    assert "config.json" in message and f"field rope_theta = 10000.0 and field {section}.rope_theta = 50000.0 " \
-                                       "disagree" in message
-    same = edited_folder(tmp_path / "same", ckpt, fmt, lambda c: layer_block(c).update(
-        {section: {"rope_type": "default", "rope_theta": 10000.0}}))
+    assert (
+        "config.json" in message
+        and f"field rope_theta = 10000.0 and field {section}.rope_theta = 50000.0 disagree" in message
+    )
+    same = edited_folder(
+        tmp_path / "same",
+        ckpt,
+        fmt,
+        lambda c: layer_block(c).update({section: {"rope_type": "default", "rope_theta": 10000.0}}),
+    )
     assert import_drafter(ImportOptions(src=same, out=tmp_path / "back")).config.rope_theta == 10000.0
 
 
@@ -480,32 +561,65 @@ def proposal(c: dict) -> dict:
     return c["speculators_config"]["proposal_methods"][0]
 
 
-@pytest.mark.parametrize("fmt,edit,field", [
-    ("eagle", lambda c: c.update(rms_norm_eps="abc"), "rms_norm_eps = 'abc': expected a finite number > 0"),
-    ("eagle", lambda c: c.update(rms_norm_eps=[1]), "rms_norm_eps = [1]: expected a finite number > 0"),
-    ("eagle", lambda c: c.update(rope_theta=True), "rope_theta = True: expected a finite number > 0"),
-    ("eagle", lambda c: c.update(eagle_config=5), "eagle_config = 5: expected an object"),
-    ("eagle", lambda c: c.update(rope_parameters=5), "rope_parameters = 5: expected an object"),
-    ("eagle", lambda c: c.update(architectures=5), "architectures = 5: expected a list of class names"),
-    ("eagle", lambda c: c.update(eaglet_export=5), "eaglet_export = 5: expected an object"),
-    ("eagle", lambda c: c.update(norm_output="false"), "norm_output = 'false': expected true or false"),
-    ("eagle", lambda c: c.update(hidden_size=True), "hidden_size = True: expected an integer >= 1"),
-    ("eagle", lambda c: c.update(max_position_embeddings="1024"),
-     "max_position_embeddings = '1024': expected an integer >= 1"),
-    ("eagle", lambda c: c.update(max_position_embeddings=0), "max_position_embeddings = 0: expected an integer >= 1"),
-    ("eagle", lambda c: c.update(eagle_aux_hidden_state_layer_ids="2,4,5"),
-     "eagle_aux_hidden_state_layer_ids = '2,4,5': expected a list of integer layer ids"),
-    ("speculators", lambda c: layer_block(c).update(hidden_size="64"), "hidden_size = '64': expected an integer >= 1"),
-    ("speculators", lambda c: layer_block(c).update(num_key_value_heads=2.5),
-     "num_key_value_heads = 2.5: expected an integer >= 1"),
-    ("speculators", lambda c: c["speculators_config"].update(verifier=[1]),
-     "speculators_config.verifier = [1]: expected an object"),
-    ("speculators", lambda c: proposal(c).update(speculative_tokens="x"),
-     "speculators_config.proposal_methods[0].speculative_tokens = 'x': expected an integer >= 1"),
-    ("speculators", lambda c: proposal(c).update(speculative_tokens=0),
-     "speculators_config.proposal_methods[0].speculative_tokens = 0: expected an integer >= 1"),
-    ("speculators", lambda c: c.update(target_hidden_size="32"), "target_hidden_size = '32': expected an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "fmt,edit,field",
+    [
+        ("eagle", lambda c: c.update(rms_norm_eps="abc"), "rms_norm_eps = 'abc': expected a finite number > 0"),
+        ("eagle", lambda c: c.update(rms_norm_eps=[1]), "rms_norm_eps = [1]: expected a finite number > 0"),
+        ("eagle", lambda c: c.update(rope_theta=True), "rope_theta = True: expected a finite number > 0"),
+        ("eagle", lambda c: c.update(eagle_config=5), "eagle_config = 5: expected an object"),
+        ("eagle", lambda c: c.update(rope_parameters=5), "rope_parameters = 5: expected an object"),
+        ("eagle", lambda c: c.update(architectures=5), "architectures = 5: expected a list of class names"),
+        ("eagle", lambda c: c.update(eaglet_export=5), "eaglet_export = 5: expected an object"),
+        ("eagle", lambda c: c.update(norm_output="false"), "norm_output = 'false': expected true or false"),
+        ("eagle", lambda c: c.update(hidden_size=True), "hidden_size = True: expected an integer >= 1"),
+        (
+            "eagle",
+            lambda c: c.update(max_position_embeddings="1024"),
+            "max_position_embeddings = '1024': expected an integer >= 1",
+        ),
+        (
+            "eagle",
+            lambda c: c.update(max_position_embeddings=0),
+            "max_position_embeddings = 0: expected an integer >= 1",
+        ),
+        (
+            "eagle",
+            lambda c: c.update(eagle_aux_hidden_state_layer_ids="2,4,5"),
+            "eagle_aux_hidden_state_layer_ids = '2,4,5': expected a list of integer layer ids",
+        ),
+        (
+            "speculators",
+            lambda c: layer_block(c).update(hidden_size="64"),
+            "hidden_size = '64': expected an integer >= 1",
+        ),
+        (
+            "speculators",
+            lambda c: layer_block(c).update(num_key_value_heads=2.5),
+            "num_key_value_heads = 2.5: expected an integer >= 1",
+        ),
+        (
+            "speculators",
+            lambda c: c["speculators_config"].update(verifier=[1]),
+            "speculators_config.verifier = [1]: expected an object",
+        ),
+        (
+            "speculators",
+            lambda c: proposal(c).update(speculative_tokens="x"),
+            "speculators_config.proposal_methods[0].speculative_tokens = 'x': expected an integer >= 1",
+        ),
+        (
+            "speculators",
+            lambda c: proposal(c).update(speculative_tokens=0),
+            "speculators_config.proposal_methods[0].speculative_tokens = 0: expected an integer >= 1",
+        ),
+        (
+            "speculators",
+            lambda c: c.update(target_hidden_size="32"),
+            "target_hidden_size = '32': expected an integer >= 1",
+        ),
+    ],
+)
 def test_import_names_the_file_and_field_of_a_value_of_the_wrong_kind(tmp_path, ckpt, fmt, edit, field):
     """Once raw TypeErrors, AttributeErrors and float()'s message, or strings and zeros read as numbers."""
     message = refusal(tmp_path, edited_folder(tmp_path, ckpt, fmt, edit))
@@ -519,5 +633,7 @@ def test_import_refuses_quantized_weights_naming_the_dtype(tmp_path, ckpt, fmt):
     export_drafter(ExportOptions(ckpt=ckpt, out=folder, fmt=fmt, dtype="fp32"))
     tamper(folder, lambda w: w.update({"fc.weight": w["fc.weight"].to(torch.float8_e4m3fn)}))
     message = refusal(tmp_path, folder)
-    assert (f"{folder / 'model.safetensors'}: field fc.weight is torch.float8_e4m3fn, expected one of torch.float32, "
-            "torch.bfloat16, torch.float16, torch.float64") in message
+    assert (
+        f"{folder / 'model.safetensors'}: field fc.weight is torch.float8_e4m3fn, expected one of torch.float32, "
+        "torch.bfloat16, torch.float16, torch.float64"
+    ) in message

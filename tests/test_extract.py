@@ -46,8 +46,10 @@ def reference_states(target: Path, input_ids: list[int], dtype=torch.float32) ->
 
 def test_v1_files_match_output_hidden_states(tiny_target, prepared, tmp_path):
     out = tmp_path / "data"
-    extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), dtype="fp32", store_dtype="fp32"),
-                           show_progress=False)
+    extract(
+        ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), dtype="fp32", store_dtype="fp32"),
+        show_progress=False,
+    )
     samples, _ = formats.read_prepared(prepared)
     files = load_all(out)
     assert sorted(files) == list(range(len(samples)))
@@ -80,9 +82,20 @@ def test_v1_schema_and_side_files(tiny_target, prepared, tmp_path):
     assert cfg["layer_ids"] == LAYER_IDS and cfg["aux_layer_ids"] == LAYER_IDS[:-1]
     assert cfg["last_hidden_state"] == "pre_norm" and cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 8
     assert cfg["num_samples"] == len(samples) and cfg["num_tokens"] == sum(len(s.input_ids) for s in samples)
-    assert cfg["target_revision"] == pcfg["target_revision"] and cfg["chat_template_sha256"] == pcfg["chat_template_sha256"]
-    for key in ("architecture", "vocab_size", "layer_id_convention", "hidden_states_dtype", "max_length",
-                "eaglet_version", "command", "target"):
+    assert (
+        cfg["target_revision"] == pcfg["target_revision"]
+        and cfg["chat_template_sha256"] == pcfg["chat_template_sha256"]
+    )
+    for key in (
+        "architecture",
+        "vocab_size",
+        "layer_id_convention",
+        "hidden_states_dtype",
+        "max_length",
+        "eaglet_version",
+        "command",
+        "target",
+    ):
         assert key in cfg
     lengths = formats.read_sample_lengths(out / "sample_lengths.json")
     assert lengths == {i: len(s.input_ids) for i, s in enumerate(samples)}
@@ -93,10 +106,18 @@ def test_v1_schema_and_side_files(tiny_target, prepared, tmp_path):
 
 def test_padded_batch_equals_each_sample_alone(tiny_target, prepared, tmp_path):
     batched, alone = tmp_path / "batched", tmp_path / "alone"
-    extract(ExtractOptions(prepared=prepared, out=batched, target=str(tiny_target), dtype="fp32", store_dtype="fp32",
-                           max_batch_size=12), show_progress=False)
-    extract(ExtractOptions(prepared=prepared, out=alone, target=str(tiny_target), dtype="fp32", store_dtype="fp32",
-                           max_batch_size=1), show_progress=False)
+    extract(
+        ExtractOptions(
+            prepared=prepared, out=batched, target=str(tiny_target), dtype="fp32", store_dtype="fp32", max_batch_size=12
+        ),
+        show_progress=False,
+    )
+    extract(
+        ExtractOptions(
+            prepared=prepared, out=alone, target=str(tiny_target), dtype="fp32", store_dtype="fp32", max_batch_size=1
+        ),
+        show_progress=False,
+    )
     a, b = load_all(batched), load_all(alone)
     assert len({len(s.input_ids) for s in a.values()}) > 3  # lengths really differ, so padding happened
     for i in a:
@@ -123,8 +144,9 @@ def test_rerun_redoes_missing_and_partial_files_only(tiny_target, prepared, tmp_
     victim.unlink()
     stale = victim.parent / f".{victim.name}{formats.TMP_MARK}abc123"
     stale.write_bytes(b"half a file")
-    summary = extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1),
-                                     show_progress=False)
+    summary = extract(
+        ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1), show_progress=False
+    )
     assert summary.written == 1 and summary.already_done == len(before) - 1
     assert not stale.exists()
     after = formats.list_v1_files(out)
@@ -137,19 +159,29 @@ def test_rerun_with_other_settings_is_refused(tiny_target, prepared, tmp_path):
     out = tmp_path / "data"
     extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target)), show_progress=False)
     with pytest.raises(ValueError, match="layer_ids"):
-        extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), layer_ids=[1, 3, 5, 8]),
-                               show_progress=False)
+        extract(
+            ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), layer_ids=[1, 3, 5, 8]),
+            show_progress=False,
+        )
 
 
-@pytest.mark.parametrize("ids,msg", [([2, 3, 4, 5], "last id must be 8"), ([3, 2, 5, 8], "strictly increasing"),
-                                     ([0, 3, 5, 8], r"ids in 1\.\.7 for this 8-layer target"),
-                                     ([8], "the 3 aux ids EAGLE-3 fuses, then the last layer N"),
-                                     ([2, 5, 8], "the 3 aux ids EAGLE-3 fuses"),
-                                     ([1, 2, 3, 5, 8], "expected 4 integer ids")])
+@pytest.mark.parametrize(
+    "ids,msg",
+    [
+        ([2, 3, 4, 5], "last id must be 8"),
+        ([3, 2, 5, 8], "strictly increasing"),
+        ([0, 3, 5, 8], r"ids in 1\.\.7 for this 8-layer target"),
+        ([8], "the 3 aux ids EAGLE-3 fuses, then the last layer N"),
+        ([2, 5, 8], "the 3 aux ids EAGLE-3 fuses"),
+        ([1, 2, 3, 5, 8], "expected 4 integer ids"),
+    ],
+)
 def test_bad_layer_ids(tiny_target, prepared, tmp_path, ids, msg):
     with pytest.raises(ValueError, match=msg):
-        extract(ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(tiny_target), layer_ids=ids),
-                               show_progress=False)
+        extract(
+            ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(tiny_target), layer_ids=ids),
+            show_progress=False,
+        )
 
 
 def test_other_target_than_prepared_with_is_refused(tiny_target, prepared, tmp_path):
@@ -165,11 +197,16 @@ def test_other_target_than_prepared_with_is_refused(tiny_target, prepared, tmp_p
 
 def test_shards_fill_one_folder_like_a_single_run(tiny_target, prepared, tmp_path):
     single, sharded = tmp_path / "single", tmp_path / "sharded"
-    extract(ExtractOptions(prepared=prepared, out=single, target=str(tiny_target), max_batch_size=1),
-                           show_progress=False)
+    extract(
+        ExtractOptions(prepared=prepared, out=single, target=str(tiny_target), max_batch_size=1), show_progress=False
+    )
     for shard in range(3):
-        s = extract(ExtractOptions(prepared=prepared, out=sharded, target=str(tiny_target), max_batch_size=1,
-                                   num_shards=3, shard_id=shard), show_progress=False)
+        s = extract(
+            ExtractOptions(
+                prepared=prepared, out=sharded, target=str(tiny_target), max_batch_size=1, num_shards=3, shard_id=shard
+            ),
+            show_progress=False,
+        )
         assert s.written == 4
     a, b = load_all(single), load_all(sharded)
     assert sorted(a) == sorted(b)
@@ -179,11 +216,15 @@ def test_shards_fill_one_folder_like_a_single_run(tiny_target, prepared, tmp_pat
 
 def test_shard_options_name_the_option_at_fault(tiny_target, prepared, tmp_path):
     with pytest.raises(ValueError, match=r"^--num-shards 0: must be >= 1$"):
-        extract(ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(tiny_target), num_shards=0),
-                               show_progress=False)
+        extract(
+            ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(tiny_target), num_shards=0),
+            show_progress=False,
+        )
     with pytest.raises(ValueError, match=r"--shard-id 3 must be in \[0, --num-shards 3\)"):
-        extract(ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(tiny_target), num_shards=3, shard_id=3),
-                               show_progress=False)
+        extract(
+            ExtractOptions(prepared=prepared, out=tmp_path / "d", target=str(tiny_target), num_shards=3, shard_id=3),
+            show_progress=False,
+        )
     assert not (tmp_path / "d").exists()  # refused before anything is written
 
 
@@ -209,18 +250,24 @@ def test_rerun_redoes_files_that_are_not_complete_safe_samples(tiny_target, prep
     files[0].write_bytes(b"")
     torch.save({"payload": Path("x")}, files[1])  # a global weights_only refuses to load
     short = formats.read_v1_sample(files[2])
-    formats.write_v1_sample(out, 2, formats.V1Sample(short.input_ids[:-1].clone(),
-                                                     [h[:-1].clone() for h in short.hidden_states],
-                                                     short.loss_mask[:-1].clone()))
+    formats.write_v1_sample(
+        out,
+        2,
+        formats.V1Sample(
+            short.input_ids[:-1].clone(), [h[:-1].clone() for h in short.hidden_states], short.loss_mask[:-1].clone()
+        ),
+    )
     other = files[2].read_bytes()
     with pytest.raises(FileExistsError, match=r"data_2.pt: a whole sample of other shapes"):
-        extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1),
-                               show_progress=False)
+        extract(
+            ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1), show_progress=False
+        )
     assert files[2].read_bytes() == other and files[0].read_bytes() == b""  # nothing written
     files[2].unlink()  # moved away, as the message says
     with caplog.at_level(logging.WARNING):
-        s = extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1),
-                                   show_progress=False)
+        s = extract(
+            ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), max_batch_size=1), show_progress=False
+        )
     assert s.written == 3 and "2 existing file(s) are not complete safe samples" in caplog.text
     for i, ref in reference.items():
         again = formats.read_v1_sample(files[i])
@@ -235,14 +282,37 @@ def test_kill_9_mid_run_then_resume(tiny_target, tmp_path):
 
     chats = tmp_path / "many.jsonl"
     words = "The quick brown fox jumps over the lazy dog. "
-    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{n}"},
-                                                      {"role": "assistant", "content": words * (20 + n % 30)}]}) + "\n"
-                             for n in range(400)))
+    chats.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"q{n}"},
+                        {"role": "assistant", "content": words * (20 + n % 30)},
+                    ]
+                }
+            )
+            + "\n"
+            for n in range(400)
+        )
+    )
     prep = tmp_path / "prep"
     prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=prep, max_length=1024))
     out, ref = tmp_path / "killed", tmp_path / "ref"
-    cmd = [sys.executable, "-m", "eaglet.cli", "extract", "--prepared", str(prep), "--out", str(out),
-           "--target", str(tiny_target), "--max-batch-size", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eaglet.cli",
+        "extract",
+        "--prepared",
+        str(prep),
+        "--out",
+        str(out),
+        "--target",
+        str(tiny_target),
+        "--max-batch-size",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
     while len(formats.list_v1_files(out)) < 60 and time.time() < deadline and proc.poll() is None:
@@ -276,22 +346,31 @@ def edit_prepared(prepared: Path, line: int, edit) -> None:
 @pytest.mark.parametrize("bad", [400, -1, 3.0])  # the tiny target's vocabulary holds ids 0..399
 def test_token_id_outside_the_vocabulary_is_refused_before_anything_is_written(tiny_target, prepared, tmp_path, bad):
     edit_prepared(prepared, 2, lambda r: r["input_ids"].__setitem__(1, bad))
-    with pytest.raises(ValueError, match=rf"^{prepared / formats.PREPARED_FILE}:2: sample chat1: token id {bad} "
-                                         r"\(token 1\) is not in the target's vocabulary of 400 \(ids 0 to 399\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{prepared / formats.PREPARED_FILE}:2: sample chat1: token id {bad} "
+        r"\(token 1\) is not in the target's vocabulary of 400 \(ids 0 to 399\)",
+    ):
         extract(ExtractOptions(prepared=prepared, out=tmp_path / "data", target=str(tiny_target)), show_progress=False)
     assert not (tmp_path / "data").exists()
 
 
 def test_samples_longer_than_the_target_positions_are_refused(tiny_target, prepared, tmp_path):
     """A prepared dataset from before prepare checked --max-length, or edited: 1030 tokens on a 1024-position target."""
-    edit_prepared(prepared, 3, lambda r: r.update(input_ids=(r["input_ids"] * 400)[:1030],
-                                                  loss_mask=(r["loss_mask"] * 400)[:1030]))
+    edit_prepared(
+        prepared,
+        3,
+        lambda r: r.update(input_ids=(r["input_ids"] * 400)[:1030], loss_mask=(r["loss_mask"] * 400)[:1030]),
+    )
     config = formats.read_json(prepared / formats.PREPARE_CONFIG_FILE)  # as prepared at --max-length 2048
     formats.write_json_atomic(prepared / formats.PREPARE_CONFIG_FILE, {**config, "max_length": 2048})
-    with pytest.raises(ValueError, match=rf"^{prepared / formats.PREPARED_FILE}:3: sample chat2 has 1030 tokens, "
-                                         rf"more than the 1024 positions the target holds \(max_position_embeddings "
-                                         rf"in {tiny_target / 'config.json'}\); 1 of 12 samples are that long: run "
-                                         r"`eaglet prepare` again with --max-length 1024 or less$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{prepared / formats.PREPARED_FILE}:3: sample chat2 has 1030 tokens, "
+        rf"more than the 1024 positions the target holds \(max_position_embeddings "
+        rf"in {tiny_target / 'config.json'}\); 1 of 12 samples are that long: run "
+        r"`eaglet prepare` again with --max-length 1024 or less$",
+    ):
         extract(ExtractOptions(prepared=prepared, out=tmp_path / "data", target=str(tiny_target)), show_progress=False)
     assert not (tmp_path / "data").exists()
 
@@ -306,8 +385,9 @@ def fail_first_batch(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("layout", ["v1", "speculators"])
-def test_a_run_that_wrote_no_sample_does_not_lock_the_folder(tiny_target, prepared, chats_jsonl, tmp_path, monkeypatch,
-                                                             layout):
+def test_a_run_that_wrote_no_sample_does_not_lock_the_folder(
+    tiny_target, prepared, chats_jsonl, tmp_path, monkeypatch, layout
+):
     """It leaves data_config.json and side files; a rerun on other data (the input fixed) replaces them."""
     out = tmp_path / "data"
     fail_first_batch(monkeypatch)
@@ -332,12 +412,19 @@ def test_a_resume_at_another_compute_dtype_is_refused(tiny_target, prepared, tmp
     """Resumed with --dtype fp32 into a bf16-computed dataset, extract mixed the two roundings under
     a data_config.json that still said bfloat16."""
     out = tmp_path / "data"
-    extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), dtype="bf16", num_shards=2, shard_id=0),
-                           show_progress=False)
-    with pytest.raises(ValueError, match=r"holds a dataset made with compute_dtype='bfloat16', this run has "
-                                         r"'float32'"):
-        extract(ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), dtype="fp32", num_shards=2,
-                               shard_id=1), show_progress=False)
+    extract(
+        ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), dtype="bf16", num_shards=2, shard_id=0),
+        show_progress=False,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"holds a dataset made with compute_dtype='bfloat16', this run has "
+        r"'float32'",
+    ):
+        extract(
+            ExtractOptions(prepared=prepared, out=out, target=str(tiny_target), dtype="fp32", num_shards=2, shard_id=1),
+            show_progress=False,
+        )
 
 
 def test_a_prepared_sample_beyond_its_recorded_max_length_is_refused(tiny_target, prepared, tmp_path):
@@ -346,8 +433,11 @@ def test_a_prepared_sample_beyond_its_recorded_max_length_is_refused(tiny_target
     folder = Path(shutil.copytree(prepared, tmp_path / "prepared"))
     config = formats.read_json(folder / formats.PREPARE_CONFIG_FILE)
     formats.write_json_atomic(folder / formats.PREPARE_CONFIG_FILE, {**config, "max_length": 8})
-    with pytest.raises(ValueError, match=r"prepared\.jsonl:\d+: a sample of \d+ tokens, beyond prepare_config\.json's "
-                                         r"max_length 8; the files were changed since prepare"):
+    with pytest.raises(
+        ValueError,
+        match=r"prepared\.jsonl:\d+: a sample of \d+ tokens, beyond prepare_config\.json's "
+        r"max_length 8; the files were changed since prepare",
+    ):
         extract(ExtractOptions(prepared=folder, out=tmp_path / "data", target=str(tiny_target)), show_progress=False)
     assert not (tmp_path / "data").exists()
 

@@ -47,13 +47,27 @@ def temp_files(folder: Path) -> list[Path]:
 
 @pytest.fixture
 def prepared(tiny_target, chats_jsonl, tmp_path) -> Path:
-    assert main(["prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep"), "--target", str(tiny_target),
-                 *FITS]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                "--data",
+                str(chats_jsonl),
+                "--out",
+                str(tmp_path / "prep"),
+                "--target",
+                str(tiny_target),
+                *FITS,
+            ]
+        )
+        == 0
+    )
     return tmp_path / "prep"
 
 
-def test_disk_full_during_extract_names_the_file_and_the_rerun_resumes(tiny_target, prepared, tmp_path, capsys,
-                                                                       monkeypatch):
+def test_disk_full_during_extract_names_the_file_and_the_rerun_resumes(
+    tiny_target, prepared, tmp_path, capsys, monkeypatch
+):
     """torch.save on a full disk says only "[enforce fail at inline_container.cc] unexpected pos"."""
     out = tmp_path / "data"
     real_save, saves = torch.save, []
@@ -94,8 +108,17 @@ def test_read_only_output_folder(tiny_target, chats_jsonl, tmp_path, capsys, mon
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(formats_io.tempfile, "mkstemp", read_only)
-    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep"),
-                  "--target", str(tiny_target), *FITS)
+    rc, err = run(
+        capsys,
+        "prepare",
+        "--data",
+        str(chats_jsonl),
+        "--out",
+        str(tmp_path / "prep"),
+        "--target",
+        str(tiny_target),
+        *FITS,
+    )
     assert rc == 2
     assert_one_line(err, str(tmp_path / "prep"), "read-only file system", "another folder")
 
@@ -103,19 +126,24 @@ def test_read_only_output_folder(tiny_target, chats_jsonl, tmp_path, capsys, mon
 def test_a_folder_that_cannot_be_created_is_named(tiny_target, prepared, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("a file where a folder should go")
-    rc, err = run(capsys, "extract", "--prepared", str(prepared), "--out", str(blocker / "data"),
-                  "--target", str(tiny_target))
+    rc, err = run(
+        capsys, "extract", "--prepared", str(prepared), "--out", str(blocker / "data"), "--target", str(tiny_target)
+    )
     assert rc == 2
     assert_one_line(err, str(blocker))
 
 
-@pytest.mark.parametrize("config_text, words", [('{"model_type": "llama", "hidden_si', ("not valid JSON",)),
-                                                ('{"hidden_size": 64}', ("model_type",))])
+@pytest.mark.parametrize(
+    "config_text, words",
+    [('{"model_type": "llama", "hidden_si', ("not valid JSON",)), ('{"hidden_size": 64}', ("model_type",))],
+)
 def test_damaged_target_config(tiny_target, chats_jsonl, tmp_path, capsys, config_text, words):
     target = Path(shutil.copytree(tiny_target, tmp_path / "target"))
     (target / "config.json").write_text(config_text)
-    for argv in (["prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep")],
-                 ["regen", "--data", str(chats_jsonl), "--out", str(tmp_path / "regen.jsonl")]):
+    for argv in (
+        ["prepare", "--data", str(chats_jsonl), "--out", str(tmp_path / "prep")],
+        ["regen", "--data", str(chats_jsonl), "--out", str(tmp_path / "regen.jsonl")],
+    ):
         rc, err = run(capsys, *argv, "--target", str(target))
         assert rc == 2
         assert_one_line(err, str(target / "config.json"), *words)
@@ -143,9 +171,15 @@ def bad_option_calls():
 
     return [
         (lambda: extract(ExtractOptions(prepared="p", out="o", batch_tokens=0)), "--batch-tokens 0: must be >= 1"),
-        (lambda: extract(ExtractOptions(prepared="p", out="o", max_batch_size=-1)), "--max-batch-size -1: must be >= 1"),
+        (
+            lambda: extract(ExtractOptions(prepared="p", out="o", max_batch_size=-1)),
+            "--max-batch-size -1: must be >= 1",
+        ),
         (lambda: regenerate(RegenOptions(data="d", out="o.jsonl", top_p=0.0)), r"--top-p 0.0: must be in \(0, 1\]"),
-        (lambda: regenerate(RegenOptions(data="d", out="o.jsonl", max_new_tokens=0)), "--max-new-tokens 0: must be >= 1"),
+        (
+            lambda: regenerate(RegenOptions(data="d", out="o.jsonl", max_new_tokens=0)),
+            "--max-new-tokens 0: must be >= 1",
+        ),
         (lambda: regenerate(RegenOptions(data="d", out="o.jsonl", temperature=-1)), "--temperature -1: must be >= 0"),
         (lambda: evaluate(EvalOptions(drafter_path="d", num_prompts=0)), "--num-prompts 0: must be >= 1"),
         (lambda: DecodeSettings(chain_depth=0), "--chain-depth 0: must be >= 1"),
@@ -162,8 +196,9 @@ def test_numeric_options_are_checked_by_each_stage_entry_function():
             call()
 
 
-def test_token_id_outside_the_vocabulary_names_the_sample_and_the_fixed_input_reruns(tiny_target, prepared, tmp_path,
-                                                                                      capsys):
+def test_token_id_outside_the_vocabulary_names_the_sample_and_the_fixed_input_reruns(
+    tiny_target, prepared, tmp_path, capsys
+):
     """Once "IndexError: index out of range in self", with a data_config.json left that refused the rerun."""
     import json
 
@@ -190,8 +225,9 @@ def test_a_target_weight_file_cut_short_is_named_by_extract(tiny_target, chats_j
         f.truncate(weights.stat().st_size - 1000)
     prepared = tmp_path / "prep"  # prepare reads the tokenizer only: the cut-off weights pass
     assert main(["prepare", "--data", str(chats_jsonl), "--out", str(prepared), "--target", str(target), *FITS]) == 0
-    rc, err = run(capsys, "extract", "--prepared", str(prepared), "--out", str(tmp_path / "data"),
-                  "--target", str(target))
+    rc, err = run(
+        capsys, "extract", "--prepared", str(prepared), "--out", str(tmp_path / "data"), "--target", str(target)
+    )
     assert rc == 2
     assert_one_line(err, f"{weights}: truncated: tensor", "ends at byte", "download or copy it again")
     assert not (tmp_path / "data" / "rows_0-2000").exists()
@@ -200,6 +236,7 @@ def test_a_target_weight_file_cut_short_is_named_by_extract(tiny_target, chats_j
 def test_a_full_disk_inside_safetensors_names_the_file(tmp_path, monkeypatch):
     """safetensors reports a full disk in its own words only ("... os error 28"): the write is named
     like any other, with the remedy."""
+
     def full(tensors, path, metadata=None):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
@@ -223,6 +260,7 @@ def test_json_nested_too_deep_is_named_with_its_file_by_every_reader(tmp_path):
     """A checkpoint pointer, sample_lengths.json, prepare_config.json, a prepared line, metrics.jsonl,
     a regen output line or an eval prompts file nested 100,000 deep each ended in "maximum recursion
     depth exceeded" without a file: every reader names it, as it names any damaged JSON."""
+
     def deep(name: str, text: str = DEEP + "\n") -> Path:
         path = tmp_path / name
         path.write_text(text)
@@ -231,8 +269,10 @@ def test_json_nested_too_deep_is_named_with_its_file_by_every_reader(tmp_path):
     readers = [
         (lambda: formats.read_json(deep("best.json")), r"best\.json: not valid JSON \(maximum recursion depth"),
         (lambda: formats.read_jsonl_log(deep("metrics.jsonl")), r"metrics\.jsonl:1: not a JSON line \(maximum"),
-        (lambda: formats.TokenizedSample.from_json(DEEP, "prepared.jsonl:3"),
-         r"prepared\.jsonl:3: not a prepared sample \(RecursionError"),
+        (
+            lambda: formats.TokenizedSample.from_json(DEEP, "prepared.jsonl:3"),
+            r"prepared\.jsonl:3: not a prepared sample \(RecursionError",
+        ),
         (lambda: scan_output(deep("chats.jsonl")), r"chats\.jsonl:1: not a regen record \(RecursionError"),
         (lambda: prompt_sets_by_name([str(deep("prompts.jsonl"))], None), r"prompts\.jsonl.*invalid JSON \(maximum"),
         (lambda: placement_from_options(str(deep("map.json")), None, None, None), r"map\.json: not valid JSON"),
@@ -244,8 +284,9 @@ def test_json_nested_too_deep_is_named_with_its_file_by_every_reader(tmp_path):
 
 
 def test_an_out_under_a_pseudo_filesystem_is_not_called_a_full_disk(tiny_target, chats_jsonl, capsys):
-    rc, err = run(capsys, "prepare", "--data", str(chats_jsonl), "--out", "/proc/eaglet-out", "--target",
-                  str(tiny_target), *FITS)
+    rc, err = run(
+        capsys, "prepare", "--data", str(chats_jsonl), "--out", "/proc/eaglet-out", "--target", str(tiny_target), *FITS
+    )
     assert rc == 2
     assert_one_line(err, "/proc/")
     assert "no space" not in err
@@ -258,16 +299,26 @@ def test_token_counts_that_are_not_whole_numbers_name_the_file(tmp_path):
         formats.read_token_freq(path)
 
 
-@pytest.mark.parametrize("text, said", [('{"lr": "abc"}', r" \(--lr 'abc': must be a number > 0;"),
-                                        ('{"ttt_steps": true}', r" \(--ttt-steps True: must be a whole number;"),
-                                        ('{"aux_layer_ids": [2, "4", 5]}', r" \(--aux-layer-ids \[2, '4', 5\]: must be "
-                                                                          r"a list of whole numbers;")])
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ('{"lr": "abc"}', r" \(--lr 'abc': must be a number > 0;"),
+        ('{"ttt_steps": true}', r" \(--ttt-steps True: must be a whole number;"),
+        (
+            '{"aux_layer_ids": [2, "4", 5]}',
+            r" \(--aux-layer-ids \[2, '4', 5\]: must be "
+            r"a list of whole numbers;",
+        ),
+    ],
+)
 def test_a_resumed_run_whose_config_file_is_damaged_names_it(tmp_path, text, said):
     """A value of the wrong kind in the file (a bool for a count) was accepted on resume."""
     from eaglet.training.loop import options_of_run
 
     (tmp_path / "train_config.json").write_text(text)
-    with pytest.raises(ValueError, match=r"train_config\.json: the run's settings do not make a training config" + said):
+    with pytest.raises(
+        ValueError, match=r"train_config\.json: the run's settings do not make a training config" + said
+    ):
         options_of_run(tmp_path, True, {})
 
 
@@ -277,13 +328,19 @@ def test_a_resumed_runs_own_setting_is_named_as_the_runs_not_the_command_lines(t
     from eaglet.training.loop import options_of_run, run_settings_named
 
     (tmp_path / "train_config.json").write_text(
-        '{"draft_vocab_size": 1000000000, "aux_layer_ids": [1, 2], "offload_folder": "/elsewhere", "lr": 0.01}')
+        '{"draft_vocab_size": 1000000000, "aux_layer_ids": [1, 2], "offload_folder": "/elsewhere", "lr": 0.01}'
+    )
     cfg, from_run = options_of_run(tmp_path, True, {"lr": 0.5})
     assert cfg.offload_folder is None and cfg.lr == 0.5 and from_run == {"draft_vocab_size", "aux_layer_ids"}
-    for message, named in (("draft_vocab_size 1000000000 must be in [1, 49152]", "draft_vocab_size"),
-                           ("--aux-layer-ids [1, 2]: 3 ids", "aux_layer_ids")):
-        with pytest.raises(ValueError, match=rf"^{re.escape(message)} \({named}: this run's own setting, which "
-                                             rf"--resume read from .*train_config\.json; fix the file"):
+    for message, named in (
+        ("draft_vocab_size 1000000000 must be in [1, 49152]", "draft_vocab_size"),
+        ("--aux-layer-ids [1, 2]: 3 ids", "aux_layer_ids"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{re.escape(message)} \({named}: this run's own setting, which "
+            rf"--resume read from .*train_config\.json; fix the file",
+        ):
             with run_settings_named(tmp_path, from_run):
                 raise ValueError(message)
     with pytest.raises(ValueError, match=r"^--lr 0.5 is too high$"):  # given now: the message stands

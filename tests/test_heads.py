@@ -36,9 +36,16 @@ def make_sharded_llama(folder: Path, seed: int = 0) -> None:
 
     tok = make_tiny_tokenizer(folder)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.model.norm.weight.copy_(torch.rand(64) * 2 + 0.1)
@@ -52,8 +59,14 @@ def sharded(tmp_path_factory) -> tuple[Path, Path, Path]:
     full = work / "full"
     full.mkdir()
     make_sharded_llama(full)
-    prepare(PrepareOptions(target=str(full), data=str(write_jsonl(work / "chats.jsonl", chat_records())),
-                           out=work / "prep", max_length=512))
+    prepare(
+        PrepareOptions(
+            target=str(full),
+            data=str(write_jsonl(work / "chats.jsonl", chat_records())),
+            out=work / "prep",
+            max_length=512,
+        )
+    )
     extract(ExtractOptions(prepared=work / "prep", out=work / "data", target=str(full)), show_progress=False)
     return full, head_only_copy(full, work / "heads_only"), work / "data"
 
@@ -105,28 +118,54 @@ def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor
             save_file(part, str(folder / shard))
 
 
-KIMI_TEXT = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
-             "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 4,
-             "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
-             "num_experts_per_tok": 2, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 8,
-             "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 320,
-             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 1024}
+KIMI_TEXT = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "vocab_size": 320,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 1024,
+}
 
 
 def test_kimi_k25_names_and_nested_config(tmp_path):
     """Kimi-K2.5: `language_model.`-prefixed heads, the text model nested under `text_config` of a
     model type only its own code knows; a layer shard absent."""
-    emb, head, norm = torch.randn(320, 64, dtype=torch.bfloat16), torch.randn(320, 64, dtype=torch.bfloat16), \
-        torch.rand(64, dtype=torch.bfloat16)
+    emb, head, norm = (
+        torch.randn(320, 64, dtype=torch.bfloat16),
+        torch.randn(320, 64, dtype=torch.bfloat16),
+        torch.rand(64, dtype=torch.bfloat16),
+    )
     layer = torch.zeros(4, dtype=torch.bfloat16)
-    names = {"language_model.model.embed_tokens.weight": "model-1.safetensors",
-             "language_model.model.layers.0.self_attn.o_proj.weight": "model-2.safetensors",
-             "language_model.model.norm.weight": "model-3.safetensors",
-             "language_model.lm_head.weight": "model-3.safetensors"}
+    names = {
+        "language_model.model.embed_tokens.weight": "model-1.safetensors",
+        "language_model.model.layers.0.self_attn.o_proj.weight": "model-2.safetensors",
+        "language_model.model.norm.weight": "model-3.safetensors",
+        "language_model.lm_head.weight": "model-3.safetensors",
+    }
     tensors = dict(zip(names, [emb, layer, norm, head]))
     del tensors["language_model.model.layers.0.self_attn.o_proj.weight"]  # its shard is not downloaded
-    write_checkpoint(tmp_path / "k25", {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
-                                        "text_config": KIMI_TEXT}, tensors, names)
+    write_checkpoint(
+        tmp_path / "k25",
+        {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "text_config": KIMI_TEXT},
+        tensors,
+        names,
+    )
     read = heads.read_heads(tmp_path / "k25")
     assert read.config.model_type == "deepseek_v3" and read.config.kv_lora_rank == 8
     assert torch.equal(read.embeddings, emb) and torch.equal(read.lm_head.weight, head)
@@ -141,23 +180,56 @@ def test_fp8_head_is_dequantized_and_other_quantized_heads_are_refused(tmp_path)
     full_scale = scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
     stored = (head / full_scale).to(torch.float8_e4m3fn)
     emb, norm = torch.randn(300, 200, dtype=torch.bfloat16), torch.ones(200, dtype=torch.bfloat16)
-    config = {"model_type": "llama", "hidden_size": 200, "vocab_size": 300, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "rms_norm_eps": 1e-6,
-              "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    names = {"model.embed_tokens.weight": "a.safetensors", "model.norm.weight": "a.safetensors",
-             "lm_head.weight": "b.safetensors", "lm_head.weight_scale_inv": "b.safetensors"}
-    write_checkpoint(tmp_path / "fp8", config, {"model.embed_tokens.weight": emb, "model.norm.weight": norm,
-                                                "lm_head.weight": stored, "lm_head.weight_scale_inv": scale}, names)
+    config = {
+        "model_type": "llama",
+        "hidden_size": 200,
+        "vocab_size": 300,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    names = {
+        "model.embed_tokens.weight": "a.safetensors",
+        "model.norm.weight": "a.safetensors",
+        "lm_head.weight": "b.safetensors",
+        "lm_head.weight_scale_inv": "b.safetensors",
+    }
+    write_checkpoint(
+        tmp_path / "fp8",
+        config,
+        {
+            "model.embed_tokens.weight": emb,
+            "model.norm.weight": norm,
+            "lm_head.weight": stored,
+            "lm_head.weight_scale_inv": scale,
+        },
+        names,
+    )
     read = heads.read_heads(tmp_path / "fp8", torch.float32)
     assert torch.equal(read.lm_head.weight, stored.float() * full_scale)
-    packed = {"model.embed_tokens.weight": "a.safetensors", "model.norm.weight": "a.safetensors",
-              "lm_head.weight_packed": "b.safetensors", "lm_head.weight": "b.safetensors"}
-    write_checkpoint(tmp_path / "int4", config, {"model.embed_tokens.weight": emb, "model.norm.weight": norm,
-                                                 "lm_head.weight": torch.zeros(300, 200, dtype=torch.int8),
-                                                 "lm_head.weight_packed": torch.zeros(300, 25, dtype=torch.int32)},
-                     packed)
-    with pytest.raises(ValueError, match=r"b.safetensors: the target's lm head lm_head.weight is stored quantized "
-                                         r"\(compressed-tensors packed integers\).*dequantize"):
+    packed = {
+        "model.embed_tokens.weight": "a.safetensors",
+        "model.norm.weight": "a.safetensors",
+        "lm_head.weight_packed": "b.safetensors",
+        "lm_head.weight": "b.safetensors",
+    }
+    write_checkpoint(
+        tmp_path / "int4",
+        config,
+        {
+            "model.embed_tokens.weight": emb,
+            "model.norm.weight": norm,
+            "lm_head.weight": torch.zeros(300, 200, dtype=torch.int8),
+            "lm_head.weight_packed": torch.zeros(300, 25, dtype=torch.int32),
+        },
+        packed,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"b.safetensors: the target's lm head lm_head.weight is stored quantized "
+        r"\(compressed-tensors packed integers\).*dequantize",
+    ):
         heads.read_heads(tmp_path / "int4")
 
 
@@ -211,8 +283,9 @@ def test_train_from_a_head_only_folder_equals_the_whole_targets_run(sharded, tmp
 def test_convert_check_and_export_from_a_head_only_folder(sharded, tmp_path):
     full, head_only, data = sharded
     convert(ConvertOptions(src=data, out=tmp_path / "c_full", layout="compact", target=str(full)), show_progress=False)
-    convert(ConvertOptions(src=data, out=tmp_path / "c_heads", layout="compact", target=str(head_only)),
-                           show_progress=False)
+    convert(
+        ConvertOptions(src=data, out=tmp_path / "c_heads", layout="compact", target=str(head_only)), show_progress=False
+    )
     a, b = formats.list_v1_files(tmp_path / "c_full"), formats.list_v1_files(tmp_path / "c_heads")
     assert a.keys() == b.keys()
     for i in a:
@@ -220,8 +293,9 @@ def test_convert_check_and_export_from_a_head_only_folder(sharded, tmp_path):
     report = check_dataset(CheckOptions(path=data, target=str(head_only), identity_samples=2))
     assert report.clean, report.problems
     assert report.next_token_accuracy["positions"] > 0
-    assert any("layer identity not checked" in p.message and "--target FULL_TARGET" in p.message
-               for p in report.problems)
+    assert any(
+        "layer identity not checked" in p.message and "--target FULL_TARGET" in p.message for p in report.problems
+    )
     from eaglet.drafter.files import target_embeddings
 
     assert torch.equal(target_embeddings(str(head_only)), heads.read_heads(full, torch.float32).embeddings)

@@ -30,17 +30,50 @@ from eaglet.options import CheckOptions, ExportOptions, ExtractOptions, PrepareO
 
 # moonshotai/Kimi-K2.5 config.json, its text_config (the DeepSeek-V3 backbone), as published
 KIMI_K25_TEXT = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
-    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
-    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "max_position_embeddings": 262144, "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1,
-    "topk_group": 1, "n_routed_experts": 384, "n_shared_experts": 1, "norm_topk_prob": True,
-    "num_experts_per_tok": 8, "num_attention_heads": 64, "num_key_value_heads": 64, "num_hidden_layers": 61,
-    "rms_norm_eps": 1e-05, "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc", "tie_word_embeddings": False, "vocab_size": 163840, "bos_token_id": 163584,
-    "eos_token_id": 163585, "pad_token_id": 163839,
-    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_experts_per_tok": 8,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "num_hidden_layers": 61,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.827,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "tie_word_embeddings": False,
+    "vocab_size": 163840,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "pad_token_id": 163839,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
 WIDTH = 112  # 7168 -> 64
 HEAD_WIDTH = 16  # 128-wide heads -> 8
 LAYERS = 8
@@ -50,15 +83,28 @@ def scaled_kimi(vocab: int) -> dict:
     """Kimi-K2.5's text config at toy size: widths / WIDTH, head widths / HEAD_WIDTH (heads 64 -> 4),
     61 -> LAYERS layers, 384 -> 8 routed experts (8 -> 2 per token); the rest as published."""
     k = dict(KIMI_K25_TEXT)
-    scaled = {key: max(8, round(k[key] / WIDTH / 8) * 8) for key in
-              ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank")}
-    scaled |= {key: k[key] // HEAD_WIDTH for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                                     "num_attention_heads", "num_key_value_heads")}
+    scaled = {
+        key: max(8, round(k[key] / WIDTH / 8) * 8)
+        for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank")
+    }
+    scaled |= {
+        key: k[key] // HEAD_WIDTH
+        for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_attention_heads", "num_key_value_heads")
+    }
     pad = vocab - 1  # the specials at the top of a padded vocabulary, as Kimi's
-    return {**k, **scaled, "num_hidden_layers": LAYERS, "n_routed_experts": 8, "num_experts_per_tok": 2,
-            "vocab_size": vocab, "bos_token_id": pad - 2, "eos_token_id": pad - 1, "pad_token_id": pad,
-            "max_position_embeddings": 1024,
-            "rope_scaling": {**k["rope_scaling"], "original_max_position_embeddings": 64}}
+    return {
+        **k,
+        **scaled,
+        "num_hidden_layers": LAYERS,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": vocab,
+        "bos_token_id": pad - 2,
+        "eos_token_id": pad - 1,
+        "pad_token_id": pad,
+        "max_position_embeddings": 1024,
+        "rope_scaling": {**k["rope_scaling"], "original_max_position_embeddings": 64},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +122,11 @@ def kimi(tmp_path_factory) -> dict[str, Path]:
         model.model.norm.weight.copy_(torch.rand(fields["hidden_size"]) + 0.5)
     model.save_pretrained(full, max_shard_size="200KB")
     prep = work / "prep"
-    prepare(PrepareOptions(target=str(full), data=str(write_jsonl(work / "chats.jsonl", chat_records(16))), out=prep,
-                           max_length=512))
+    prepare(
+        PrepareOptions(
+            target=str(full), data=str(write_jsonl(work / "chats.jsonl", chat_records(16))), out=prep, max_length=512
+        )
+    )
     out = {"full": full, "heads": head_only_copy(full, work / "heads_only"), "prep": prep}
     for layout in ("v1", "speculators"):
         extract(ExtractOptions(prepared=prep, out=work / layout, target=str(full), layout=layout), show_progress=False)
@@ -108,8 +157,10 @@ def test_kimi_path_from_extraction_to_the_engines(kimi, layout, tmp_path):
     alone = check_dataset(CheckOptions(path=data, target=str(kimi["heads"]), identity_samples=2))
     assert alone.clean and alone.next_token_accuracy["positions"] > 0
     run = tmp_path / "run"
-    train(TrainOptions(dataset_dir=data, out_dir=run, target=str(kimi["heads"]), total_steps=4, **FAST),
-                       show_progress=False)
+    train(
+        TrainOptions(dataset_dir=data, out_dir=run, target=str(kimi["heads"]), total_steps=4, **FAST),
+        show_progress=False,
+    )
     ckpt = json.loads((run / "checkpoints" / "step_00000004" / "config.json").read_text())
     # MLA: heads of the target's value width (attention_shape), not hidden / heads
     assert (ckpt["num_attention_heads"], ckpt["num_key_value_heads"], ckpt["head_dim"]) == (4, 4, 8)
@@ -133,8 +184,9 @@ def test_kimi_draft_shapes_at_real_size():
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.target_vocab_size) == (7168, 18432, 163840)
 
 
-@pytest.mark.parametrize("stored,aux,sglang", [([2, 30, 58, 61], [2, 30, 58], [1, 29, 57]),
-                                               ([3, 31, 59, 61], [3, 31, 59], [2, 30, 58])])
+@pytest.mark.parametrize(
+    "stored,aux,sglang", [([2, 30, 58, 61], [2, 30, 58], [1, 29, 57]), ([3, 31, 59, 61], [3, 31, 59], [2, 30, 58])]
+)
 def test_the_real_61_layer_ids_map_to_their_layers(tmp_path, stored, aux, sglang):
     """Kimi-K2.5 has 61 decoder layers. eaglet's default stores hidden_states ids [2, 30, 58] and 61
     (the last layer's output), which vLLM reads as they are and SGLang's eagle_config as layer
@@ -145,10 +197,24 @@ def test_the_real_61_layer_ids_map_to_their_layers(tmp_path, stored, aux, sglang
     assert layers.check_stored_ids(stored, 61) == stored
     with pytest.raises(ValueError, match="the last id must be 61"):
         layers.check_stored_ids([*stored[:3], 60], 61)
-    ckpt = write_checkpoint(tmp_path, random_drafter(DraftConfig(
-        hidden_size=64, num_heads=4, num_kv_heads=4, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5,
-        rope_theta=50000.0, max_position_embeddings=1024, target_vocab_size=400, draft_vocab_size=30,
-        aux_layer_ids=aux)))
+    ckpt = write_checkpoint(
+        tmp_path,
+        random_drafter(
+            DraftConfig(
+                hidden_size=64,
+                num_heads=4,
+                num_kv_heads=4,
+                head_dim=16,
+                intermediate_size=128,
+                rms_norm_eps=1e-5,
+                rope_theta=50000.0,
+                max_position_embeddings=1024,
+                target_vocab_size=400,
+                draft_vocab_size=30,
+                aux_layer_ids=aux,
+            )
+        ),
+    )
     export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "vllm", fmt="speculators", dtype="fp32"))
     assert config(tmp_path / "vllm")["eagle_aux_hidden_state_layer_ids"] == aux
     export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "sglang", fmt="eagle", dtype="fp32"))

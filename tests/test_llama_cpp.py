@@ -16,7 +16,7 @@ from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in
 from eaglet import llama_cpp
 from eaglet.llama_cpp import LlamaCppMissing, LlamaServerError, llama_server
 
-HEALTHY = LLAMA_STAND_IN_PREAMBLE + textwrap.dedent('''\
+HEALTHY = LLAMA_STAND_IN_PREAMBLE + textwrap.dedent("""\
     class H(Replies):
         calls = 0
         def do_GET(self):
@@ -35,7 +35,7 @@ HEALTHY = LLAMA_STAND_IN_PREAMBLE + textwrap.dedent('''\
                                                               "draft_n": 4, "draft_n_accepted": 3}})
     print("listening", flush=True)
     HTTPServer(("127.0.0.1", port), H).serve_forever()
-    ''')
+    """)
 
 
 @pytest.fixture
@@ -96,8 +96,10 @@ def test_a_server_that_exits_at_start_gives_its_log(tmp_path, monkeypatch, model
 
 
 def test_a_server_that_never_gets_healthy_is_killed(tmp_path, monkeypatch, model):
-    script = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-              "open(__file__ + '.pid', 'w').write(str(__import__('os').getpid()))\ntime.sleep(600)\n")
+    script = (
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "open(__file__ + '.pid', 'w').write(str(__import__('os').getpid()))\ntime.sleep(600)\n"
+    )
     llama_server_stand_in(tmp_path, script, monkeypatch)
     monkeypatch.setattr(llama_cpp, "STOP_GRACE_S", 0.5)
     with pytest.raises(LlamaServerError, match="not healthy after 1 s"):
@@ -136,8 +138,12 @@ def test_counted_completion_gives_the_counters_it_moved(tmp_path, monkeypatch, m
 
 
 def test_spec_counts_read_prometheus_text():
-    metrics = {llama_cpp.DRAFTS: 10.0, f'{llama_cpp.ACCEPTED_PER_POS}{{position="1"}}': 3.0,
-               f'{llama_cpp.ACCEPTED_PER_POS}{{position="0"}}': 7.0, "llamacpp:n_decode_total": 99.0}
+    metrics = {
+        llama_cpp.DRAFTS: 10.0,
+        f'{llama_cpp.ACCEPTED_PER_POS}{{position="1"}}': 3.0,
+        f'{llama_cpp.ACCEPTED_PER_POS}{{position="0"}}': 7.0,
+        "llamacpp:n_decode_total": 99.0,
+    }
     counts = llama_cpp.SpecCounts.of(metrics)
     assert counts == llama_cpp.SpecCounts(10, (7, 3)) and counts.reached_per_position == [10, 7]
     assert llama_cpp.SpecCounts.of({}) == llama_cpp.SpecCounts(0, ())

@@ -131,8 +131,9 @@ def test_imports_are_at_the_top_unless_said_why():
             for inner in ast.walk(node):
                 if not isinstance(inner, (ast.Import, ast.ImportFrom)):
                     continue
-                own = (isinstance(inner, ast.ImportFrom) and (inner.level or (inner.module or "").startswith("eaglet"))
-                       ) or (isinstance(inner, ast.Import) and any(a.name.startswith("eaglet") for a in inner.names))
+                own = (
+                    isinstance(inner, ast.ImportFrom) and (inner.level or (inner.module or "").startswith("eaglet"))
+                ) or (isinstance(inner, ast.Import) and any(a.name.startswith("eaglet") for a in inner.names))
                 said = "#" in lines[inner.lineno - 1] or "#" in lines[inner.end_lineno - 1]
                 if not said or (own and name != "eaglet.cli"):  # cli loads a stage (and torch) only to run it
                     bad.append(f"{path.relative_to(PACKAGE.parent)}:{inner.lineno}: {lines[inner.lineno - 1].strip()}")
@@ -153,8 +154,12 @@ def unit(module: str) -> str:
 def test_no_stage_imports_another_stage_and_the_library_imports_none():
     edges = graph()
     assert STAGES <= {unit(m) for m in edges}, "a stage named here no longer exists: update STAGES"
-    bad = sorted(f"{m} -> {d}" for m, deps in edges.items() for d in deps
-                 if unit(d) in STAGES and unit(d) != unit(m) and unit(m) not in ORCHESTRATORS)
+    bad = sorted(
+        f"{m} -> {d}"
+        for m, deps in edges.items()
+        for d in deps
+        if unit(d) in STAGES and unit(d) != unit(m) and unit(m) not in ORCHESTRATORS
+    )
     assert bad == [], "imports of a stage from outside it:\n" + "\n".join(bad)
 
 
@@ -168,10 +173,15 @@ def test_no_package_level_cycle():
 
 def test_the_graph_rules_catch_what_they_name():
     """The checks above fail on a stage importing a stage and on a cycle between two packages."""
-    edges = {"eaglet.extract": {"eaglet.training.teacher"}, "eaglet.training.teacher": {"eaglet.formats"},
-             "eaglet.formats": {"eaglet.dataset"}, "eaglet.dataset": {"eaglet.formats"}}
-    assert [f"{m} -> {d}" for m, deps in edges.items() for d in deps
-            if unit(d) in STAGES and unit(d) != unit(m)] == ["eaglet.extract -> eaglet.training.teacher"]
+    edges = {
+        "eaglet.extract": {"eaglet.training.teacher"},
+        "eaglet.training.teacher": {"eaglet.formats"},
+        "eaglet.formats": {"eaglet.dataset"},
+        "eaglet.dataset": {"eaglet.formats"},
+    }
+    assert [f"{m} -> {d}" for m, deps in edges.items() for d in deps if unit(d) in STAGES and unit(d) != unit(m)] == [
+        "eaglet.extract -> eaglet.training.teacher"
+    ]
     assert cycles(edges) == [["eaglet.dataset", "eaglet.formats"]]
 
 
@@ -198,6 +208,10 @@ def test_no_test_module_imports_another():
     """Shared builders live in tests/helpers.py, fixtures in conftest.py, the engines' replayed loaders
     in tests/replays.py: a test module that imports another would run that one's fixtures too."""
     tests = PACKAGE.parents[1] / "tests"
-    bad = [f"{p.relative_to(tests)}: {line.strip()}" for p in sorted(tests.rglob("test_*.py"))
-           for line in p.read_text().splitlines() if re.match(r"(from|import) (tests\.)?test_", line.strip())]
+    bad = [
+        f"{p.relative_to(tests)}: {line.strip()}"
+        for p in sorted(tests.rglob("test_*.py"))
+        for line in p.read_text().splitlines()
+        if re.match(r"(from|import) (tests\.)?test_", line.strip())
+    ]
     assert bad == [], "\n".join(bad)

@@ -59,15 +59,26 @@ def test_the_command_lines_defaults_are_the_options_objects():
     written: both read the one default of the field (inverted flags included)."""
     from eaglet.cli import stage_options
 
-    required = {"prepare": ["--out", "o"], "extract": ["--prepared", "p", "--out", "o"],
-                "convert": ["src", "--out", "o", "--layout", "v1"], "run": ["demo"], "check": ["ds"],
-                "train": ["ds", "--out", "o"], "regen": ["--out", "o.jsonl"], "eval": ["ckpt"],
-                "export": ["ckpt", "o", "--format", "eagle"], "import": ["dir", "--out", "o"], "demo": []}
+    required = {
+        "prepare": ["--out", "o"],
+        "extract": ["--prepared", "p", "--out", "o"],
+        "convert": ["src", "--out", "o", "--layout", "v1"],
+        "run": ["demo"],
+        "check": ["ds"],
+        "train": ["ds", "--out", "o"],
+        "regen": ["--out", "o.jsonl"],
+        "eval": ["ckpt"],
+        "export": ["ckpt", "o", "--format", "eagle"],
+        "import": ["dir", "--out", "o"],
+        "demo": [],
+    }
     parser = build_parser()
     for name, stage in O.STAGES.items():
         from_cli = stage_options(stage, parser.parse_args([name, *required[name]]))
-        given = {k: getattr(from_cli, k) for k in
-                 [o.key for o in stage.options if (o.required or o.positional) and not o.cli_only]}
+        given = {
+            k: getattr(from_cli, k)
+            for k in [o.key for o in stage.options if (o.required or o.positional) and not o.cli_only]
+        }
         assert from_cli == stage.config(**given), name
 
 
@@ -100,10 +111,12 @@ def test_recipe_validation_uses_the_declarations():
 
 
 def test_help_imports_no_torch():
-    code = ("import sys\nfrom eaglet.cli import main\n"
-            f"for argv in [['--help']] + [[s, '--help'] for s in {list(O.STAGES)!r}]:\n"
-            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
-            "assert 'torch' not in sys.modules, 'torch imported by --help'\n")
+    code = (
+        "import sys\nfrom eaglet.cli import main\n"
+        f"for argv in [['--help']] + [[s, '--help'] for s in {list(O.STAGES)!r}]:\n"
+        "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
+        "assert 'torch' not in sys.modules, 'torch imported by --help'\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -138,8 +151,9 @@ def shown_commands(text: str) -> list[list[str]]:
                 words = shlex.split(part)
                 for i, w in enumerate(words):
                     if w in ("eaglet", ".venv/bin/eaglet", "./.venv/bin/eaglet") or (
-                            w == "eaglet.cli" and i and words[i - 1] == "-m"):
-                        commands.append(words[i + 1:])
+                        w == "eaglet.cli" and i and words[i - 1] == "-m"
+                    ):
+                        commands.append(words[i + 1 :])
                         break
     return commands
 
@@ -231,4 +245,6 @@ def test_the_readmes_peer_table_cites_tests_that_exist():
         path = tests.get(file)
         assert path is not None, f"README cites {file}, which is no test file"
         if name is not None:
-            assert re.search(rf"^def {name}\(", path.read_text(), re.M), f"README cites {file}::{name}, which is no test"
+            assert re.search(rf"^def {name}\(", path.read_text(), re.M), (
+                f"README cites {file}::{name}, which is no test"
+            )

@@ -25,8 +25,8 @@ import torch
 speculators = pytest.importorskip(
     "speculators",
     reason="speculators (the peer library eaglet's drafters interoperate with) is not installed; "
-           "./scripts/bootstrap --test installs it from requirements-peers.lock. Without it these "
-           "interoperability tests skip",
+    "./scripts/bootstrap --test installs it from requirements-peers.lock. Without it these "
+    "interoperability tests skip",
 )
 
 from safetensors.torch import load_file  # noqa: E402
@@ -59,6 +59,7 @@ FROM_VERIFIER = {"verifier_lm_head.weight", "verifier_norm.weight"}
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
 
 def randomize_(model: torch.nn.Module, seed: int) -> None:
     """Every drafter weight random at a scale that keeps activations O(1): norms around 1 (so a
@@ -103,16 +104,27 @@ def speculators_logits(model: Eagle3DraftModel, ids: torch.Tensor, aux: torch.Te
     speculators then feeds, at step k, that shifted sequence shifted k further: token t+1+k, as
     eaglet does. The per-step logits are caught on `lm_head` (forward returns only argmaxes)."""
     T, H = aux.shape[1], model.hidden_size
-    batch = shift_batch({"input_ids": ids[0], "hidden_states": aux[0],
-                         "verifier_last_hidden_states": torch.zeros(T, H), "loss_mask": torch.ones(T, dtype=torch.long),
-                         "lengths": torch.tensor([T]), "position_ids": torch.arange(T)})
+    batch = shift_batch(
+        {
+            "input_ids": ids[0],
+            "hidden_states": aux[0],
+            "verifier_last_hidden_states": torch.zeros(T, H),
+            "loss_mask": torch.ones(T, dtype=torch.long),
+            "lengths": torch.tensor([T]),
+            "position_ids": torch.arange(T),
+        }
+    )
     caught: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: caught.append(out.detach().float()))
     try:
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            model(hidden_states=batch["hidden_states"][None], input_ids=batch["input_ids"][None],
-                  document_ids=torch.zeros(1, T - 1, dtype=torch.long), position_ids=batch["position_ids"][None],
-                  ttt_steps=STEPS)
+            model(
+                hidden_states=batch["hidden_states"][None],
+                input_ids=batch["input_ids"][None],
+                document_ids=torch.zeros(1, T - 1, dtype=torch.long),
+                position_ids=batch["position_ids"][None],
+                ttt_steps=STEPS,
+            )
     finally:
         hook.remove()
     assert len(caught) == STEPS, f"speculators ran lm_head {len(caught)} times for ttt_steps={STEPS}"
@@ -129,11 +141,15 @@ def assert_same_logits(ours: list[torch.Tensor], theirs: list[torch.Tensor], wha
         diff = (a - b).abs()
         worst = divmod(int(diff.flatten().argmax()), b.shape[-1])
         torch.testing.assert_close(
-            b, a, **TOL,
+            b,
+            a,
+            **TOL,
             msg=lambda m, k=k, d=diff, w=worst: (
                 f"{what}, TTT step {k}: speculators' logits differ from eaglet's by up to {d.max().item():.3g} "
                 f"(position {w[0]}, draft id {w[1]}; positions over tolerance: "
-                f"{sorted(set((d > 1e-5 + 1e-5 * a.abs()).nonzero()[:, 1].tolist()))})\n{m}"))
+                f"{sorted(set((d > 1e-5 + 1e-5 * a.abs()).nonzero()[:, 1].tolist()))})\n{m}"
+            ),
+        )
 
 
 def target_config(tiny_target: Path):
@@ -171,19 +187,23 @@ def exported(tmp_path_factory, tiny_target):
     def make(name: str) -> tuple[Path, Path]:
         if name not in cache:
             root = tmp_path_factory.mktemp(f"export_{name}")
-            cfg = DraftConfig.from_target(target_config(tiny_target), AUX, draft_vocab_size=DRAFT_VOCAB,
-                                          **EXPORT_VARIANTS[name])
+            cfg = DraftConfig.from_target(
+                target_config(tiny_target), AUX, draft_vocab_size=DRAFT_VOCAB, **EXPORT_VARIANTS[name]
+            )
             draft = Eagle3Draft(cfg)
             randomize_(draft, seed=list(EXPORT_VARIANTS).index(name) + 1)
             with torch.no_grad():  # the target's, as training gives them (export compares them)
                 draft.embed_tokens.weight.copy_(target_embeddings(str(tiny_target)))
-            draft.set_draft_vocab(*build_draft_vocab(random_vocab_freq(cfg.target_vocab_size, 3),
-                                                     cfg.target_vocab_size, DRAFT_VOCAB))
-            ckpt = save_checkpoint(root / "checkpoints", 5, draft,
-                                   export_config(cfg, {"step": 5, "target": str(tiny_target)}), {})
+            draft.set_draft_vocab(
+                *build_draft_vocab(random_vocab_freq(cfg.target_vocab_size, 3), cfg.target_vocab_size, DRAFT_VOCAB)
+            )
+            ckpt = save_checkpoint(
+                root / "checkpoints", 5, draft, export_config(cfg, {"step": 5, "target": str(tiny_target)}), {}
+            )
             out = root / "speculators"
-            export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="speculators", dtype="fp32",
-                                         verifier=str(tiny_target)))
+            export_drafter(
+                ExportOptions(ckpt=ckpt, out=out, fmt="speculators", dtype="fp32", verifier=str(tiny_target))
+            )
             cache[name] = (out, ckpt)
         return cache[name]
 
@@ -199,35 +219,63 @@ def test_speculators_loads_the_export_bit_for_bit(exported, variant):
     unexpected = sorted(stored.keys() - state.keys())
     assert not unexpected, f"{variant}: the export holds tensors speculators has no place for: {unexpected}"
     missing = state.keys() - stored.keys()
-    assert missing == FROM_VERIFIER, (f"{variant}: speculators' model has tensors the export lacks "
-                                      f"{sorted(missing - FROM_VERIFIER)} (beyond the verifier's {sorted(FROM_VERIFIER)})")
-    assert missing <= set(Eagle3DraftModel._keys_to_ignore_on_load_missing), \
+    assert missing == FROM_VERIFIER, (
+        f"{variant}: speculators' model has tensors the export lacks "
+        f"{sorted(missing - FROM_VERIFIER)} (beyond the verifier's {sorted(FROM_VERIFIER)})"
+    )
+    assert missing <= set(Eagle3DraftModel._keys_to_ignore_on_load_missing), (
         f"{variant}: {sorted(missing)} are not among the keys speculators fills in itself"
+    )
     for name, t in stored.items():
         got = state[name]
         assert got.dtype == t.dtype, f"{variant}: {name} loads as {got.dtype}, the export stores {t.dtype}"
-        assert torch.equal(got, t), (f"{variant}: {name} differs after speculators' load "
-                                     f"(max |diff| {(got.double() - t.double()).abs().max().item():.3g})")
+        assert torch.equal(got, t), (
+            f"{variant}: {name} differs after speculators' load "
+            f"(max |diff| {(got.double() - t.double()).abs().max().item():.3g})"
+        )
 
     cfg = load_drafter(out).config
     c = model.config
     assert (c.norm_before_residual, c.norm_before_fc, c.fc_norm, c.norm_output) == (
-        cfg.norm_before_residual, cfg.fc_norm, False, cfg.norm_output), \
-        f"{variant}: speculators read norm flags {(c.norm_before_residual, c.norm_before_fc, c.fc_norm, c.norm_output)}"
+        cfg.norm_before_residual,
+        cfg.fc_norm,
+        False,
+        cfg.norm_output,
+    ), f"{variant}: speculators read norm flags {(c.norm_before_residual, c.norm_before_fc, c.fc_norm, c.norm_output)}"
     assert (model.input_norm is not None) == cfg.fc_norm, f"{variant}: speculators' input_norm vs eaglet fc_norm"
     assert c.eagle_aux_hidden_state_layer_ids == AUX, f"{variant}: aux ids read as {c.eagle_aux_hidden_state_layer_ids}"
     assert model.draft_vocab_size == DRAFT_VOCAB and model.use_draft_vocab, f"{variant}: draft vocab not used"
     window = model.sliding_window if model.uses_sliding_window_attn else None
-    assert window == cfg.sliding_window and model.sliding_window_indices == ([0] if window else []), \
+    assert window == cfg.sliding_window and model.sliding_window_indices == ([0] if window else []), (
         f"{variant}: speculators runs window {window} (layers {model.sliding_window_indices}), eaglet {cfg.sliding_window}"
+    )
     layer = c.transformer_layer_config
-    read = (layer.hidden_size, layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim,
-            layer.intermediate_size, layer.rms_norm_eps, layer.rope_parameters["rope_theta"], layer.vocab_size,
-            layer.num_hidden_layers)
-    want = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            cfg.rope_theta, cfg.target_vocab_size, 1)
-    assert read == want, (f"{variant}: speculators read (hidden, heads, kv heads, head_dim, intermediate, eps, "
-                          f"rope_theta, vocab, layers) = {read}, eaglet's drafter has {want}")
+    read = (
+        layer.hidden_size,
+        layer.num_attention_heads,
+        layer.num_key_value_heads,
+        layer.head_dim,
+        layer.intermediate_size,
+        layer.rms_norm_eps,
+        layer.rope_parameters["rope_theta"],
+        layer.vocab_size,
+        layer.num_hidden_layers,
+    )
+    want = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.rms_norm_eps,
+        cfg.rope_theta,
+        cfg.target_vocab_size,
+        1,
+    )
+    assert read == want, (
+        f"{variant}: speculators read (hidden, heads, kv heads, head_dim, intermediate, eps, "
+        f"rope_theta, vocab, layers) = {read}, eaglet's drafter has {want}"
+    )
 
 
 @pytest.mark.parametrize("variant,attn", [(v, "eager") for v in EXPORT_VARIANTS] + [("default", "sdpa")])
@@ -237,8 +285,9 @@ def test_speculators_logits_equal_eaglets_on_the_export(exported, variant, attn)
     model = load_speculators(out, attn)
     ids, aux = inputs(draft.config.target_vocab_size, draft.config.hidden_size)
     ours = eaglet_logits(draft, ids, aux)
-    assert all(torch.equal(a, b) for a, b in zip(ours, eaglet_logits(load_drafter(ckpt), ids, aux))), \
+    assert all(torch.equal(a, b) for a, b in zip(ours, eaglet_logits(load_drafter(ckpt), ids, aux))), (
         f"{variant}: eaglet's export loads back with logits other than its checkpoint's"
+    )
     assert_same_logits(ours, speculators_logits(model, ids, aux), f"{variant} export ({attn} attention)")
 
 
@@ -250,8 +299,9 @@ def test_the_window_matters_at_this_length(exported):
     windowed = eaglet_logits(draft, ids, aux)
     draft.config.sliding_window = None
     full = eaglet_logits(draft, ids, aux)
-    assert not torch.allclose(windowed[0][:, WINDOW:], full[0][:, WINDOW:], **TOL), \
+    assert not torch.allclose(windowed[0][:, WINDOW:], full[0][:, WINDOW:], **TOL), (
         f"a window of {WINDOW} does not change the logits of a {SEQ}-token sequence"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,10 +314,14 @@ SPECULATORS_VARIANTS = {
     "sliding_window": ({}, {"sliding_window": WINDOW, "layer_types": ["sliding_attention"]}),
     "norm_before_fc": ({"norm_before_fc": True}, {}),
     "norm_output": ({"norm_output": True}, {}),
-    "norm_before_fc+norm_output+residual": ({"norm_before_fc": True, "norm_output": True,
-                                             "norm_before_residual": True}, {}),
-    "rope_theta+rms_norm_eps": ({}, {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
-                                     "rms_norm_eps": 1e-2}),
+    "norm_before_fc+norm_output+residual": (
+        {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+        {},
+    ),
+    "rope_theta+rms_norm_eps": (
+        {},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}, "rms_norm_eps": 1e-2},
+    ),
     "head_dim": ({}, {"head_dim": 8}),
 }
 
@@ -275,21 +329,35 @@ SPECULATORS_VARIANTS = {
 def speculators_drafter(tiny_target: Path, flags: dict, layer: dict, seed: int = 11) -> Eagle3DraftModel:
     """An Eagle3DraftModel built with speculators' classes only, every drafter weight random."""
     tc = target_config(tiny_target)
-    sizes = dict(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-                 num_hidden_layers=1, num_attention_heads=tc.num_attention_heads,
-                 num_key_value_heads=tc.num_key_value_heads, head_dim=tc.hidden_size // tc.num_attention_heads,
-                 rms_norm_eps=tc.rms_norm_eps, max_position_embeddings=tc.max_position_embeddings)
+    sizes = dict(
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.hidden_size // tc.num_attention_heads,
+        rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings,
+    )
     layer_config = LlamaConfig(**{**sizes, **layer})
     layer_config._attn_implementation = "eager"
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer_config, draft_vocab_size=DRAFT_VOCAB, eagle_aux_hidden_state_layer_ids=AUX,
+        transformer_layer_config=layer_config,
+        draft_vocab_size=DRAFT_VOCAB,
+        eagle_aux_hidden_state_layer_ids=AUX,
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=STEPS)],
-            default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(str(tiny_target))),
-        **flags)
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=STEPS)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig.from_pretrained(str(tiny_target)),
+        ),
+        **flags,
+    )
     model = Eagle3DraftModel(config)
-    d2t, t2d = build_vocab_mappings_from_distribution(random_vocab_freq(tc.vocab_size, seed), DRAFT_VOCAB,
-                                                      tc.vocab_size)
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        random_vocab_freq(tc.vocab_size, seed), DRAFT_VOCAB, tc.vocab_size
+    )
     model.load_vocab_mappings(t2d, d2t)
     randomize_(model, seed)
     model.load_verifier_weights()  # what speculators does after building; keeps the random drafter weights
@@ -300,7 +368,7 @@ def eaglet_name(name: str) -> str:
     """speculators' tensor name -> eaglet's (written here from the two models, not eaglet's formats package)."""
     for old, new in (("layers.0.", "midlayer."), ("input_norm.", "fc_norm.")):
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return name
 
 
@@ -318,22 +386,51 @@ def test_eaglet_imports_speculators_drafter_with_equal_logits(tmp_path, tiny_tar
     cfg = summary.config
     window = layer.get("sliding_window")
     assert (cfg.norm_before_residual, cfg.fc_norm, cfg.norm_output, cfg.sliding_window, cfg.aux_layer_ids) == (
-        model.config.norm_before_residual, model.config.norm_before_fc, model.config.norm_output, window, AUX), \
-        (f"{variant}: eaglet read norm_before_residual/fc_norm/norm_output/sliding_window/aux ids as "
-         f"{(cfg.norm_before_residual, cfg.fc_norm, cfg.norm_output, cfg.sliding_window, cfg.aux_layer_ids)}")
+        model.config.norm_before_residual,
+        model.config.norm_before_fc,
+        model.config.norm_output,
+        window,
+        AUX,
+    ), (
+        f"{variant}: eaglet read norm_before_residual/fc_norm/norm_output/sliding_window/aux ids as "
+        f"{(cfg.norm_before_residual, cfg.fc_norm, cfg.norm_output, cfg.sliding_window, cfg.aux_layer_ids)}"
+    )
     lc = model.config.transformer_layer_config
-    want = (lc.hidden_size, lc.num_attention_heads, lc.num_key_value_heads, lc.head_dim, lc.intermediate_size,
-            lc.rms_norm_eps, lc.rope_parameters["rope_theta"], lc.vocab_size, model.config.draft_vocab_size,
-            lc.hidden_size)
-    read = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            cfg.rope_theta, cfg.target_vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size)
-    assert read == want, (f"{variant}: eaglet read (hidden, heads, kv heads, head_dim, intermediate, eps, rope_theta, "
-                          f"vocab, draft vocab, target hidden) = {read}, speculators' drafter has {want}")
+    want = (
+        lc.hidden_size,
+        lc.num_attention_heads,
+        lc.num_key_value_heads,
+        lc.head_dim,
+        lc.intermediate_size,
+        lc.rms_norm_eps,
+        lc.rope_parameters["rope_theta"],
+        lc.vocab_size,
+        model.config.draft_vocab_size,
+        lc.hidden_size,
+    )
+    read = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.rms_norm_eps,
+        cfg.rope_theta,
+        cfg.target_vocab_size,
+        cfg.draft_vocab_size,
+        cfg.target_hidden_size,
+    )
+    assert read == want, (
+        f"{variant}: eaglet read (hidden, heads, kv heads, head_dim, intermediate, eps, rope_theta, "
+        f"vocab, draft vocab, target hidden) = {read}, speculators' drafter has {want}"
+    )
 
     imported = load_file(str(back / "model.safetensors"))
     renamed = {eaglet_name(k): v for k, v in saved.items()}
-    assert renamed.keys() == imported.keys(), (f"{variant}: eaglet's import has {sorted(imported.keys() - renamed.keys())} "
-                                               f"extra and lacks {sorted(renamed.keys() - imported.keys())}")
+    assert renamed.keys() == imported.keys(), (
+        f"{variant}: eaglet's import has {sorted(imported.keys() - renamed.keys())} "
+        f"extra and lacks {sorted(renamed.keys() - imported.keys())}"
+    )
     for name, t in renamed.items():
         assert torch.equal(imported[name], t), f"{variant}: {name} changed on import"
 
@@ -343,8 +440,9 @@ def test_eaglet_imports_speculators_drafter_with_equal_logits(tmp_path, tiny_tar
     assert_same_logits(eaglet_logits(draft, ids, aux), theirs, f"{variant} speculators drafter imported")
     # speculators reading its own folder back gives the same logits (the folder is what eaglet imported).
     reloaded = speculators_logits(load_speculators(folder), ids, aux)
-    assert all(torch.equal(a, b) for a, b in zip(reloaded, theirs)), \
+    assert all(torch.equal(a, b) for a, b in zip(reloaded, theirs)), (
         f"{variant}: speculators' own save/load changed its logits"
+    )
 
 
 def test_eaglet_refuses_per_layer_fc_norm_clearly(tmp_path, tiny_target):
@@ -356,7 +454,8 @@ def test_eaglet_refuses_per_layer_fc_norm_clearly(tmp_path, tiny_target):
     with pytest.raises(ValueError) as e:
         import_drafter(ImportOptions(src=folder, out=tmp_path / "imported"))
     message = str(e.value)
-    assert "config.json" in message and "fc_norm = True" in message and "per-layer" in message, \
+    assert "config.json" in message and "fc_norm = True" in message and "per-layer" in message, (
         f"the refusal does not name the file, the field and why: {message}"
+    )
     assert not (tmp_path / "imported").exists(), "a refused import left a folder behind"
     assert json.loads((folder / "config.json").read_text())["fc_norm"] is True

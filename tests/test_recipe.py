@@ -32,8 +32,11 @@ def test_builtin_recipes_load_and_validate(tmp_path):
 
 def test_overrides_and_scale():
     assert parse_override("train.total_steps=100") == ("train", "total_steps", 100)
-    assert parse_override("eval.prompt_sets=['mtbench', 'humaneval']") == ("eval", "prompt_sets",
-                                                                          ["mtbench", "humaneval"])
+    assert parse_override("eval.prompt_sets=['mtbench', 'humaneval']") == (
+        "eval",
+        "prompt_sets",
+        ["mtbench", "humaneval"],
+    )
     assert parse_override("recipe.target=org/model") == ("recipe", "target", "org/model")
     assert parse_override("train.bf16=false") == ("train", "bf16", False)
     with pytest.raises(ValueError, match="expected STAGE.KEY=VALUE"):
@@ -51,8 +54,11 @@ def test_overrides_and_scale():
 def test_bad_recipes_fail_before_any_work(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nlearning_rate = 1e-4\n")
-    with pytest.raises(ValueError, match=r"bad\.toml \[train\]\.learning_rate: unknown option; "
-                                         r"\[train\] takes .*\blr\b"):
+    with pytest.raises(
+        ValueError,
+        match=r"bad\.toml \[train\]\.learning_rate: unknown option; "
+        r"\[train\] takes .*\blr\b",
+    ):
         run_recipe(RunOptions(spec=bad, out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
     bad.write_text("[trainer]\nlr = 1\n")
@@ -71,22 +77,37 @@ def test_bad_recipes_fail_before_any_work(tmp_path):
 def test_unknown_recipe_and_scale_keys_are_refused(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[recipe]\ntargt = "org/model"\n\n[prepare]\n')
-    with pytest.raises(ValueError, match=r"bad\.toml \[recipe\]\.targt: unknown key \(did you mean 'target'\?\); "
-                                         r"\[recipe\] takes description, drafters, name, out, target, why$"):
+    with pytest.raises(
+        ValueError,
+        match=r"bad\.toml \[recipe\]\.targt: unknown key \(did you mean 'target'\?\); "
+        r"\[recipe\] takes description, drafters, name, out, target, why$",
+    ):
         run_recipe(RunOptions(spec=bad, out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
     recipe = load_recipe("demo")
-    with pytest.raises(ValueError, match=r"^--set recipe\.targt=x \(recipe demo\): unknown key \(did you mean 'target'"):
+    with pytest.raises(
+        ValueError, match=r"^--set recipe\.targt=x \(recipe demo\): unknown key \(did you mean 'target'"
+    ):
         validate(apply_overrides(recipe, ["recipe.targt=x"]), "demo", overridden(["recipe.targt=x"]))
     for scale, error in [
-            ('multiplier = ["regen.num_samples"]', r"\[scale\]\.multiplier: unknown key \(did you mean 'multiply'\?\)"),
-            ('multiply = ["regen.num_sample"]', r"\[scale\]\.multiply: 'regen\.num_sample' names no stage option "
-                                                r"\(did you mean 'regen\.num_samples'\?\); write STAGE\.OPTION"),
-            ('multiply = ["sample.num_samples"]', r"\[scale\]\.multiply: 'sample\.num_samples' names no stage option"),
-            ('multiply = ["regen.data"]', r"\[scale\]\.multiply: 'regen\.data' is a str option, not a number; "
-                                          r".* remove it from multiply"),
-            ('multiply = "regen.num_samples"', r"\[scale\]\.multiply: \"regen\.num_samples\" is a str, expected list of "
-                                               r"str; write \[\"regen\.num_samples\"\]")]:
+        ('multiplier = ["regen.num_samples"]', r"\[scale\]\.multiplier: unknown key \(did you mean 'multiply'\?\)"),
+        (
+            'multiply = ["regen.num_sample"]',
+            r"\[scale\]\.multiply: 'regen\.num_sample' names no stage option "
+            r"\(did you mean 'regen\.num_samples'\?\); write STAGE\.OPTION",
+        ),
+        ('multiply = ["sample.num_samples"]', r"\[scale\]\.multiply: 'sample\.num_samples' names no stage option"),
+        (
+            'multiply = ["regen.data"]',
+            r"\[scale\]\.multiply: 'regen\.data' is a str option, not a number; "
+            r".* remove it from multiply",
+        ),
+        (
+            'multiply = "regen.num_samples"',
+            r"\[scale\]\.multiply: \"regen\.num_samples\" is a str, expected list of "
+            r"str; write \[\"regen\.num_samples\"\]",
+        ),
+    ]:
         bad.write_text(f"[scale]\n{scale}\n\n[regen]\nnum_samples = 4\n")
         with pytest.raises(ValueError, match=r"bad\.toml " + error):
             run_recipe(RunOptions(spec=bad, out=tmp_path / "out", scale=2))
@@ -97,23 +118,38 @@ def test_option_types_are_checked_before_any_stage(tmp_path):
     bad = tmp_path / "bad.toml"
     recipe = '[prepare]\ndata = "chats.jsonl"\n\n[extract]\n\n[train]\ntotal_steps = "4"\nlr = 1\n'
     bad.write_text(recipe)
-    with pytest.raises(ValueError, match=r'bad\.toml \[train\]\.total_steps: "4" is a str, expected int or None; '
-                                         r'write 4$'):
+    with pytest.raises(
+        ValueError,
+        match=r'bad\.toml \[train\]\.total_steps: "4" is a str, expected int or None; '
+        r"write 4$",
+    ):
         run_recipe(RunOptions(spec=bad, out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # prepare and extract did not run
     fixed = apply_overrides(load_recipe(bad), ["train.total_steps=4"])
     validate(fixed, bad)  # an int where a float is expected (lr = 1) is fine
-    with pytest.raises(ValueError, match=r'^--set train\.total_steps=abc \(recipe .*bad\.toml\): "abc" is a str, '
-                                         r'expected int or None; give it a value of that type$'):
+    with pytest.raises(
+        ValueError,
+        match=r'^--set train\.total_steps=abc \(recipe .*bad\.toml\): "abc" is a str, '
+        r"expected int or None; give it a value of that type$",
+    ):
         run_recipe(RunOptions(spec=bad, out=tmp_path / "out", overrides=["train.total_steps=abc"]))
     for table, option, error in [
-            ("eval", 'methods = "chain,tree"', r'\[eval\]\.methods: "chain,tree" is a str, expected list of str; '
-                                               r'write \["chain", "tree"\]'),
-            ("eval", "depth = 2.5", r"\[eval\]\.depth: 2\.5 is a float, expected int"),
-            ("train", "ttt_steps = true", r"\[train\]\.ttt_steps: true is a bool, expected int"),
-            ("train", "aux_layer_ids = 3", r"\[train\]\.aux_layer_ids: 3 is a int, expected list of int or None; "
-                                           r"write \[3\]"),
-            ("regen", "temperature = \"0\"", r'\[regen\]\.temperature: "0" is a str, expected float; write 0')]:
+        (
+            "eval",
+            'methods = "chain,tree"',
+            r'\[eval\]\.methods: "chain,tree" is a str, expected list of str; '
+            r'write \["chain", "tree"\]',
+        ),
+        ("eval", "depth = 2.5", r"\[eval\]\.depth: 2\.5 is a float, expected int"),
+        ("train", "ttt_steps = true", r"\[train\]\.ttt_steps: true is a bool, expected int"),
+        (
+            "train",
+            "aux_layer_ids = 3",
+            r"\[train\]\.aux_layer_ids: 3 is a int, expected list of int or None; "
+            r"write \[3\]",
+        ),
+        ("regen", 'temperature = "0"', r'\[regen\]\.temperature: "0" is a str, expected float; write 0'),
+    ]:
         bad.write_text(f"[{table}]\n{option}\n")
         with pytest.raises(ValueError, match=r"bad\.toml " + error):
             validate(load_recipe(bad), bad)
@@ -126,21 +162,31 @@ def test_a_stage_without_its_input_is_refused_up_front(tmp_path):
     bad = tmp_path / "bad.toml"
     out = tmp_path / "out"
     for tables, error in [
-            ("[prepare]\n[train]\n", r"\[train\] reads the output of extract \(.*data\), but the recipe has no "
-                                      r"\[extract\] table and .* holds no finished extract; add the table \[extract\] "
-                                      r"\(an empty one takes its defaults\) or set online = true in \[train\]"),
-            ("[extract]\n[check]\n", r"\[extract\] reads the output of prepare .* add the table \[prepare\]"),
-            ("[train]\nonline = true\n", r"\[train\] reads the output of prepare .* add the table \[prepare\]"),
-            ("[eval]\n", r"\[eval\] reads the output of train .* add the table \[train\]")]:
+        (
+            "[prepare]\n[train]\n",
+            r"\[train\] reads the output of extract \(.*data\), but the recipe has no "
+            r"\[extract\] table and .* holds no finished extract; add the table \[extract\] "
+            r"\(an empty one takes its defaults\) or set online = true in \[train\]",
+        ),
+        ("[extract]\n[check]\n", r"\[extract\] reads the output of prepare .* add the table \[prepare\]"),
+        ("[train]\nonline = true\n", r"\[train\] reads the output of prepare .* add the table \[prepare\]"),
+        ("[eval]\n", r"\[eval\] reads the output of train .* add the table \[train\]"),
+    ]:
         bad.write_text(tables)
         with pytest.raises(ValueError, match=r"bad\.toml: " + error):
             run_recipe(RunOptions(spec=bad, out=out))
     bad.write_text('[prepare]\ndata = "chats.jsonl"\n[extract]\n[check]\n')
-    with pytest.raises(ValueError, match=r"^--only check,extract: extract reads the output of prepare \(.*prepared\), "
-                                         r"which is not finished in .*; add prepare to --only$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--only check,extract: extract reads the output of prepare \(.*prepared\), "
+        r"which is not finished in .*; add prepare to --only$",
+    ):
         run_recipe(RunOptions(spec=bad, out=out, only=["check", "extract"]))
-    with pytest.raises(ValueError, match=r"^--only train: train reads the output of extract .*; add "
-                                         r"regen,prepare,extract to --only$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--only train: train reads the output of extract .*; add "
+        r"regen,prepare,extract to --only$",
+    ):
         run_recipe(RunOptions(spec="demo", out=out, only=["train"]))  # the whole chain at once, not one rerun per stage
     assert not out.exists()
     # a stage outside the recipe that finished in OUT earlier provides its output
@@ -150,9 +196,12 @@ def test_a_stage_without_its_input_is_refused_up_front(tmp_path):
     # ... but not when the stage it read runs again: a prepare redone under a kept extract left the
     # extract of the older chats reused beside the new ones
     bad.write_text('[prepare]\ndata = "chats.jsonl"\n[extract]\n')
-    with pytest.raises(ValueError, match=r"extract\.json: extract finished on the output of prepare, which runs "
-                                         r"again now \(.*prepare\.json is missing\): reusing .*data would pair it "
-                                         r"with data it was not made from; remove .*data and .*extract\.json too"):
+    with pytest.raises(
+        ValueError,
+        match=r"extract\.json: extract finished on the output of prepare, which runs "
+        r"again now \(.*prepare\.json is missing\): reusing .*data would pair it "
+        r"with data it was not made from; remove .*data and .*extract\.json too",
+    ):
         plan_stages(load_recipe(bad), Paths(out), None, bad)
 
 
@@ -162,14 +211,18 @@ def test_a_finished_prepared_dataset_the_recipe_did_not_record_is_never_replaced
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'[recipe]\ntarget = "{tiny_target}"\n\n[prepare]\ndata = "{chats}"\nmax_length = 256\n')
     out = tmp_path / "run"
-    prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=out / "prepared", max_length=128,
-                           num_samples=2))
+    prepare(
+        PrepareOptions(target=str(tiny_target), data=str(chats), out=out / "prepared", max_length=128, num_samples=2)
+    )
     before = (out / "prepared" / formats.PREPARED_FILE).read_bytes()
     with pytest.raises(FileExistsError, match=r"run: holds prepared, which no eaglet stage marked as its own"):
         run_recipe(RunOptions(spec=recipe, out=out))
     formats.io.mark_output(out, "run")  # in a recipe's own folder even: the stage marker says what the recipe made
-    with pytest.raises(ValueError, match=r"prepared: a finished prepared dataset that .*prepare\.json does not "
-                                         r"record \(made outside this recipe, or its marker removed\); remove"):
+    with pytest.raises(
+        ValueError,
+        match=r"prepared: a finished prepared dataset that .*prepare\.json does not "
+        r"record \(made outside this recipe, or its marker removed\); remove",
+    ):
         run_recipe(RunOptions(spec=recipe, out=out))
     assert (out / "prepared" / formats.PREPARED_FILE).read_bytes() == before
 
@@ -187,15 +240,21 @@ def test_a_changed_target_is_refused_before_any_stage(tiny_target, tmp_path, cap
     assert formats.read_json(out / "summary.json")["target"] == ran_with
 
     other = shutil.copytree(target, tmp_path / "other")
-    with pytest.raises(ValueError, match=rf"^{marker}: prepare ran with target {target} \(revision \w+\), this run's "
-                                         rf"is {other} \(revision \w+\); use another --out for this target, or delete "
-                                         rf"{out} to start over$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{marker}: prepare ran with target {target} \(revision \w+\), this run's "
+        rf"is {other} \(revision \w+\); use another --out for this target, or delete "
+        rf"{out} to start over$",
+    ):
         run_recipe(RunOptions(spec=recipe, out=out, overrides=[f'recipe.target="{other}"']))
     weights = load_file(str(target / "model.safetensors"))  # same folder, other heads: another revision
     weights["model.embed_tokens.weight"] += 1
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"prepare ran with target {target} \(revision {ran_with['revision']}\), "
-                                         rf"this run's is {target} \(revision (?!{ran_with['revision']})\w+\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prepare ran with target {target} \(revision {ran_with['revision']}\), "
+        rf"this run's is {target} \(revision (?!{ran_with['revision']})\w+\)",
+    ):
         run_recipe(RunOptions(spec=recipe, out=out))
 
     # a marker from before markers recorded their target is reused, with a note, and left as it is
@@ -279,13 +338,16 @@ chain_depth = 3
         assert all(rec["reused"] for rec in again.stages.values())
         assert again.stages["eval"]["result"] == stages["eval"]["result"]
 
-        with pytest.raises(ValueError, match=r"train: .* already holds this stage run with other options "
-                                             r"\{'total_steps': \(3, 5\)\}"):
+        with pytest.raises(
+            ValueError,
+            match=r"train: .* already holds this stage run with other options "
+            r"\{'total_steps': \(3, 5\)\}",
+        ):
             run_recipe(RunOptions(spec=recipe, out=out, scale=1.5, overrides=["train.total_steps=5"]))
         # online training: no extract/check stages, the target runs inside the training loop
         online = tmp_path / "online.toml"
         text = recipe.read_text()
-        cut = text[text.index("[extract]"):text.index("[train]")]
+        cut = text[text.index("[extract]") : text.index("[train]")]
         online.write_text(text.replace(cut, "").replace("[train]\n", "[train]\nonline = true\n"))
         summary = run_recipe(RunOptions(spec=online, out=tmp_path / "online", scale=1.5))
         assert list(summary.stages) == ["regen", "prepare", "train", "eval"]
@@ -311,8 +373,9 @@ chain_depth = 3
         assert kept["family"] in ("eagle3", "p-eagle") and "plain greedy" in kept["why"]
         assert f"kept {kept['family']}" in "\n".join(summary.lines())
         with pytest.raises(ValueError, match="names a family twice"):
-            run_recipe(RunOptions(spec=families, out=tmp_path / "x",
-                                  overrides=['recipe.drafters=["dflash", "dflash"]']))
+            run_recipe(
+                RunOptions(spec=families, out=tmp_path / "x", overrides=['recipe.drafters=["dflash", "dflash"]'])
+            )
     finally:
         torch.set_num_threads(threads)
 
@@ -324,8 +387,11 @@ def test_a_recipe_file_sends_no_key_and_writes_nowhere_else(tmp_path, monkeypatc
 
     monkeypatch.chdir(tmp_path)
     recipe = {"recipe": {"name": "r"}, "regen": {"backend": "openai", "base_url": "http://127.0.0.1:1/v1"}}
-    with pytest.raises(ValueError, match=r"r.toml \[regen\].base_url: a recipe file may not name it \(the "
-                                         r"environment.s OPENAI_API_KEY is sent to it\); give it yourself with --set"):
+    with pytest.raises(
+        ValueError,
+        match=r"r.toml \[regen\].base_url: a recipe file may not name it \(the "
+        r"environment.s OPENAI_API_KEY is sent to it\); give it yourself with --set",
+    ):
         validate(recipe, "r.toml")
     validate(recipe, "r.toml", overridden(["regen.base_url=http://127.0.0.1:1/v1"]))  # the user's own
     with pytest.raises(ValueError, match="offload_folder.*leads out of"):

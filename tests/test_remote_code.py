@@ -16,13 +16,13 @@ from eaglet.cli import main
 from eaglet.options import REMOTE_CODE_ENV
 from eaglet.target import load_target, load_tokenizer, resolve_target
 
-CONFIG_CODE = '''\
+CONFIG_CODE = """\
 from pathlib import Path
 from transformers import LlamaConfig
 Path(MARKER).write_text("the folder's code ran")
 class CustomConfig(LlamaConfig):
     model_type = "custom_llama"
-'''
+"""
 
 
 def custom_folder(tiny_target: Path, tmp_path: Path, auto_map: bool) -> Path:

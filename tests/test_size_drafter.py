@@ -16,15 +16,42 @@ from eaglet.formats import v1_min_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 # config.json fields of deepseek-ai/DeepSeek-V3 and moonshotai/Kimi-K2-Instruct on the hub (sizes only)
-MLA_MOE = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
-           "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-           "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-           "v_head_dim": 128, "n_shared_experts": 1, "num_experts_per_tok": 8, "tie_word_embeddings": False}
-DEEPSEEK_V3 = {**MLA_MOE, "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 129280,
-               "n_routed_experts": 256, "first_k_dense_replace": 3, "max_position_embeddings": 163840,
-               "rms_norm_eps": 1e-06, "rope_theta": 10000}
-KIMI_K2 = {**MLA_MOE, "num_attention_heads": 64, "num_key_value_heads": 64, "vocab_size": 163840,
-           "n_routed_experts": 384, "first_k_dense_replace": 1, "max_position_embeddings": 131072}
+MLA_MOE = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "tie_word_embeddings": False,
+}
+DEEPSEEK_V3 = {
+    **MLA_MOE,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "vocab_size": 129280,
+    "n_routed_experts": 256,
+    "first_k_dense_replace": 3,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+}
+KIMI_K2 = {
+    **MLA_MOE,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "vocab_size": 163840,
+    "n_routed_experts": 384,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072,
+}
 
 
 def load_script():
@@ -60,8 +87,9 @@ def test_sizes_are_the_real_modules_and_the_formats_bytes(tmp_path):
     assert (kimi.cfg.num_heads, kimi.cfg.head_dim, kimi.cfg.num_kv_heads) == (64, 128, 64)
     assert kimi.trainable == by_hand(64 * 128, 64 * 128) == 1_020_293_120
     with torch.device("meta"):
-        assert s.trainable == num_parameters(Eagle3Draft(DraftConfig.from_target(sd.text_config(DEEPSEEK_V3),
-                                                                                   [2, 30, 58])))
+        assert s.trainable == num_parameters(
+            Eagle3Draft(DraftConfig.from_target(sd.text_config(DEEPSEEK_V3), [2, 30, 58]))
+        )
     assert s.optimizer_bytes == 16 * s.trainable
     # the header names the target's heads, then the drafter's
     assert "(hidden 7168, 128 heads, 61 layers" in sd.report("DeepSeek-V3", DEEPSEEK_V3, [4096], 7)

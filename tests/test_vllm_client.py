@@ -25,7 +25,7 @@ from eaglet.options import ExtractOptions, PrepareOptions
 # A stand-in for the worker: speaks its protocol (one JSON request a line on stdin, replies on
 # --reply-fd), answers `generate` with the prompt reversed and `extract` with random states of
 # the model's width (a file per prompt, as vLLM's connector writes them), and fails as its MODE says.
-STAND_IN = '''\
+STAND_IN = """\
 import json, os, sys
 args = sys.argv
 reply = os.fdopen(int(args[args.index("--reply-fd") + 1]), "w", buffering=1)
@@ -66,14 +66,14 @@ for line in sys.stdin:
                     for p in req["prompts"]]
             reply.write(json.dumps({"ok": True, "outputs": outs, "seconds": 0.01, "counters": {
                 "vllm:spec_decode_num_drafts": 2, "vllm:spec_decode_num_accepted_tokens_per_pos": [2, 1]}}) + "\\n")
-'''
+"""
 
 
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch) -> Path:
     body, exe = tmp_path / "stand_in.py", tmp_path / "python"
     body.write_text(STAND_IN)
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {body} \"$@\"\n")
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} {body} "$@"\n')
     exe.chmod(0o755)
     monkeypatch.setenv(vllm_engine.PYTHON_ENV, str(exe))
     return exe
@@ -95,9 +95,14 @@ def test_a_request_goes_through_and_the_engine_stops(stand_in, tmp_path):
     assert "stand-in engine starting" in next((tmp_path / "logs").glob("vllm-*.log")).read_text()
 
 
-@pytest.mark.parametrize("mode, said", [("die-at-start", r"exited with code 3[\s\S]*no memory for the KV cache"),
-                                        ("refuse", "vLLM refused generate: ValueError: prompt too long"),
-                                        ("die-in-request", "exited with code 9")])
+@pytest.mark.parametrize(
+    "mode, said",
+    [
+        ("die-at-start", r"exited with code 3[\s\S]*no memory for the KV cache"),
+        ("refuse", "vLLM refused generate: ValueError: prompt too long"),
+        ("die-in-request", "exited with code 9"),
+    ],
+)
 def test_an_engine_that_fails_is_a_clear_error_and_nothing_runs(stand_in, tmp_path, monkeypatch, mode, said):
     monkeypatch.setenv("STAND_IN_MODE", mode)
     with pytest.raises(VllmError, match=said):
@@ -109,9 +114,17 @@ def test_an_engine_that_fails_is_a_clear_error_and_nothing_runs(stand_in, tmp_pa
 
 
 def test_engine_options_are_vllms_keywords_and_environment():
-    o = engine_options_from(VllmEngineOptions(tensor_parallel_size=8, max_model_len=4097, gpu_memory_utilization=0.85,
-                                              vllm_kv_cache_gib=3, vllm_args='{"max_num_seqs": 64}'),
-                            dtype="bfloat16", threads=2)
+    o = engine_options_from(
+        VllmEngineOptions(
+            tensor_parallel_size=8,
+            max_model_len=4097,
+            gpu_memory_utilization=0.85,
+            vllm_kv_cache_gib=3,
+            vllm_args='{"max_num_seqs": 64}',
+        ),
+        dtype="bfloat16",
+        threads=2,
+    )
     kw = o.llm_keywords("m")
     assert kw["tensor_parallel_size"] == 8 and kw["max_model_len"] == 4097 and kw["max_num_seqs"] == 64
     assert kw["skip_tokenizer_init"] and kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.85
@@ -125,27 +138,33 @@ def test_engine_options_are_vllms_keywords_and_environment():
     assert not mp.in_process and mp.environment() == {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
-@pytest.mark.parametrize("kwargs, said", [({"tensor_parallel_size": 0}, "--tensor-parallel-size 0: must be >= 1"),
-                                          ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization 1.5"),
-                                          ({"vllm_args": "{max_num_seqs: 1}"}, "--vllm-args .*not JSON"),
-                                          ({"vllm_args": "[1]"}, "--vllm-args .*a JSON object"),
-                                          # a recipe's vllm_args ran a model folder's code, or another model
-                                          ({"vllm_args": '{"trust_remote_code": true, "model": "/x"}'},
-                                           "--vllm-args: model, trust_remote_code are eaglet's to set"),
-                                          # ... or imported a class it named, wrote downloads or read media anywhere
-                                          ({"vllm_args": '{"worker_extension_cls": "os.Evil", "download_dir": "/x", '
-                                                         '"allowed_local_media_path": "/"}'},
-                                           "--vllm-args: allowed_local_media_path, download_dir, worker_extension_cls "
-                                           "are eaglet's to set"),
-                                          ({"vllm_args": '{"scheduler_cls": "x.S", "reasoning_parser_plugin": "/x.py"}'},
-                                           "--vllm-args: reasoning_parser_plugin, scheduler_cls are eaglet's to set"),
-                                          ({"vllm_args": '{"compilation_config": {"backend": "x.f"}}'},
-                                           "compilation_config: give its level as a number"),
-                                          # ... or set what an option of eaglet's sets, unrecorded
-                                          ({"vllm_args": '{"dtype": "float16"}'},
-                                           "--vllm-args: dtype: eaglet's option --dtype sets it"),
-                                          ({"vllm_args": '{"load_format": "dummy"}'},
-                                           "--vllm-args: load_format 'dummy' runs random weights")])
+@pytest.mark.parametrize(
+    "kwargs, said",
+    [
+        ({"tensor_parallel_size": 0}, "--tensor-parallel-size 0: must be >= 1"),
+        ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization 1.5"),
+        ({"vllm_args": "{max_num_seqs: 1}"}, "--vllm-args .*not JSON"),
+        ({"vllm_args": "[1]"}, "--vllm-args .*a JSON object"),
+        # a recipe's vllm_args ran a model folder's code, or another model
+        (
+            {"vllm_args": '{"trust_remote_code": true, "model": "/x"}'},
+            "--vllm-args: model, trust_remote_code are eaglet's to set",
+        ),
+        # ... or imported a class it named, wrote downloads or read media anywhere
+        (
+            {"vllm_args": '{"worker_extension_cls": "os.Evil", "download_dir": "/x", "allowed_local_media_path": "/"}'},
+            "--vllm-args: allowed_local_media_path, download_dir, worker_extension_cls are eaglet's to set",
+        ),
+        (
+            {"vllm_args": '{"scheduler_cls": "x.S", "reasoning_parser_plugin": "/x.py"}'},
+            "--vllm-args: reasoning_parser_plugin, scheduler_cls are eaglet's to set",
+        ),
+        ({"vllm_args": '{"compilation_config": {"backend": "x.f"}}'}, "compilation_config: give its level as a number"),
+        # ... or set what an option of eaglet's sets, unrecorded
+        ({"vllm_args": '{"dtype": "float16"}'}, "--vllm-args: dtype: eaglet's option --dtype sets it"),
+        ({"vllm_args": '{"load_format": "dummy"}'}, "--vllm-args: load_format 'dummy' runs random weights"),
+    ],
+)
 def test_engine_options_out_of_range_are_refused(kwargs, said):
     with pytest.raises(ValueError, match=said):
         engine_options_from(VllmEngineOptions(**kwargs))
@@ -196,29 +215,40 @@ def test_speculative_configs_follow_eaglets_settings(tmp_path):
     s = DecodeSettings(chain_depth=3, lookup_tokens=5, max_ngram=4)
     assert speculative_config("vllm", s, None, None) is None
     assert speculative_config("vllm-ngram", s, None, None) == {
-        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+        "method": "ngram",
+        "num_speculative_tokens": 5,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    }
     eagle3 = type("D", (), {"config": type("C", (), {"family": "eagle3"})()})()
     assert speculative_config("vllm-eagle3", s, tmp_path, eagle3) == {
-        "method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3}
+        "method": "eagle3",
+        "model": str(tmp_path),
+        "num_speculative_tokens": 3,
+    }
     p = type("D", (), {"config": type("C", (), {"family": "p-eagle", "block_size": 8})()})()
     assert speculative_config("vllm-p-eagle", s, tmp_path, p)["parallel_drafting"] is True
     d = type("D", (), {"config": type("C", (), {"family": "dflash", "block_size": 16})()})()
     assert speculative_config("vllm-dflash", s, tmp_path, d) == {
-        "method": "dflash", "model": str(tmp_path), "num_speculative_tokens": 15}
+        "method": "dflash",
+        "model": str(tmp_path),
+        "num_speculative_tokens": 15,
+    }
 
 
 def test_the_worker_imports_nothing_of_eaglets():
     """It runs in vLLM's venv, where eaglet's pins (and eaglet itself) may be missing."""
     folder = Path(vllm_engine.WORKER_DIR)
     for path in folder.glob("*.py"):
-        assert "eaglet." not in "".join(line for line in path.read_text().splitlines(True)
-                                        if line.startswith(("import", "from"))), path
+        assert "eaglet." not in "".join(
+            line for line in path.read_text().splitlines(True) if line.startswith(("import", "from"))
+        ), path
     assert (folder / f"{vllm_engine.WORKER_MODULE}.py").is_file() and os.access(folder, os.R_OK)
 
 
-def test_an_engine_that_dies_mid_extraction_leaves_complete_files_and_a_rerun_finishes(stand_in, tiny_target,
-                                                                                     chats_jsonl, tmp_path,
-                                                                                     monkeypatch):
+def test_an_engine_that_dies_mid_extraction_leaves_complete_files_and_a_rerun_finishes(
+    stand_in, tiny_target, chats_jsonl, tmp_path, monkeypatch
+):
     """The engine killed after its first batch: the error names it, every file written is whole,
     the engine's scratch folder is gone, and the rerun writes the rest."""
     from eaglet.prepare import prepare
@@ -228,25 +258,31 @@ def test_an_engine_that_dies_mid_extraction_leaves_complete_files_and_a_rerun_fi
     out = tmp_path / "data"
     monkeypatch.setenv("STAND_IN_MODE", "die-in-second-extract")
     with pytest.raises(VllmError, match="vLLM extract: the engine exited with code 9"):
-        extract(ExtractOptions(prepared=tmp_path / "prepared", out=out, engine="vllm", batch_tokens=64,
-                               max_batch_size=4), show_progress=False)
+        extract(
+            ExtractOptions(prepared=tmp_path / "prepared", out=out, engine="vllm", batch_tokens=64, max_batch_size=4),
+            show_progress=False,
+        )
     first = formats.list_dataset_files(out).files
     assert 0 < len(first) < 12
     assert not [p for p in out.iterdir() if p.name.startswith(".vllm")]
     monkeypatch.setenv("STAND_IN_MODE", "ok")
-    again = extract(ExtractOptions(prepared=tmp_path / "prepared", out=out, engine="vllm", batch_tokens=64,
-                                   max_batch_size=4), show_progress=False)
+    again = extract(
+        ExtractOptions(prepared=tmp_path / "prepared", out=out, engine="vllm", batch_tokens=64, max_batch_size=4),
+        show_progress=False,
+    )
     assert again.already_done == len(first) and again.written == 12 - len(first)
     assert formats.read_data_config(out).engine == "vllm 0.0.stand-in"
 
 
-def test_an_engine_missing_from_the_set_up_is_named_before_anything_is_written(tiny_target, chats_jsonl, tmp_path,
-                                                                                 monkeypatch):
+def test_an_engine_missing_from_the_set_up_is_named_before_anything_is_written(
+    tiny_target, chats_jsonl, tmp_path, monkeypatch
+):
     from eaglet.prepare import prepare
 
     prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "prepared"))
     monkeypatch.setenv(vllm_engine.PYTHON_ENV, str(tmp_path / "no-python"))
     with pytest.raises(VllmMissing, match="EAGLET_VLLM_PYTHON=.*no-python: not an executable file"):
-        extract(ExtractOptions(prepared=tmp_path / "prepared", out=tmp_path / "data", engine="vllm"),
-                               show_progress=False)
+        extract(
+            ExtractOptions(prepared=tmp_path / "prepared", out=tmp_path / "data", engine="vllm"), show_progress=False
+        )
     assert not (tmp_path / "data").exists()

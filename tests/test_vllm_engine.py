@@ -47,13 +47,16 @@ def vllm_version() -> str:
     except vllm_engine.VllmMissing as e:
         if os.environ.get(NO_VLLM_ENV) == "1":
             pytest.skip(f"{NO_VLLM_ENV}=1: vLLM is left out ({e})")
-        pytest.fail(f"vLLM is not available ({e}); ./scripts/bootstrap --vllm installs it, {NO_VLLM_ENV}=1 skips "
-                    "these tests", pytrace=False)
+        pytest.fail(
+            f"vLLM is not available ({e}); ./scripts/bootstrap --vllm installs it, {NO_VLLM_ENV}=1 skips these tests",
+            pytrace=False,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Extraction
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def prepared(smollm2_dir, tmp_path_factory) -> Path:
@@ -71,8 +74,11 @@ def stored(folder: Path) -> dict[int, list[torch.Tensor]]:
     for i, path in ds.files.items():
         s = formats.read_training_sample(path, ds.layout)
         states = list(s.aux_hidden.float().chunk(3, dim=-1))
-        out[i] = (s.input_ids, s.loss_mask,
-                  states + [s.last_hidden.float() if s.last_hidden is not None else s.teacher.log_probs.float()])
+        out[i] = (
+            s.input_ids,
+            s.loss_mask,
+            states + [s.last_hidden.float() if s.last_hidden is not None else s.teacher.log_probs.float()],
+        )
     return out
 
 
@@ -90,16 +96,20 @@ def compared(ours: dict, theirs: dict) -> list[tuple[torch.Tensor, torch.Tensor]
 def fp32_datasets(vllm_version, prepared, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm_fp32")
     extract(ExtractOptions(prepared=prepared, out=root / "hf", dtype="fp32", store_dtype="fp32"), show_progress=False)
-    extract(ExtractOptions(prepared=prepared, out=root / "vllm", dtype="fp32", store_dtype="fp32", engine="vllm"),
-                           show_progress=False)
+    extract(
+        ExtractOptions(prepared=prepared, out=root / "vllm", dtype="fp32", store_dtype="fp32", engine="vllm"),
+        show_progress=False,
+    )
     return {"hf": root / "hf", "vllm": root / "vllm"}
 
 
 def test_vllm_states_equal_eaglets_in_fp32(fp32_datasets, vllm_version):
     """The same samples through both engines: tokens and masks equal, every state of every layer
     within 1e-4 relative L2 (measured: 1.7e-6), and data_config records which engine computed them."""
-    errs = [float((x - y).norm() / x.norm()) for x, y in compared(stored(fp32_datasets["hf"]),
-                                                                   stored(fp32_datasets["vllm"]))]
+    errs = [
+        float((x - y).norm() / x.norm())
+        for x, y in compared(stored(fp32_datasets["hf"]), stored(fp32_datasets["vllm"]))
+    ]
     assert len(errs) == 3 * 4 and max(errs) <= 1e-4, errs
     config = formats.read_data_config(fp32_datasets["vllm"])
     assert config.engine == f"vllm {vllm_version}" and formats.read_data_config(fp32_datasets["hf"]).engine == "hf"
@@ -130,8 +140,10 @@ def test_vllm_writes_every_layout_within_bf16_rounding(vllm_version, prepared, t
     """bf16 through both engines, in the other layouts eaglet writes: the same files up to bf16
     rounding (two engines' kernels round differently: measured cosine >= 0.994), and clean."""
     extract(ExtractOptions(prepared=prepared, out=tmp_path / "hf", dtype="bf16", layout=layout), show_progress=False)
-    extract(ExtractOptions(prepared=prepared, out=tmp_path / "vllm", dtype="bf16", layout=layout, engine="vllm"),
-                           show_progress=False)
+    extract(
+        ExtractOptions(prepared=prepared, out=tmp_path / "vllm", dtype="bf16", layout=layout, engine="vllm"),
+        show_progress=False,
+    )
     for x, y in compared(stored(tmp_path / "hf"), stored(tmp_path / "vllm")):
         cos = torch.nn.functional.cosine_similarity(x, y, dim=-1).mean()
         assert cos > 0.98, float(cos)
@@ -141,19 +153,25 @@ def test_vllm_writes_every_layout_within_bf16_rounding(vllm_version, prepared, t
 def test_vllm_shards_resume_without_an_engine(vllm_version, prepared, tmp_path, monkeypatch):
     """A shard writes its own samples only; a rerun finds them done and starts no engine."""
     out = tmp_path / "sharded"
-    first = extract(ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm", num_shards=2, shard_id=0),
-                                   show_progress=False)
+    first = extract(
+        ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm", num_shards=2, shard_id=0),
+        show_progress=False,
+    )
     assert first.written == 2 and sorted(i for i, _ in formats.list_dataset_files(out).files) == [0, 2]
     monkeypatch.setattr("eaglet.extract.vllm_engine", None)  # an engine start would fail now
-    again = extract(ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm", num_shards=2, shard_id=0),
-                                   show_progress=False)
+    again = extract(
+        ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm", num_shards=2, shard_id=0),
+        show_progress=False,
+    )
     assert again.written == 0 and again.already_done == 2
 
 
 def test_a_sample_beyond_the_engines_context_is_refused_before_it_starts(vllm_version, prepared, tmp_path):
     with pytest.raises(ValueError, match=r"prepared.jsonl:\d+: sample .* --max-model-len 64"):
-        extract(ExtractOptions(prepared=prepared, out=tmp_path / "out", engine="vllm", max_model_len=64),
-                               show_progress=False)
+        extract(
+            ExtractOptions(prepared=prepared, out=tmp_path / "out", engine="vllm", max_model_len=64),
+            show_progress=False,
+        )
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
@@ -161,16 +179,38 @@ def test_a_sample_beyond_the_engines_context_is_refused_before_it_starts(vllm_ve
 # Regeneration and serving
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def memorised(vllm_version, memorised_eagle3) -> dict[str, Path]:
     """The shared memorised EAGLE-3 drafter (conftest), the same chats regenerated by vLLM (fp32),
     and a P-EAGLE drafter trained to memorise the same answers."""
     root = memorised_eagle3["root"]
-    regenerate(RegenOptions(data=str(memorised_eagle3["chats"]), out=root / "vllm.jsonl", backend="vllm", dtype="fp32",
-                            max_new_tokens=NEW_TOKENS), progress_bar=False)
-    train(TrainOptions(dataset_dir=memorised_eagle3["data"], out_dir=root / "train-p-eagle", drafter="p-eagle",
-                       bf16=False, total_steps=80, lr=5e-3, warmup_steps=5, draft_vocab_size=2048, teacher_top_k=8,
-                       eval_fraction=0.0, evals=1), show_progress=False)
+    regenerate(
+        RegenOptions(
+            data=str(memorised_eagle3["chats"]),
+            out=root / "vllm.jsonl",
+            backend="vllm",
+            dtype="fp32",
+            max_new_tokens=NEW_TOKENS,
+        ),
+        progress_bar=False,
+    )
+    train(
+        TrainOptions(
+            dataset_dir=memorised_eagle3["data"],
+            out_dir=root / "train-p-eagle",
+            drafter="p-eagle",
+            bf16=False,
+            total_steps=80,
+            lr=5e-3,
+            warmup_steps=5,
+            draft_vocab_size=2048,
+            teacher_top_k=8,
+            eval_fraction=0.0,
+            evals=1,
+        ),
+        show_progress=False,
+    )
     return {**memorised_eagle3, "eagle3": memorised_eagle3["run"], "p-eagle": root / "train-p-eagle"}
 
 
@@ -192,9 +232,20 @@ def test_vllm_serves_the_drafter_as_eaglet_runs_it(memorised, tmp_path):
     drafts accepted (tau > 1.5) and first-draft acceptance within 0.1 of eaglet's chain; vLLM's own
     n-gram proposer beside it; vLLM plain answers as eaglet's plain does (fp32)."""
     out = tmp_path / "eval"
-    result = evaluate(EvalOptions(drafter_path=memorised["eagle3"], prompt_sets=[str(memorised["prompts"])],
-                                  methods=["vllm-eagle3", "vllm-ngram"], max_new_tokens=NEW_TOKENS, chain_depth=3,
-                                  dtype="fp32", threads=2, out=out, plot=False), progress=False)
+    result = evaluate(
+        EvalOptions(
+            drafter_path=memorised["eagle3"],
+            prompt_sets=[str(memorised["prompts"])],
+            methods=["vllm-eagle3", "vllm-ngram"],
+            max_new_tokens=NEW_TOKENS,
+            chain_depth=3,
+            dtype="fp32",
+            threads=2,
+            out=out,
+            plot=False,
+        ),
+        progress=False,
+    )
     rows = result.sets["prompts"]
     served, chain = rows["vllm-eagle3"], rows["chain"]
     assert chain["acceptance_rates"][0] > 0.6, f"the drafter did not memorise: {chain}"
@@ -211,9 +262,18 @@ def test_vllm_serves_the_drafter_as_eaglet_runs_it(memorised, tmp_path):
 def test_vllm_serves_a_parallel_drafter(memorised, tmp_path):
     """A P-EAGLE drafter (one pass drafts its whole block) in vLLM's parallel drafting: identical
     outputs, drafts accepted, the same first-draft acceptance as eaglet's own p-eagle decoding."""
-    result = evaluate(EvalOptions(drafter_path=memorised["p-eagle"], prompt_sets=[str(memorised["prompts"])],
-                                  methods=["vllm-p-eagle"], max_new_tokens=NEW_TOKENS, dtype="fp32", threads=2,
-                                  plot=False), progress=False)
+    result = evaluate(
+        EvalOptions(
+            drafter_path=memorised["p-eagle"],
+            prompt_sets=[str(memorised["prompts"])],
+            methods=["vllm-p-eagle"],
+            max_new_tokens=NEW_TOKENS,
+            dtype="fp32",
+            threads=2,
+            plot=False,
+        ),
+        progress=False,
+    )
     rows = result.sets["prompts"]
     served, own = rows["vllm-p-eagle"], rows["p-eagle"]
     assert served["identical_share"] == 1.0 and served["tau"] > 1.2, served
@@ -223,11 +283,29 @@ def test_vllm_serves_a_parallel_drafter(memorised, tmp_path):
 def test_a_family_this_vllm_does_not_serve_is_refused_at_once(memorised, monkeypatch):
     monkeypatch.setattr("eaglet.evaluate.vllm_methods.installed_version", lambda: "0.34.0")
     with pytest.raises(ValueError, match=r"vLLM 0.34.0 does not serve p-eagle drafters; vLLM 0.32 to 0.33.x does"):
-        evaluate(EvalOptions(drafter_path=memorised["p-eagle"], prompt_sets=[str(memorised["prompts"])],
-                             methods=["vllm-p-eagle"], num_prompts=1, dtype="fp32", plot=False), progress=False)
+        evaluate(
+            EvalOptions(
+                drafter_path=memorised["p-eagle"],
+                prompt_sets=[str(memorised["prompts"])],
+                methods=["vllm-p-eagle"],
+                num_prompts=1,
+                dtype="fp32",
+                plot=False,
+            ),
+            progress=False,
+        )
     with pytest.raises(ValueError, match="method vllm-dflash serves a dflash drafter; this drafter is eagle3"):
-        evaluate(EvalOptions(drafter_path=memorised["eagle3"], prompt_sets=[str(memorised["prompts"])],
-                             methods=["vllm-dflash"], num_prompts=1, dtype="fp32", plot=False), progress=False)
+        evaluate(
+            EvalOptions(
+                drafter_path=memorised["eagle3"],
+                prompt_sets=[str(memorised["prompts"])],
+                methods=["vllm-dflash"],
+                num_prompts=1,
+                dtype="fp32",
+                plot=False,
+            ),
+            progress=False,
+        )
 
 
 def test_an_engine_that_cannot_start_is_named_and_a_rerun_resumes(vllm_version, prepared, tmp_path):
@@ -235,8 +313,10 @@ def test_an_engine_that_cannot_start_is_named_and_a_rerun_resumes(vllm_version, 
     is written, and the corrected rerun fills the folder."""
     out = tmp_path / "data"
     with pytest.raises(vllm_engine.VllmError, match=r"vLLM refused start: .*no_such_keyword"):
-        extract(ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm",
-                               vllm_args='{"no_such_keyword": 1}'), show_progress=False)
+        extract(
+            ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm", vllm_args='{"no_such_keyword": 1}'),
+            show_progress=False,
+        )
     assert formats.list_dataset_files(out).files == []
     done = extract(ExtractOptions(prepared=prepared, out=out, dtype="fp32", engine="vllm"), show_progress=False)
     assert done.written == 3

@@ -28,8 +28,17 @@ from eaglet.regen import regenerate
 from eaglet.training.checkpoints import iter_metrics
 from eaglet.training.loop import train
 from helpers import FAST, chat_records
-from eaglet.options import (CheckOptions, ConvertOptions, ExportOptions, ExtractOptions, ImportOptions, PrepareOptions,
-                            RegenOptions, RunOptions, TrainOptions)
+from eaglet.options import (
+    CheckOptions,
+    ConvertOptions,
+    ExportOptions,
+    ExtractOptions,
+    ImportOptions,
+    PrepareOptions,
+    RegenOptions,
+    RunOptions,
+    TrainOptions,
+)
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -47,8 +56,9 @@ class Holder:
 
     def __init__(self, out: Path, stage: str, lock: Path | None = None):
         lock = lock or formats.lock_path(out)
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), stage, str(lock)], stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(out), stage, str(lock)], stdout=subprocess.PIPE, text=True
+        )
         assert self.proc.stdout.readline().strip() == "held"
 
     def kill(self) -> None:
@@ -69,11 +79,17 @@ def work(tiny_target, tmp_path_factory) -> dict[str, Path]:
 def stage_calls(work: dict[str, Path], target: Path, out: Path) -> dict[str, object]:
     """Each writing stage, writing `out`."""
     return {
-        "prepare": lambda: prepare(PrepareOptions(target=str(target), data=str(work["chats"]), out=out, max_length=256)),
-        "regen": lambda: regenerate(RegenOptions(data=str(work["chats"]), out=out, backend="local", target=str(target),
-                                                 max_new_tokens=4, num_samples=1)),
-        "convert": lambda: convert(ConvertOptions(src=work["data"], out=out, layout="compact", target=str(target)),
-                                                  show_progress=False),
+        "prepare": lambda: prepare(
+            PrepareOptions(target=str(target), data=str(work["chats"]), out=out, max_length=256)
+        ),
+        "regen": lambda: regenerate(
+            RegenOptions(
+                data=str(work["chats"]), out=out, backend="local", target=str(target), max_new_tokens=4, num_samples=1
+            )
+        ),
+        "convert": lambda: convert(
+            ConvertOptions(src=work["data"], out=out, layout="compact", target=str(target)), show_progress=False
+        ),
         "export": lambda: export_drafter(ExportOptions(ckpt=work["run"], out=out, fmt="eagle", dtype="fp32")),
         "import": lambda: import_drafter(ImportOptions(src=work["run"] / "checkpoints" / "step_00000004", out=out)),
         "run": lambda: run_recipe(RunOptions(spec=recipe_file(out.parent, target), out=out)),
@@ -82,8 +98,9 @@ def stage_calls(work: dict[str, Path], target: Path, out: Path) -> dict[str, obj
 
 def recipe_file(folder: Path, target: Path) -> Path:
     path = folder / "r.toml"
-    path.write_text(f'[recipe]\nname = "r"\ntarget = "{target}"\n\n[prepare]\ndata = "{folder / "c.jsonl"}"\n'
-                    'max_length = 128\n')
+    path.write_text(
+        f'[recipe]\nname = "r"\ntarget = "{target}"\n\n[prepare]\ndata = "{folder / "c.jsonl"}"\nmax_length = 128\n'
+    )
     write_jsonl(folder / "c.jsonl", chat_records(3))
     return path
 
@@ -94,9 +111,12 @@ def test_a_second_writer_is_refused_and_a_dead_one_releases(stage, work, tiny_ta
     call = stage_calls(work, tiny_target, out)[stage]
     holder = Holder(out, "somestage")
     try:
-        with pytest.raises(formats.OutputBusy, match=rf"^{out}: another `eaglet somestage` \(pid {holder.proc.pid} on "
-                                                      r".*\) is writing it; wait for it to end, or write to another "
-                                                      r"--out$"):
+        with pytest.raises(
+            formats.OutputBusy,
+            match=rf"^{out}: another `eaglet somestage` \(pid {holder.proc.pid} on "
+            r".*\) is writing it; wait for it to end, or write to another "
+            r"--out$",
+        ):
             call()
         assert not out.exists()  # refused before anything was written
     finally:
@@ -122,15 +142,21 @@ def test_extract_shards_write_side_by_side_but_one_shard_has_one_writer(work, ti
     holder = Holder(out, "extract", formats.lock_path(out, "shard-0-of-2"))
     try:
         with pytest.raises(formats.OutputBusy, match="another `eaglet extract`"):
-            extract(ExtractOptions(prepared=work["prep"], out=out, target=str(tiny_target), num_shards=2, shard_id=0),
-                                   show_progress=False)
-        summary = extract(ExtractOptions(prepared=work["prep"], out=out, target=str(tiny_target), num_shards=2,
-                                         shard_id=1), show_progress=False)
+            extract(
+                ExtractOptions(prepared=work["prep"], out=out, target=str(tiny_target), num_shards=2, shard_id=0),
+                show_progress=False,
+            )
+        summary = extract(
+            ExtractOptions(prepared=work["prep"], out=out, target=str(tiny_target), num_shards=2, shard_id=1),
+            show_progress=False,
+        )
         assert summary.written > 0
     finally:
         holder.kill()
-    extract(ExtractOptions(prepared=work["prep"], out=out, target=str(tiny_target), num_shards=2, shard_id=0),
-                           show_progress=False)
+    extract(
+        ExtractOptions(prepared=work["prep"], out=out, target=str(tiny_target), num_shards=2, shard_id=0),
+        show_progress=False,
+    )
     assert check_dataset(CheckOptions(path=out, use_target=False)).clean
 
 
@@ -204,7 +230,9 @@ def test_check_fails_when_options_that_ask_for_the_target_cannot_load_it(work):
     report = check_dataset(CheckOptions(path=work["data"], device_map="sequential", max_memory="cpu=100KB"))
     assert not report.clean
     assert any(p.kind == "not checked" and "could not run" in p.message for p in report.errors)
-    quiet = check_dataset(CheckOptions(path=work["data"]))  # nothing asked beyond the recorded target, which loads: clean
+    quiet = check_dataset(
+        CheckOptions(path=work["data"])
+    )  # nothing asked beyond the recorded target, which loads: clean
     assert quiet.clean
 
 
@@ -238,10 +266,16 @@ def tree(folder: Path) -> dict[str, bytes]:
 def test_convert_killed_at_any_write_resumes_to_the_same_files(n, work, tiny_target, tmp_path):
     args = ["convert", str(work["data"]), "--layout", "compact", "--target", str(tiny_target)]
     killed_at(n, [*args, "--out", str(tmp_path / "killed")])
-    assert subprocess.run([sys.executable, "-m", "eaglet.cli", *args, "--out", str(tmp_path / "killed")],
-                          capture_output=True).returncode == 0
-    convert(ConvertOptions(src=work["data"], out=tmp_path / "whole", layout="compact", target=str(tiny_target)),
-                           show_progress=False)
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "eaglet.cli", *args, "--out", str(tmp_path / "killed")], capture_output=True
+        ).returncode
+        == 0
+    )
+    convert(
+        ConvertOptions(src=work["data"], out=tmp_path / "whole", layout="compact", target=str(tiny_target)),
+        show_progress=False,
+    )
     whole, killed = tree(tmp_path / "whole"), tree(tmp_path / "killed")
     assert set(killed) == set(whole), set(killed) ^ set(whole)
     assert [k for k in whole if k != "data_config.json" and killed[k] != whole[k]] == []
@@ -249,13 +283,47 @@ def test_convert_killed_at_any_write_resumes_to_the_same_files(n, work, tiny_tar
 
 @pytest.mark.parametrize("n", [3, 6])  # the first write is the run folder's marker, the second train_config.json
 def test_train_killed_at_any_write_resumes_exactly(n, work, tmp_path):
-    opts = ["--total-steps", "8", "--ttt-steps", "3", "--lr", "3e-3", "--warmup-steps", "2", "--eval-every", "4",
-            "--save-every", "2", "--log-every", "2", "--batch-size", "2", "--eval-fraction", "0.1"]
+    opts = [
+        "--total-steps",
+        "8",
+        "--ttt-steps",
+        "3",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "2",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "2",
+        "--log-every",
+        "2",
+        "--batch-size",
+        "2",
+        "--eval-fraction",
+        "0.1",
+    ]
     killed_at(n, ["train", str(work["data"]), "--out", str(tmp_path / "killed"), *opts])
-    assert subprocess.run([sys.executable, "-m", "eaglet.cli", "train", str(work["data"]), "--out",
-                           str(tmp_path / "killed"), "--resume"], capture_output=True).returncode == 0
-    train(TrainOptions(dataset_dir=work["data"], out_dir=tmp_path / "whole", total_steps=8, **{**FAST, "save_every": 2}),
-                       show_progress=False)
+    assert (
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "eaglet.cli",
+                "train",
+                str(work["data"]),
+                "--out",
+                str(tmp_path / "killed"),
+                "--resume",
+            ],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    train(
+        TrainOptions(dataset_dir=work["data"], out_dir=tmp_path / "whole", total_steps=8, **{**FAST, "save_every": 2}),
+        show_progress=False,
+    )
     step = "checkpoints/step_00000008/model.safetensors"
     assert (tmp_path / "killed" / step).read_bytes() == (tmp_path / "whole" / step).read_bytes()
 
@@ -266,8 +334,11 @@ def test_a_cut_off_torch_file_is_named(work, tmp_path):
     shutil.copytree(work["data"], data)
     freq = data / "token_freq.pt"
     freq.write_bytes(freq.read_bytes()[:100])
-    with pytest.raises(ValueError, match=rf"^{freq}: not a readable torch file \(cut off or damaged: .*central "
-                                         r"directory.*\); restore it or write it again$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{freq}: not a readable torch file \(cut off or damaged: .*central "
+        r"directory.*\); restore it or write it again$",
+    ):
         train(TrainOptions(dataset_dir=data, out_dir=tmp_path / "run", total_steps=1, **FAST), show_progress=False)
 
 

@@ -39,5 +39,10 @@ class NaiveTTTAttention:
             L = q.shape[2]
             same = self.documents[:, :, None] == self.documents[:, None, :]
             mask = torch.cat([mask[None, :, :L] & same, mask[None, :, L:].expand(len(same), -1, -1)], dim=2)[:, None]
-        return F.scaled_dot_product_attention(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2),
-                                              attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q,
+            torch.cat(self.keys, dim=2),
+            torch.cat(self.values, dim=2),
+            attn_mask=mask,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )

@@ -33,9 +33,14 @@ log = logging.getLogger(__name__)
 
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 ROLE_ALIASES = {
-    "human": USER, "user": USER,
-    "gpt": ASSISTANT, "chatgpt": ASSISTANT, "assistant": ASSISTANT, "bard": ASSISTANT,
-    "bing": ASSISTANT, "model": ASSISTANT,
+    "human": USER,
+    "user": USER,
+    "gpt": ASSISTANT,
+    "chatgpt": ASSISTANT,
+    "assistant": ASSISTANT,
+    "bard": ASSISTANT,
+    "bing": ASSISTANT,
+    "model": ASSISTANT,
     "system": SYSTEM,
 }
 
@@ -54,6 +59,7 @@ class TemplateSpanError(ValueError):
 # Reading records
 # ---------------------------------------------------------------------------------------------
 
+
 class Tally(Counter):
     """Counts by reason, and where each reason first happened: the user fixes that record and
     knows what the others look like."""
@@ -68,8 +74,10 @@ class Tally(Counter):
             self.first.setdefault(reason, where)
 
     def lines(self, title: str) -> list[str]:
-        return [f"{title}: {reason}: {n}" + (f" (first: {self.first[reason]})" if reason in self.first else "")
-                for reason, n in self.most_common()]
+        return [
+            f"{title}: {reason}: {n}" + (f" (first: {self.first[reason]})" if reason in self.first else "")
+            for reason, n in self.most_common()
+        ]
 
 
 @dataclass
@@ -88,8 +96,13 @@ class ReadStats:
         self.trimmed.add(reason, self.where)
 
 
-COMPRESSED = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd", "bzip2": b"BZh", "xz": b"\xfd7zXZ\x00",
-              "zip": b"PK\x03\x04"}  # a file's first bytes
+COMPRESSED = {
+    "gzip": b"\x1f\x8b",
+    "zstd": b"\x28\xb5\x2f\xfd",
+    "bzip2": b"BZh",
+    "xz": b"\xfd7zXZ\x00",
+    "zip": b"PK\x03\x04",
+}  # a file's first bytes
 
 # Deeper than any chat record goes (array > record > turns > turn > content parts > part). The
 # parser's prefixed events (and so ijson.items) cost memory with the square of the depth (20,000
@@ -108,8 +121,10 @@ def array_records(f: BinaryIO, path: Path) -> Iterator[Any]:
         if event in OPENS:
             depth += 1
             if depth > MAX_JSON_DEPTH:
-                raise ValueError(f"{path}[{record}]: nested deeper than {MAX_JSON_DEPTH} levels, which no chat "
-                                 "record is; fix or remove that record")
+                raise ValueError(
+                    f"{path}[{record}]: nested deeper than {MAX_JSON_DEPTH} levels, which no chat "
+                    "record is; fix or remove that record"
+                )
         elif event in CLOSES:
             depth -= 1
         if depth == 0 or (depth == 1 and event in OPENS):  # the array itself
@@ -135,14 +150,17 @@ def iter_json_array(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
         except ijson.IncompleteJSONError as e:
             if not array_is_closed(path):  # the file really ends early: a cut-off download or copy
                 stats.truncated_input = True
-                log.warning("%s is cut off mid-record: kept the %d complete records before the cut",
-                            path, stats.records)
+                log.warning(
+                    "%s is cut off mid-record: kept the %d complete records before the cut", path, stats.records
+                )
                 return
             # A syntax error inside a closed array: going on as if cut off would drop every
             # record after it without a word.
             detail = " ".join(str(e).split())  # the parser's message spans lines
-            raise ValueError(f"{path}: invalid JSON after record {stats.records} (near byte {f.tell()}: {detail}); "
-                             f"the array is closed, so this is not a cut-off file: fix or remove that record") from e
+            raise ValueError(
+                f"{path}: invalid JSON after record {stats.records} (near byte {f.tell()}: {detail}); "
+                f"the array is closed, so this is not a cut-off file: fix or remove that record"
+            ) from e
         except ijson.JSONError as e:
             raise ValueError(f"{path}: not a JSON array of chat records ({e})") from e
 
@@ -190,8 +208,9 @@ def iter_records(source: str, stats: ReadStats, option: str = "--data") -> Itera
         magic = f.read(6)
     packed = next((kind for kind, start in COMPRESSED.items() if magic.startswith(start)), None)
     if packed:
-        raise ValueError(f"{option} {source}: a {packed} file; decompress it first (eaglet reads .json and .jsonl "
-                         "text)")
+        raise ValueError(
+            f"{option} {source}: a {packed} file; decompress it first (eaglet reads .json and .jsonl text)"
+        )
     is_array = path.suffix == ".json"
     if is_array:
         with open(path, "rb") as f:
@@ -220,8 +239,9 @@ def message_text(turn: dict[str, Any], key: str, stats: ReadStats) -> str | None
     return "\n".join(text_parts) if text_parts else None
 
 
-def within_chars(messages: list[Message], budget: int, stats: ReadStats, max_messages: int | None = None
-                 ) -> list[Message]:
+def within_chars(
+    messages: list[Message], budget: int, stats: ReadStats, max_messages: int | None = None
+) -> list[Message]:
     """The chat cut to `budget` characters (and `max_messages` messages: each renders at least one
     token) before it is rendered and tokenized, so that one huge record costs memory and time by
     the tokens kept, not by its size: the message that crosses the budget is cut there, later ones
@@ -235,7 +255,7 @@ def within_chars(messages: list[Message], budget: int, stats: ReadStats, max_mes
         if used + len(m["content"]) > budget:
             stats.trim("text far beyond --max-length cut before tokenizing")
             if budget - used > 0:
-                kept.append({"role": m["role"], "content": m["content"][:budget - used]})
+                kept.append({"role": m["role"], "content": m["content"][: budget - used]})
             break
         kept.append(m)
         used += len(m["content"])
@@ -272,7 +292,7 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
                 stats.trim("assistant tool-call turns skipped (counted per turn)")
                 continue
             return f"message with non-string '{text_key}'"
-        expected = (USER if not messages or messages[-1]["role"] in (SYSTEM, ASSISTANT) else ASSISTANT)
+        expected = USER if not messages or messages[-1]["role"] in (SYSTEM, ASSISTANT) else ASSISTANT
         if role == SYSTEM and not messages:
             messages.append({"role": SYSTEM, "content": text})
             continue
@@ -297,6 +317,7 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
 # Template -> tokens + loss mask
 # ---------------------------------------------------------------------------------------------
 
+
 def render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
@@ -307,8 +328,9 @@ def chat_prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
     return tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
-def assistant_char_spans(tokenizer, messages: list[Message], full: str | None = None,
-                         char_limit: int | None = None) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(
+    tokenizer, messages: list[Message], full: str | None = None, char_limit: int | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """Render the chat (unless `full` is its rendering); return the text and, per assistant turn
     that starts within `char_limit` characters, `(start, content_end)`.
 
@@ -329,14 +351,16 @@ def assistant_char_spans(tokenizer, messages: list[Message], full: str | None = 
             raise TemplateSpanError(
                 f"chat template: the rendering of the first {i} messages plus the generation prompt is not "
                 f"a prefix of the whole chat, so assistant turn {i} cannot be located "
-                f"(prefix ends {prefix[-60:]!r}; chat there reads {full[max(0, len(prefix) - 60):len(prefix)]!r})")
+                f"(prefix ends {prefix[-60:]!r}; chat there reads {full[max(0, len(prefix) - 60) : len(prefix)]!r})"
+            )
         start = len(prefix)
         text = m["content"].strip()  # many templates trim; whitespace kept by others lies inside the span
         pos = full.find(text, start)
         if pos < 0 or full[start:pos].strip():
             raise TemplateSpanError(
                 f"chat template: assistant turn {i}'s text does not follow its generation prompt "
-                f"(after the prompt the chat reads {full[start:start + 80]!r})")
+                f"(after the prompt the chat reads {full[start : start + 80]!r})"
+            )
         spans.append((start, pos + len(text)))
     return full, spans
 
@@ -347,8 +371,9 @@ def special_token_ids(tokenizer) -> set[int]:
     return ids
 
 
-def tokenize_chat(tokenizer, messages: list[Message], special_ids: set[int] | None = None,
-                  max_tokens: int | None = None) -> tuple[list[int], list[int], int]:
+def tokenize_chat(
+    tokenizer, messages: list[Message], special_ids: set[int] | None = None, max_tokens: int | None = None
+) -> tuple[list[int], list[int], int]:
     """Tokens, loss mask, and the number of assistant turns that ended without an end-of-turn token;
     with `max_tokens`, the first that many, and the turns that begin in them."""
     full = render(tokenizer, messages, add_generation_prompt=False)
@@ -374,7 +399,7 @@ def tokenize_chat(tokenizer, messages: list[Message], special_ids: set[int] | No
             j += 1
         # End-of-turn: the first special token after the text, with only whitespace between.
         k = j
-        while k < len(ids) and ids[k] not in special_ids and not full[offsets[k][0]:offsets[k][1]].strip():
+        while k < len(ids) and ids[k] not in special_ids and not full[offsets[k][0] : offsets[k][1]].strip():
             k += 1
         if k < len(ids) and ids[k] in special_ids:
             for t in range(j, k + 1):

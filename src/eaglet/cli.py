@@ -37,18 +37,30 @@ def add_option(p: argparse.ArgumentParser, o: Option) -> None:
     elif o.kind == APPEND:
         p.add_argument(o.flag, action="append", default=[], dest=o.name, metavar=o.metavar, help=o.help_text())
     else:
-        p.add_argument(o.flag, type=o.type, default=o.default, choices=o.choices, required=o.required, dest=o.name,
-                       metavar=o.metavar, help=o.help_text())
+        p.add_argument(
+            o.flag,
+            type=o.type,
+            default=o.default,
+            choices=o.choices,
+            required=o.required,
+            dest=o.name,
+            metavar=o.metavar,
+            help=o.help_text(),
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eaglet", description="Train EAGLE-3 draft models and prove they speed up "
-                                                                "decoding.")
+    parser = argparse.ArgumentParser(
+        prog="eaglet", description="Train EAGLE-3 draft models and prove they speed up decoding."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="let a model folder's own Python code run (its auto_map: custom model types, "
-                             "tokenizers such as Kimi-K2.5's), in eaglet and in the engines it starts; without it "
-                             "such a target is refused (same as EAGLET_TRUST_REMOTE_CODE=1)")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a model folder's own Python code run (its auto_map: custom model types, "
+        "tokenizers such as Kimi-K2.5's), in eaglet and in the engines it starts; without it "
+        "such a target is refused (same as EAGLET_TRUST_REMOTE_CODE=1)",
+    )
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     parser.set_defaults(stage_parsers=sub.choices)  # name -> subparser (`stage_parsers`)
     for stage in STAGES.values():
@@ -62,10 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
 # From parsed arguments to the entry function
 # ---------------------------------------------------------------------------------------------
 
+
 def stage_options(stage: Stage, args: argparse.Namespace) -> Any:
     """The stage's options object from the parsed arguments."""
-    return stage.config(**{o.key: (not getattr(args, o.name)) if o.invert else getattr(args, o.name)
-                           for o in stage.options if not o.cli_only})
+    return stage.config(
+        **{
+            o.key: (not getattr(args, o.name)) if o.invert else getattr(args, o.name)
+            for o in stage.options
+            if not o.cli_only
+        }
+    )
 
 
 def call_entry(stage: Stage, args: argparse.Namespace, **runtime: Any) -> Any:
@@ -82,7 +100,9 @@ def run_default(stage: Stage, args: argparse.Namespace) -> None:
 def run_check(stage: Stage, args: argparse.Namespace) -> None:
     """Print the report (or JSON); exit 1 when the dataset is not clean, so scripts can gate on it."""
     report = call_entry(stage, args)
-    print(json.dumps(report.to_json(), indent=2, default=str) if args.json else "\n".join(report.lines(args.max_per_kind)))
+    print(
+        json.dumps(report.to_json(), indent=2, default=str) if args.json else "\n".join(report.lines(args.max_per_kind))
+    )
     if not report.clean:
         raise SystemExit(1)
 
@@ -103,7 +123,10 @@ def run_eval(stage: Stage, args: argparse.Namespace) -> None:
 
 
 RUNNERS: dict[str, Callable[[Stage, argparse.Namespace], None]] = {
-    "check": run_check, "train": run_train, "eval": run_eval}
+    "check": run_check,
+    "train": run_train,
+    "eval": run_eval,
+}
 
 
 def stage_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -143,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command = shlex.join(["eaglet", *argv])
     args.parser, args.argv = parser, argv
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("transformers", "huggingface_hub", "accelerate"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     stage = STAGES[args.stage]

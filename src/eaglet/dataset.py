@@ -50,18 +50,24 @@ class Dataset:
 
 
 def no_files_message(root: Path) -> str:
-    hint = ("; this is an `eaglet prepare` output: train on it with --online, or run `eaglet extract` on it first"
-            if (root / formats.PREPARE_CONFIG_FILE).exists() else "")
-    return (f"{root}: no hidden-state files (hidden_states/rows_*/data_*.pt, data_*.pt, rows_*/data_*.ckpt[.gz] or "
-            f"hs_*.safetensors) and no {formats.DATA_CONFIG_FILE}; not an `eaglet extract`, speculators or "
-            f"SpecForge dataset{hint}")
+    hint = (
+        "; this is an `eaglet prepare` output: train on it with --online, or run `eaglet extract` on it first"
+        if (root / formats.PREPARE_CONFIG_FILE).exists()
+        else ""
+    )
+    return (
+        f"{root}: no hidden-state files (hidden_states/rows_*/data_*.pt, data_*.pt, rows_*/data_*.ckpt[.gz] or "
+        f"hs_*.safetensors) and no {formats.DATA_CONFIG_FILE}; not an `eaglet extract`, speculators or "
+        f"SpecForge dataset{hint}"
+    )
 
 
 def check_v1_config(root: Path, cfg: DataConfig | None) -> None:
     """eaglet's own layout always has a complete data_config.json: refuse one that is missing or short."""
     if cfg is None:
-        raise FileNotFoundError(f"{root}: no {formats.DATA_CONFIG_FILE}; not an `eaglet extract` dataset "
-                                "(or extraction has not started)")
+        raise FileNotFoundError(
+            f"{root}: no {formats.DATA_CONFIG_FILE}; not an `eaglet extract` dataset (or extraction has not started)"
+        )
     missing = [k for k in REQUIRED_DATA_FIELDS if getattr(cfg, k) is None]
     if missing:
         raise ValueError(f"{root / formats.DATA_CONFIG_FILE}: missing field(s) {missing}")
@@ -78,10 +84,12 @@ def resolve_aux_layer_ids(root: Path, cfg: DataConfig, given: list[int] | None) 
             raise ValueError(f"--aux-layer-ids {list(given)}: {where} records aux ids {recorded[:-1]}")
         return list(recorded[:-1])
     if given is None:
-        raise ValueError(f"{root}: no {formats.DATA_CONFIG_FILE} with layer_ids, so which target layers the three "
-                         "stored aux states come from is not recorded; pass --aux-layer-ids (EAGLE-3's default for "
-                         "an N-layer target is 2,N//2,N-3 in hidden_states ids, which SpecForge's hooks on layers "
-                         "1,N//2-1,N-4 also produce; `eaglet check DIR --target T` names the layer of each slot)")
+        raise ValueError(
+            f"{root}: no {formats.DATA_CONFIG_FILE} with layer_ids, so which target layers the three "
+            "stored aux states come from is not recorded; pass --aux-layer-ids (EAGLE-3's default for "
+            "an N-layer target is 2,N//2,N-3 in hidden_states ids, which SpecForge's hooks on layers "
+            "1,N//2-1,N-4 also produce; `eaglet check DIR --target T` names the layer of each slot)"
+        )
     return layers.check_aux_ids(given, where="--aux-layer-ids")
 
 
@@ -93,16 +101,20 @@ def resolve_last_state(root: Path, cfg: DataConfig, given: str | None, layout: s
         raise ValueError(f"--last-hidden-state {given}: {root / formats.DATA_CONFIG_FILE} records {recorded!r}")
     value = recorded or given or formats.layout(layout).last_state
     if value not in formats.LAST_STATE_CONVENTIONS:
-        raise ValueError(f"{root}: last_hidden_state is {value!r}; training knows "
-                         f"{list(formats.LAST_STATE_CONVENTIONS)} (with {formats.LAST_STATE_PRE_NORM!r} it applies "
-                         "the target's final norm itself)")
+        raise ValueError(
+            f"{root}: last_hidden_state is {value!r}; training knows "
+            f"{list(formats.LAST_STATE_CONVENTIONS)} (with {formats.LAST_STATE_PRE_NORM!r} it applies "
+            "the target's final norm itself)"
+        )
     return value
 
 
-def scan_tokens(root: Path, files: dict[int, Path], layout: str,
-                show_progress: bool) -> tuple[dict[int, int], dict[int, int]]:
+def scan_tokens(
+    root: Path, files: dict[int, Path], layout: str, show_progress: bool
+) -> tuple[dict[int, int], dict[int, int]]:
     """(lengths, masked-token frequencies) read from the files themselves, for a dataset that has
     no sample_lengths.json / token_freq.pt. Reads input_ids and loss_mask only."""
+
     def read(i: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """(index, length, masked token ids, their counts) of one file."""
         try:
@@ -111,22 +123,32 @@ def scan_tokens(root: Path, files: dict[int, Path], layout: str,
         except ValueError:
             raise  # the format readers' own messages already name the file and the field
         except Exception as e:  # a corrupt file: point at the full report rather than a bare traceback
-            raise ValueError(f"{files[i]}: cannot read input_ids / loss_mask ({type(e).__name__}: {e}); "
-                             f"`eaglet check {root}` reports every problem") from e
+            raise ValueError(
+                f"{files[i]}: cannot read input_ids / loss_mask ({type(e).__name__}: {e}); "
+                f"`eaglet check {root}` reports every problem"
+            ) from e
 
     lengths: dict[int, int] = {}
     freq: dict[int, int] = {}
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for i, n, toks, counts in tqdm(pool.map(read, sorted(files)), total=len(files), desc="read token ids",
-                                       unit="file", file=sys.stderr, dynamic_ncols=True, disable=not show_progress):
+        for i, n, toks, counts in tqdm(
+            pool.map(read, sorted(files)),
+            total=len(files),
+            desc="read token ids",
+            unit="file",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not show_progress,
+        ):
             lengths[i] = n
             for tok, c in zip(toks.tolist(), counts.tolist()):
                 freq[tok] = freq.get(tok, 0) + c
     return lengths, freq
 
 
-def side_data(root: Path, files: dict[int, Path], layout: str,
-              show_progress: bool) -> tuple[dict[int, int], dict[int, int]]:
+def side_data(
+    root: Path, files: dict[int, Path], layout: str, show_progress: bool
+) -> tuple[dict[int, int], dict[int, int]]:
     """Sample lengths and token frequencies from sample_lengths.json / token_freq.pt. eaglet's own
     layout must have both; a foreign dataset may lack them, and then they are computed from its files."""
     lengths_path, freq_path = root / formats.SAMPLE_LENGTHS_FILE, root / formats.TOKEN_FREQ_FILE
@@ -139,9 +161,13 @@ def side_data(root: Path, files: dict[int, Path], layout: str,
         lengths = {}  # reported below as lengths missing for every sample
     if lengths is None or freq is None:
         missing = [p.name for p, v in ((lengths_path, lengths), (freq_path, freq)) if v is None]
-        log.info("%s has no %s: reading the token ids and loss masks of its %d files to compute them "
-                 "(the draft vocabulary comes from masked-token frequencies, length bucketing from lengths)",
-                 root, " / ".join(missing), len(files))
+        log.info(
+            "%s has no %s: reading the token ids and loss masks of its %d files to compute them "
+            "(the draft vocabulary comes from masked-token frequencies, length bucketing from lengths)",
+            root,
+            " / ".join(missing),
+            len(files),
+        )
         scanned_lengths, scanned_freq = scan_tokens(root, files, layout, show_progress)
         lengths = scanned_lengths if lengths is None else lengths
         freq = scanned_freq if freq is None else freq
@@ -150,8 +176,12 @@ def side_data(root: Path, files: dict[int, Path], layout: str,
     return {i: lengths[i] for i in files}, freq
 
 
-def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_hidden_state: str | None = None,
-                 show_progress: bool = False) -> Dataset:
+def open_dataset(
+    root: str | Path,
+    aux_layer_ids: list[int] | None = None,
+    last_hidden_state: str | None = None,
+    show_progress: bool = False,
+) -> Dataset:
     """Open a hidden-state dataset in any layout `eaglet check` accepts, cross-check what it records
     against its files, and refuse one that is incomplete or inconsistent. eaglet's v1 layout must
     have all its side files; a foreign one (flat v1, SpecForge, hs_*.safetensors) may lack them."""
@@ -172,8 +202,9 @@ def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_
     else:
         files = dict(listing.files)
         if len(files) != len(listing.files):
-            raise ValueError(f"{root}: {len(listing.files) - len(files)} duplicate sample indices; "
-                             f"`eaglet check {root}` lists them")
+            raise ValueError(
+                f"{root}: {len(listing.files) - len(files)} duplicate sample indices; `eaglet check {root}` lists them"
+            )
     version_problem = lay.config_problem(cfg.to_json())
     if version_problem:
         raise ValueError(f"{root / formats.DATA_CONFIG_FILE}: {version_problem}")
@@ -182,12 +213,16 @@ def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_
         unpaired = [f"no file for row(s) {gaps[:10]}" for gaps in [sorted(set(range(rows)) - set(files))] if gaps]
         unpaired += [f"file(s) {extra[:10]} beyond them" for extra in [sorted(set(files) - set(range(rows)))] if extra]
         if unpaired:
-            raise ValueError(f"{root}: its Arrow table has {rows} rows; {', '.join(unpaired)}: finish `eaglet "
-                             f"extract`, or `eaglet check {root}` for the full report")
+            raise ValueError(
+                f"{root}: its Arrow table has {rows} rows; {', '.join(unpaired)}: finish `eaglet "
+                f"extract`, or `eaglet check {root}` for the full report"
+            )
     expected = cfg.num_samples
     if expected is not None and len(files) != expected:
-        raise ValueError(f"{root}: {len(files)} sample files, {formats.DATA_CONFIG_FILE} says {expected}; "
-                         "finish (or rerun) `eaglet extract` first")
+        raise ValueError(
+            f"{root}: {len(files)} sample files, {formats.DATA_CONFIG_FILE} says {expected}; "
+            "finish (or rerun) `eaglet extract` first"
+        )
     aux_ids = resolve_aux_layer_ids(root, cfg, aux_layer_ids)
     last_state = resolve_last_state(root, cfg, last_hidden_state, layout)
     lengths, freq = side_data(root, files, layout, show_progress)
@@ -198,13 +233,28 @@ def open_dataset(root: str | Path, aux_layer_ids: list[int] | None = None, last_
     assert stored is not None  # a file holds its last state or its stored teacher
     last = stored if isinstance(stored, torch.Tensor) else stored.ids  # the teacher's rows: [T, K]
     shapes = (tuple(first.aux_hidden.shape), tuple(last.shape))
-    want = ((lengths[min(files)], 3 * hidden), (lengths[min(files)], hidden if first.teacher is None else last.shape[1]))
+    want = (
+        (lengths[min(files)], 3 * hidden),
+        (lengths[min(files)], hidden if first.teacher is None else last.shape[1]),
+    )
     if shapes != want:
-        raise ValueError(f"{first_path}: hidden_states shapes aux {shapes[0]}, last {shapes[1]}; "
-                         f"{formats.DATA_CONFIG_FILE} / sample lengths imply {want[0]}, {want[1]}")
+        raise ValueError(
+            f"{first_path}: hidden_states shapes aux {shapes[0]}, last {shapes[1]}; "
+            f"{formats.DATA_CONFIG_FILE} / sample lengths imply {want[0]}, {want[1]}"
+        )
     dtype = cfg.hidden_states_dtype if lay.dequantized else dtype_name(first.aux_hidden.dtype)
-    return Dataset(root, replace(cfg, hidden_size=hidden), files, lengths, freq, layout, aux_ids, last_state, dtype,
-                   first.teacher.ids.shape[1] if first.teacher is not None else None)
+    return Dataset(
+        root,
+        replace(cfg, hidden_size=hidden),
+        files,
+        lengths,
+        freq,
+        layout,
+        aux_ids,
+        last_state,
+        dtype,
+        first.teacher.ids.shape[1] if first.teacher is not None else None,
+    )
 
 
 def check_target_matches(data_cfg: DataConfig, target_cfg: Any, ref: TargetRef) -> None:
@@ -213,12 +263,16 @@ def check_target_matches(data_cfg: DataConfig, target_cfg: Any, ref: TargetRef) 
     for key, theirs in (("hidden_size", target_cfg.hidden_size), ("vocab_size", target_cfg.vocab_size)):
         ours = getattr(data_cfg, key)
         if ours is not None and ours != theirs:
-            raise ValueError(f"target {ref.name} has {key}={theirs!r}, the dataset was extracted with "
-                             f"{ours!r} ({data_cfg.target or '?'}); pass the same --target")
+            raise ValueError(
+                f"target {ref.name} has {key}={theirs!r}, the dataset was extracted with "
+                f"{ours!r} ({data_cfg.target or '?'}); pass the same --target"
+            )
     if data_cfg.target_revision is not None and not ref.is_revision(data_cfg.target_revision):
-        raise ValueError(f"target {ref.name} has target_revision={ref.revision!r}, the dataset was extracted with "
-                         f"{data_cfg.target_revision!r} ({data_cfg.target or '?'}): another config, tokenizer or "
-                         "heads (embeddings, final norm, LM head); pass the same --target")
+        raise ValueError(
+            f"target {ref.name} has target_revision={ref.revision!r}, the dataset was extracted with "
+            f"{data_cfg.target_revision!r} ({data_cfg.target or '?'}): another config, tokenizer or "
+            "heads (embeddings, final norm, LM head); pass the same --target"
+        )
 
 
 def recorded_target_where(ds: Dataset) -> str:
@@ -231,5 +285,7 @@ def dataset_target(ds: Dataset, target: str | None) -> str | None:
     as every stage does; a foreign dataset that records no target must be told which one it is."""
     if target is not None or ds.config.target_path is not None or formats.layout(ds.layout).side_files:
         return target if target is not None else ds.config.target_path
-    raise ValueError(f"{ds.root}: no {formats.DATA_CONFIG_FILE} with target_path records which model these hidden "
-                     "states came from; pass --target (the model folder or hub id)")
+    raise ValueError(
+        f"{ds.root}: no {formats.DATA_CONFIG_FILE} with target_path records which model these hidden "
+        "states came from; pass --target (the model folder or hub id)"
+    )

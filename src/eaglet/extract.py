@@ -35,9 +35,22 @@ from eaglet.drafter.teacher import StoredTeacherMaker
 from eaglet.formats import DataConfig, TokenizedSample
 from eaglet.options import HF_ENGINE, VLLM_ENGINE, ExtractOptions
 from eaglet.placement import placement_from_options
-from eaglet.target import (LayerCapture, TargetRef, config_positions, config_where, decoder_layers, dtype_name,
-                           load_heads, load_target, load_tokenizer, parse_dtype, pick_device, prepared_target,
-                           run_batch, text_config)
+from eaglet.target import (
+    LayerCapture,
+    TargetRef,
+    config_positions,
+    config_where,
+    decoder_layers,
+    dtype_name,
+    load_heads,
+    load_target,
+    load_tokenizer,
+    parse_dtype,
+    pick_device,
+    prepared_target,
+    run_batch,
+    text_config,
+)
 from eaglet.vllm_engine import EngineOptions, engine_options_from, engine_record, vllm_engine
 
 if TYPE_CHECKING:  # transformers' modelling code loads only with a model
@@ -74,11 +87,23 @@ def length_batches(indices: list[int], lengths: list[int], batch_tokens: int, ma
     return batches
 
 
-def write_one(out: Path, layout: formats.Layout, index: int, sample: TokenizedSample, states: list[torch.Tensor],
-              teacher: StoredTeacherMaker | None) -> Path:
-    return formats.write_sample(out, layout, index, torch.tensor(sample.input_ids, dtype=torch.long), states,
-                                torch.tensor(sample.loss_mask, dtype=torch.long),
-                                teacher(states[-1]) if teacher else None)
+def write_one(
+    out: Path,
+    layout: formats.Layout,
+    index: int,
+    sample: TokenizedSample,
+    states: list[torch.Tensor],
+    teacher: StoredTeacherMaker | None,
+) -> Path:
+    return formats.write_sample(
+        out,
+        layout,
+        index,
+        torch.tensor(sample.input_ids, dtype=torch.long),
+        states,
+        torch.tensor(sample.loss_mask, dtype=torch.long),
+        teacher(states[-1]) if teacher else None,
+    )
 
 
 def prepared_sha256(samples: list[TokenizedSample]) -> str:
@@ -88,42 +113,56 @@ def prepared_sha256(samples: list[TokenizedSample]) -> str:
     return h.hexdigest()[:16]
 
 
-def build_data_config(out: Path, ref, cfg: Any, tokenizer_template_sha: str, pconfig: dict,
-                      samples: list[TokenizedSample], layer_ids: list[int], compute_dtype: torch.dtype,
-                      store_dtype: torch.dtype, command: str, layout: formats.Layout = formats.V1_LAYOUT,
-                      stored_top_k: int = 0, engine: str = HF_ENGINE) -> DataConfig:
+def build_data_config(
+    out: Path,
+    ref,
+    cfg: Any,
+    tokenizer_template_sha: str,
+    pconfig: dict,
+    samples: list[TokenizedSample],
+    layer_ids: list[int],
+    compute_dtype: torch.dtype,
+    store_dtype: torch.dtype,
+    command: str,
+    layout: formats.Layout = formats.V1_LAYOUT,
+    stored_top_k: int = 0,
+    engine: str = HF_ENGINE,
+) -> DataConfig:
     """data_config.json of this extraction; `cfg` the target's (text) config, `engine` what
     computed the states ("hf", or "vllm <version>")."""
-    return formats.data_config_from({
-        "format": layout.name,
-        **layout.config_fields(min(stored_top_k, cfg.vocab_size)),
-        "eaglet_version": __version__,
-        "command": command,
-        "target": ref.name,
-        "target_path": ref.path,
-        "target_revision": ref.revision,
-        "architecture": (cfg.architectures or [type(cfg).__name__.removesuffix("Config")])[0],
-        "model_type": cfg.model_type,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "vocab_size": cfg.vocab_size,
-        "layer_ids": layer_ids,
-        "aux_layer_ids": layer_ids[:-1],
-        "layer_id_convention": formats.LAYER_ID_CONVENTION,
-        "last_hidden_state": formats.LAST_STATE_PRE_NORM,
-        "compute_dtype": dtype_name(compute_dtype),
-        "engine": engine,
-        "hidden_states_dtype": dtype_name(store_dtype),
-        "chat_template_sha256": tokenizer_template_sha,
-        "max_length": pconfig["max_length"],
-        "seq_length": max(len(s.input_ids) for s in samples),
-        "num_samples": len(samples),
-        "num_tokens": sum(len(s.input_ids) for s in samples),
-        "num_masked_tokens": sum(sum(s.loss_mask) for s in samples),
-        "rows_per_folder": formats.ROWS_PER_FOLDER,
-        "prepared_data": pconfig.get("data"),
-        "prepared_sha256": prepared_sha256(samples),
-    }, out / formats.DATA_CONFIG_FILE)
+    return formats.data_config_from(
+        {
+            "format": layout.name,
+            **layout.config_fields(min(stored_top_k, cfg.vocab_size)),
+            "eaglet_version": __version__,
+            "command": command,
+            "target": ref.name,
+            "target_path": ref.path,
+            "target_revision": ref.revision,
+            "architecture": (cfg.architectures or [type(cfg).__name__.removesuffix("Config")])[0],
+            "model_type": cfg.model_type,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "layer_ids": layer_ids,
+            "aux_layer_ids": layer_ids[:-1],
+            "layer_id_convention": formats.LAYER_ID_CONVENTION,
+            "last_hidden_state": formats.LAST_STATE_PRE_NORM,
+            "compute_dtype": dtype_name(compute_dtype),
+            "engine": engine,
+            "hidden_states_dtype": dtype_name(store_dtype),
+            "chat_template_sha256": tokenizer_template_sha,
+            "max_length": pconfig["max_length"],
+            "seq_length": max(len(s.input_ids) for s in samples),
+            "num_samples": len(samples),
+            "num_tokens": sum(len(s.input_ids) for s in samples),
+            "num_masked_tokens": sum(sum(s.loss_mask) for s in samples),
+            "rows_per_folder": formats.ROWS_PER_FOLDER,
+            "prepared_data": pconfig.get("data"),
+            "prepared_sha256": prepared_sha256(samples),
+        },
+        out / formats.DATA_CONFIG_FILE,
+    )
 
 
 def refuse_unrunnable_samples(prepared: str | Path, samples: list[TokenizedSample], ref: TargetRef) -> None:
@@ -136,10 +175,12 @@ def refuse_unrunnable_samples(prepared: str | Path, samples: list[TokenizedSampl
     longer = [n for n, s in enumerate(samples) if len(s.input_ids) > limit]
     if longer:
         n = longer[0]
-        raise ValueError(f"{Path(prepared) / formats.PREPARED_FILE}:{n + 1}: sample {samples[n].sample_id} has "
-                         f"{len(samples[n].input_ids)} tokens, more than the {limit} positions the target holds "
-                         f"(max_position_embeddings in {config_where(ref)}); {len(longer)} of {len(samples)} "
-                         f"samples are that long: run `eaglet prepare` again with --max-length {limit} or less")
+        raise ValueError(
+            f"{Path(prepared) / formats.PREPARED_FILE}:{n + 1}: sample {samples[n].sample_id} has "
+            f"{len(samples[n].input_ids)} tokens, more than the {limit} positions the target holds "
+            f"(max_position_embeddings in {config_where(ref)}); {len(longer)} of {len(samples)} "
+            f"samples are that long: run `eaglet prepare` again with --max-length {limit} or less"
+        )
 
 
 @dataclass
@@ -183,6 +224,7 @@ def dataset_disk_usage(out: Path, lengths: dict[int, int]) -> tuple[int, int]:
 @dataclass
 class Shard:
     """This shard's samples: which it owns and which of them are still to be written."""
+
     mine: list[int]
     todo: list[int]
 
@@ -192,19 +234,28 @@ def check_shard(num_shards: int, shard_id: int) -> None:
         raise ValueError(f"--shard-id {shard_id} must be in [0, --num-shards {num_shards})")
 
 
-def write_side_files(out: Path, prepared: str | Path, written: formats.Layout, samples: list[TokenizedSample],
-                     lengths: dict[int, int]) -> None:
+def write_side_files(
+    out: Path, prepared: str | Path, written: formats.Layout, samples: list[TokenizedSample], lengths: dict[int, int]
+) -> None:
     """The dataset's table (speculators' layout), sample_lengths.json and token_freq.pt, once."""
     formats.start_dataset(out, written, [(s.input_ids, s.loss_mask) for s in samples])
     if not (out / formats.SAMPLE_LENGTHS_FILE).exists():
         formats.write_sample_lengths(out / formats.SAMPLE_LENGTHS_FILE, lengths)
     if not (out / formats.TOKEN_FREQ_FILE).exists():
-        formats.write_token_freq(out / formats.TOKEN_FREQ_FILE,
-                                 formats.read_token_freq(Path(prepared) / formats.TOKEN_FREQ_FILE))
+        formats.write_token_freq(
+            out / formats.TOKEN_FREQ_FILE, formats.read_token_freq(Path(prepared) / formats.TOKEN_FREQ_FILE)
+        )
 
 
-def plan_shard(out: Path, written: formats.Layout, count: int, num_shards: int, shard_id: int, lengths: dict[int, int],
-               num_states: int) -> Shard:
+def plan_shard(
+    out: Path,
+    written: formats.Layout,
+    count: int,
+    num_shards: int,
+    shard_id: int,
+    lengths: dict[int, int],
+    num_states: int,
+) -> Shard:
     """This shard's samples and those of them still to write: a file that exists is complete (files
     appear only by rename), unless something else wrote it, and then it is redone."""
     mine = [i for i in range(count) if i % num_shards == shard_id]
@@ -214,12 +265,21 @@ def plan_shard(out: Path, written: formats.Layout, count: int, num_shards: int, 
         log.info("removed %d partial files left by an earlier run", stale)
     todo = [i for i in mine if not paths[i].exists()]
     missing = set(todo)
-    redo = [(i, why) for i in mine if i not in missing
-            for why in [formats.sample_file_problem(paths[i], written, lengths[i], num_states)] if why]
+    redo = [
+        (i, why)
+        for i in mine
+        if i not in missing
+        for why in [formats.sample_file_problem(paths[i], written, lengths[i], num_states)]
+        if why
+    ]
     formats.refuse_other_samples([(paths[i], why) for i, why in redo])
     if redo:
-        log.warning("%d existing file(s) are not complete safe samples and will be redone (first: %s: %s)",
-                    len(redo), paths[redo[0][0]].relative_to(out), redo[0][1])
+        log.warning(
+            "%d existing file(s) are not complete safe samples and will be redone (first: %s: %s)",
+            len(redo),
+            paths[redo[0][0]].relative_to(out),
+            redo[0][1],
+        )
         todo = sorted(todo + [i for i, _ in redo])
     return Shard(mine, todo)
 
@@ -250,9 +310,20 @@ class WriteQueue:
             self.pool.shutdown(wait=True, cancel_futures=exc[0] is not None)
 
 
-def run_and_write(model: PreTrainedModel, samples: list[TokenizedSample], batches: list[list[int]], layer_ids: list[int],
-                  dev: torch.device, save_dtype: torch.dtype, out: Path, written: formats.Layout, config: DataConfig,
-                  teacher: StoredTeacherMaker | None, write_threads: int, bar: tqdm) -> None:
+def run_and_write(
+    model: PreTrainedModel,
+    samples: list[TokenizedSample],
+    batches: list[list[int]],
+    layer_ids: list[int],
+    dev: torch.device,
+    save_dtype: torch.dtype,
+    out: Path,
+    written: formats.Layout,
+    config: DataConfig,
+    teacher: StoredTeacherMaker | None,
+    write_threads: int,
+    bar: tqdm,
+) -> None:
     """The target over every batch, each sample's states written by a pool of writers."""
     capture = LayerCapture(decoder_layers(model), layer_ids)
     try:
@@ -277,6 +348,7 @@ def run_and_write(model: PreTrainedModel, samples: list[TokenizedSample], batche
 # --engine vllm: vLLM computes the states, eaglet writes them
 # ---------------------------------------------------------------------------------------------
 
+
 def engine_scratch(out: Path, shard_id: int, num_shards: int) -> Path:
     """Where vLLM writes this shard's per-request files before eaglet consumes them: inside the
     output (one filesystem, so disk never holds a sample twice for long), emptied of an earlier
@@ -288,8 +360,9 @@ def engine_scratch(out: Path, shard_id: int, num_shards: int) -> Path:
     return scratch
 
 
-def refuse_beyond_engine_context(prepared: str | Path, samples: list[TokenizedSample], todo: Iterable[int],
-                                 options: EngineOptions | None) -> None:
+def refuse_beyond_engine_context(
+    prepared: str | Path, samples: list[TokenizedSample], todo: Iterable[int], options: EngineOptions | None
+) -> None:
     """Before anything is written: a sample of this shard longer than the engine's context (an
     explicit --max-model-len) would be refused by vLLM mid-run; name the first and say what fits."""
     if options is None or not options.max_model_len:
@@ -298,24 +371,40 @@ def refuse_beyond_engine_context(prepared: str | Path, samples: list[TokenizedSa
     longer = [i for i in todo if len(samples[i].input_ids) + 1 > max_model_len]
     if longer:
         i = longer[0]
-        raise ValueError(f"{Path(prepared) / formats.PREPARED_FILE}:{i + 1}: sample {samples[i].sample_id} has "
-                         f"{len(samples[i].input_ids)} tokens; vLLM's --max-model-len {max_model_len} holds "
-                         f"{max_model_len - 1} (one position goes to the token it generates); {len(longer)} samples "
-                         "are that long: raise --max-model-len, or prepare with a smaller --max-length")
+        raise ValueError(
+            f"{Path(prepared) / formats.PREPARED_FILE}:{i + 1}: sample {samples[i].sample_id} has "
+            f"{len(samples[i].input_ids)} tokens; vLLM's --max-model-len {max_model_len} holds "
+            f"{max_model_len - 1} (one position goes to the token it generates); {len(longer)} samples "
+            "are that long: raise --max-model-len, or prepare with a smaller --max-length"
+        )
 
 
-def extract_with_vllm(ref: TargetRef, prepared: str | Path, samples: list[TokenizedSample], batches: list[list[int]],
-                      layer_ids: list[int], options: EngineOptions, save_dtype: torch.dtype, out: Path,
-                      written: formats.Layout, config: DataConfig, teacher: StoredTeacherMaker | None, write_threads: int,
-                      shard: tuple[int, int], bar: tqdm) -> float:
+def extract_with_vllm(
+    ref: TargetRef,
+    prepared: str | Path,
+    samples: list[TokenizedSample],
+    batches: list[list[int]],
+    layer_ids: list[int],
+    options: EngineOptions,
+    save_dtype: torch.dtype,
+    out: Path,
+    written: formats.Layout,
+    config: DataConfig,
+    teacher: StoredTeacherMaker | None,
+    write_threads: int,
+    shard: tuple[int, int],
+    bar: tqdm,
+) -> float:
     """vLLM's extraction over every batch: each request's file read back, checked against its
     sample (tokens, layers, width), written in the `written` layout, and deleted. Returns the engine's start-up
     seconds."""
     scratch = engine_scratch(out, *shard)
     hidden = config.hidden_size or 0
     try:
-        with vllm_engine(ref.path, options, extract={"layer_ids": layer_ids, "folder": str(scratch)}) as engine, \
-                WriteQueue(write_threads) as writes:
+        with (
+            vllm_engine(ref.path, options, extract={"layer_ids": layer_ids, "folder": str(scratch)}) as engine,
+            WriteQueue(write_threads) as writes,
+        ):
             log.info("vLLM %s started in %.0f s", engine.version, engine.start_seconds)
             started = engine.start_seconds
             for batch in batches:
@@ -323,8 +412,10 @@ def extract_with_vllm(ref: TargetRef, prepared: str | Path, samples: list[Tokeni
                 formats.refuse_other_dataset(out, config)
                 for i, path in zip(batch, paths):
                     where = f"{Path(prepared) / formats.PREPARED_FILE}:{i + 1}, sample {samples[i].sample_id}"
-                    states = [x.to(save_dtype) for x in
-                              formats.read_vllm_states(path, samples[i].input_ids, len(layer_ids), hidden, where)]
+                    states = [
+                        x.to(save_dtype)
+                        for x in formats.read_vllm_states(path, samples[i].input_ids, len(layer_ids), hidden, where)
+                    ]
                     path.unlink()
                     writes.submit(write_one, out, written, i, samples[i], states, teacher)
                 bar.update(sum(len(samples[i].input_ids) for i in batch))
@@ -334,8 +425,14 @@ def extract_with_vllm(ref: TargetRef, prepared: str | Path, samples: list[Tokeni
     return started
 
 
-def refuse_before_writing(out: Path, prepared: str | Path, samples: list[TokenizedSample], ref: TargetRef,
-                          shard: tuple[int, int], options: EngineOptions | None) -> None:
+def refuse_before_writing(
+    out: Path,
+    prepared: str | Path,
+    samples: list[TokenizedSample],
+    ref: TargetRef,
+    shard: tuple[int, int],
+    options: EngineOptions | None,
+) -> None:
     """What must be refused before anything is written: a run of another --num-shards writing the
     folder now, samples the target cannot take, samples beyond vLLM's context."""
     shard_id, num_shards = shard
@@ -351,22 +448,31 @@ def engine_choice(options: ExtractOptions) -> EngineOptions | None:
     if options.engine == HF_ENGINE:
         return None
     if options.device_map is not None:
-        raise ValueError(f"--device-map {options.device_map}: places the target of --engine {HF_ENGINE}; vLLM places "
-                         "its own (--tensor-parallel-size, --pipeline-parallel-size)")
+        raise ValueError(
+            f"--device-map {options.device_map}: places the target of --engine {HF_ENGINE}; vLLM places "
+            "its own (--tensor-parallel-size, --pipeline-parallel-size)"
+        )
     return engine_options_from(options)
 
 
-def vllm_options(options: EngineOptions, compute_dtype: torch.dtype, samples: list[TokenizedSample],
-                 todo: list[int]) -> EngineOptions:
+def vllm_options(
+    options: EngineOptions, compute_dtype: torch.dtype, samples: list[TokenizedSample], todo: list[int]
+) -> EngineOptions:
     """The engine's options for this shard: the compute dtype, and a context of the longest sample
     to extract (plus the one token vLLM generates) unless one is given."""
     longest = max((len(samples[i].input_ids) for i in todo), default=1)
     return replace(options, dtype=dtype_name(compute_dtype), max_model_len=options.max_model_len or longest + 1)
 
 
-def load_engine_side(engine: EngineOptions | None, ref: TargetRef, compute_dtype: torch.dtype, dev: torch.device, placed,
-                     written: formats.Layout, stored_top_k: int
-                     ) -> tuple[PreTrainedModel | None, Any, StoredTeacherMaker | None]:
+def load_engine_side(
+    engine: EngineOptions | None,
+    ref: TargetRef,
+    compute_dtype: torch.dtype,
+    dev: torch.device,
+    placed,
+    written: formats.Layout,
+    stored_top_k: int,
+) -> tuple[PreTrainedModel | None, Any, StoredTeacherMaker | None]:
     """What this process loads: with the hf engine (`engine` None) the whole target (its config, and its head for
     the compact layout's teacher); with vLLM only the config, and the head alone when the layout
     stores a teacher."""
@@ -377,18 +483,34 @@ def load_engine_side(engine: EngineOptions | None, ref: TargetRef, compute_dtype
     return None, text_config(ref), StoredTeacherMaker(heads, stored_top_k) if heads is not None else None
 
 
-def extract(options: ExtractOptions, command: str = "", write_threads: int = 2,
-            show_progress: bool = True) -> ExtractSummary:
+def extract(
+    options: ExtractOptions, command: str = "", write_threads: int = 2, show_progress: bool = True
+) -> ExtractSummary:
     """Extract the hidden states of every prepared sample of this shard into `out`, in `layout`
     (a `formats.WRITTEN_LAYOUTS` name); the compact layout stores the target's `stored_top_k`
     most likely next tokens in place of the last state. `engine` "hf" runs the target here (with
     `device_map` across devices, `eaglet.placement`); "vllm" has vLLM compute the same states
     (`eaglet.vllm_engine`, with its parallelism and memory options) and writes them the same way."""
-    prepared, target, layer_ids, stored_top_k = options.prepared, options.target, options.layer_ids, options.stored_top_k
-    num_shards, shard_id, batch_tokens, max_batch_size = (options.num_shards, options.shard_id, options.batch_tokens,
-                                                          options.max_batch_size)
-    ranges.at_least(1, num_shards=num_shards, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
-                    write_threads=write_threads, stored_top_k=stored_top_k)
+    prepared, target, layer_ids, stored_top_k = (
+        options.prepared,
+        options.target,
+        options.layer_ids,
+        options.stored_top_k,
+    )
+    num_shards, shard_id, batch_tokens, max_batch_size = (
+        options.num_shards,
+        options.shard_id,
+        options.batch_tokens,
+        options.max_batch_size,
+    )
+    ranges.at_least(
+        1,
+        num_shards=num_shards,
+        batch_tokens=batch_tokens,
+        max_batch_size=max_batch_size,
+        write_threads=write_threads,
+        stored_top_k=stored_top_k,
+    )
     check_shard(num_shards, shard_id)
     written = formats.written_layout(options.layout)
     engine = engine_choice(options)
@@ -406,9 +528,21 @@ def extract(options: ExtractOptions, command: str = "", write_threads: int = 2,
         model, target_config, teacher = load_engine_side(engine, ref, compute_dtype, dev, placed, written, stored_top_k)
         written.check_hidden_size(target_config.hidden_size, ref.name)
         layer_ids = chosen_layer_ids(layer_ids, target_config.num_hidden_layers)
-        config = build_data_config(out, ref, target_config, template_sha, pconfig, samples, layer_ids, compute_dtype,
-                                   save_dtype, command, written, stored_top_k,
-                                   HF_ENGINE if engine is None else engine_record())
+        config = build_data_config(
+            out,
+            ref,
+            target_config,
+            template_sha,
+            pconfig,
+            samples,
+            layer_ids,
+            compute_dtype,
+            save_dtype,
+            command,
+            written,
+            stored_top_k,
+            HF_ENGINE if engine is None else engine_record(),
+        )
         out.mkdir(parents=True, exist_ok=True)
         formats.ensure_data_config(out, config)
         lengths = {i: len(s.input_ids) for i, s in enumerate(samples)}
@@ -417,17 +551,48 @@ def extract(options: ExtractOptions, command: str = "", write_threads: int = 2,
         batches = length_batches(shard.todo, [len(s.input_ids) for s in samples], batch_tokens, max_batch_size)
         total_tokens = sum(lengths[i] for i in shard.todo)
         t0, started = time.time(), 0.0
-        bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract shard {shard_id}/{num_shards}",
-                   file=sys.stderr, dynamic_ncols=True, disable=not show_progress)
+        bar = tqdm(
+            total=total_tokens,
+            unit="tok",
+            unit_scale=True,
+            desc=f"extract shard {shard_id}/{num_shards}",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not show_progress,
+        )
         if model is not None:
-            run_and_write(model, samples, batches, layer_ids, dev, save_dtype, out, written, config, teacher,
-                          write_threads, bar)
+            run_and_write(
+                model, samples, batches, layer_ids, dev, save_dtype, out, written, config, teacher, write_threads, bar
+            )
         elif engine is not None and shard.todo:
-            started = extract_with_vllm(ref, prepared, samples, batches, layer_ids,
-                                        vllm_options(engine, compute_dtype, samples, shard.todo), save_dtype, out,
-                                        written, config, teacher, write_threads, (shard_id, num_shards), bar)
+            started = extract_with_vllm(
+                ref,
+                prepared,
+                samples,
+                batches,
+                layer_ids,
+                vllm_options(engine, compute_dtype, samples, shard.todo),
+                save_dtype,
+                out,
+                written,
+                config,
+                teacher,
+                write_threads,
+                (shard_id, num_shards),
+                bar,
+            )
         bar.close()
         disk_bytes, disk_tokens = dataset_disk_usage(out, lengths)
-        return ExtractSummary(out, len(shard.todo), len(shard.mine) - len(shard.todo), len(shard.mine), total_tokens,
-                              time.time() - t0, disk_bytes, disk_tokens, target_config.hidden_size, len(layer_ids),
-                              started)
+        return ExtractSummary(
+            out,
+            len(shard.todo),
+            len(shard.mine) - len(shard.todo),
+            len(shard.mine),
+            total_tokens,
+            time.time() - t0,
+            disk_bytes,
+            disk_tokens,
+            target_config.hidden_size,
+            len(layer_ids),
+            started,
+        )

@@ -40,8 +40,11 @@ class Family:
 
     def parallel_defaults(self) -> dict[str, int | None]:
         """The parallel options (train's --draft-layers, --block-size, --anchor-stride) left unset."""
-        return {"draft_layers": self.default_draft_layers, "block_size": self.default_block_size,
-                "anchor_stride": self.default_anchor_stride}
+        return {
+            "draft_layers": self.default_draft_layers,
+            "block_size": self.default_block_size,
+            "anchor_stride": self.default_anchor_stride,
+        }
 
     @property
     def position_name(self) -> str:
@@ -98,18 +101,47 @@ def family(name: str) -> Family:
         raise ValueError(f"drafter family {name!r}: one of {list(FAMILIES)}") from None
 
 
-EAGLE3 = register(Family(
-    "eagle3", "EAGLE-3", parallel=False, speculators_type="eagle3", speculators_architecture="Eagle3Speculator",
-    vllm_method="eagle3", sglang_algorithm="EAGLE3", llama_cpp=True))
+EAGLE3 = register(
+    Family(
+        "eagle3",
+        "EAGLE-3",
+        parallel=False,
+        speculators_type="eagle3",
+        speculators_architecture="Eagle3Speculator",
+        vllm_method="eagle3",
+        sglang_algorithm="EAGLE3",
+        llama_cpp=True,
+    )
+)
 # P-EAGLE's K = 8 and DFlash's block of 16 are the papers'. vLLM serves P-EAGLE (`parallel_drafting`
 # on an eagle3 config) from 0.32.0 to 0.33.x: 0.34.0's transformers_utils/configs/speculators/algos.py
 # (update_peagle) raises "P-EAGLE (parallel drafting EAGLE-3) is not supported".
-P_EAGLE = register(Family(
-    "p-eagle", "P-EAGLE", parallel=True, default_block_size=8, speculators_type="peagle",
-    speculators_architecture="PEagleSpeculator", vllm_method="eagle3", vllm_parallel_drafting=True,
-    vllm_served=((0, 32), (0, 33))))
-DFLASH = register(Family(
-    "dflash", "DFlash", parallel=True, default_block_size=16, anchor_in_block=True, injects_context=True,
-    layer_model_type="qwen3",
-    speculators_type="dflash", speculators_architecture="DFlashSpeculator", vllm_method="dflash",
-    vllm_served=((0, 32), None), sglang_algorithm="DFLASH"))
+P_EAGLE = register(
+    Family(
+        "p-eagle",
+        "P-EAGLE",
+        parallel=True,
+        default_block_size=8,
+        speculators_type="peagle",
+        speculators_architecture="PEagleSpeculator",
+        vllm_method="eagle3",
+        vllm_parallel_drafting=True,
+        vllm_served=((0, 32), (0, 33)),
+    )
+)
+DFLASH = register(
+    Family(
+        "dflash",
+        "DFlash",
+        parallel=True,
+        default_block_size=16,
+        anchor_in_block=True,
+        injects_context=True,
+        layer_model_type="qwen3",
+        speculators_type="dflash",
+        speculators_architecture="DFlashSpeculator",
+        vllm_method="dflash",
+        vllm_served=((0, 32), None),
+        sglang_algorithm="DFLASH",
+    )
+)

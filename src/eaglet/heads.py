@@ -42,19 +42,39 @@ HEAD_ROLES = (EMBEDDINGS, FINAL_NORM, LM_HEAD)
 # a multimodal one that wraps it (Kimi-K2.5, Llava-style), transformers 5's own multimodal layout.
 HEAD_BASES = ("model.", "language_model.model.", "model.language_model.", "")
 # The files that, with the heads, say which target this is; a partial download has them all.
-IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt", "added_tokens.json",
-                  "chat_template.jinja", "chat_template.json")
+IDENTITY_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # A head's identity hashes its dtype, shape and this many evenly spaced byte chunks (every byte of
 # a small one): a fine-tune changes every row of an LM head, and reading 4 MiB of a 2.3 GB head
 # keeps resolving a target instant.
 IDENTITY_CHUNKS, IDENTITY_CHUNK_BYTES = 64, 64 << 10
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Quantized layers store these beside (or instead of) `.weight`: their presence names the scheme.
-QUANTIZED_SUFFIXES = {"weight_packed": "compressed-tensors packed integers", "qweight": "GPTQ/AWQ packed integers",
-                      "weight_scale": "a per-channel scale", "SCB": "bitsandbytes int8"}
+QUANTIZED_SUFFIXES = {
+    "weight_packed": "compressed-tensors packed integers",
+    "qweight": "GPTQ/AWQ packed integers",
+    "weight_scale": "a per-channel scale",
+    "SCB": "bitsandbytes int8",
+}
 
 
 class HeadsNotFound(ValueError):
@@ -64,6 +84,7 @@ class HeadsNotFound(ValueError):
 # ---------------------------------------------------------------------------------------------
 # Where the heads are: names, shards, dtypes (headers only)
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class StoredTensor:
@@ -145,16 +166,19 @@ def weight_map(folder: Path) -> dict[str, str]:
         return formats.read_weight_index(folder / INDEX_FILE)
     if (folder / SINGLE_FILE).is_file():
         return {name: SINGLE_FILE for name in read_header(folder / SINGLE_FILE)[0] if name != "__metadata__"}
-    raise HeadsNotFound(f"{folder}: no {INDEX_FILE} and no {SINGLE_FILE}; eaglet reads a target's heads from "
-                        "safetensors files")
+    raise HeadsNotFound(
+        f"{folder}: no {INDEX_FILE} and no {SINGLE_FILE}; eaglet reads a target's heads from safetensors files"
+    )
 
 
 def stored_tensor(folder: Path, shard: str, name: str) -> StoredTensor:
     """A tensor's header entry; its shard must be in the folder (`--include` it when downloading)."""
     path = formats.inside_folder(folder, shard, str(folder / INDEX_FILE))
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; it holds {name}, which eaglet reads from the target (download it "
-                                f"too: `huggingface-cli download REPO {shard} ...`, docs/large-targets.md)")
+        raise FileNotFoundError(
+            f"{path}: missing; it holds {name}, which eaglet reads from the target (download it "
+            f"too: `huggingface-cli download REPO {shard} ...`, docs/large-targets.md)"
+        )
     header, data_start = read_header(path)
     entry = header.get(name)
     if not isinstance(entry, dict):
@@ -174,8 +198,9 @@ def head_names(names: dict[str, str], tie_word_embeddings: bool) -> dict[str, st
             if lm_head is None and not tie_word_embeddings:
                 raise HeadsNotFound(f"no {heads[0]} and tie_word_embeddings is false: the checkpoint names no LM head")
             return {EMBEDDINGS: embed, FINAL_NORM: norm, LM_HEAD: lm_head or embed}
-    raise HeadsNotFound("no <base>embed_tokens.weight with <base>norm.weight for any base in "
-                        f"{[b or '(none)' for b in HEAD_BASES]}")
+    raise HeadsNotFound(
+        f"no <base>embed_tokens.weight with <base>norm.weight for any base in {[b or '(none)' for b in HEAD_BASES]}"
+    )
 
 
 def quantized_scheme(names: dict[str, str], name: str, dtype: str) -> str | None:
@@ -200,9 +225,11 @@ def locate_heads(folder: str | Path, text: dict[str, Any] | None = None) -> Head
         t = stored_tensor(folder, names[name], name)
         why = quantized_scheme(names, name, t.dtype)
         if why:
-            raise ValueError(f"{t.file}: the target's {role.replace('_', ' ')} {name} is stored quantized ({why}); "
-                             "eaglet reads heads stored as floats, or FP8 with block scales (weight_scale_inv): "
-                             "dequantize this tensor to bf16 first")
+            raise ValueError(
+                f"{t.file}: the target's {role.replace('_', ' ')} {name} is stored quantized ({why}); "
+                "eaglet reads heads stored as floats, or FP8 with block scales (weight_scale_inv): "
+                "dequantize this tensor to bf16 first"
+            )
         tensors[role] = t
         if t.dtype.startswith("F8_"):
             scales[role] = stored_tensor(folder, names[f"{name}_scale_inv"], f"{name}_scale_inv")
@@ -223,8 +250,10 @@ def text_config_dict(folder: Path) -> dict[str, Any]:
 
 # A model folder's own Python code (config.json / tokenizer_config.json `auto_map`) runs only when
 # asked: `eaglet --trust-remote-code STAGE ...` sets this for the process and the engines it starts.
-REMOTE_CODE_HINT = (f"eaglet runs no code from a model folder unless told to: pass --trust-remote-code (eaglet "
-                    f"--trust-remote-code STAGE ..., or set {REMOTE_CODE_ENV}=1) if you trust that code")
+REMOTE_CODE_HINT = (
+    f"eaglet runs no code from a model folder unless told to: pass --trust-remote-code (eaglet "
+    f"--trust-remote-code STAGE ..., or set {REMOTE_CODE_ENV}=1) if you trust that code"
+)
 
 
 def trust_remote_code() -> bool:
@@ -253,6 +282,7 @@ def text_config(folder: str | Path) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Identity: config + tokenizer + the heads' bytes
 # ---------------------------------------------------------------------------------------------
+
 
 def tensor_chunks(t: StoredTensor) -> list[tuple[int, int]]:
     """(offset, size) of the byte ranges a tensor's identity reads: all of it when small."""
@@ -287,6 +317,7 @@ def heads_identity(location: HeadLocation) -> str:
 # ---------------------------------------------------------------------------------------------
 # Reading the heads
 # ---------------------------------------------------------------------------------------------
+
 
 class TargetRMSNorm(nn.Module):
     """The final RMS norm as Llama, Qwen and DeepSeek compute it (in fp32, then the input dtype,
@@ -332,8 +363,13 @@ class TargetHeads:
         return self.need(LM_HEAD, self.lm_head)
 
 
-def read_tensor(t: StoredTensor, dtype: torch.dtype | None, device: torch.device,
-                scale: StoredTensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def read_tensor(
+    t: StoredTensor,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    scale: StoredTensor | None = None,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
     """One stored tensor in `dtype` (None: as stored, FP8 as bf16) on `device`: read from the file
     into a host buffer of its stored size, then moved and cast (on a GPU the cast runs there, so
     the host never holds more than one stored copy)."""
@@ -362,13 +398,20 @@ def fp8_block(config: Any) -> tuple[int, int]:
 def final_norm(config: Any, weight: torch.Tensor) -> nn.Module:
     eps = getattr(config, "rms_norm_eps", None)
     if eps is None:
-        raise HeadsNotFound(f"config has no rms_norm_eps; the head-only reader knows RMS-normed targets only "
-                            f"(model_type {getattr(config, 'model_type', '?')})")
+        raise HeadsNotFound(
+            f"config has no rms_norm_eps; the head-only reader knows RMS-normed targets only "
+            f"(model_type {getattr(config, 'model_type', '?')})"
+        )
     return TargetRMSNorm(weight, eps, unit_offset=str(getattr(config, "model_type", "")).startswith("gemma"))
 
 
-def read_heads(folder: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               roles: tuple[str, ...] = HEAD_ROLES, config: Any = None) -> TargetHeads:
+def read_heads(
+    folder: str | Path,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    roles: tuple[str, ...] = HEAD_ROLES,
+    config: Any = None,
+) -> TargetHeads:
     """The target's heads in `dtype` (None: as stored) on `device`; only `roles` are read, the
     others are None. Nothing else of the checkpoint is opened."""
     folder = Path(folder)
@@ -390,8 +433,9 @@ def read_heads(folder: str | Path, dtype: torch.dtype | None = None, device: tor
         lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
     norm = final_norm(config, norm_weight) if norm_weight is not None else None
     missing = len(location.missing_shards)
-    source = (f"{folder} (heads only: {', '.join(roles)} from {', '.join(location.head_shards)}"
-              + (f"; {missing} of {len(location.shards)} shards absent)" if missing else ")"))
+    source = f"{folder} (heads only: {', '.join(roles)} from {', '.join(location.head_shards)}" + (
+        f"; {missing} of {len(location.shards)} shards absent)" if missing else ")"
+    )
     return TargetHeads(config, embeddings, norm, lm_head, source)
 
 

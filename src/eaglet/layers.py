@@ -31,8 +31,11 @@ def config_positions(config: Any) -> int:
     dict) holds: max_position_embeddings, `UNBOUNDED_POSITIONS` when the config does not say. That is
     the real limit, what the model computes: the tokenizer's model_max_length is only a hint, a
     placeholder (1e30) in many tokenizers and smaller than the config in others."""
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else getattr(
-        config, "max_position_embeddings", None)
+    value = (
+        config.get("max_position_embeddings")
+        if isinstance(config, dict)
+        else getattr(config, "max_position_embeddings", None)
+    )
     return int(value or UNBOUNDED_POSITIONS)
 
 
@@ -40,8 +43,10 @@ def default_aux_ids(num_layers: int) -> list[int]:
     """EAGLE-3's low / mid / high ids for an N-layer target; below 7 layers, where those are not
     three distinct ids, the first, middle and last decoder layer's outputs in 1..N-1."""
     if num_layers < 4:
-        raise ValueError(f"a target of {num_layers} layers has no three distinct layers in 1..{num_layers - 1} for "
-                         "EAGLE-3's aux states")
+        raise ValueError(
+            f"a target of {num_layers} layers has no three distinct layers in 1..{num_layers - 1} for "
+            "EAGLE-3's aux states"
+        )
     if num_layers < 7:
         return [1, num_layers // 2, num_layers - 1]
     return [2, num_layers // 2, num_layers - 3]
@@ -59,8 +64,10 @@ def is_id_list(ids: object) -> TypeGuard[list[int] | tuple[int, ...]]:
 def aux_ids_problem(ids: object, num_layers: int | None = None) -> str | None:
     """Why `ids` are not three aux ids (of an N-layer target, when N is given), or None."""
     span = f"in 1..{num_layers - 1} for this {num_layers}-layer target" if num_layers else ">= 1"
-    rule = (f"expected {NUM_AUX} strictly increasing integer ids {span} (HF hidden_states indexing: id k = output "
-            "of decoder layer k-1; the last layer N feeds the teacher)")
+    rule = (
+        f"expected {NUM_AUX} strictly increasing integer ids {span} (HF hidden_states indexing: id k = output "
+        "of decoder layer k-1; the last layer N feeds the teacher)"
+    )
     if not is_id_list(ids) or len(ids) != NUM_AUX or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 1:
         return rule
     if num_layers is not None and ids[-1] >= num_layers:
@@ -71,8 +78,10 @@ def aux_ids_problem(ids: object, num_layers: int | None = None) -> str | None:
 def stored_ids_problem(ids: object, num_layers: int | None = None) -> str | None:
     """Why `ids` are not the ids a dataset stores (three aux ids, then N), or None."""
     if not is_id_list(ids) or len(ids) != NUM_STORED:
-        return (f"expected {NUM_STORED} integer ids: the {NUM_AUX} aux ids EAGLE-3 fuses, then the last layer N "
-                "(the teacher's state)")
+        return (
+            f"expected {NUM_STORED} integer ids: the {NUM_AUX} aux ids EAGLE-3 fuses, then the last layer N "
+            "(the teacher's state)"
+        )
     problem = aux_ids_problem(list(ids[:NUM_AUX]), num_layers)
     if problem:
         return problem

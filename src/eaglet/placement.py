@@ -27,8 +27,17 @@ from eaglet.options import DEVICE_MAP_STRATEGIES
 
 Device = Union[int, str]  # a CUDA index, "cpu" or "disk" (accelerate's names)
 CPU, DISK = "cpu", "disk"
-UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -46,8 +55,9 @@ class Placement:
         return self.device_map if isinstance(self.device_map, str) else None
 
 
-def placement_from_options(device_map: str | None, max_memory: str | None = None, offload_folder: str | None = None,
-                           device: str | None = None) -> Placement | None:
+def placement_from_options(
+    device_map: str | None, max_memory: str | None = None, offload_folder: str | None = None, device: str | None = None
+) -> Placement | None:
     """The `Placement` the options ask for, or None without `--device-map` (one device, `--device`).
 
     `--device` with `--device-map` is refused: the map places the target, and a second answer to
@@ -55,12 +65,16 @@ def placement_from_options(device_map: str | None, max_memory: str | None = None
     if device_map is None:
         given = [name for name, v in (("--max-memory", max_memory), ("--offload-folder", offload_folder)) if v]
         if given:
-            raise ValueError(f"{' and '.join(given)} apply to a target placed with --device-map; give --device-map "
-                             f"({', '.join(DEVICE_MAP_STRATEGIES)} or a JSON file) or leave them out")
+            raise ValueError(
+                f"{' and '.join(given)} apply to a target placed with --device-map; give --device-map "
+                f"({', '.join(DEVICE_MAP_STRATEGIES)} or a JSON file) or leave them out"
+            )
         return None
     if device:
-        raise ValueError(f"--device {device} and --device-map {device_map} together: the device map places the "
-                         "target (its first device is where inputs go); leave out --device")
+        raise ValueError(
+            f"--device {device} and --device-map {device_map} together: the device map places the "
+            "target (its first device is where inputs go); leave out --device"
+        )
     limits = parse_max_memory(max_memory) if max_memory else None
     if offload_folder:
         check_offload_folder(offload_folder)
@@ -74,17 +88,21 @@ def check_offload_folder(folder: str) -> None:
     (a dangling link, a path under a file or in /proc otherwise fails deep in accelerate with a bare errno)."""
     path = Path(folder)
     if path.is_symlink() and not path.exists():
-        raise ValueError(f"--offload-folder {folder}: a symbolic link to {os.readlink(path)}, which does not exist; "
-                         "give a folder (or create the link's target)")
+        raise ValueError(
+            f"--offload-folder {folder}: a symbolic link to {os.readlink(path)}, which does not exist; "
+            "give a folder (or create the link's target)"
+        )
     probe = path
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"--offload-folder {folder}: {probe} is a file, so no folder can be made there; give a "
-                         "folder path")
+        raise ValueError(
+            f"--offload-folder {folder}: {probe} is a file, so no folder can be made there; give a folder path"
+        )
     if not os.access(probe, os.W_OK) or str(probe.resolve()).startswith(("/proc", "/sys")):
-        raise ValueError(f"--offload-folder {folder}: {probe} cannot be written; give a folder on a disk you can "
-                         "write to")
+        raise ValueError(
+            f"--offload-folder {folder}: {probe} cannot be written; give a folder on a disk you can write to"
+        )
 
 
 def parse_size(text: str) -> int:
@@ -109,7 +127,7 @@ def parse_device(value: object, where: str) -> Device:
         m = re.fullmatch(r"(?:cuda(?::(\d+))?|(\d+))", text)
         if m:
             return int(m.group(1) or m.group(2) or 0)
-    raise ValueError(f"{where}: {value!r} is not a device; use \"cpu\", \"disk\", a CUDA index (0) or \"cuda:0\"")
+    raise ValueError(f'{where}: {value!r} is not a device; use "cpu", "disk", a CUDA index (0) or "cuda:0"')
 
 
 def parse_max_memory(text: str) -> dict[Device, int]:
@@ -141,14 +159,17 @@ def read_device_map(path: str) -> dict[str, Device]:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"--device-map {path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict) or not raw:
-        raise ValueError(f"{path}: a device map is a JSON object {{module name: device}}, e.g. "
-                         "{\"model.layers.0\": 0, \"model.layers.1\": \"cpu\"}")
-    return {str(name): parse_device(dev, f"{path}: \"{name}\"") for name, dev in raw.items()}
+        raise ValueError(
+            f"{path}: a device map is a JSON object {{module name: device}}, e.g. "
+            '{"model.layers.0": 0, "model.layers.1": "cpu"}'
+        )
+    return {str(name): parse_device(dev, f'{path}: "{name}"') for name, dev in raw.items()}
 
 
 # ---------------------------------------------------------------------------------------------
 # What a map places where, and whether it fits
 # ---------------------------------------------------------------------------------------------
+
 
 def owner(name: str, device_map: dict[str, Device]) -> str | None:
     """The map's key that places tensor or module `name`: itself or its longest prefix ("" for all)."""
@@ -204,34 +225,44 @@ def fit_problems(needed: dict[Device, int], available: dict[Device, int], cuda_d
     problems = []
     for dev, need in sorted(needed.items(), key=lambda kv: device_order(kv[0])):
         if isinstance(dev, int) and dev >= cuda_devices:
-            problems.append(f"{device_name(dev)}: needs {size_text(need)}, but this machine has "
-                            f"{cuda_devices} CUDA device{'' if cuda_devices == 1 else 's'}")
+            problems.append(
+                f"{device_name(dev)}: needs {size_text(need)}, but this machine has "
+                f"{cuda_devices} CUDA device{'' if cuda_devices == 1 else 's'}"
+            )
         elif need > available.get(dev, 0):
             problems.append(f"{device_name(dev)}: needs {size_text(need)}, has {size_text(available.get(dev, 0))}")
     return problems
 
 
-def refuse_unfit(placement: Placement, needed: dict[Device, int], available: dict[Device, int], cuda_devices: int,
-                 target: str) -> None:
+def refuse_unfit(
+    placement: Placement, needed: dict[Device, int], available: dict[Device, int], cuda_devices: int, target: str
+) -> None:
     """Refuse, before any weight loads, a placement whose weights do not fit where it puts them."""
     problems = fit_problems(needed, available, cuda_devices)
     if problems:
         total = sum(needed.values())
-        raise ValueError(f"{placement.source}: target {target} ({size_text(total)} of weights) does not fit: "
-                         + "; ".join(problems) + ". Place fewer layers there (a JSON map), raise --max-memory, or "
-                         "offload to \"disk\" with an --offload-folder that has the space")
+        raise ValueError(
+            f"{placement.source}: target {target} ({size_text(total)} of weights) does not fit: "
+            + "; ".join(problems)
+            + ". Place fewer layers there (a JSON map), raise --max-memory, or "
+            'offload to "disk" with an --offload-folder that has the space'
+        )
 
 
 def pieces_on_disk(device_map: dict[str, Device], pieces: dict[str, str]) -> list[str]:
     """Of `pieces` ({module name: what it is}), those the map offloads to disk. eaglet reads their
     weights itself (the drafter copies the embeddings, the teacher the final norm and LM head),
     and a disk-offloaded module's weights are empty placeholders outside its own forward."""
-    return [f"{what} ({name})" for name, what in pieces.items()
-            if (key := owner(name, device_map)) is not None and device_map[key] == DISK]
+    return [
+        f"{what} ({name})"
+        for name, what in pieces.items()
+        if (key := owner(name, device_map)) is not None and device_map[key] == DISK
+    ]
 
 
-def pieces_to_cpu(device_map: dict[str, Device], pieces: dict[str, str],
-                  children: dict[str, list[str]]) -> dict[str, Device]:
+def pieces_to_cpu(
+    device_map: dict[str, Device], pieces: dict[str, str], children: dict[str, list[str]]
+) -> dict[str, Device]:
     """A strategy's map with the pieces eaglet reads (`pieces_on_disk`) moved from disk to the CPU.
     A piece placed by a parent's key ("" or "model" on disk) gets its own: the parent's key is
     split into its children's (`children`: module -> its direct submodules and tensors)."""
@@ -247,6 +278,18 @@ def pieces_to_cpu(device_map: dict[str, Device], pieces: dict[str, str],
     return moved
 
 
-__all__ = ["Placement", "placement_from_options", "parse_max_memory", "parse_size", "read_device_map",
-           "bytes_per_device", "fit_problems", "refuse_unfit", "pieces_on_disk", "pieces_to_cpu", "unplaced",
-           "unknown_keys", "size_text"]
+__all__ = [
+    "Placement",
+    "placement_from_options",
+    "parse_max_memory",
+    "parse_size",
+    "read_device_map",
+    "bytes_per_device",
+    "fit_problems",
+    "refuse_unfit",
+    "pieces_on_disk",
+    "pieces_to_cpu",
+    "unplaced",
+    "unknown_keys",
+    "size_text",
+]

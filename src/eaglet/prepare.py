@@ -12,12 +12,20 @@ from jinja2 import TemplateSyntaxError
 from tqdm import tqdm
 
 from eaglet import __version__, formats, ranges
-from eaglet.chat import (ReadStats, Tally, TemplateSpanError, iter_records, special_token_ids, template_hash,
-                         tokenize_chat, to_messages, within_chars)
+from eaglet.chat import (
+    ReadStats,
+    Tally,
+    TemplateSpanError,
+    iter_records,
+    special_token_ids,
+    template_hash,
+    tokenize_chat,
+    to_messages,
+    within_chars,
+)
 from eaglet.formats import PREPARE_CONFIG_FILE, PREPARED_FILE, PreparedWriter, TokenizedSample
 from eaglet.options import PREPARE_MAX_LENGTH, PrepareOptions
-from eaglet.target import (TargetRef, config_positions, config_where, load_chat_tokenizer, resolve_target,
-                           text_config)
+from eaglet.target import TargetRef, config_positions, config_where, load_chat_tokenizer, resolve_target, text_config
 
 TRUNCATED_AWAY = "no assistant token left after truncation to --max-length"
 FAILED_START = 20  # the first this many chats all failing the template: the template, not the data, is wrong
@@ -33,21 +41,30 @@ def checked_max_length(max_length: int | None, limit: int, ref: TargetRef) -> in
     if max_length is None:
         return min(PREPARE_MAX_LENGTH, limit)
     if max_length > limit:
-        raise ValueError(f"--max-length {max_length}: more than the {limit} positions the target holds "
-                         f"(max_position_embeddings in {config_where(ref)}); pass --max-length {limit} or less")
+        raise ValueError(
+            f"--max-length {max_length}: more than the {limit} positions the target holds "
+            f"(max_position_embeddings in {config_where(ref)}); pass --max-length {limit} or less"
+        )
     return max_length
 
 
 def reason_lines(stats: ReadStats, template_failures: Tally) -> list[str]:
     """Every count of records skipped or cut short, by reason, each with its first case."""
-    return [line for title, tally in (("skipped", stats.skipped), ("cut short", stats.trimmed),
-                                      ("dropped messages of role", stats.dropped_roles),
-                                      ("template could not be applied", template_failures))
-            for line in tally.lines(title)]
+    return [
+        line
+        for title, tally in (
+            ("skipped", stats.skipped),
+            ("cut short", stats.trimmed),
+            ("dropped messages of role", stats.dropped_roles),
+            ("template could not be applied", template_failures),
+        )
+        for line in tally.lines(title)
+    ]
 
 
-def no_usable_chat(data: str, stats: ReadStats, template_failures: Tally, first_failure: str | None,
-                   max_length: int, skip: int) -> ValueError:
+def no_usable_chat(
+    data: str, stats: ReadStats, template_failures: Tally, first_failure: str | None, max_length: int, skip: int
+) -> ValueError:
     """Why not one chat of `data` (the sources as named: "--data F", and "--mix G") made a sample,
     and what to do, in one line."""
     cut = stats.skipped[TRUNCATED_AWAY]
@@ -57,15 +74,18 @@ def no_usable_chat(data: str, stats: ReadStats, template_failures: Tally, first_
         why = f"--skip {skip} passes over all {stats.records} records: lower it"
     elif cut:  # no sample came out, so every chat that got as far as its tokens was cut away
         others = "" if cut == sum(stats.skipped.values()) and not template_failures else "; the others were skipped"
-        why = (f"every chat was cut to nothing by --max-length {max_length} (no assistant token left in {cut} of "
-               f"{stats.records} records{others}): raise it")
+        why = (
+            f"every chat was cut to nothing by --max-length {max_length} (no assistant token left in {cut} of "
+            f"{stats.records} records{others}): raise it"
+        )
     else:
         why = "every record was skipped or failed the template: fix the records named, or use another --data"
     details = reason_lines(stats, template_failures)
     if first_failure:
         details.append(f"first template failure: {first_failure}")
-    return ValueError(f"{data}: no usable chat in {stats.records} records read; {why}"
-                      + "".join(f"; {d}" for d in details))
+    return ValueError(
+        f"{data}: no usable chat in {stats.records} records read; {why}" + "".join(f"; {d}" for d in details)
+    )
 
 
 log = logging.getLogger(__name__)
@@ -84,10 +104,12 @@ class PrepareSummary:
 
     def lines(self) -> list[str]:
         s = self.stats
-        out = [f"prepared {self.samples} samples, {self.tokens} tokens "
-               f"({self.masked_tokens} assistant tokens, {self.masked_tokens / max(self.tokens, 1):.1%}) -> {self.out}",
-               f"read {s.records} records"
-               + (" (input cut off mid-record; complete records kept)" if s.truncated_input else "")]
+        out = [
+            f"prepared {self.samples} samples, {self.tokens} tokens "
+            f"({self.masked_tokens} assistant tokens, {self.masked_tokens / max(self.tokens, 1):.1%}) -> {self.out}",
+            f"read {s.records} records"
+            + (" (input cut off mid-record; complete records kept)" if s.truncated_input else ""),
+        ]
         out += [f"  {line}" for line in reason_lines(s, self.template_failures)]
         if self.missing_eot_turns:
             out.append(f"  warning: {self.missing_eot_turns} assistant turns had no end-of-turn token after them")
@@ -97,6 +119,7 @@ class PrepareSummary:
 @dataclass(frozen=True)
 class Source:
     """One chat source of a prepared dataset: its first `skip` records passed over, at most `limit` chats kept."""
+
     data: str
     skip: int
     limit: int | None
@@ -106,6 +129,7 @@ class Source:
 @dataclass
 class Tokenizing:
     """What tokenizing the chats met along the way, for the summary and data_config.json."""
+
     stats: ReadStats = field(default_factory=ReadStats)
     template_failures: Tally = field(default_factory=Tally)
     first_failure: str | None = None
@@ -113,11 +137,14 @@ class Tokenizing:
     per_source: list[int] = field(default_factory=list)
 
 
-def sources_of(data: str, skip: int, num_samples: int | None, mix: str | None, mix_skip: int,
-               mix_samples: int | None) -> list[Source]:
+def sources_of(
+    data: str, skip: int, num_samples: int | None, mix: str | None, mix_skip: int, mix_samples: int | None
+) -> list[Source]:
     if mix is None and (mix_samples is not None or mix_skip):
         raise ValueError("--mix-samples / --mix-skip: set, but no --mix source to take them from")
-    return [Source(data, skip, num_samples)] + ([Source(mix, mix_skip, mix_samples, "--mix")] if mix is not None else [])
+    return [Source(data, skip, num_samples)] + (
+        [Source(mix, mix_skip, mix_samples, "--mix")] if mix is not None else []
+    )
 
 
 def refuse_foreign_samples(existing: Path) -> None:
@@ -128,8 +155,10 @@ def refuse_foreign_samples(existing: Path) -> None:
     try:
         TokenizedSample.from_json(first.decode("utf-8"), f"{existing}:1")
     except (ValueError, UnicodeDecodeError):
-        raise FileExistsError(f"{existing}: not a prepared dataset's file (its first line is no prepared sample), "
-                              "and prepare would replace it; nothing was written: choose another --out") from None
+        raise FileExistsError(
+            f"{existing}: not a prepared dataset's file (its first line is no prepared sample), "
+            "and prepare would replace it; nothing was written: choose another --out"
+        ) from None
 
 
 def refuse_existing(out: str | Path, overwrite: bool) -> None:
@@ -138,15 +167,25 @@ def refuse_existing(out: str | Path, overwrite: bool) -> None:
     existing = Path(out) / PREPARED_FILE
     if existing.exists() and not (Path(out) / PREPARE_CONFIG_FILE).exists():
         refuse_foreign_samples(existing)
-        log.warning("%s: an earlier `eaglet prepare` stopped before writing %s; replacing its output", out,
-                    PREPARE_CONFIG_FILE)
+        log.warning(
+            "%s: an earlier `eaglet prepare` stopped before writing %s; replacing its output", out, PREPARE_CONFIG_FILE
+        )
     elif existing.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} already holds a prepared dataset ({existing.name}); choose another "
-                              f"folder, or pass --overwrite to replace it")
+        raise FileExistsError(
+            f"--out {out} already holds a prepared dataset ({existing.name}); choose another "
+            f"folder, or pass --overwrite to replace it"
+        )
 
 
-def tokenized(record: object, tokenizer, special_ids: set[int], max_length: int, seen: Tokenizing,
-              sample_id: str, any_written: bool) -> TokenizedSample | None:
+def tokenized(
+    record: object,
+    tokenizer,
+    special_ids: set[int],
+    max_length: int,
+    seen: Tokenizing,
+    sample_id: str,
+    any_written: bool,
+) -> TokenizedSample | None:
     """One record as a sample, or None when it is skipped (counted in `seen` with its reason)."""
     stats = seen.stats
     messages = to_messages(record, stats)
@@ -166,9 +205,10 @@ def tokenized(record: object, tokenizer, special_ids: set[int], max_length: int,
             raise TemplateSpanError(f"the first {FAILED_START} chats all failed; {seen.first_failure}") from e
         return None
     except TemplateSyntaxError as e:  # the target's template itself, not this record: no chat would render
-        raise ValueError(f"the target's chat template does not parse ({e.message}, template line {e.lineno}); "
-                         "fix chat_template.jinja (or tokenizer_config.json's chat_template) in the target's folder"
-                         ) from None
+        raise ValueError(
+            f"the target's chat template does not parse ({e.message}, template line {e.lineno}); "
+            "fix chat_template.jinja (or tokenizer_config.json's chat_template) in the target's folder"
+        ) from None
     except Exception as e:  # a template raising on odd input (e.g. jinja `raise_exception`)
         seen.template_failures.add(f"template raised {type(e).__name__}: {str(e)[:80]}", stats.where)
         return None
@@ -180,8 +220,15 @@ def tokenized(record: object, tokenizer, special_ids: set[int], max_length: int,
     return TokenizedSample(sample_id, ids, mask)
 
 
-def write_source(writer: PreparedWriter, source: Source, tokenizer, special_ids: set[int], max_length: int,
-                 seen: Tokenizing, bar: tqdm) -> None:
+def write_source(
+    writer: PreparedWriter,
+    source: Source,
+    tokenizer,
+    special_ids: set[int],
+    max_length: int,
+    seen: Tokenizing,
+    bar: tqdm,
+) -> None:
     """The usable chats of one source, in order, appended to `writer`."""
     written_before = writer.samples
     for n, (sample_id, record) in enumerate(iter_records(source.data, seen.stats, source.option)):
@@ -196,22 +243,44 @@ def write_source(writer: PreparedWriter, source: Source, tokenizer, special_ids:
     seen.per_source.append(writer.samples - written_before)
 
 
-def prepared_config(ref: TargetRef, target: str | None, tokenizer, sources: list[Source], max_length: int,
-                    writer: PreparedWriter, seen: Tokenizing, command: str) -> dict:
+def prepared_config(
+    ref: TargetRef,
+    target: str | None,
+    tokenizer,
+    sources: list[Source],
+    max_length: int,
+    writer: PreparedWriter,
+    seen: Tokenizing,
+    command: str,
+) -> dict:
     """prepare_config.json: where the chats came from, with what, and what was left out and why."""
     data, mix = sources[0], (sources[1] if len(sources) > 1 else None)
     stats = seen.stats
     return {
-        "eaglet_version": __version__, "command": command,
-        "target": ref.name, "target_spec": target, "target_path": ref.path, "target_revision": ref.revision,
-        "chat_template_sha256": template_hash(tokenizer), "data": data.data, "skip": data.skip,
-        "mix": mix.data if mix else None, "mix_skip": mix.skip if mix else 0,
-        "mix_samples": mix.limit if mix else None, "samples_per_source": seen.per_source,
-        "max_length": max_length, "num_samples": writer.samples, "num_tokens": writer.tokens,
-        "num_masked_tokens": writer.masked_tokens, "records_read": stats.records,
-        "skipped": dict(stats.skipped), "cut_short": dict(stats.trimmed),
-        "dropped_roles": dict(stats.dropped_roles), "template_failures": dict(seen.template_failures),
-        "dropped_after_truncation": stats.skipped[TRUNCATED_AWAY], "assistant_turns_without_eot": seen.missing_eot,
+        "eaglet_version": __version__,
+        "command": command,
+        "target": ref.name,
+        "target_spec": target,
+        "target_path": ref.path,
+        "target_revision": ref.revision,
+        "chat_template_sha256": template_hash(tokenizer),
+        "data": data.data,
+        "skip": data.skip,
+        "mix": mix.data if mix else None,
+        "mix_skip": mix.skip if mix else 0,
+        "mix_samples": mix.limit if mix else None,
+        "samples_per_source": seen.per_source,
+        "max_length": max_length,
+        "num_samples": writer.samples,
+        "num_tokens": writer.tokens,
+        "num_masked_tokens": writer.masked_tokens,
+        "records_read": stats.records,
+        "skipped": dict(stats.skipped),
+        "cut_short": dict(stats.trimmed),
+        "dropped_roles": dict(stats.dropped_roles),
+        "template_failures": dict(seen.template_failures),
+        "dropped_after_truncation": stats.skipped[TRUNCATED_AWAY],
+        "assistant_turns_without_eot": seen.missing_eot,
         "input_cut_off": stats.truncated_input,
     }
 
@@ -237,8 +306,13 @@ def prepare(options: PrepareOptions, command: str = "") -> PrepareSummary:
         special_ids = special_token_ids(tokenizer)
         seen = Tokenizing()
         limits = [source.limit for source in sources if source.limit is not None]
-        bar = tqdm(total=sum(limits) if len(limits) == len(sources) else None, desc="prepare", unit="chat", file=sys.stderr,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=sum(limits) if len(limits) == len(sources) else None,
+            desc="prepare",
+            unit="chat",
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
         with PreparedWriter(out) as writer:
             for source in sources:
                 write_source(writer, source, tokenizer, special_ids, max_length, seen, bar)
@@ -247,5 +321,13 @@ def prepare(options: PrepareOptions, command: str = "") -> PrepareSummary:
                 named = " and ".join(f"{s.option} {s.data}" for s in sources)
                 raise no_usable_chat(named, seen.stats, seen.template_failures, seen.first_failure, max_length, skip)
         writer.finish(prepared_config(ref, target, tokenizer, sources, max_length, writer, seen, command))
-        return PrepareSummary(Path(out), writer.samples, writer.tokens, writer.masked_tokens, seen.stats,
-                              seen.stats.skipped[TRUNCATED_AWAY], seen.template_failures, seen.missing_eot)
+        return PrepareSummary(
+            Path(out),
+            writer.samples,
+            writer.tokens,
+            writer.masked_tokens,
+            seen.stats,
+            seen.stats.skipped[TRUNCATED_AWAY],
+            seen.template_failures,
+            seen.missing_eot,
+        )

@@ -71,8 +71,10 @@ def refuse_non_text(value: Any, where: str) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"{where}: {item[max(0, e.start - 20):e.end + 20]!r} holds a lone surrogate "
-                                 f"({item[e.start]!r}), which is no text; fix the line") from None
+                raise ValueError(
+                    f"{where}: {item[max(0, e.start - 20) : e.end + 20]!r} holds a lone surrogate "
+                    f"({item[e.start]!r}), which is no text; fix the line"
+                ) from None
         elif isinstance(item, dict):
             pending.extend(item.values())
         elif isinstance(item, list):
@@ -107,13 +109,19 @@ def jsonl_prompts(path: Path) -> Iterator[Prompt]:
                 yield Prompt(path.stem, pid, list(rec["turns"]))
             elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
                 msgs = rec["messages"]
-                if not all(isinstance(m, dict) and m.get("role") in PROMPT_ROLES and isinstance(m.get("content"), str)
-                           for m in msgs):
-                    raise ValueError(f"{where}: field 'messages': every message needs a 'role' ({', '.join(PROMPT_ROLES)}) "
-                                     "and a 'content' string")
+                if not all(
+                    isinstance(m, dict) and m.get("role") in PROMPT_ROLES and isinstance(m.get("content"), str)
+                    for m in msgs
+                ):
+                    raise ValueError(
+                        f"{where}: field 'messages': every message needs a 'role' ({', '.join(PROMPT_ROLES)}) "
+                        "and a 'content' string"
+                    )
                 if msgs[-1]["role"] != "user" or not msgs[-1]["content"].strip():
-                    raise ValueError(f"{where}: field 'messages': the last message must be the user's, and not "
-                                     f"empty; got {msgs[-1]['role']!r} {msgs[-1]['content'][:40]!r}")
+                    raise ValueError(
+                        f"{where}: field 'messages': the last message must be the user's, and not "
+                        f"empty; got {msgs[-1]['role']!r} {msgs[-1]['content'][:40]!r}"
+                    )
                 yield Prompt(path.stem, pid, [msgs[-1]["content"]], [dict(m) for m in msgs[:-1]])
             else:
                 raise ValueError(f"{where}: expected a 'prompt' string, a 'turns' list or a 'messages' list")

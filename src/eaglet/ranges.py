@@ -45,8 +45,9 @@ def above(bound: float, **values: Any) -> None:
     check(f"> {bound}", lambda v: v > bound, **values)
 
 
-def within(low: float, high: float, why: str = "", high_open: bool = False, low_open: bool = False,
-           **values: Any) -> None:
+def within(
+    low: float, high: float, why: str = "", high_open: bool = False, low_open: bool = False, **values: Any
+) -> None:
     """Each value in the interval from low to high (closed unless said open)."""
     rule = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
 

@@ -39,15 +39,43 @@ from eaglet.cli import resolve
 from eaglet.prepare import prepare
 from eaglet.evaluate import evaluate
 from eaglet.extract import extract
-from eaglet.options import (APPEND, BOOL, DRAFTER_FAMILIES, DRAFTER_METHODS, EAGLE3, FLAG, RECIPE_STAGES,
-                            CheckOptions, DemoOptions, EvalOptions, ExtractOptions, Option, PrepareOptions, RegenOptions,
-                            RunOptions, TrainOptions, defaults_of, parse_duration, parse_float, parse_layer_ids,
-                            parse_list, parse_threads)
+from eaglet.options import (
+    APPEND,
+    BOOL,
+    DRAFTER_FAMILIES,
+    DRAFTER_METHODS,
+    EAGLE3,
+    FLAG,
+    RECIPE_STAGES,
+    CheckOptions,
+    DemoOptions,
+    EvalOptions,
+    ExtractOptions,
+    Option,
+    PrepareOptions,
+    RegenOptions,
+    RunOptions,
+    TrainOptions,
+    defaults_of,
+    parse_duration,
+    parse_float,
+    parse_layer_ids,
+    parse_list,
+    parse_threads,
+)
 from eaglet.options import STAGES as STAGE_OPTIONS
 from eaglet.regen import regenerate
 from eaglet.target import TargetRef, resolve_target
 from eaglet.training.loop import train
-from eaglet.recipe_file import apply_overrides, apply_scale, load_recipe, overridden, parse_value, recipe_path, toml_value
+from eaglet.recipe_file import (
+    apply_overrides,
+    apply_scale,
+    load_recipe,
+    overridden,
+    parse_value,
+    recipe_path,
+    toml_value,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +85,28 @@ SUMMARY_FILE = "summary.json"
 CHATS_FILE = "chats.jsonl"
 # The keys of [recipe] and [scale] and their types; `out` is the default of --out; `drafters`: train
 # one drafter of each family (an equal share of [train]'s time budget each), evaluate each, keep the winner.
-RECIPE_KEYS: dict[str, Any] = {"name": str, "target": str, "description": str, "out": str, "drafters": list[str],
-                               "why": str}
+RECIPE_KEYS: dict[str, Any] = {
+    "name": str,
+    "target": str,
+    "description": str,
+    "out": str,
+    "drafters": list[str],
+    "why": str,
+}
 SCALE_KEYS: dict[str, Any] = {"multiply": list[str]}
 # What the runner reads of a finished stage's marker: key -> (its Python types, its JSON name).
 # "target" is read too, but may be missing (markers written before they recorded it).
 MARKER_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
-    "options": (dict, "a JSON object"), "result": (dict, "a JSON object"), "seconds": ((int, float), "a number")}
+    "options": (dict, "a JSON object"),
+    "result": (dict, "a JSON object"),
+    "seconds": ((int, float), "a number"),
+}
 
 
 # ---------------------------------------------------------------------------------------------
 # Stages
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Paths:
@@ -98,8 +136,14 @@ class Paths:
         return self.root / STAGE_MARKERS / f"{stage}.json"
 
     def output_of(self, stage: str) -> Path:
-        return {"regen": self.chats, "prepare": self.prepared, "extract": self.data, "check": self.data,
-                "train": self.train, "eval": self.eval}[stage]
+        return {
+            "regen": self.chats,
+            "prepare": self.prepared,
+            "extract": self.data,
+            "check": self.data,
+            "train": self.train,
+            "eval": self.eval,
+        }[stage]
 
 
 def option_hint(o: Option) -> Any:
@@ -108,8 +152,13 @@ def option_hint(o: Option) -> Any:
         return bool
     if o.kind == APPEND:
         return list[str]
-    parsed_as: dict[Callable[[str], Any], Any] = {parse_layer_ids: list[int], parse_list: list[str],
-                                                  parse_duration: float, parse_float: float, parse_threads: int | str}
+    parsed_as: dict[Callable[[str], Any], Any] = {
+        parse_layer_ids: list[int],
+        parse_list: list[str],
+        parse_duration: float,
+        parse_float: float,
+        parse_threads: int | str,
+    }
     base = parsed_as.get(o.type, o.type)
     base = bool if o.kind == BOOL else base
     return base | None if o.default is None else base
@@ -172,23 +221,27 @@ def closest(word: str, options: collections.abc.Iterable[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def check_table(source: str | Path, table: str, values: dict[str, Any], types_: dict[str, Any],
-                set_by: dict[str, str]) -> None:
+def check_table(
+    source: str | Path, table: str, values: dict[str, Any], types_: dict[str, Any], set_by: dict[str, str]
+) -> None:
     """Every key of a table is one it takes, with a value of the type it takes."""
     for key, value in values.items():
         label = key_label(source, table, key, set_by)
         noun = "option" if table in STAGES else "key"
         if key not in types_:
-            raise ValueError(f"{label}: unknown {noun}{closest(key, types_)}; [{table}] takes "
-                             f"{', '.join(sorted(types_))}")
+            raise ValueError(
+                f"{label}: unknown {noun}{closest(key, types_)}; [{table}] takes {', '.join(sorted(types_))}"
+            )
         if not matches(value, types_[key]):
             guess = likely_meant(value, types_[key])
             fix = f"write {toml_value(guess)}" if guess is not None else "give it a value of that type"
-            raise ValueError(f"{label}: {toml_value(value)} is a {type(value).__name__}, expected "
-                             f"{type_name(types_[key])}; {fix}")
+            raise ValueError(
+                f"{label}: {toml_value(value)} is a {type(value).__name__}, expected {type_name(types_[key])}; {fix}"
+            )
         if not ranges.finite(value):  # TOML spells them inf and nan, as --set does
-            raise ValueError(f"{label}: {value} is not a finite number; write a number such as 1.0 (no option "
-                             f"takes inf or nan)")
+            raise ValueError(
+                f"{label}: {value} is not a finite number; write a number such as 1.0 (no option takes inf or nan)"
+            )
 
 
 def check_scale_paths(source: str | Path, paths: list[str]) -> None:
@@ -200,11 +253,15 @@ def check_scale_paths(source: str | Path, paths: list[str]) -> None:
         raise ValueError(f"{source} [scale].multiply: {', '.join(map(repr, twice))} named more than once")
     for path in paths:
         if path not in every:
-            raise ValueError(f"{source} [scale].multiply: {path!r} names no stage option{closest(path, every)}; "
-                             f"write STAGE.OPTION, e.g. \"regen.num_samples\"")
+            raise ValueError(
+                f"{source} [scale].multiply: {path!r} names no stage option{closest(path, every)}; "
+                f'write STAGE.OPTION, e.g. "regen.num_samples"'
+            )
         if not matches(1, every[path]):
-            raise ValueError(f"{source} [scale].multiply: {path!r} is a {type_name(every[path])} option, not a "
-                             f"number; --scale multiplies numbers: remove it from multiply")
+            raise ValueError(
+                f"{source} [scale].multiply: {path!r} is a {type_name(every[path])} option, not a "
+                f"number; --scale multiplies numbers: remove it from multiply"
+            )
 
 
 def validate(recipe: dict[str, Any], source: str | Path = "recipe", set_by: dict[str, str] | None = None) -> None:
@@ -220,9 +277,11 @@ def validate(recipe: dict[str, Any], source: str | Path = "recipe", set_by: dict
             check_table(source, stage, recipe[stage], option_types(stage), set_by)
     refuse_what_a_file_may_not_set(recipe, source, set_by)
     if "regen" in recipe and "data" in recipe.get("prepare", {}):
-        raise ValueError(f"{key_label(source, 'prepare', 'data', set_by)}: set, but this recipe regenerates its "
-                         f"chats and prepare reads the [regen] output; move 'data' to [regen] or drop the [regen] "
-                         f"table")
+        raise ValueError(
+            f"{key_label(source, 'prepare', 'data', set_by)}: set, but this recipe regenerates its "
+            f"chats and prepare reads the [regen] output; move 'data' to [regen] or drop the [regen] "
+            f"table"
+        )
 
 
 # Options a recipe file may not set, only the user (--set): where the environment's API key goes
@@ -240,8 +299,10 @@ def refuse_what_a_file_may_not_set(recipe: dict[str, Any], source: str | Path, s
                 continue
             label = key_label(source, stage, key, set_by)
             if key in USER_ONLY_KEYS:
-                raise ValueError(f"{label}: a recipe file may not name it ({USER_ONLY_KEYS[key]}); give it yourself "
-                                 f"with --set {stage}.{key}=...")
+                raise ValueError(
+                    f"{label}: a recipe file may not name it ({USER_ONLY_KEYS[key]}); give it yourself "
+                    f"with --set {stage}.{key}=..."
+                )
             if key in WRITTEN_FOLDER_KEYS and isinstance(value, str):
                 formats.inside_folder(Path.cwd(), value, label)
 
@@ -265,21 +326,29 @@ def check_ranges(recipe: dict[str, Any], source: str | Path) -> None:
 def run_regen(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
     s = regenerate(RegenOptions(out=paths.chats, target=target, resume=True, **opts))
     log_lines(s.lines())
-    return {"conversations": s.written + s.already_done, "failed": s.failed, "turns": s.turns,
-            "tokens": s.tokens, "tokens_per_s": round(s.tokens / s.seconds, 1) if s.seconds else None}
+    return {
+        "conversations": s.written + s.already_done,
+        "failed": s.failed,
+        "turns": s.turns,
+        "tokens": s.tokens,
+        "tokens_per_s": round(s.tokens / s.seconds, 1) if s.seconds else None,
+    }
 
 
-def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command: str,
-                has_regen: bool) -> dict[str, Any]:
+def run_prepare(
+    opts: dict[str, Any], paths: Paths, target: str | None, command: str, has_regen: bool
+) -> dict[str, Any]:
     # `validate` refused 'data' here when the recipe regenerates
     data = {"data": str(paths.chats)} if has_regen else {}
     # an unfinished earlier attempt is redone whole (prepare is quick): replaced as prepare replaces
     # a dataset, the old one kept until the new is complete, and a folder of other files refused.
     # A finished one without this recipe's marker was made outside it: never replaced unasked.
     if (paths.prepared / formats.PREPARE_CONFIG_FILE).exists():
-        raise ValueError(f"{paths.prepared}: a finished prepared dataset that {paths.marker('prepare')} does not "
-                         f"record (made outside this recipe, or its marker removed); remove {paths.prepared} to "
-                         "have the recipe prepare it again, or use another --out")
+        raise ValueError(
+            f"{paths.prepared}: a finished prepared dataset that {paths.marker('prepare')} does not "
+            f"record (made outside this recipe, or its marker removed); remove {paths.prepared} to "
+            "have the recipe prepare it again, or use another --out"
+        )
     s = prepare(PrepareOptions(target=target, out=paths.prepared, **{**opts, **data, "overwrite": True}), command)
     log_lines(s.lines())
     return {"samples": s.samples, "tokens": s.tokens, "assistant_tokens": s.masked_tokens}
@@ -288,22 +357,32 @@ def run_prepare(opts: dict[str, Any], paths: Paths, target: str | None, command:
 def run_extract(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
     s = extract(ExtractOptions(prepared=paths.prepared, out=paths.data, target=target, **opts), command)
     log_lines(s.lines())
-    return {"samples": s.written + s.already_done, "tokens": s.tokens_on_disk, "bytes": s.bytes_on_disk,
-            "tokens_per_s": round(s.tokens / s.seconds, 1) if s.seconds else None}
+    return {
+        "samples": s.written + s.already_done,
+        "tokens": s.tokens_on_disk,
+        "bytes": s.bytes_on_disk,
+        "tokens_per_s": round(s.tokens / s.seconds, 1) if s.seconds else None,
+    }
 
 
 def run_check(opts: dict[str, Any], paths: Paths, target: str | None, command: str) -> dict[str, Any]:
     report = check_dataset(CheckOptions(path=paths.data, target=target, **opts))
     log_lines(report.lines())
     if not report.clean:
-        raise ValueError(f"check: {paths.data} is not clean, training would learn from wrong data:\n"
-                         + "\n".join(report.lines()))
-    return {"verdict": "CLEAN", "files": report.files, "tokens": report.tokens,
-            "next_token_accuracy": report.next_token_accuracy}
+        raise ValueError(
+            f"check: {paths.data} is not clean, training would learn from wrong data:\n" + "\n".join(report.lines())
+        )
+    return {
+        "verdict": "CLEAN",
+        "files": report.files,
+        "tokens": report.tokens,
+        "next_token_accuracy": report.next_token_accuracy,
+    }
 
 
-def run_train(opts: dict[str, Any], paths: Paths, target: str | None, command: str,
-              families: list[str]) -> dict[str, Any]:
+def run_train(
+    opts: dict[str, Any], paths: Paths, target: str | None, command: str, families: list[str]
+) -> dict[str, Any]:
     """One drafter, or with [recipe] drafters one of each family into train/FAMILY, each with an
     equal share of the time budget."""
     if not families:
@@ -320,14 +399,23 @@ def train_one(opts: dict[str, Any], out: Path, paths: Paths, target: str | None,
     # online training runs the target in the loop on the prepared chats: no extract stage needed
     data = paths.prepared if opts.get("online") else paths.data
     # resumed: the options of the recipe are those given now, compared with the run's own
-    s = train(TrainOptions(dataset_dir=data, out_dir=out, target=target, resume=True, **opts), command=command,
-              given=set(opts))
+    s = train(
+        TrainOptions(dataset_dir=data, out_dir=out, target=target, resume=True, **opts),
+        command=command,
+        given=set(opts),
+    )
     log_lines(s.lines())
     last = s.last_eval or {}
-    return {"steps": s.step, "best_step": s.best_step, "best_tau": s.best_tau, "heldout_acc": last.get("acc"),
-            "heldout_tau": last.get("tau"), "train_tokens": s.train_tokens,
-            "tokens_per_s": round(s.train_tokens / s.seconds, 1) if s.seconds else None,
-            "drafter": opts.get("drafter", EAGLE3)}
+    return {
+        "steps": s.step,
+        "best_step": s.best_step,
+        "best_tau": s.best_tau,
+        "heldout_acc": last.get("acc"),
+        "heldout_tau": last.get("tau"),
+        "train_tokens": s.train_tokens,
+        "tokens_per_s": round(s.train_tokens / s.seconds, 1) if s.seconds else None,
+        "drafter": opts.get("drafter", EAGLE3),
+    }
 
 
 def family_methods(methods: list[str], family: str) -> list[str]:
@@ -339,8 +427,9 @@ def family_methods(methods: list[str], family: str) -> list[str]:
     return list(dict.fromkeys(own))
 
 
-def run_eval(opts: dict[str, Any], paths: Paths, target: str | None, command: str,
-             families: list[str]) -> dict[str, Any]:
+def run_eval(
+    opts: dict[str, Any], paths: Paths, target: str | None, command: str, families: list[str]
+) -> dict[str, Any]:
     """The drafter measured; with [recipe] drafters each family's, in its own run against plain
     greedy, and the one whose best drafter method is fastest kept (`kept`, said why)."""
     if not families:
@@ -349,8 +438,9 @@ def run_eval(opts: dict[str, Any], paths: Paths, target: str | None, command: st
     runs = {}
     for family in families:
         print(f"  drafter {family} ({paths.train / family}) -> {paths.eval / family}")
-        runs[family] = eval_one({**opts, "methods": family_methods(methods, family)}, paths.train / family,
-                                paths.eval / family, target)
+        runs[family] = eval_one(
+            {**opts, "methods": family_methods(methods, family)}, paths.train / family, paths.eval / family, target
+        )
     return {"families": runs, "kept": winner(runs, paths)}
 
 
@@ -376,12 +466,19 @@ def winner(runs: dict[str, dict[str, Any]], paths: Paths) -> dict[str, Any]:
     """The family whose best drafter method ran fastest against plain greedy on this machine."""
     best = {f: b for f, run in runs.items() if (b := best_drafter_method(run)) is not None}
     if not best:
-        raise ValueError(f"eval: no drafter method measured a speedup in {paths.eval}; add a drafter method "
-                         f"(chain, hybrid) to [eval] methods")
+        raise ValueError(
+            f"eval: no drafter method measured a speedup in {paths.eval}; add a drafter method "
+            f"(chain, hybrid) to [eval] methods"
+        )
     family = max(best, key=lambda f: best[f][1])
     why = ", ".join(f"{f} {m} {s:.2f}x" for f, (m, s) in sorted(best.items(), key=lambda fb: -fb[1][1]))
-    return {"family": family, "drafter": str(paths.train / family), "method": best[family][0],
-            "speedup": round(best[family][1], 4), "why": f"fastest against plain greedy here: {why}"}
+    return {
+        "family": family,
+        "drafter": str(paths.train / family),
+        "method": best[family][0],
+        "speedup": round(best[family][1], 4),
+        "why": f"fastest against plain greedy here: {why}",
+    }
 
 
 def log_lines(lines: list[str]) -> None:
@@ -393,6 +490,7 @@ def log_lines(lines: list[str]) -> None:
 # Running a recipe
 # ---------------------------------------------------------------------------------------------
 
+
 def recipe_out(meta: dict[str, Any], source: Any) -> Path:
     """The run folder a recipe names itself (`[recipe] out`, else runs/NAME): a path the recipe
     file may only name inside the working folder (a downloaded recipe never writes elsewhere);
@@ -400,13 +498,16 @@ def recipe_out(meta: dict[str, Any], source: Any) -> Path:
     if meta.get("out"):
         out = formats.inside_folder(Path.cwd(), meta["out"], f"{source} [recipe].out")
         if os.path.realpath(out) == os.path.realpath(Path.cwd()):
-            raise ValueError(f"{source} [recipe].out {meta['out']!r}: the working folder itself; a run folder "
-                             "inside it, e.g. runs/NAME")
+            raise ValueError(
+                f"{source} [recipe].out {meta['out']!r}: the working folder itself; a run folder "
+                "inside it, e.g. runs/NAME"
+            )
         return out
     name = meta["name"]
     if not name or Path(name).name != name or name in (".", ".."):
-        raise ValueError(f"{source} [recipe].name {name!r}: a plain name (it names the folder runs/NAME), without "
-                         "'/' or '..'")
+        raise ValueError(
+            f"{source} [recipe].name {name!r}: a plain name (it names the folder runs/NAME), without '/' or '..'"
+        )
     return Path("runs") / name
 
 
@@ -454,10 +555,13 @@ def run_recipe(options: RunOptions, command: str = "") -> RecipeSummary:
         done = finished_stages(recipe, paths, ref)
         summary = RecipeSummary(meta["name"], paths.root, why=meta.get("why", ""))
         runners: dict[str, Callable[..., dict[str, Any]]] = {
-            "regen": run_regen, "prepare": lambda o, p, t, c: run_prepare(o, p, t, c, "regen" in stages),
-            "extract": run_extract, "check": run_check,
+            "regen": run_regen,
+            "prepare": lambda o, p, t, c: run_prepare(o, p, t, c, "regen" in stages),
+            "extract": run_extract,
+            "check": run_check,
             "train": lambda o, p, t, c: run_train(o, p, t, c, families),
-            "eval": lambda o, p, t, c: run_eval(o, p, t, c, families)}
+            "eval": lambda o, p, t, c: run_eval(o, p, t, c, families),
+        }
         print(f"recipe {meta['name']} (scale {scale:g}) -> {paths.root}")
         for i, stage in enumerate(stages, 1):
             options = recipe[stage]
@@ -473,12 +577,17 @@ def run_recipe(options: RunOptions, command: str = "") -> RecipeSummary:
             print(header)
             t0 = time.perf_counter()
             result = runners[stage](options, paths, target, command)
-            record = {"options": recorded, "target": ran_with, "result": jsonable(result),
-                      "seconds": time.perf_counter() - t0}
+            record = {
+                "options": recorded,
+                "target": ran_with,
+                "result": jsonable(result),
+                "seconds": time.perf_counter() - t0,
+            }
             formats.write_json_atomic(paths.marker(stage), record)
             summary.stages[stage] = {**record, "reused": False}
-        formats.write_json_atomic(paths.root / SUMMARY_FILE, {"recipe": meta, "target": ran_with, "scale": scale,
-                                                              "stages": summary.stages})
+        formats.write_json_atomic(
+            paths.root / SUMMARY_FILE, {"recipe": meta, "target": ran_with, "scale": scale, "stages": summary.stages}
+        )
         return summary
 
 
@@ -511,34 +620,42 @@ def input_stage(stage: str, recipe: dict[str, Any]) -> str | None:
     return {"extract": "prepare", "check": "extract", "eval": "train"}.get(stage)
 
 
-def plan_stages(recipe: dict[str, Any], paths: Paths, only: list[str] | None,
-                source: str | Path) -> dict[str, str]:
+def plan_stages(recipe: dict[str, Any], paths: Paths, only: list[str] | None, source: str | Path) -> dict[str, str]:
     """What each stage of the recipe does, decided before any runs: "reuse" (finished in OUT),
     "skip" (left out by --only) or "run". Refuses a stage that would run without the output it
     reads, which would otherwise fail, after the stages before it, on a missing folder."""
-    plan = {s: "reuse" if paths.marker(s).exists() else "skip" if only and s not in only else "run"
-            for s in STAGES if s in recipe}
+    plan = {
+        s: "reuse" if paths.marker(s).exists() else "skip" if only and s not in only else "run"
+        for s in STAGES
+        if s in recipe
+    }
     for stage, does in plan.items():
         need = input_stage(stage, recipe)
         if does == "reuse" and need is not None and plan.get(need) == "run":
-            raise ValueError(f"{paths.marker(stage)}: {stage} finished on the output of {need}, which runs again "
-                             f"now ({paths.marker(need)} is missing): reusing {paths.output_of(stage)} would pair it "
-                             f"with data it was not made from; remove {paths.output_of(stage)} and "
-                             f"{paths.marker(stage)} too (it is made again), or use another --out")
+            raise ValueError(
+                f"{paths.marker(stage)}: {stage} finished on the output of {need}, which runs again "
+                f"now ({paths.marker(need)} is missing): reusing {paths.output_of(stage)} would pair it "
+                f"with data it was not made from; remove {paths.output_of(stage)} and "
+                f"{paths.marker(stage)} too (it is made again), or use another --out"
+            )
         if does != "run" or need is None or plan.get(need) in ("run", "reuse"):
             continue
         if need in plan:  # left out by --only: name every unfinished stage up the chain at once
             missing = [need]
             while plan.get(input_stage(missing[-1], recipe) or "") == "skip":
                 missing.append(input_stage(missing[-1], recipe) or "")
-            raise ValueError(f"--only {','.join(only or [])}: {stage} reads the output of {need} "
-                             f"({paths.output_of(need)}), which is not finished in {paths.root}; add "
-                             f"{','.join(reversed(missing))} to --only")
+            raise ValueError(
+                f"--only {','.join(only or [])}: {stage} reads the output of {need} "
+                f"({paths.output_of(need)}), which is not finished in {paths.root}; add "
+                f"{','.join(reversed(missing))} to --only"
+            )
         if not paths.marker(need).exists():  # a stage outside the recipe may have finished in OUT earlier
             online = " or set online = true in [train] (the target runs in the loop)" if stage == "train" else ""
-            raise ValueError(f"{source}: [{stage}] reads the output of {need} ({paths.output_of(need)}), but the "
-                             f"recipe has no [{need}] table and {paths.root} holds no finished {need}; add the "
-                             f"table [{need}] (an empty one takes its defaults){online}")
+            raise ValueError(
+                f"{source}: [{stage}] reads the output of {need} ({paths.output_of(need)}), but the "
+                f"recipe has no [{need}] table and {paths.root} holds no finished {need}; add the "
+                f"table [{need}] (an empty one takes its defaults){online}"
+            )
     return plan
 
 
@@ -565,15 +682,19 @@ def finished_stages(recipe: dict[str, Any], paths: Paths, ref: TargetRef) -> dic
             # left as it is (writing this run's target into it would claim what nobody checked).
             print(f"note: {marker} does not record its target; reusing it as if run with {target['name']}")
         elif then.get("name") != ref.name or not ref.is_revision(then.get("revision")):
-            raise ValueError(f"{marker}: {stage} ran with target {then.get('name')} (revision "
-                             f"{then.get('revision')}), this run's is {target['name']} (revision "
-                             f"{target['revision']}); use another --out for this target, or delete {paths.root} "
-                             f"to start over")
+            raise ValueError(
+                f"{marker}: {stage} ran with target {then.get('name')} (revision "
+                f"{then.get('revision')}), this run's is {target['name']} (revision "
+                f"{target['revision']}); use another --out for this target, or delete {paths.root} "
+                f"to start over"
+            )
         now = stage_record(recipe, stage) if stage in recipe else None
         if now is not None and record["options"] != now:
-            raise ValueError(f"{stage}: {paths.root} already holds this stage run with other options "
-                             f"{option_diff(record['options'], now)}; use another output folder "
-                             f"or remove {paths.output_of(stage)} and {marker}")
+            raise ValueError(
+                f"{stage}: {paths.root} already holds this stage run with other options "
+                f"{option_diff(record['options'], now)}; use another output folder "
+                f"or remove {paths.output_of(stage)} and {marker}"
+            )
         done[stage] = record
     return done
 
@@ -593,8 +714,9 @@ def marker_problem(record: Any) -> str | None:
 
 
 def unreadable_marker(marker: Path, problem: str) -> ValueError:
-    return ValueError(f"{marker}: not a readable stage marker: {problem}; delete it and the same command reruns "
-                      f"that stage")
+    return ValueError(
+        f"{marker}: not a readable stage marker: {problem}; delete it and the same command reruns that stage"
+    )
 
 
 def read_marker(marker: Path) -> dict[str, Any]:
@@ -628,10 +750,12 @@ def format_seconds(s: float) -> str:
 # The summary table
 # ---------------------------------------------------------------------------------------------
 
+
 def stage_figures(stage: str, r: dict[str, Any]) -> str:
     if stage == "regen":
-        return (f"{r['conversations']} chats regenerated ({r['failed']} failed), {r['tokens']:,} new tokens"
-                + (f", {r['tokens_per_s']} tok/s" if r.get("tokens_per_s") else ""))
+        return f"{r['conversations']} chats regenerated ({r['failed']} failed), {r['tokens']:,} new tokens" + (
+            f", {r['tokens_per_s']} tok/s" if r.get("tokens_per_s") else ""
+        )
     if stage == "prepare":
         return f"{r['samples']} samples, {r['tokens']:,} tokens ({r['assistant_tokens']:,} assistant)"
     if stage == "extract":
@@ -649,9 +773,12 @@ def stage_figures(stage: str, r: dict[str, Any]) -> str:
     if stage == "train":
         acc = " ".join(f"{a:.2f}" for a in r.get("heldout_acc") or [])
         where = families.family(r.get("drafter", EAGLE3)).position_name
-        return (f"{r['steps']} steps; held-out acc per {where} [{acc}], simulated tau "
-                f"{r['heldout_tau']:.2f} (best {r['best_tau']:.2f} at step {r['best_step']})"
-                if r.get("heldout_tau") is not None else f"{r['steps']} steps")
+        return (
+            f"{r['steps']} steps; held-out acc per {where} [{acc}], simulated tau "
+            f"{r['heldout_tau']:.2f} (best {r['best_tau']:.2f} at step {r['best_step']})"
+            if r.get("heldout_tau") is not None
+            else f"{r['steps']} steps"
+        )
     if stage == "eval":
         parts = []
         for name, methods in r["sets"].items():
@@ -683,8 +810,10 @@ def summary_lines(s: RecipeSummary) -> list[str]:
     total = 0.0
     for stage, rec in s.stages.items():
         total += rec["seconds"]
-        lines.append(f"{stage:<8} {format_seconds(rec['seconds']):>9}  {recorded_figures(stage, rec['result'])}"
-                     + ("  (reused)" if rec.get("reused") else ""))
+        lines.append(
+            f"{stage:<8} {format_seconds(rec['seconds']):>9}  {recorded_figures(stage, rec['result'])}"
+            + ("  (reused)" if rec.get("reused") else "")
+        )
     lines.append(f"{'total':<8} {format_seconds(total):>9}")
     if s.why:
         lines += textwrap.wrap(f"why: {s.why}", width=110, subsequent_indent="  ")

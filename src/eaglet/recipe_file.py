@@ -36,8 +36,9 @@ def recipe_path(spec: str | Path) -> Path:
     builtin = BUILTIN_DIR / f"{spec}.toml"
     if builtin.is_file():
         return builtin
-    raise FileNotFoundError(f"recipe {str(spec)!r}: no such file and not a built-in recipe "
-                            f"({', '.join(builtin_recipes())})")
+    raise FileNotFoundError(
+        f"recipe {str(spec)!r}: no such file and not a built-in recipe ({', '.join(builtin_recipes())})"
+    )
 
 
 def load_recipe(spec: str | Path) -> dict[str, Any]:
@@ -48,12 +49,16 @@ def load_recipe(spec: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML ({e})") from None
     except UnicodeDecodeError as e:  # tomllib names neither the file nor what to do
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); TOML is "
-                         f"UTF-8: save the recipe as UTF-8") from None
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); TOML is "
+            f"UTF-8: save the recipe as UTF-8"
+        ) from None
     unknown = set(recipe) - {"recipe", "scale", *RECIPE_STAGES}
     if unknown:
-        raise ValueError(f"{path}: unknown tables {sorted(unknown)}; expected [recipe], [scale] and stages "
-                         f"{', '.join(RECIPE_STAGES)}")
+        raise ValueError(
+            f"{path}: unknown tables {sorted(unknown)}; expected [recipe], [scale] and stages "
+            f"{', '.join(RECIPE_STAGES)}"
+        )
     for name, table in recipe.items():
         if not isinstance(table, dict):
             raise ValueError(f"{path}: {name} = {toml_value(table)} is not a table; write its options under [{name}]")
@@ -89,7 +94,7 @@ def apply_overrides(recipe: dict[str, Any], overrides: list[str]) -> dict[str, A
 
 
 def overridden(overrides: list[str]) -> dict[str, str]:
-    """"stage.key" -> the --set text that sets it, so that an error names the --set, not the file."""
+    """ "stage.key" -> the --set text that sets it, so that an error names the --set, not the file."""
     return {f"{stage}.{name}": text for text in overrides for stage, name, _ in [parse_override(text)]}
 
 
@@ -104,10 +109,14 @@ def apply_scale(recipe: dict[str, Any], scale: float) -> dict[str, Any]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             scaled = value * scale
             if not ranges.finite(scaled):
-                raise ValueError(f"--scale {scale:g}: {path} = {value} times it is beyond any number; use a smaller "
-                                 f"--scale")
+                raise ValueError(
+                    f"--scale {scale:g}: {path} = {value} times it is beyond any number; use a smaller --scale"
+                )
             # a count scaled to below one is one (a small --scale), never a count given below one:
             # that stays as given, for the stage to refuse
-            out[stage][name] = max(1, round(scaled)) if isinstance(value, int) and value >= 1 else (
-                round(scaled) if isinstance(value, int) else scaled)
+            out[stage][name] = (
+                max(1, round(scaled))
+                if isinstance(value, int) and value >= 1
+                else (round(scaled) if isinstance(value, int) else scaled)
+            )
     return out

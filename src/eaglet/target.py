@@ -38,8 +38,14 @@ if TYPE_CHECKING:  # transformers' modelling code loads only with a model
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 AUTO = "auto"
@@ -58,10 +64,19 @@ def cpu_description() -> str:
     """The CPU's model name and matrix ISA, e.g. "AMD EPYC (AVX512-BF16)": what `--dtype auto`
     and every speed figure depend on, so results record it."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.processor() or "unknown CPU")
-    isa = ("AMX bf16" if "amx_bf16" in info else "AVX512-BF16" if "avx512_bf16" in info else
-           "AVX2" if "avx2" in info else "unknown ISA")
+    model = next(
+        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+        platform.processor() or "unknown CPU",
+    )
+    isa = (
+        "AMX bf16"
+        if "amx_bf16" in info
+        else "AVX512-BF16"
+        if "avx512_bf16" in info
+        else "AVX2"
+        if "avx2" in info
+        else "unknown ISA"
+    )
     return f"{model} ({isa})"
 
 
@@ -115,8 +130,9 @@ class TargetRef:
     def is_revision(self, recorded: str | None) -> bool:
         """Whether `recorded` (a revision a dataset, run or drafter records) names this target: its
         identity, or for a local folder the whole-folder hash eaglet recorded before it had one."""
-        return recorded == self.revision or (Path(self.path).is_dir() and recorded == whole_folder_fingerprint(
-            Path(self.path)))
+        return recorded == self.revision or (
+            Path(self.path).is_dir() and recorded == whole_folder_fingerprint(Path(self.path))
+        )
 
 
 def embedded_cache_dir() -> Path:
@@ -225,8 +241,9 @@ def find_target_gguf(given: str | Path | None, target: str | None, why: str) -> 
         return path
     if is_embedded(target):
         return embedded.smollm2_gguf()
-    raise ValueError(f"the target is {target}, not the embedded one; pass --target-gguf with the target's GGUF file "
-                     f"({why})")
+    raise ValueError(
+        f"the target is {target}, not the embedded one; pass --target-gguf with the target's GGUF file ({why})"
+    )
 
 
 def target_vocabulary(target: str | None) -> list[str | None] | None:
@@ -241,8 +258,9 @@ def target_vocabulary(target: str | None) -> list[str | None] | None:
         else:
             tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        log.warning("the target %s cannot be read here (%s): its GGUF's tokens are not compared with its tokenizer's",
-                    target, e)
+        log.warning(
+            "the target %s cannot be read here (%s): its GGUF's tokens are not compared with its tokenizer's", target, e
+        )
         return None
     return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
 
@@ -303,20 +321,23 @@ def resolve_target(spec: str | None, source: str = "--target") -> TargetRef:
             raise FileNotFoundError(f"{source} {spec}: folder has no config.json; not a Hugging Face model folder")
         config = formats.read_json(folder / "config.json")  # a damaged one is named here, not deep in transformers
         if not isinstance(config, dict) or "model_type" not in config:
-            raise ValueError(f"{folder / 'config.json'}: no \"model_type\"; not a Hugging Face model config")
+            raise ValueError(f'{folder / "config.json"}: no "model_type"; not a Hugging Face model config')
         return TargetRef(str(folder), str(folder), folder_fingerprint(folder))
     from transformers import AutoConfig  # seconds to import: only where a target is read
 
     try:
         config = AutoConfig.from_pretrained(spec, trust_remote_code=heads.trust_remote_code())
     except OSError as e:
-        raise FileNotFoundError(f"{source} {spec}: not a local folder, and the hub id could not be resolved: {e}") from e
+        raise FileNotFoundError(
+            f"{source} {spec}: not a local folder, and the hub id could not be resolved: {e}"
+        ) from e
     return TargetRef(spec, spec, getattr(config, "_commit_hash", None) or "unknown")
 
 
 # ---------------------------------------------------------------------------------------------
 # The target's config, read without its weights (positions: `layers.config_positions`)
 # ---------------------------------------------------------------------------------------------
+
 
 def text_config(ref: TargetRef) -> Any:
     """The target's config (its text model's, for a multimodal one), read without the weights."""
@@ -340,11 +361,15 @@ def config_where(ref: TargetRef) -> str:
 
 def prepared_target(prepared: str | Path, pconfig: dict[str, Any], target: str | None) -> TargetRef:
     """The target `prepared` was tokenized with (`target`, else the recorded one); refuse another."""
-    ref = resolve_target(target if target is not None else pconfig.get("target_spec"),
-                         target_source(target, f"{Path(prepared) / formats.PREPARE_CONFIG_FILE} target_spec"))
+    ref = resolve_target(
+        target if target is not None else pconfig.get("target_spec"),
+        target_source(target, f"{Path(prepared) / formats.PREPARE_CONFIG_FILE} target_spec"),
+    )
     if not ref.is_revision(pconfig["target_revision"]):
-        raise ValueError(f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
-                         f"({pconfig['target']}, revision {pconfig['target_revision']})")
+        raise ValueError(
+            f"target {ref.name} (revision {ref.revision}) is not the one {prepared} was tokenized with "
+            f"({pconfig['target']}, revision {pconfig['target_revision']})"
+        )
     return ref
 
 
@@ -359,19 +384,27 @@ def from_pretrained(kind: Any, ref: TargetRef, **kwargs: Any) -> Any:
     except (ValueError, KeyError, TypeError) as e:
         text = str(e)
         if isinstance(e, json.JSONDecodeError):  # its message names neither the file nor the folder
-            raise ValueError(f"target {ref.name}: {damaged_json(Path(ref.path)) or 'a JSON file'} is damaged "
-                             f"({text}); {REDO}") from None
+            raise ValueError(
+                f"target {ref.name}: {damaged_json(Path(ref.path)) or 'a JSON file'} is damaged ({text}); {REDO}"
+            ) from None
         if "trust_remote_code" in text or "custom code" in text:
-            raise ValueError(f"target {ref.name}: its {kind.__name__} needs the model folder's own code (auto_map); "
-                             f"{heads.REMOTE_CODE_HINT}") from None
+            raise ValueError(
+                f"target {ref.name}: its {kind.__name__} needs the model folder's own code (auto_map); "
+                f"{heads.REMOTE_CODE_HINT}"
+            ) from None
         kinds = heads.text_config_dict(Path(ref.path)).get("model_type") if Path(ref.path).is_dir() else None
         if kinds and ("model_type" in text or "Unrecognized" in text or "does not recognize" in text):
-            missing = ("its own code (auto_map) gives no class for it" if heads.trust_remote_code() else
-                       "eaglet ran no code from the model folder to learn it: with an auto_map that provides it, "
-                       "pass --trust-remote-code")
-            raise ValueError(f"target {ref.name}: model_type {kinds!r} is not one transformers knows to load as "
-                             f"{kind.__name__}; {missing}; else use a transformers release that knows {kinds!r} "
-                             f"({type(e).__name__}: {text[:160]})") from None
+            missing = (
+                "its own code (auto_map) gives no class for it"
+                if heads.trust_remote_code()
+                else "eaglet ran no code from the model folder to learn it: with an auto_map that provides it, "
+                "pass --trust-remote-code"
+            )
+            raise ValueError(
+                f"target {ref.name}: model_type {kinds!r} is not one transformers knows to load as "
+                f"{kind.__name__}; {missing}; else use a transformers release that knows {kinds!r} "
+                f"({type(e).__name__}: {text[:160]})"
+            ) from None
         raise
 
 
@@ -402,8 +435,9 @@ def load_chat_tokenizer(ref: TargetRef):
     return tokenizer
 
 
-def load_target(ref: TargetRef, dtype: torch.dtype, device: torch.device,
-                placed: Placement | None = None) -> PreTrainedModel:
+def load_target(
+    ref: TargetRef, dtype: torch.dtype, device: torch.device, placed: Placement | None = None
+) -> PreTrainedModel:
     """The target in eval mode without gradients: on `device`, or with `placed` across the devices
     of its device map (accelerate hooks move each layer's inputs to it; "disk" layers are read
     from the offload folder for each forward), refused before loading when it cannot fit."""
@@ -415,10 +449,10 @@ def load_target(ref: TargetRef, dtype: torch.dtype, device: torch.device,
         where = str(device)
     else:
         device_map, folder = plan_device_map(ref, dtype, placed)
-        model = from_pretrained(AutoModelForCausalLM, ref, dtype=dtype, device_map=device_map,
-                                offload_folder=folder)
+        model = from_pretrained(AutoModelForCausalLM, ref, dtype=dtype, device_map=device_map, offload_folder=folder)
         where = f"{placed.source}: " + ", ".join(
-            f"{placement.device_name(d)} {n}" for d, n in module_counts(device_map).items())
+            f"{placement.device_name(d)} {n}" for d, n in module_counts(device_map).items()
+        )
     model.eval().requires_grad_(False)
     log.info("loaded target %s (%s, %s) in %.2f s", ref.name, dtype_name(dtype), where, time.time() - t0)
     return model
@@ -446,20 +480,25 @@ def empty_target(ref: TargetRef, dtype: torch.dtype) -> PreTrainedModel:
 
 def module_children(model: PreTrainedModel) -> dict[str, list[str]]:
     """Each module's name -> the names of its direct submodules and tensors (to split a map's key)."""
+
     def full(prefix: str, name: str) -> str:
         return f"{prefix}.{name}" if prefix else name
 
-    return {prefix: [full(prefix, n) for n, _ in module.named_children()]
-            + [full(prefix, n) for n, _ in module.named_parameters(recurse=False)]
-            + [full(prefix, n) for n, _ in module.named_buffers(recurse=False)]
-            for prefix, module in model.named_modules()}
+    return {
+        prefix: [full(prefix, n) for n, _ in module.named_children()]
+        + [full(prefix, n) for n, _ in module.named_parameters(recurse=False)]
+        + [full(prefix, n) for n, _ in module.named_buffers(recurse=False)]
+        for prefix, module in model.named_modules()
+    }
 
 
 def read_pieces(model: PreTrainedModel) -> dict[str, str]:
     """{module name: what it is} of the modules whose weights eaglet reads itself, outside forward."""
-    wanted = {id(model.get_input_embeddings()): "the input embeddings",
-              id(model.get_output_embeddings()): "the LM head",
-              id(getattr(base_model(model), "norm", None)): "the final norm"}
+    wanted = {
+        id(model.get_input_embeddings()): "the input embeddings",
+        id(model.get_output_embeddings()): "the LM head",
+        id(getattr(base_model(model), "norm", None)): "the final norm",
+    }
     return {name: wanted[id(m)] for name, m in model.named_modules() if id(m) in wanted}
 
 
@@ -515,20 +554,35 @@ def plan_device_map(ref: TargetRef, dtype: torch.dtype, placed: Placement) -> tu
     else:
         assert isinstance(placed.device_map, dict)  # no strategy: a map of its own
         device_map = dict(placed.device_map)
-        names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()} | {
-            n for n, _ in model.named_buffers()}
+        names = (
+            {n for n, _ in model.named_modules()}
+            | {n for n, _ in model.named_parameters()}
+            | {n for n, _ in model.named_buffers()}
+        )
         unknown = placement.unknown_keys(device_map, names)
         missing = placement.unplaced(sorted(tensor_bytes(model)), device_map)
         if unknown or missing:
-            raise ValueError(f"{placed.source}: " + "; ".join(
-                ([f"names no module of {ref.name}: {', '.join(unknown[:5])}"] if unknown else [])
-                + ([f"places none of {len(missing)} tensors, e.g. {', '.join(missing[:5])} (name their modules, "
-                    "or \"\" for the rest)"] if missing else [])))
+            raise ValueError(
+                f"{placed.source}: "
+                + "; ".join(
+                    ([f"names no module of {ref.name}: {', '.join(unknown[:5])}"] if unknown else [])
+                    + (
+                        [
+                            f"places none of {len(missing)} tensors, e.g. {', '.join(missing[:5])} (name their modules, "
+                            'or "" for the rest)'
+                        ]
+                        if missing
+                        else []
+                    )
+                )
+            )
     on_disk = placement.pieces_on_disk(device_map, pieces)
     if on_disk:
-        raise ValueError(f"{placed.source}: puts {', '.join(on_disk)} on disk; eaglet reads those "
-                         "weights itself (the drafter's embeddings, the teacher's norm and head), so place them on a "
-                         "GPU or \"cpu\"")
+        raise ValueError(
+            f"{placed.source}: puts {', '.join(on_disk)} on disk; eaglet reads those "
+            "weights itself (the drafter's embeddings, the teacher's norm and head), so place them on a "
+            'GPU or "cpu"'
+        )
     folder = offload_folder(placed, device_map)
     available = available_memory(placed)
     if folder is not None:
@@ -564,12 +618,17 @@ def heads_of_model(model: PreTrainedModel) -> TargetHeads:
     norm = next((getattr(inner, n) for n in ("norm", "final_layernorm", "ln_f") if hasattr(inner, n)), None)
     if norm is None:
         raise ValueError(f"cannot find the final norm of {type(model).__name__}")
-    return TargetHeads(model.config, embedding_weight(model).detach(), norm,
-                       model.get_output_embeddings(), type(model).__name__)
+    return TargetHeads(
+        model.config, embedding_weight(model).detach(), norm, model.get_output_embeddings(), type(model).__name__
+    )
 
 
-def load_heads(ref: TargetRef, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                 roles: tuple[str, ...] = heads.HEAD_ROLES) -> TargetHeads:
+def load_heads(
+    ref: TargetRef,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    roles: tuple[str, ...] = heads.HEAD_ROLES,
+) -> TargetHeads:
     """The target's embeddings, final norm and LM head in `dtype` (None: as stored) on `device`,
     read alone from a local folder's safetensors (`heads.read_heads`: the folder may hold only the
     shards with them). A hub id, or a checkpoint whose heads the reader cannot place, is loaded
@@ -626,10 +685,9 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
-
-
-def generation_config(temperature: float, top_p: float, max_new_tokens: int, pad_id: int, eos_ids: list[int],
-                      **extra: Any):
+def generation_config(
+    temperature: float, top_p: float, max_new_tokens: int, pad_id: int, eos_ids: list[int], **extra: Any
+):
     """A complete GenerationConfig for `generate`. `generate` fills every unset field from the
     model's own generation_config.json, and checkpoints ship sampling defaults there (Qwen:
     top_k 20, repetition_penalty 1.05). Those would silently change what temperature/top_p mean
@@ -637,15 +695,26 @@ def generation_config(temperature: float, top_p: float, max_new_tokens: int, pad
     neutral globals apply."""
     from transformers import GenerationConfig  # seconds to import: only where a target is read
 
-    sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0
-                else {"do_sample": False})
-    return GenerationConfig(**sampling, repetition_penalty=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                            eos_token_id=list(eos_ids), use_cache=True, **extra)
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+    return GenerationConfig(
+        **sampling,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=list(eos_ids),
+        use_cache=True,
+        **extra,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Running the target: captured layer outputs of a padded batch (extract, online training, decoding)
 # ---------------------------------------------------------------------------------------------
+
 
 class LayerCapture:
     """Forward hooks that keep a reference to the output of chosen decoder layers."""
@@ -658,6 +727,7 @@ class LayerCapture:
     def _hook(self, layer_id: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     def take(self, device: torch.device | str | None = None) -> list[torch.Tensor]:
@@ -687,8 +757,14 @@ def pad_right(batch: list[TokenizedSample]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.inference_mode()
-def run_batch(model: PreTrainedModel, capture: LayerCapture, batch: list[TokenizedSample], device: torch.device,
-              store_dtype: torch.dtype, out_device: torch.device | str = "cpu") -> list[list[torch.Tensor]]:
+def run_batch(
+    model: PreTrainedModel,
+    capture: LayerCapture,
+    batch: list[TokenizedSample],
+    device: torch.device,
+    store_dtype: torch.dtype,
+    out_device: torch.device | str = "cpu",
+) -> list[list[torch.Tensor]]:
     """One padded forward; per sample, the captured states cut to its length, on `out_device`
     (CPU for writing files; the compute device when `eaglet train --online` consumes them). The
     inputs go to `device`, or where the embeddings run (`input_device`) when a device map placed

@@ -49,8 +49,12 @@ def clean(tiny_target, tmp_path_factory, LAYER_IDS) -> Path:
         records.append({"id": f"chat{n}", "messages": chat})
     chats = write_jsonl(root / "chats.jsonl", records)
     prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=root / "prep", max_length=256))
-    extract(ExtractOptions(prepared=root / "prep", out=root / "data", target=str(tiny_target), layer_ids=LAYER_IDS,
-                           dtype="fp32"), show_progress=False)
+    extract(
+        ExtractOptions(
+            prepared=root / "prep", out=root / "data", target=str(tiny_target), layer_ids=LAYER_IDS, dtype="fp32"
+        ),
+        show_progress=False,
+    )
     return root / "data"
 
 
@@ -58,6 +62,7 @@ def clean(tiny_target, tmp_path_factory, LAYER_IDS) -> Path:
 def copy(clean, tmp_path):
     def make(name: str = "ds") -> Path:
         return Path(shutil.copytree(clean, tmp_path / name))
+
     return make
 
 
@@ -97,6 +102,7 @@ def run_cli(*argv: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # The clean dataset
 # ---------------------------------------------------------------------------------------------
+
 
 def test_clean_dataset_passes_with_target(clean, capsys, LAYER_IDS):
     report = C.check_dataset(CheckOptions(path=clean))  # target from data_config's target_path
@@ -148,6 +154,7 @@ def test_corrupt_dataset_exits_nonzero(copy, capsys):
 # Loading
 # ---------------------------------------------------------------------------------------------
 
+
 class Boom:
     """Loading this without weights_only would create a file: proof that nothing is executed."""
 
@@ -173,8 +180,9 @@ def test_truncated_file(copy):
     path = sample_path(ds, 7)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.UNREADABLE, formats.v1_relative_path(7),
-                 "truncated")
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds, use_target=False)), C.UNREADABLE, formats.v1_relative_path(7), "truncated"
+    )
 
 
 def test_garbage_file(copy):
@@ -187,15 +195,23 @@ def test_garbage_file(copy):
 # Schema
 # ---------------------------------------------------------------------------------------------
 
+
 def test_mask_5147_vs_input_ids_4095(copy, LAYER_IDS, tiny_target):
     """The one seen in the wild: a loss_mask longer than input_ids."""
     ds = copy()
     T, H = 4095, tiny_config(tiny_target)["hidden_size"]
-    sample = {"input_ids": torch.randint(0, 300, (T,)), "loss_mask": torch.ones(5147, dtype=torch.long),
-              "hidden_states": [torch.randn(T, H).mul(0.02).to(torch.bfloat16) for _ in LAYER_IDS]}
+    sample = {
+        "input_ids": torch.randint(0, 300, (T,)),
+        "loss_mask": torch.ones(5147, dtype=torch.long),
+        "hidden_states": [torch.randn(T, H).mul(0.02).to(torch.bfloat16) for _ in LAYER_IDS],
+    }
     torch.save(sample, sample_path(ds, 3))
-    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.LENGTH_MISMATCH, formats.v1_relative_path(3),
-                 "loss_mask has 5147 entries, input_ids has 4095")
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds, use_target=False)),
+        C.LENGTH_MISMATCH,
+        formats.v1_relative_path(3),
+        "loss_mask has 5147 entries, input_ids has 4095",
+    )
 
 
 def test_wrong_keys(copy):
@@ -233,6 +249,7 @@ def test_state_rows_differ_from_tokens(copy):
 # ---------------------------------------------------------------------------------------------
 # Values
 # ---------------------------------------------------------------------------------------------
+
 
 def test_mask_all_zero_and_not_binary(copy):
     ds = copy()
@@ -276,6 +293,7 @@ def test_rms_outlier(copy):
 # ---------------------------------------------------------------------------------------------
 # Dataset level
 # ---------------------------------------------------------------------------------------------
+
 
 def test_missing_file_and_side_files_disagree(copy):
     ds = copy()
@@ -345,12 +363,23 @@ def test_sample_lengths_and_token_freq_edited(copy):
     assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE, "1 token ids")
 
 
-@pytest.mark.parametrize("change, kind, words", [
-    (lambda o: o.update(input_ids=o["input_ids"].int()), C.WRONG_DTYPE, "input_ids is int32: the layout stores int64"),
-    (lambda o: o.update(loss_mask=o["loss_mask"].int()), C.WRONG_DTYPE, "loss_mask is int32"),
-    (lambda o: o.update(hidden_states=tuple(o["hidden_states"])), C.WRONG_SHAPE, "hidden_states is a tuple"),
-    (lambda o: o["hidden_states"].__setitem__(0, o["hidden_states"][0].to_sparse()), C.WRONG_DTYPE,
-     "sparse_coo tensor: the layout stores dense")])
+@pytest.mark.parametrize(
+    "change, kind, words",
+    [
+        (
+            lambda o: o.update(input_ids=o["input_ids"].int()),
+            C.WRONG_DTYPE,
+            "input_ids is int32: the layout stores int64",
+        ),
+        (lambda o: o.update(loss_mask=o["loss_mask"].int()), C.WRONG_DTYPE, "loss_mask is int32"),
+        (lambda o: o.update(hidden_states=tuple(o["hidden_states"])), C.WRONG_SHAPE, "hidden_states is a tuple"),
+        (
+            lambda o: o["hidden_states"].__setitem__(0, o["hidden_states"][0].to_sparse()),
+            C.WRONG_DTYPE,
+            "sparse_coo tensor: the layout stores dense",
+        ),
+    ],
+)
 def test_a_file_stored_in_another_kind_than_its_layout_is_named(copy, change, kind, words):
     """int32 ids, a tuple of states (CLEAN, and trained on), a sparse state (check ended in a raw
     error naming no file): each a finding about that file."""
@@ -364,8 +393,11 @@ def test_sample_lengths_that_are_no_counts_are_named(copy, value):
     ds = copy()
     path = ds / formats.SAMPLE_LENGTHS_FILE
     path.write_text(json.dumps({**json.loads(path.read_text()), "3": json.loads(value)}))
-    with pytest.raises(ValueError, match=rf"sample_lengths.json: .*'3': {re.escape(repr(json.loads(value)))} "
-                                         r"are no index: token count"):
+    with pytest.raises(
+        ValueError,
+        match=rf"sample_lengths.json: .*'3': {re.escape(repr(json.loads(value)))} "
+        r"are no index: token count",
+    ):
         formats.read_sample_lengths(path)
     assert not C.check_dataset(CheckOptions(path=ds, use_target=False)).clean
 
@@ -373,8 +405,9 @@ def test_sample_lengths_that_are_no_counts_are_named(copy, value):
 def test_data_config_missing_or_inconsistent(copy, LAYER_IDS):
     ds = copy()
     (ds / formats.DATA_CONFIG_FILE).unlink()
-    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.DATA_CONFIG, formats.DATA_CONFIG_FILE,
-                 "missing")
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds, use_target=False)), C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "missing"
+    )
     ds2 = copy("ds2")
     cfg = formats.read_json(ds2 / formats.DATA_CONFIG_FILE)
     cfg["hidden_size"] = 128
@@ -385,6 +418,7 @@ def test_data_config_missing_or_inconsistent(copy, LAYER_IDS):
 # ---------------------------------------------------------------------------------------------
 # Layer identity and the chat template (need the target)
 # ---------------------------------------------------------------------------------------------
+
 
 def test_swapped_layers_are_named(copy):
     ds = copy()
@@ -420,13 +454,16 @@ def test_post_norm_last_state_where_pre_norm_recorded(copy, tiny_target, LAYER_I
     norm = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).model.norm
     ds = copy()
     for i in range(12):
+
         def to_post_norm(o):
             with torch.no_grad():
                 o["hidden_states"][3] = norm(o["hidden_states"][3].float()).to(torch.bfloat16)
+
         edit(ds, i, to_post_norm)
     report = C.check_dataset(CheckOptions(path=ds))
-    p = assert_found(report, C.LAYER_IDENTITY, None,
-                     f"slot 3 (last) matches layer {LAYER_IDS[-1]} post-norm, recorded pre_norm")
+    p = assert_found(
+        report, C.LAYER_IDENTITY, None, f"slot 3 (last) matches layer {LAYER_IDS[-1]} post-norm, recorded pre_norm"
+    )
     assert p.path.endswith(".pt")
 
 
@@ -447,6 +484,7 @@ def test_user_turn_masked(copy):
 # ---------------------------------------------------------------------------------------------
 # Foreign formats
 # ---------------------------------------------------------------------------------------------
+
 
 def load_clean_samples(clean: Path) -> list[formats.V1Sample]:
     files = formats.list_v1_files(clean)
@@ -474,8 +512,9 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
     for i, s in enumerate(load_clean_samples(clean)):
         with torch.no_grad():  # SpecForge stores the last state after the final norm
             last = norm(s.hidden_states[3].float()).to(torch.bfloat16)
-        write_specforge_sample(ds, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:3], dim=-1),
-                                       compressed=compressed)
+        write_specforge_sample(
+            ds, i, s.input_ids, s.loss_mask, last, torch.cat(s.hidden_states[:3], dim=-1), compressed=compressed
+        )
     # No data_config: expectations come from the first file; layer ids passed via a config-less target run.
     report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert report.format == formats.FORMAT_SPECFORGE
@@ -483,10 +522,16 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
     assert report.files == 12 and len(report.slots) == 4 and report.masked_tokens > 0
     # With the target and the layer ids recorded, the post-norm last state is recognized as such.
     cfg = tiny_config(tiny_target)
-    formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, {"layer_ids": LAYER_IDS, "hidden_size": cfg["hidden_size"],
-                                                              "hidden_states_dtype": "bfloat16",
-                                                              "vocab_size": cfg["vocab_size"],
-                                                              "last_hidden_state": "post_norm"})
+    formats.write_json_atomic(
+        ds / formats.DATA_CONFIG_FILE,
+        {
+            "layer_ids": LAYER_IDS,
+            "hidden_size": cfg["hidden_size"],
+            "hidden_states_dtype": "bfloat16",
+            "vocab_size": cfg["vocab_size"],
+            "last_hidden_state": "post_norm",
+        },
+    )
     report = C.check_dataset(CheckOptions(path=ds, target=str(tiny_target)))
     assert report.clean, report.lines()
     assert report.identity[3].expected == report.identity[3].best == f"layer {LAYER_IDS[-1]} post-norm"
@@ -494,42 +539,70 @@ def test_specforge_layout(clean, tmp_path, tiny_target, compressed, LAYER_IDS):
     path = ds / formats.specforge_relative_path(4, compressed)
     obj = formats.read_specforge_sample(path)
     obj["aux_hidden_state"][3, obj["hidden_state"].shape[-1] + 5] = float("nan")
-    write_specforge_sample(ds, 4, obj["input_ids"], obj["loss_mask"], obj["hidden_state"],
-                                   obj["aux_hidden_state"], compressed=compressed)
-    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.NON_FINITE,
-                 formats.specforge_relative_path(4, compressed),
-                 "slot 1 row 3: NaN")
+    write_specforge_sample(
+        ds, 4, obj["input_ids"], obj["loss_mask"], obj["hidden_state"], obj["aux_hidden_state"], compressed=compressed
+    )
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds, use_target=False)),
+        C.NON_FINITE,
+        formats.specforge_relative_path(4, compressed),
+        "slot 1 row 3: NaN",
+    )
     # ids stored narrower than the vocabulary needs were taken as they are (CLEAN), then a raw torch error
     for dtype in (torch.uint8, torch.int16):
-        write_specforge_sample(ds, 5, obj["input_ids"].to(dtype), obj["loss_mask"], obj["hidden_state"],
-                               obj["aux_hidden_state"], compressed=compressed)
-        assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.WRONG_DTYPE,
-                     formats.specforge_relative_path(5, compressed),
-                     f"input_ids is {str(dtype).removeprefix('torch.')}: the layout stores int64 or int32")
+        write_specforge_sample(
+            ds,
+            5,
+            obj["input_ids"].to(dtype),
+            obj["loss_mask"],
+            obj["hidden_state"],
+            obj["aux_hidden_state"],
+            compressed=compressed,
+        )
+        assert_found(
+            C.check_dataset(CheckOptions(path=ds, use_target=False)),
+            C.WRONG_DTYPE,
+            formats.specforge_relative_path(5, compressed),
+            f"input_ids is {str(dtype).removeprefix('torch.')}: the layout stores int64 or int32",
+        )
     for i in range(12):  # with the target too (its identity sample reads some of them), named, not a raw error
         o = formats.read_specforge_sample(ds / formats.specforge_relative_path(i, compressed))
-        write_specforge_sample(ds, i, o["input_ids"].to(torch.int16), o["loss_mask"], o["hidden_state"],
-                               o["aux_hidden_state"], compressed=compressed)
-    assert_found(C.check_dataset(CheckOptions(path=ds, target=str(tiny_target))), C.WRONG_DTYPE,
-                 formats.specforge_relative_path(0, compressed), "input_ids is int16")
+        write_specforge_sample(
+            ds,
+            i,
+            o["input_ids"].to(torch.int16),
+            o["loss_mask"],
+            o["hidden_state"],
+            o["aux_hidden_state"],
+            compressed=compressed,
+        )
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds, target=str(tiny_target))),
+        C.WRONG_DTYPE,
+        formats.specforge_relative_path(0, compressed),
+        "input_ids is int16",
+    )
 
 
 def test_specforge_truncated_gz(clean, tmp_path):
     ds = tmp_path / "sfgz"
     for i, s in enumerate(load_clean_samples(clean)[:3]):
-        write_specforge_sample(ds, i, s.input_ids, s.loss_mask, s.hidden_states[3],
-                                       torch.cat(s.hidden_states[:3], dim=-1), compressed=True)
+        write_specforge_sample(
+            ds, i, s.input_ids, s.loss_mask, s.hidden_states[3], torch.cat(s.hidden_states[:3], dim=-1), compressed=True
+        )
     path = ds / formats.specforge_relative_path(1, True)
     path.write_bytes(path.read_bytes()[:300])
-    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.UNREADABLE,
-                 formats.specforge_relative_path(1, True))
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds, use_target=False)), C.UNREADABLE, formats.specforge_relative_path(1, True)
+    )
 
 
 def test_speculators_safetensors_layout(clean, tmp_path):
     ds = tmp_path / "hs"
     for i, s in enumerate(load_clean_samples(clean)):
-        formats.write_hs_safetensors_sample(ds, i, s.input_ids, torch.stack(s.hidden_states, dim=1),
-                                            s.loss_mask if i % 2 else None)  # loss_mask is optional there
+        formats.write_hs_safetensors_sample(
+            ds, i, s.input_ids, torch.stack(s.hidden_states, dim=1), s.loss_mask if i % 2 else None
+        )  # loss_mask is optional there
     report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert report.format == formats.FORMAT_HS_SAFETENSORS
     assert report.clean, report.lines()
@@ -553,6 +626,7 @@ def test_no_dataset(tmp_path):
 # Pure helpers
 # ---------------------------------------------------------------------------------------------
 
+
 def test_mask_template_issues_pure():
     gen, eot = [1, 9], frozenset({2})
     ids = [1, 5, 6, 2, 1, 9, 7, 8, 2, 3]
@@ -572,6 +646,7 @@ def test_length_histogram():
 # ---------------------------------------------------------------------------------------------
 # Every file's slots against the dataset's typical scales (SmolLM2's real states)
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def smollm2_data(smollm2_dir, tmp_path_factory) -> Path:
@@ -595,12 +670,15 @@ def tampered(data: Path, tmp_path: Path, change) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("change, slots", [
-    (lambda h: [h[0], h[2], h[1], h[3]], {1, 2}),  # aux slots swapped in one file
-    (lambda h: [h[0], h[1], h[3], h[2]], {2, 3}),  # the last state swapped with the aux one next to it
-    (lambda h: [h[1], h[0], h[2], h[3]], {0, 1}),
-    (lambda h: [h[0], h[2], h[2], h[3]], {1}),  # a slot filled from another layer
-])
+@pytest.mark.parametrize(
+    "change, slots",
+    [
+        (lambda h: [h[0], h[2], h[1], h[3]], {1, 2}),  # aux slots swapped in one file
+        (lambda h: [h[0], h[1], h[3], h[2]], {2, 3}),  # the last state swapped with the aux one next to it
+        (lambda h: [h[1], h[0], h[2], h[3]], {0, 1}),
+        (lambda h: [h[0], h[2], h[2], h[3]], {1}),  # a slot filled from another layer
+    ],
+)
 def test_one_file_with_another_layer_in_a_slot_is_caught_in_every_file(smollm2_data, tmp_path, change, slots):
     """Without the target and in every file (not a sample): each slot's scale against the
     dataset's typical scale for it; train runs the same check before its first step."""
@@ -618,8 +696,13 @@ def test_a_recorded_vocab_size_other_than_the_targets(copy):
     cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
     cfg["vocab_size"] += 1
     formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
-    assert_found(C.check_dataset(CheckOptions(path=ds)), C.LAYER_IDENTITY, formats.DATA_CONFIG_FILE, "vocab_size",
-                 "is not the target's")
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds)),
+        C.LAYER_IDENTITY,
+        formats.DATA_CONFIG_FILE,
+        "vocab_size",
+        "is not the target's",
+    )
 
 
 def test_a_recorded_count_costs_no_memory_and_an_unknown_format_is_named(copy):
@@ -627,9 +710,9 @@ def test_a_recorded_count_costs_no_memory_and_an_unknown_format_is_named(copy):
     a format no layout has passed unnoticed with --no-target."""
     ds = copy()
     cfg = json.loads((ds / formats.DATA_CONFIG_FILE).read_text())
-    (ds / formats.DATA_CONFIG_FILE).write_text(json.dumps({**cfg, "num_samples": 10 ** 11, "format": "weird"}))
+    (ds / formats.DATA_CONFIG_FILE).write_text(json.dumps({**cfg, "num_samples": 10**11, "format": "weird"}))
     report = C.check_dataset(CheckOptions(path=ds, use_target=False))
-    assert_found(report, C.MISSING_INDEX, "", f"{10 ** 11 - 12} of {10 ** 11} indices have no file: 12, 13,")
+    assert_found(report, C.MISSING_INDEX, "", f"{10**11 - 12} of {10**11} indices have no file: 12, 13,")
     assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "format 'weird' is no layout eaglet knows")
 
 
@@ -638,5 +721,9 @@ def test_two_records_of_the_layers_must_agree(copy):
     ds = copy()
     cfg = json.loads((ds / formats.DATA_CONFIG_FILE).read_text())
     (ds / formats.DATA_CONFIG_FILE).write_text(json.dumps({**cfg, "aux_layer_ids": [0, 1, 2]}))
-    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.DATA_CONFIG, formats.DATA_CONFIG_FILE,
-                 "aux_layer_ids [0, 1, 2] are not layer_ids")
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds, use_target=False)),
+        C.DATA_CONFIG,
+        formats.DATA_CONFIG_FILE,
+        "aux_layer_ids [0, 1, 2] are not layer_ids",
+    )

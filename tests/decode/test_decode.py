@@ -8,10 +8,30 @@ from collections import Counter
 import pytest
 import torch
 
-from eaglet.decode import (BOTH, DRAFTER, NGRAM, Calibration, DraftTree, Eagle3Proposer, HybridProposer,
-                           NgramProposer, accept_greedy, accept_sampling, admit_by_cost, ancestor_matrix, drop_rivals,
-                           expected_acceptance, keep_nodes, measure_pass_costs, merge_chain, path_nodes,
-                           plain_generate, process_probs, speculative_generate, tree_attention_mask)
+from eaglet.decode import (
+    BOTH,
+    DRAFTER,
+    NGRAM,
+    Calibration,
+    DraftTree,
+    Eagle3Proposer,
+    HybridProposer,
+    NgramProposer,
+    accept_greedy,
+    accept_sampling,
+    admit_by_cost,
+    ancestor_matrix,
+    drop_rivals,
+    expected_acceptance,
+    keep_nodes,
+    measure_pass_costs,
+    merge_chain,
+    path_nodes,
+    plain_generate,
+    process_probs,
+    speculative_generate,
+    tree_attention_mask,
+)
 from eaglet.drafter import DraftConfig, Eagle3Draft, allowed_keys
 from references import plain_greedy  # tests/references.py
 from helpers import AUX_IDS, PROMPTS, REPO
@@ -51,7 +71,7 @@ class OracleProposer:
         n = len(self.seq)
         if self.full[:n] != self.seq:
             return DraftTree.empty()
-        truth = self.full[n: n + max_depth]
+        truth = self.full[n : n + max_depth]
         if not self.decoys or top_k == 1:
             return DraftTree.chain(truth[:total_tokens])
         tokens, parents, parent = [], [], -1
@@ -68,6 +88,7 @@ class OracleProposer:
 # Pure pieces
 # ---------------------------------------------------------------------------------------------
 
+
 def test_tree_mask_and_greedy_walk():
     #        root
     #       /    \
@@ -80,7 +101,7 @@ def test_tree_mask_and_greedy_walk():
     assert anc[4].tolist() == [False, True, False, False, True]
     mask = tree_attention_mask(parents, prefix_len=3, dtype=torch.float32, device=torch.device("cpu"))
     assert mask.shape == (1, 1, 6, 9)
-    visible = (mask[0, 0] == 0)
+    visible = mask[0, 0] == 0
     assert visible[:, :3].all()  # the cached prefix
     assert visible[:, 3].all()  # the root
     assert visible[3].tolist()[3:] == [True, True, False, True, False, False]  # node 2 sees root, 0, itself
@@ -138,8 +159,9 @@ def test_accept_sampling_is_exact_on_a_synthetic_tree():
     gen = torch.Generator().manual_seed(0)
     # target distribution after the root, and after each token as the first / second token
     p_root = torch.tensor([0.1, 0.5, 0.3, 0.1])
-    p_after = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.2, 0.2, 0.5, 0.1], [0.25, 0.25, 0.25, 0.25],
-                            [0.05, 0.05, 0.1, 0.8]])
+    p_after = torch.tensor(
+        [[0.7, 0.1, 0.1, 0.1], [0.2, 0.2, 0.5, 0.1], [0.25, 0.25, 0.25, 0.25], [0.05, 0.05, 0.1, 0.8]]
+    )
     # tree: root -> {2, 1, 3}; node(2) -> {0, 3}; node(1) -> {2}
     tokens, parents = [2, 1, 3, 0, 3, 2], [-1, -1, -1, 0, 0, 1]
     probs = torch.stack([p_root] + [p_after[t] for t in tokens])
@@ -167,8 +189,10 @@ def test_accept_sampling_is_exact_on_a_synthetic_tree():
 # The drafter's inference pass == its training unroll
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", [{}, {"norm_output": True, "fc_norm": True}, {"norm_before_residual": True},
-                                     {"sliding_window": 3}])
+
+@pytest.mark.parametrize(
+    "variant", [{}, {"norm_output": True, "fc_norm": True}, {"norm_before_residual": True}, {"sliding_window": 3}]
+)
 def test_drafter_inference_matches_training_unroll(target, variant):
     drafter = make_drafter(target, **variant)
     L, K, t = 14, 4, 7  # position t, unrolled K steps
@@ -180,17 +204,19 @@ def test_drafter_inference_matches_training_unroll(target, variant):
         prop = Eagle3Proposer(drafter)
         seq = ids[0, : t + 2].tolist()  # context 0..t, root = token t+1
         prop.observe(seq, aux[0, : t + 1])
-        torch.testing.assert_close(prop.log_probs(prop.root_out[None])[0], torch.log_softmax(train[0][0, t], -1),
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            prop.log_probs(prop.root_out[None])[0], torch.log_softmax(train[0][0, t], -1), rtol=1e-4, atol=1e-4
+        )
         # a chain of teacher-forced nodes: step k feeds token t+1+k at RoPE t+k, sees ctx + chain
         hidden = prop.fed_back(prop.root_out)[None]
         for k in range(1, K):
             slot = prop.context_len + k - 1  # the chain's nodes follow the context in the buffer
             context = allowed_keys(torch.tensor([t]), torch.arange(prop.context_len), drafter.config.sliding_window)
             allowed = torch.cat([context, torch.ones(1, k, dtype=torch.bool)], dim=1)
-            out = prop.layer(hidden, ids[0, t + 1 + k: t + 2 + k], torch.tensor([t + k]), slot, allowed)
-            torch.testing.assert_close(prop.log_probs(out)[0], torch.log_softmax(train[k][0, t], -1),
-                                       rtol=1e-4, atol=1e-4)
+            out = prop.layer(hidden, ids[0, t + 1 + k : t + 2 + k], torch.tensor([t + k]), slot, allowed)
+            torch.testing.assert_close(
+                prop.log_probs(out)[0], torch.log_softmax(train[k][0, t], -1), rtol=1e-4, atol=1e-4
+            )
             hidden = prop.fed_back(out)
 
 
@@ -283,8 +309,9 @@ def test_min_prob_drafter_is_exact(target, floor):
     drafter = make_drafter(target)
     for prompt in PROMPTS:
         ref = plain_greedy(target, prompt, 20)
-        out, stats = speculative_generate(target, drafter, prompt, 20, mode="tree", depth=3, top_k=3,
-                                          total_tokens=8, min_prob=floor)
+        out, stats = speculative_generate(
+            target, drafter, prompt, 20, mode="tree", depth=3, top_k=3, total_tokens=8, min_prob=floor
+        )
         assert out == ref
         if floor == 1.0:
             assert stats.target_forwards == 20 and stats.acceptance_rates == []
@@ -293,6 +320,7 @@ def test_min_prob_drafter_is_exact(target, floor):
 # ---------------------------------------------------------------------------------------------
 # Greedy exactness against plain decoding
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_random_drafter_is_exact(target, mode):
@@ -319,8 +347,9 @@ def test_oracle_is_exact_and_accepts_everything(target, mode, decoys):
     for prompt in PROMPTS:
         ref = plain_greedy(target, prompt, new)
         oracle = OracleProposer(prompt + ref, 400, decoys=decoys)
-        out, stats = speculative_generate(target, oracle, prompt, new, mode=mode, depth=depth, top_k=3,
-                                          total_tokens=2 * depth)
+        out, stats = speculative_generate(
+            target, oracle, prompt, new, mode=mode, depth=depth, top_k=3, total_tokens=2 * depth
+        )
         assert out == ref
         # 1 token from the prefill, then full cycles of depth + 1: 40 / 5 = 8 verifications
         assert stats.verify_forwards == math.ceil((new - 1) / (depth + 1))
@@ -339,8 +368,9 @@ def test_eos_stop(target):
     oracle = OracleProposer(prompt + ref, 400)
     out, stats = speculative_generate(target, oracle, prompt, 30, eos_ids=eos, mode="chain", depth=6)
     assert out == ref_eos and stats.stopped == "eos"
-    out, _ = speculative_generate(target, make_drafter(target), prompt, 30, eos_ids=eos, depth=3, top_k=3,
-                                  total_tokens=8)
+    out, _ = speculative_generate(
+        target, make_drafter(target), prompt, 30, eos_ids=eos, depth=3, top_k=3, total_tokens=8
+    )
     assert out == ref_eos
 
 
@@ -377,6 +407,7 @@ def test_context_limit(target):
 # ---------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------
+
 
 class TargetTreeProposer:
     """Drafts from the target itself: its 2nd to 4th most likely tokens after the root (so the
@@ -422,22 +453,38 @@ def test_sampling_matches_target_distribution(target, hybrid):
         p1 = process_probs(target(torch.tensor([prompt])).logits[0, -1], T, top_p)
         support = p1.nonzero().flatten().tolist()
         p2 = process_probs(target(torch.tensor([prompt + [a] for a in support])).logits[:, -1], T, top_p)
-    expected = {(a, b): float(p1[a] * p2[i, b])
-                for i, a in enumerate(support) for b in p2[i].nonzero().flatten().tolist()}
+    expected = {
+        (a, b): float(p1[a] * p2[i, b]) for i, a in enumerate(support) for b in p2[i].nonzero().flatten().tolist()
+    }
     gen = torch.Generator().manual_seed(0)
     proposer = TargetTreeProposer(target)
     depth, top_k, total = 2, 3, 9
     if hybrid:
-        proposer = HybridProposer(proposer, NgramProposer(3), (depth, top_k, total), lookup_tokens=2,
-                                  pass_costs=COSTS if hybrid == "cost" else None)
+        proposer = HybridProposer(
+            proposer,
+            NgramProposer(3),
+            (depth, top_k, total),
+            lookup_tokens=2,
+            pass_costs=COSTS if hybrid == "cost" else None,
+        )
         depth, top_k, total = proposer.limits
     counts: Counter = Counter()
     accepted: Counter = Counter()
     sources: Counter = Counter()
     for _ in range(n):
         # 4 tokens: 1 from the prefill, then a depth-2 tree (its max with 3 tokens left)
-        out, stats = speculative_generate(target, proposer, prompt, 4, temperature=T, top_p=top_p, generator=gen,
-                                          depth=depth, top_k=top_k, total_tokens=total)
+        out, stats = speculative_generate(
+            target,
+            proposer,
+            prompt,
+            4,
+            temperature=T,
+            top_p=top_p,
+            generator=gen,
+            depth=depth,
+            top_k=top_k,
+            total_tokens=total,
+        )
         counts[(out[0], out[1])] += 1
         accepted.update({m: c for m, c in enumerate(stats.accept_counts)})
         sources.update(stats.accepted_from)
@@ -449,8 +496,9 @@ def test_sampling_matches_target_distribution(target, hybrid):
         assert min(sources[NGRAM], sources[DRAFTER]) > 30, sources
     # and plain sampling draws from the same law (a check of the reference itself)
     gen = torch.Generator().manual_seed(1)
-    plain = Counter(tuple(plain_generate(target, prompt, 2, temperature=T, top_p=top_p, generator=gen)[0])
-                    for _ in range(200))
+    plain = Counter(
+        tuple(plain_generate(target, prompt, 2, temperature=T, top_p=top_p, generator=gen)[0]) for _ in range(200)
+    )
     assert chi_square_ok(plain, expected, 200)[2]
 
 
@@ -474,6 +522,7 @@ def test_verify_cost_bench_break_even(target):
 # ---------------------------------------------------------------------------------------------
 # Prompt lookup and the hybrid proposer
 # ---------------------------------------------------------------------------------------------
+
 
 def test_ngram_lookup_takes_the_longest_latest_match():
     p = NgramProposer(max_ngram=3)
@@ -520,8 +569,13 @@ def test_hybrid_is_exact_and_both_proposers_contribute(target, mode, floor):
     used: Counter = Counter()
     for prompt in [*PROMPTS, COPY_PROMPT]:
         ref = plain_greedy(target, prompt, 24)
-        hybrid = HybridProposer(Eagle3Proposer(drafter, floor / 10), NgramProposer(3, min_prob=floor), limits,
-                                lookup_tokens=4, drop_rivals=floor > 0)
+        hybrid = HybridProposer(
+            Eagle3Proposer(drafter, floor / 10),
+            NgramProposer(3, min_prob=floor),
+            limits,
+            lookup_tokens=4,
+            drop_rivals=floor > 0,
+        )
         depth, top_k, total = hybrid.limits
         out, stats = speculative_generate(target, hybrid, prompt, 24, depth=depth, top_k=top_k, total_tokens=total)
         assert out == ref
@@ -563,6 +617,7 @@ def test_ngram_floor_learns_how_deep_to_trust_the_lookup():
 # Cost-aware admission (hybrid / ngram with pass costs)
 # ---------------------------------------------------------------------------------------------
 
+
 def test_expected_acceptance_multiplies_down_paths_and_caps_siblings():
     # root -> a (0.7), b (0.6: capped to 0.3, the two cannot both be right); a -> c (0.5)
     e = expected_acceptance([-1, -1, 0], [0.7, 0.6, 0.5])
@@ -602,8 +657,11 @@ def test_cost_aware_hybrid_is_exact(target, drafted):
     runs = []
     for prompt in [*PROMPTS, COPY_PROMPT]:
         ref = plain_greedy(target, prompt, 24)
-        drafter = {"random": lambda: Eagle3Proposer(make_drafter(target)),
-                   "oracle": lambda: OracleProposer(prompt + ref, 400), None: lambda: None}[drafted]()
+        drafter = {
+            "random": lambda: Eagle3Proposer(make_drafter(target)),
+            "oracle": lambda: OracleProposer(prompt + ref, 400),
+            None: lambda: None,
+        }[drafted]()
         hybrid = HybridProposer(drafter, NgramProposer(3), (2, 1, 2), lookup_tokens=4, pass_costs=COSTS)
         depth, top_k, total = hybrid.limits
         out, stats = speculative_generate(target, hybrid, prompt, 24, depth=depth, top_k=top_k, total_tokens=total)
@@ -657,8 +715,9 @@ def test_an_unlucky_start_does_not_silence_a_good_drafter(target):
 
     runs = {}
     for explore in (0, 8):
-        hybrid = HybridProposer(SlowStarter(prompt + ref, 400), NgramProposer(3), (1, 1, 1), 2, pass_costs=COSTS,
-                                explore_runs=explore)
+        hybrid = HybridProposer(
+            SlowStarter(prompt + ref, 400), NgramProposer(3), (1, 1, 1), 2, pass_costs=COSTS, explore_runs=explore
+        )
         out, stats = speculative_generate(target, hybrid, prompt, 40, depth=2, top_k=1, total_tokens=3)
         assert out == ref
         runs[explore] = (hybrid.drafter_runs, stats.accepted_from.get(DRAFTER, 0) + stats.accepted_from.get(BOTH, 0))

@@ -10,8 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglet.decode import (FAST_TARGET_ENV, FastTarget, TargetRunner, plain_generate, speculative_generate,
-                           target_runner, tree_attention_mask)
+from eaglet.decode import (
+    FAST_TARGET_ENV,
+    FastTarget,
+    TargetRunner,
+    plain_generate,
+    speculative_generate,
+    target_runner,
+    tree_attention_mask,
+)
 from eaglet.decode.fast import fast_target_refused
 from eaglet.packed import PackedLinear
 from references import plain_greedy  # tests/references.py
@@ -24,9 +31,19 @@ def tiny(kind: str, **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(kind, vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  max_position_embeddings=512, tie_word_embeddings=False, **extra)
+    config = AutoConfig.for_model(
+        kind,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **extra,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
@@ -100,7 +117,9 @@ def test_the_kv_cache_grows_past_its_first_size(monkeypatch):
 
 def test_what_the_fast_target_does_not_run_goes_through_hugging_face(monkeypatch):
     assert fast_target_refused(tiny("mistral", sliding_window=8)).startswith("sliding-window attention")
-    assert "model type 'gpt2'" in fast_target_refused(type("M", (), {"config": type("C", (), {"model_type": "gpt2"})()})())
+    assert "model type 'gpt2'" in fast_target_refused(
+        type("M", (), {"config": type("C", (), {"model_type": "gpt2"})()})()
+    )
     model = tiny("llama")
     monkeypatch.setenv(FAST_TARGET_ENV, "0")
     assert isinstance(target_runner(model), TargetRunner)
@@ -114,8 +133,9 @@ def test_speculative_decoding_on_the_fast_target_is_exact():
 
     model = tiny("qwen3")
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]  # repeats: the lookup drafts, some of it accepted
-    out, stats = speculative_generate(model, NgramProposer(3), prompt, 30, mode="chain", depth=3, top_k=1,
-                                      total_tokens=3)
+    out, stats = speculative_generate(
+        model, NgramProposer(3), prompt, 30, mode="chain", depth=3, top_k=1, total_tokens=3
+    )
     assert out == plain_greedy(model, prompt, 30) and stats.verify_forwards > 0
 
 

@@ -7,22 +7,47 @@ import pytest
 import torch
 from ttt_reference import NaiveTTTAttention, ttt_mask  # tests/ttt_reference.py: pytest puts tests/ on sys.path
 
-from eaglet.drafter import (DiagonalTTTAttention, DraftConfig, DraftOutput, Eagle3Draft, Teacher, acceptance_length,
-                            apply_rope, build_draft_vocab, make_teacher, rope_cos_sin, stats_summary, ttt_loss)
+from eaglet.drafter import (
+    DiagonalTTTAttention,
+    DraftConfig,
+    DraftOutput,
+    Eagle3Draft,
+    Teacher,
+    acceptance_length,
+    apply_rope,
+    build_draft_vocab,
+    make_teacher,
+    rope_cos_sin,
+    stats_summary,
+    ttt_loss,
+)
 from eaglet.drafter.attention import CHUNKED, FLASH, TTT_KERNELS, CausalLogSumExp, default_kernel
 from eaglet.drafter.model import shift_left
 from eaglet.drafter.objectives import objective_loss
 
 # Every kernel, named, so the CPU suite runs each (the CPU's default is "flash", a GPU's "chunked").
 # The chunked kernel with chunks of 4 over the 13 positions of `random_batch`: chunks 4, 4, 4 and 1.
-KERNELS = {"flash": dict(kernel=FLASH), "chunked-4": dict(kernel=CHUNKED, chunk_size=4),
-           "chunked-whole": dict(kernel=CHUNKED)}
+KERNELS = {
+    "flash": dict(kernel=FLASH),
+    "chunked-4": dict(kernel=CHUNKED, chunk_size=4),
+    "chunked-whole": dict(kernel=CHUNKED),
+}
 
 
 def tiny_config(**kw) -> DraftConfig:
-    base = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5,
-                rope_theta=10000.0, max_position_embeddings=128, target_vocab_size=50, draft_vocab_size=30,
-                aux_layer_ids=[2, 4, 5])
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        target_vocab_size=50,
+        draft_vocab_size=30,
+        aux_layer_ids=[2, 4, 5],
+    )
     base.update(kw)
     return DraftConfig(**base)
 
@@ -53,9 +78,17 @@ def test_config_from_target(tiny_target):
 
 def test_checkpoint_key_names():
     keys = set(Eagle3Draft(tiny_config()).state_dict())
-    expected = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d",
-                "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-                "midlayer.post_attention_layernorm.weight"}
+    expected = {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "embed_tokens.weight",
+        "d2t",
+        "t2d",
+        "midlayer.hidden_norm.weight",
+        "midlayer.input_layernorm.weight",
+        "midlayer.post_attention_layernorm.weight",
+    }
     expected |= {f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"}
     expected |= {f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
     assert keys == expected
@@ -97,9 +130,12 @@ def two_samples_per_row(L: int, first: list[int]) -> tuple[torch.Tensor, torch.T
     return documents, positions
 
 
-VARIANTS = {"plain": ({}, False), "eagle3.1": ({"norm_output": True, "fc_norm": True}, False),
-            "window": ({"sliding_window": 4, "norm_before_residual": True}, False),
-            "packed-window": ({"sliding_window": 4}, True)}
+VARIANTS = {
+    "plain": ({}, False),
+    "eagle3.1": ({"norm_output": True, "fc_norm": True}, False),
+    "window": ({"sliding_window": 4, "norm_before_residual": True}, False),
+    "packed-window": ({"sliding_window": 4}, True),
+}
 
 
 @pytest.mark.parametrize("kernel", KERNELS.values(), ids=KERNELS.keys())
@@ -182,17 +218,22 @@ def test_loss_counts_masked_positions_and_trains_on_drafted_ones():
     assert acceptance_length([0.5, 0.5, 0.0, 1.0]) == pytest.approx(0.75)
 
 
-def reference_ttt_loss(logits: list[torch.Tensor], log_probs: torch.Tensor, in_draft: torch.Tensor,
-                       mask: torch.Tensor, decay: float = 0.8) -> torch.Tensor:
+def reference_ttt_loss(
+    logits: list[torch.Tensor], log_probs: torch.Tensor, in_draft: torch.Tensor, mask: torch.Tensor, decay: float = 0.8
+) -> torch.Tensor:
     """Position by position: step k at t, counted when token t+k+2 is masked and the teacher at
     t+k+1 is drafted; dense soft cross-entropy; mean per step, weighted decay^k."""
     total = torch.zeros(())
     B, L = mask.shape
     for k, z in enumerate(logits):
-        terms = [-(log_probs[b, t + k + 1].exp() * torch.log_softmax(z[b, t].float(), -1)).sum()
-                 for b in range(B) for t in range(L - k - 2) if mask[b, t + k + 2] and in_draft[b, t + k + 1]]
+        terms = [
+            -(log_probs[b, t + k + 1].exp() * torch.log_softmax(z[b, t].float(), -1)).sum()
+            for b in range(B)
+            for t in range(L - k - 2)
+            if mask[b, t + k + 2] and in_draft[b, t + k + 1]
+        ]
         if terms:
-            total = total + decay ** k * torch.stack(terms).mean()
+            total = total + decay**k * torch.stack(terms).mean()
     return total
 
 
@@ -210,8 +251,12 @@ def test_loss_matches_position_by_position_reference_and_sparse_teachers():
     hard = make_teacher(last, torch.nn.Identity(), head, d2t, t2d, top_k=1)
     assert torch.equal(hard.argmax, dense.argmax) and torch.equal(hard.log_probs, torch.zeros_like(hard.log_probs))
     one_hot = torch.full_like(dense.log_probs, -1e4).scatter(-1, dense.argmax[..., None], 0.0)
-    torch.testing.assert_close(ttt_loss(out, hard, mask)[0], reference_ttt_loss(out.logits, one_hot, dense.in_draft, mask),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        ttt_loss(out, hard, mask)[0],
+        reference_ttt_loss(out.logits, one_hot, dense.in_draft, mask),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     for a, b in zip(ttt_loss(out, hard, mask)[1].as_tensor()[1:], stats.as_tensor()[1:]):  # same hits and counts
         assert torch.equal(a, b)
 
@@ -228,9 +273,13 @@ def test_feature_loss_regresses_the_next_last_layer_state():
     out = model(ids, aux, steps=2)
     base, _ = ttt_loss(out, teacher, mask)
     with_features, _ = ttt_loss(out, teacher, mask, feature_weight=1.0)
-    expected = sum(0.8 ** k * torch.nn.functional.smooth_l1_loss(out.hidden[k][:, :-k - 2][mask[:, k + 2:].bool()],
-                                                                   last[:, k + 1:-1][mask[:, k + 2:].bool()])
-                   for k in range(2))
+    expected = sum(
+        0.8**k
+        * torch.nn.functional.smooth_l1_loss(
+            out.hidden[k][:, : -k - 2][mask[:, k + 2 :].bool()], last[:, k + 1 : -1][mask[:, k + 2 :].bool()]
+        )
+        for k in range(2)
+    )
     torch.testing.assert_close(with_features - base, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -255,7 +304,7 @@ def test_causal_logsumexp_gradients(window):
     q = torch.randn(1, 4, 7, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: CausalLogSumExp.apply(a, b, 3, window), (q, k))
-    scores = torch.einsum("bhld,bhsd->bhls", q, k.repeat_interleave(2, dim=1)) / 8 ** 0.5
+    scores = torch.einsum("bhld,bhsd->bhls", q, k.repeat_interleave(2, dim=1)) / 8**0.5
     allowed = torch.ones(7, 7, dtype=torch.bool).tril()
     if window:
         allowed &= ~torch.ones(7, 7, dtype=torch.bool).tril(-window)
@@ -271,7 +320,7 @@ def test_causal_logsumexp_gradients_within_documents(window):
     k = torch.randn(2, 2, 7, 8, dtype=torch.float64, requires_grad=True)
     docs = torch.tensor([[0, 0, 0, 1, 1, 2, -1], [0, 0, 0, 0, 0, 1, 1]])
     assert torch.autograd.gradcheck(lambda a, b: CausalLogSumExp.apply(a, b, 3, window, docs), (q, k))
-    scores = torch.einsum("bhld,bhsd->bhls", q, k.repeat_interleave(2, dim=1)) / 8 ** 0.5
+    scores = torch.einsum("bhld,bhsd->bhls", q, k.repeat_interleave(2, dim=1)) / 8**0.5
     t = torch.arange(7)
     allowed = (t[None, :] <= t[:, None])[None] & (docs[:, :, None] == docs[:, None, :])
     if window:
@@ -292,13 +341,25 @@ def test_packed_rows_train_as_the_samples_alone(window, kernel):
     torch.manual_seed(0)
     draft = Eagle3Draft(tiny_config(sliding_window=window)).double()
     head, norm = torch.nn.Linear(32, 50, bias=False).double(), torch.nn.RMSNorm(32).double()
-    samples = [formats.TrainingSample(torch.randint(0, 50, (n,)), torch.randn(n, 96, dtype=torch.float64),
-                                      torch.randn(n, 32, dtype=torch.float64), torch.randint(0, 2, (n,)))
-               for n in (7, 12, 5, 9)]
+    samples = [
+        formats.TrainingSample(
+            torch.randint(0, 50, (n,)),
+            torch.randn(n, 96, dtype=torch.float64),
+            torch.randn(n, 32, dtype=torch.float64),
+            torch.randint(0, 2, (n,)),
+        )
+        for n in (7, 12, 5, 9)
+    ]
 
     def sums(batch, attention=lambda: DiagonalTTTAttention(**kernel)):
-        out = draft(batch.input_ids, batch.aux_hidden, steps=3, attention=attention, documents=batch.documents,
-                    positions=batch.positions)
+        out = draft(
+            batch.input_ids,
+            batch.aux_hidden,
+            steps=3,
+            attention=attention,
+            documents=batch.documents,
+            positions=batch.positions,
+        )
         teacher = make_teacher(batch.last_hidden, norm, head, draft.d2t, draft.t2d)
         return ttt_loss(out, teacher, batch.loss_mask, documents=batch.documents)[1].as_tensor()
 
@@ -307,9 +368,11 @@ def test_packed_rows_train_as_the_samples_alone(window, kernel):
     alone = sum(sums(collate([s], None)) for s in samples)
     torch.testing.assert_close(sums(packed), alone)
     torch.testing.assert_close(sums(packed, NaiveTTTAttention), alone)
-    unmasked = ttt_loss(draft(packed.input_ids, packed.aux_hidden, steps=3, documents=packed.documents,
-                              positions=packed.positions),
-                        make_teacher(packed.last_hidden, norm, head, draft.d2t, draft.t2d), packed.loss_mask)[1]
+    unmasked = ttt_loss(
+        draft(packed.input_ids, packed.aux_hidden, steps=3, documents=packed.documents, positions=packed.positions),
+        make_teacher(packed.last_hidden, norm, head, draft.d2t, draft.t2d),
+        packed.loss_mask,
+    )[1]
     assert (unmasked.count > alone[2]).all()  # without `documents` the loss would count targets of the next sample
 
 
@@ -328,8 +391,9 @@ def test_norm_before_residual_takes_the_normalised_state_as_residual():
         ml_variant.hidden_norm.weight.fill_(1.0)
         normed = ml_plain.hidden_norm(g)
         expected = ml_plain(normed, embeds, cos, sin, DiagonalTTTAttention())  # a fresh core: step 0
-        torch.testing.assert_close(ml_variant(g, embeds, cos, sin, DiagonalTTTAttention()), expected,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            ml_variant(g, embeds, cos, sin, DiagonalTTTAttention()), expected, rtol=1e-4, atol=1e-4
+        )
         assert not torch.allclose(ml_plain(g, embeds, cos, sin, DiagonalTTTAttention()), expected, atol=1e-2)
 
 
@@ -344,29 +408,45 @@ def test_lk_objectives_against_their_definitions():
     kl = (p * (p.log() - q.log())).sum(-1)
     weight = torch.exp(-3 * overlap.detach())
     torch.testing.assert_close(objective_loss(z, p.log(), None, "lk"), -overlap.log())
-    torch.testing.assert_close(objective_loss(z, p.log(), None, "lk-hybrid"), weight * kl + (1 - weight) * (1 - overlap))
+    torch.testing.assert_close(
+        objective_loss(z, p.log(), None, "lk-hybrid"), weight * kl + (1 - weight) * (1 - overlap)
+    )
     torch.testing.assert_close(objective_loss(z, p.log(), None, "ce"), -(p * q.log()).sum(-1))
     top, ids = p.log().topk(5, -1)  # sparse: mass only on the k ids
     sparse_p = torch.zeros_like(p).scatter(-1, ids, (top - top.logsumexp(-1, keepdim=True)).exp())
     sparse_overlap = torch.minimum(sparse_p, q).sum(-1)
-    torch.testing.assert_close(objective_loss(z, top - top.logsumexp(-1, keepdim=True), ids, "lk"),
-                               -sparse_overlap.log())
+    torch.testing.assert_close(
+        objective_loss(z, top - top.logsumexp(-1, keepdim=True), ids, "lk"), -sparse_overlap.log()
+    )
     hard = torch.zeros(6, 1, dtype=torch.float32)
     torch.testing.assert_close(objective_loss(z, hard, ids[:, :1], "lk"), objective_loss(z, hard, ids[:, :1], "ce"))
     objective_loss(z, p.log(), None, "lk-hybrid").sum().backward()
     assert torch.isfinite(z.grad).all()
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("rms_norm_eps", -1.0, "rms_norm_eps -1.0: must be > 0 and finite"),
-    ("max_position_embeddings", 0, "max_position_embeddings 0: must be whole numbers >= 1"),
-    ("norm_output", "yes", "norm_output 'yes': must be true or false"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("rms_norm_eps", -1.0, "rms_norm_eps -1.0: must be > 0 and finite"),
+        ("max_position_embeddings", 0, "max_position_embeddings 0: must be whole numbers >= 1"),
+        ("norm_output", "yes", "norm_output 'yes': must be true or false"),
+    ],
+)
 def test_a_drafter_config_of_impossible_numbers_is_refused(field, value, message):
     """An edited config.json once passed import, export and eval with these."""
-    base = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5,
-                rope_theta=10000.0, max_position_embeddings=128, target_vocab_size=50, draft_vocab_size=30,
-                aux_layer_ids=[1, 2, 3])
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        target_vocab_size=50,
+        draft_vocab_size=30,
+        aux_layer_ids=[1, 2, 3],
+    )
     DraftConfig(**base)
     with pytest.raises(ValueError, match=message):
         DraftConfig(**{**base, field: value})

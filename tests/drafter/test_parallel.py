@@ -14,8 +14,19 @@ from safetensors.torch import load_file
 
 from eaglet import formats
 from eaglet.decode import HybridProposer, NgramProposer, ParallelProposer, speculative_generate
-from eaglet.drafter import (DFLASH, P_EAGLE, PARALLEL_FAMILIES, DraftConfig, ParallelDraft, Teacher, anchor_grid,
-                            block_loss, position_weights, predicted_positions, stats_summary)
+from eaglet.drafter import (
+    DFLASH,
+    P_EAGLE,
+    PARALLEL_FAMILIES,
+    DraftConfig,
+    ParallelDraft,
+    Teacher,
+    anchor_grid,
+    block_loss,
+    position_weights,
+    predicted_positions,
+    stats_summary,
+)
 from eaglet.drafter.files import load_checkpoint, load_drafter
 from eaglet.export import export_drafter, import_drafter
 from eaglet.training.checkpoints import iter_metrics
@@ -27,17 +38,38 @@ from replays import sglang_load_dflash, vllm_load_parallel
 from eaglet.options import EvalOptions, ExportOptions, ImportOptions, TrainOptions
 
 
-def make_parallel(family: str, target_config=None, seed: int = 0, layers: int = 2, block: int = 5,
-                  vocab: int = 400) -> ParallelDraft:
+def make_parallel(
+    family: str, target_config=None, seed: int = 0, layers: int = 2, block: int = 5, vocab: int = 400
+) -> ParallelDraft:
     torch.manual_seed(seed)
     if target_config is not None:
-        cfg = DraftConfig.from_target(target_config, AUX_IDS, draft_vocab_size=300, family=family, num_layers=layers,
-                                      block_size=block, mask_token_id=vocab - 1)
+        cfg = DraftConfig.from_target(
+            target_config,
+            AUX_IDS,
+            draft_vocab_size=300,
+            family=family,
+            num_layers=layers,
+            block_size=block,
+            mask_token_id=vocab - 1,
+        )
     else:
-        cfg = DraftConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                          rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, target_vocab_size=vocab,
-                          draft_vocab_size=50, aux_layer_ids=AUX_IDS, family=family, num_layers=layers,
-                          block_size=block, mask_token_id=vocab - 1)
+        cfg = DraftConfig(
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=512,
+            target_vocab_size=vocab,
+            draft_vocab_size=50,
+            aux_layer_ids=AUX_IDS,
+            family=family,
+            num_layers=layers,
+            block_size=block,
+            mask_token_id=vocab - 1,
+        )
     return ParallelDraft(cfg).eval()
 
 
@@ -52,6 +84,7 @@ def anchor_of(family: str, root: int) -> int:
 # The model
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", PARALLEL_FAMILIES)
 def test_a_block_sees_only_its_past_and_is_the_same_alone_or_batched(family):
     """A block at anchor a depends on nothing after what it may see (DFlash: tokens <= a, context
@@ -65,8 +98,8 @@ def test_a_block_sees_only_its_past_and_is_the_same_alone_or_batched(family):
         a = int(anchors[0, 3])
         alone = m(ids[:1], aux[:1], anchors[:1, 3:4])
         later_ids, later_aux = ids[:1].clone(), aux[:1].clone()
-        later_ids[0, a + (1 if family == DFLASH else 2):] = 7
-        later_aux[0, a + (0 if family == DFLASH else 1):] = 0.0
+        later_ids[0, a + (1 if family == DFLASH else 2) :] = 7
+        later_aux[0, a + (0 if family == DFLASH else 1) :] = 0.0
         changed = m(later_ids, later_aux, anchors[:1, 3:4])
     assert len(batched.hidden) == predicted_positions(m.config)
     for k in range(len(batched.hidden)):
@@ -131,6 +164,7 @@ def test_block_stats_count_acceptance_along_the_block():
 # Decoding
 # ---------------------------------------------------------------------------------------------
 
+
 class Recording(ParallelProposer):
     """Keeps each pass's block outputs with the root position it drafted from."""
 
@@ -171,10 +205,16 @@ def test_parallel_drafters_are_exact_alone_with_a_floor_and_in_the_hybrid(target
         ref = plain_greedy(target, prompt, 24)
         assert speculative_generate(target, drafter, prompt, 24, mode="chain", depth=n)[0] == ref
         assert speculative_generate(target, drafter, prompt, 24, mode="chain", depth=n, min_prob=0.5)[0] == ref
-        hybrid = HybridProposer(ParallelProposer(drafter), NgramProposer(3), (n, 1, n), 4,
-                                pass_costs=(1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.6, 2.8))
-        out, _ = speculative_generate(target, hybrid, prompt, 24, depth=hybrid.limits[0], top_k=1,
-                                      total_tokens=hybrid.limits[2])
+        hybrid = HybridProposer(
+            ParallelProposer(drafter),
+            NgramProposer(3),
+            (n, 1, n),
+            4,
+            pass_costs=(1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.6, 2.8),
+        )
+        out, _ = speculative_generate(
+            target, hybrid, prompt, 24, depth=hybrid.limits[0], top_k=1, total_tokens=hybrid.limits[2]
+        )
         assert out == ref
 
 
@@ -246,6 +286,7 @@ def test_family_options_are_checked():
 # Export and import: the engines' loaders replayed
 # ---------------------------------------------------------------------------------------------
 
+
 def weights_of(folder) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
@@ -268,8 +309,9 @@ def parallel_checkpoint(tmp_path, family: str, tiny_target, **overrides) -> Path
     if family == DFLASH:
         init_lm_head_from_target(draft, heads, freeze=True)  # SGLang drafts with the target's head
     folder = tmp_path / f"ckpt-{family}"
-    formats.write_drafter_folder(folder, export_config(draft.config, {"target": str(tiny_target), "step": 1}),
-                                 draft.state_dict())
+    formats.write_drafter_folder(
+        folder, export_config(draft.config, {"target": str(tiny_target), "step": 1}), draft.state_dict()
+    )
     return folder
 
 
@@ -308,8 +350,9 @@ def test_sglang_dflash_export_loads_and_needs_the_targets_head(tmp_path, tiny_ta
     with pytest.raises(ValueError, match="SGLang's DFLASH drafts with the target's"):
         export_drafter(ExportOptions(ckpt=tmp_path / "own", out=tmp_path / "own_out", fmt="eagle", dtype="fp32"))
     with pytest.raises(ValueError, match="SGLang serves no P-EAGLE"):
-        export_drafter(ExportOptions(ckpt=parallel_checkpoint(tmp_path, P_EAGLE, tiny_target), out=tmp_path / "p",
-                                     fmt="eagle"))
+        export_drafter(
+            ExportOptions(ckpt=parallel_checkpoint(tmp_path, P_EAGLE, tiny_target), out=tmp_path / "p", fmt="eagle")
+        )
     with pytest.raises(ValueError, match="llama.cpp serves no DFlash drafter"):
         export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "x.gguf", fmt="gguf"))
 
@@ -321,8 +364,9 @@ def test_import_of_a_whole_vocabulary_dflash_folder_takes_the_targets_head(tmp_p
     folder = tmp_path / "out"
     c = json.loads((folder / "config.json").read_text())
     del c["draft_vocab_size"]
-    stored = {k: v for k, v in weights_of(folder).items() if k not in ("lm_head.weight", "embed_tokens.weight", "d2t",
-                                                                         "t2d")}
+    stored = {
+        k: v for k, v in weights_of(folder).items() if k not in ("lm_head.weight", "embed_tokens.weight", "d2t", "t2d")
+    }
     formats.write_drafter_folder(tmp_path / "zlab", c, stored)
     with pytest.raises(ValueError, match="lm_head.weight missing"):
         import_drafter(ImportOptions(src=tmp_path / "zlab", out=tmp_path / "no"))
@@ -337,12 +381,35 @@ def test_eval_runs_a_parallel_drafter_by_its_family_name_exactly(tmp_path, tiny_
 
     ckpt = parallel_checkpoint(tmp_path, DFLASH, tiny_target)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Write a function that adds."}])
-    result = evaluate(EvalOptions(drafter_path=ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                                  methods=["dflash", "hybrid"], max_new_tokens=10, dtype="fp32", threads=1, device="cpu",
-                                  plot=False), progress=False)
+    result = evaluate(
+        EvalOptions(
+            drafter_path=ckpt,
+            target=str(tiny_target),
+            prompt_sets=[str(prompts)],
+            methods=["dflash", "hybrid"],
+            max_new_tokens=10,
+            dtype="fp32",
+            threads=1,
+            device="cpu",
+            plot=False,
+        ),
+        progress=False,
+    )
     r = result.sets["prompts"]
     assert r["dflash"]["identical_share"] == r["hybrid"]["identical_share"] == 1.0
-    with pytest.raises(ValueError, match="method chain drafts with the eagle3 family; this drafter is dflash: use "
-                                         "--methods dflash"):
-        evaluate(EvalOptions(drafter_path=ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain"],
-                             dtype="fp32", threads=1, device="cpu", plot=False), progress=False)
+    with pytest.raises(
+        ValueError, match="method chain drafts with the eagle3 family; this drafter is dflash: use --methods dflash"
+    ):
+        evaluate(
+            EvalOptions(
+                drafter_path=ckpt,
+                target=str(tiny_target),
+                prompt_sets=[str(prompts)],
+                methods=["chain"],
+                dtype="fp32",
+                threads=1,
+                device="cpu",
+                plot=False,
+            ),
+            progress=False,
+        )

@@ -61,9 +61,14 @@ def test_embedded_prompt_sets():
 
 
 def test_jsonl_prompts_and_errors(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [
-        {"id": "a", "prompt": "hi"}, {"turns": ["one", "two"]},
-        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}]}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "a", "prompt": "hi"},
+            {"turns": ["one", "two"]},
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}]},
+        ],
+    )
     a, b, c = load_prompt_set(str(path), None)
     assert (a.id, a.turns) == ("a", ["hi"]) and b.turns == ["one", "two"]
     assert c.context == [{"role": "system", "content": "be brief"}] and c.turns == ["q"]
@@ -74,8 +79,10 @@ def test_jsonl_prompts_and_errors(tmp_path):
     with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8"):
         load_prompt_set(str(latin1), None)
 
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"messages": [{"role": "user", "content": "q"},
-                                                                                {"role": "assistant", "content": "a"}]}])
+    bad = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [{"prompt": "ok"}, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}],
+    )
     with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'messages': the last message must be the user's"):
         load_prompt_set(str(bad), None)
     odd = write_jsonl(tmp_path / "odd.jsonl", [{"text": "x"}])
@@ -96,8 +103,15 @@ def test_totals_arithmetic():
     plain = MethodTotals()
     plain.add(Run([1] * 10, wall_s=2.0, target_forwards=10), None)
     spec = MethodTotals()
-    stats = DecodeStats(new_tokens=10, target_forwards=4, verify_forwards=3,
-                        position_reached=[3, 2, 1], position_accepted=[2, 1, 0], target_s=0.4, draft_s=0.1)
+    stats = DecodeStats(
+        new_tokens=10,
+        target_forwards=4,
+        verify_forwards=3,
+        position_reached=[3, 2, 1],
+        position_accepted=[2, 1, 0],
+        target_s=0.4,
+        draft_s=0.1,
+    )
     spec.add(Run([1] * 10, wall_s=0.5, target_forwards=4, stats=stats), reference=[1] * 10)
     other = [1] * 9 + [2]
     spec.add(Run(other, wall_s=0.5, target_forwards=4, stats=stats), reference=[1] * 10)
@@ -113,14 +127,31 @@ def test_totals_arithmetic():
 def test_eval_end_to_end_fp32_is_exact(tiny_target, drafter_ckpt, tmp_path, one_thread):
     """Every method reproduces plain greedy token for token in fp32, on single- and two-turn
     prompts; the JSON, table and plot are written."""
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [
-        {"id": "x", "prompt": "Write a function that adds two numbers."},
-        {"id": "y", "turns": ["Hello there", "And then?"]}])
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [
+            {"id": "x", "prompt": "Write a function that adds two numbers."},
+            {"id": "y", "turns": ["Hello there", "And then?"]},
+        ],
+    )
     out = tmp_path / "eval"
-    result = evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                                  methods=["chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"],
-                                  max_new_tokens=12, depth=3, top_k=3, total_tokens=8, chain_depth=3, dtype="fp32",
-                                  device="cpu", out=out), progress=False)
+    result = evaluate(
+        EvalOptions(
+            drafter_path=drafter_ckpt,
+            target=str(tiny_target),
+            prompt_sets=[str(prompts)],
+            methods=["chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"],
+            max_new_tokens=12,
+            depth=3,
+            top_k=3,
+            total_tokens=8,
+            chain_depth=3,
+            dtype="fp32",
+            device="cpu",
+            out=out,
+        ),
+        progress=False,
+    )
     r = result.sets["prompts"]
     assert r["plain"]["turns"] == 3 and r["plain"]["tau"] == 1.0
     for m in ("chain", "tree", "hybrid", "ngram", "prompt-lookup", "hf-greedy"):
@@ -151,8 +182,12 @@ def test_eval_refuses_a_drafter_for_another_target(tiny_target, tmp_path, one_th
     ckpt = save_checkpoint(tmp_path / "checkpoints", 1, Eagle3Draft(cfg), export_config(cfg, {}), {})
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     with pytest.raises(ValueError, match="hidden size 32 vs the target's 64"):
-        evaluate(EvalOptions(drafter_path=ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], dtype="fp32",
-                             device="cpu"), progress=False)
+        evaluate(
+            EvalOptions(
+                drafter_path=ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], dtype="fp32", device="cpu"
+            ),
+            progress=False,
+        )
 
 
 def test_a_recorded_target_that_is_no_target_is_named_with_its_file(tiny_target, tmp_path, one_thread):
@@ -162,33 +197,65 @@ def test_a_recorded_target_that_is_no_target_is_named_with_its_file(tiny_target,
 
     cfg = DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target), [2, 4, 5], draft_vocab_size=300)
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
-    for i, (recorded, said) in enumerate([
-            (123, r"config\.json: field eaglet\.target 123 is not a model folder or hub id; write the target's "
-                  r"folder or id there, or pass --target"),
+    for i, (recorded, said) in enumerate(
+        [
+            (
+                123,
+                r"config\.json: field eaglet\.target 123 is not a model folder or hub id; write the target's "
+                r"folder or id there, or pass --target",
+            ),
             (str(tmp_path / "gone"), r"step_\d+: the target its config\.json records .*gone: not a local folder"),
-            (str(tiny_target), r"config\.json: field eaglet\.target_revision \[1\] is not a revision")]):
+            (str(tiny_target), r"config\.json: field eaglet\.target_revision \[1\] is not a revision"),
+        ]
+    ):
         extra = {"target": recorded, **({"target_revision": [1]} if i == 2 else {})}
         ckpt = save_checkpoint(tmp_path / f"c{i}", 1, Eagle3Draft(cfg), export_config(cfg, extra), {})
         with pytest.raises((ValueError, FileNotFoundError), match=said):
-            evaluate(EvalOptions(drafter_path=ckpt, prompt_sets=[str(prompts)], dtype="fp32", device="cpu"),
-                                 progress=False)
+            evaluate(
+                EvalOptions(drafter_path=ckpt, prompt_sets=[str(prompts)], dtype="fp32", device="cpu"), progress=False
+            )
 
 
 def test_prompts_longer_than_the_target_are_skipped_and_counted(drafter_ckpt, tiny_target, tmp_path, one_thread):
     """A prompt the target cannot hold (1,024 positions here) is skipped with its later turns,
     counted and listed; the rest of the set is measured. A set with nothing that fits is an error."""
-    prompts = write_jsonl(tmp_path / "p.jsonl", [
-        {"id": "short", "prompt": "hi"}, {"id": "long", "prompt": "word " * 1500},
-        {"id": "late", "turns": ["hi", "x " * 1100]}])
-    result = evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                                  methods=["chain"], max_new_tokens=4, dtype="fp32", device="cpu"), progress=False)
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "short", "prompt": "hi"},
+            {"id": "long", "prompt": "word " * 1500},
+            {"id": "late", "turns": ["hi", "x " * 1100]},
+        ],
+    )
+    result = evaluate(
+        EvalOptions(
+            drafter_path=drafter_ckpt,
+            target=str(tiny_target),
+            prompt_sets=[str(prompts)],
+            methods=["chain"],
+            max_new_tokens=4,
+            dtype="fp32",
+            device="cpu",
+        ),
+        progress=False,
+    )
     assert result.sets["p"]["plain"]["turns"] == 2
     assert result.config["skipped_turns"] == 2
     assert [(r["id"], r["turn"]) for r in result.prompts if "skipped" in r] == [("long", 0), ("late", 1)]
     only_long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 1500}])
     with pytest.raises(ValueError, match="every prompt is too long for the target's 1024 positions"):
-        evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(only_long)],
-                             methods=["chain"], max_new_tokens=4, dtype="fp32", device="cpu"), progress=False)
+        evaluate(
+            EvalOptions(
+                drafter_path=drafter_ckpt,
+                target=str(tiny_target),
+                prompt_sets=[str(only_long)],
+                methods=["chain"],
+                max_new_tokens=4,
+                dtype="fp32",
+                device="cpu",
+            ),
+            progress=False,
+        )
 
 
 def test_cost_admission_needs_measured_pass_costs(tiny_target):
@@ -206,7 +273,10 @@ def test_cost_admission_needs_measured_pass_costs(tiny_target):
     settings = DecodeSettings(lookup_tokens=3, hybrid_chain_depth=2)
     variants = with_pass_costs(variants_for(["ngram", "hybrid", "chain"], settings), model)
     # one measurement, as long as the largest tree a variant verifies (+ the root)
-    assert len(variants["hybrid"][1].pass_costs) == 6 and variants["ngram"][1].pass_costs == variants["hybrid"][1].pass_costs
+    assert (
+        len(variants["hybrid"][1].pass_costs) == 6
+        and variants["ngram"][1].pass_costs == variants["hybrid"][1].pass_costs
+    )
     assert variants["chain"][1].pass_costs == ()
     proposer, limits = engine_proposer("ngram", None, variants["ngram"][1])
     assert isinstance(proposer, HybridProposer) and proposer.drafter is None and limits == (3, 1, 3)
@@ -214,7 +284,9 @@ def test_cost_admission_needs_measured_pass_costs(tiny_target):
     assert isinstance(lookup, NgramProposer)
 
 
-ENGINE_STAND_IN = LLAMA_STAND_IN_PREAMBLE + '''\
+ENGINE_STAND_IN = (
+    LLAMA_STAND_IN_PREAMBLE
+    + """\
 spec = args[args.index("--spec-type") + 1] if "--spec-type" in args else "none"
 # prompts answered with a known answer (eaglet's plain greedy); every other prompt gets the formula below
 ANSWERS = {tuple(p): a for p, a in json.loads(os.environ.get("STAND_IN_ANSWERS", "[]"))}
@@ -245,7 +317,8 @@ class H(Replies):
         tokens = ANSWERS.get(tuple(prompt)) or [20 + (sum(prompt) + 3 * i) % 300 for i in range(n)]
         self.reply({"tokens": tokens, "stop_type": "limit", "timings": timings})
 HTTPServer(("127.0.0.1", port), H).serve_forever()
-'''
+"""
+)
 
 
 def greedy_answer(folder, text: str, max_new_tokens: int) -> tuple[list[int], list[int]]:
@@ -257,11 +330,12 @@ def greedy_answer(folder, text: str, max_new_tokens: int) -> tuple[list[int], li
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     x = torch.tensor([ids])
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
-    return ids, out[0, len(ids):].tolist()
+    return ids, out[0, len(ids) :].tolist()
 
 
-def test_eval_runs_llama_cpp_methods_beside_eaglets(tiny_target, drafter_ckpt, tmp_path, one_thread, monkeypatch,
-                                                    caplog):
+def test_eval_runs_llama_cpp_methods_beside_eaglets(
+    tiny_target, drafter_ckpt, tmp_path, one_thread, monkeypatch, caplog
+):
     """llama.cpp's methods through stand-in llama-servers (one per method, exported drafter
     passed to draft-eagle3): speedups over llama.cpp plain, acceptance from the counters, the
     first-draft line beside eaglet's chain (implied), loud on a gap; every server stopped. llama.cpp
@@ -276,12 +350,25 @@ def test_eval_runs_llama_cpp_methods_beside_eaglets(tiny_target, drafter_ckpt, t
     assert len(x_answer) == 6  # no early stop: the stand-in's timings count 6 tokens a turn
     monkeypatch.setenv("STAND_IN_ANSWERS", json.dumps([[x_ids, x_answer]]))
     gguf = target_gguf(tmp_path / "target.gguf", 400, tokenizer=tiny_target)
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Add two numbers."},
-                                                       {"id": "y", "prompt": "Say hello."}])
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Add two numbers."}, {"id": "y", "prompt": "Say hello."}]
+    )
     out = tmp_path / "eval"
-    result = evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                                  methods=["llama.cpp-eagle3", "llama.cpp-ngram"], max_new_tokens=6, chain_depth=3,
-                                  dtype="fp32", device="cpu", out=out, target_gguf=gguf), progress=False)
+    result = evaluate(
+        EvalOptions(
+            drafter_path=drafter_ckpt,
+            target=str(tiny_target),
+            prompt_sets=[str(prompts)],
+            methods=["llama.cpp-eagle3", "llama.cpp-ngram"],
+            max_new_tokens=6,
+            chain_depth=3,
+            dtype="fp32",
+            device="cpu",
+            out=out,
+            target_gguf=gguf,
+        ),
+        progress=False,
+    )
     r = result.sets["prompts"]
     assert list(r) == ["plain", "chain", "llama.cpp", "llama.cpp-eagle3", "llama.cpp-ngram"]
     eagle3, ngram = r["llama.cpp-eagle3"], r["llama.cpp-ngram"]
@@ -315,8 +402,17 @@ def test_llama_cpp_methods_need_the_target_gguf(tiny_target, drafter_ckpt, tmp_p
     monkeypatch.setenv("EAGLET_LLAMA_SERVER", str(exe))
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Hi"}])
     with pytest.raises(ValueError, match="not the embedded one; pass --target-gguf"):
-        evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                             methods=["llama.cpp"], dtype="fp32", device="cpu"), progress=False)
+        evaluate(
+            EvalOptions(
+                drafter_path=drafter_ckpt,
+                target=str(tiny_target),
+                prompt_sets=[str(prompts)],
+                methods=["llama.cpp"],
+                dtype="fp32",
+                device="cpu",
+            ),
+            progress=False,
+        )
 
 
 def test_gap_verdict_tells_quantization_from_a_mismatch():
@@ -333,6 +429,7 @@ def test_gap_verdict_tells_quantization_from_a_mismatch():
 # Each method at its fastest configuration (--dtype auto --threads auto)
 # ---------------------------------------------------------------------------------------------
 
+
 def test_tuning_picks_per_method_the_configuration_cheapest_for_its_pass():
     from eaglet.evaluate.settings import DecodeSettings
     from eaglet.evaluate.tuning import Config, candidates, choose, verify_tokens
@@ -341,8 +438,11 @@ def test_tuning_picks_per_method_the_configuration_cheapest_for_its_pass():
     # a one-token pass is cheapest on one thread, a four-token pass on two
     costs = {one: [1.0, 1.9, 2.8, 3.7, 4.6], two: [1.2, 1.4, 1.6, 1.8, 2.0]}
     s = DecodeSettings(chain_depth=3, lookup_tokens=2, hybrid_chain_depth=1)
-    chosen = choose({"plain": ("plain", s), "chain": ("chain", s), "hybrid": ("hybrid", s),
-                     "llama.cpp": ("llama.cpp", s)}, costs, None)
+    chosen = choose(
+        {"plain": ("plain", s), "chain": ("chain", s), "hybrid": ("hybrid", s), "llama.cpp": ("llama.cpp", s)},
+        costs,
+        None,
+    )
     assert chosen == {"plain": one, "chain": two, "hybrid": two}  # llama.cpp's servers keep their own
     assert verify_tokens("plain", s, None) == 1 and verify_tokens("chain", s, None) == 4
     assert verify_tokens("hybrid", s, None) == 4 and verify_tokens("prompt-lookup", s, None) == 11
@@ -356,9 +456,19 @@ def test_eval_auto_runs_each_method_at_a_measured_configuration(tiny_target, dra
     """Which configuration wins is this machine's business; that every method ran at one of the
     timed ones, said in the table and eval.json, is not."""
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Write a function."}])
-    result = evaluate(EvalOptions(drafter_path=drafter_ckpt, target=str(tiny_target), prompt_sets=[str(prompts)],
-                                  methods=["chain", "hybrid"], max_new_tokens=6, chain_depth=2, device="cpu",
-                                  out=tmp_path / "eval"), progress=False)
+    result = evaluate(
+        EvalOptions(
+            drafter_path=drafter_ckpt,
+            target=str(tiny_target),
+            prompt_sets=[str(prompts)],
+            methods=["chain", "hybrid"],
+            max_new_tokens=6,
+            chain_depth=2,
+            device="cpu",
+            out=tmp_path / "eval",
+        ),
+        progress=False,
+    )
     timed = result.config["pass_costs_by_config_s"]
     assert {label.split("/")[0] for label in timed} == {"bf16", "fp32"}
     assert set(result.config["configs"]) == {"plain", "chain", "hybrid"}
@@ -378,19 +488,21 @@ def test_prompt_files_are_checked_before_any_model_loads(tmp_path):
         (tmp_path / folder / "p.jsonl").write_text('{"prompt": "hi"}\n')
     with pytest.raises(ValueError, match=r"--prompts .*a/p.jsonl and .*b/p.jsonl: both sets are named 'p'"):
         prompt_sets_by_name([str(tmp_path / "a" / "p.jsonl"), str(tmp_path / "b" / "p.jsonl")], None)
-    for line, said in (('{"turns": [null, "x"]}', "field 'turns': every turn is a non-empty string"),
-                       ('{"messages": [{"role": "user", "content": 42}]}', "a 'content' string"),
-                       ('{"messages": [{"role": "wizard", "content": "x"}, {"role": "user", "content": "y"}]}',
-                        "needs a 'role'"),
-                       ('{"prompt": ""}', "field 'prompt' is empty"),  # as an empty turn: nothing to answer
-                       ('{"prompt": " \\n\\t "}', "field 'prompt' is empty"),
-                       ('{"turns": ["hi", "  "]}', "field 'turns': every turn is a non-empty string"),
-                       ('{"messages": [{"role": "user", "content": ""}]}', "the last message must be the user's, and "
-                                                                          "not empty"),
-                       # a lone surrogate: a raw TypeError from the tokenizer, no file named
-                       ('{"prompt": "Hi \\ud800 there"}', "holds a lone surrogate"),
-                       ('{"messages": [{"role": "system", "content": "\\udc00"}, {"role": "user", "content": "y"}]}',
-                        "holds a lone surrogate")):
+    for line, said in (
+        ('{"turns": [null, "x"]}', "field 'turns': every turn is a non-empty string"),
+        ('{"messages": [{"role": "user", "content": 42}]}', "a 'content' string"),
+        ('{"messages": [{"role": "wizard", "content": "x"}, {"role": "user", "content": "y"}]}', "needs a 'role'"),
+        ('{"prompt": ""}', "field 'prompt' is empty"),  # as an empty turn: nothing to answer
+        ('{"prompt": " \\n\\t "}', "field 'prompt' is empty"),
+        ('{"turns": ["hi", "  "]}', "field 'turns': every turn is a non-empty string"),
+        ('{"messages": [{"role": "user", "content": ""}]}', "the last message must be the user's, and not empty"),
+        # a lone surrogate: a raw TypeError from the tokenizer, no file named
+        ('{"prompt": "Hi \\ud800 there"}', "holds a lone surrogate"),
+        (
+            '{"messages": [{"role": "system", "content": "\\udc00"}, {"role": "user", "content": "y"}]}',
+            "holds a lone surrogate",
+        ),
+    ):
         (tmp_path / "odd.jsonl").write_text(line + "\n")
         with pytest.raises(ValueError, match=rf"odd.jsonl:1: .*{said}"):
             prompt_sets_by_name([str(tmp_path / "odd.jsonl")], None)
@@ -409,8 +521,16 @@ def test_eval_refuses_a_drafter_whose_embeddings_are_not_the_targets(tiny_target
     weights["embed_tokens.weight"] = torch.randn_like(weights["embed_tokens.weight"])
     save_file(weights, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "x", "prompt": "Hello"}])
-    options = EvalOptions(drafter_path=ckpt, target=str(tiny_target), prompt_sets=[str(prompts)], methods=["chain"],
-                          max_new_tokens=4, dtype="fp32", device="cpu", plot=False)
+    options = EvalOptions(
+        drafter_path=ckpt,
+        target=str(tiny_target),
+        prompt_sets=[str(prompts)],
+        methods=["chain"],
+        max_new_tokens=4,
+        dtype="fp32",
+        device="cpu",
+        plot=False,
+    )
     with pytest.raises(ValueError, match=r"its embed_tokens\.weight is not the target's embeddings .*--other-target"):
         evaluate(options, progress=False)
     assert evaluate(replace(options, other_target=True), progress=False).sets["prompts"]["chain"]["turns"] == 1

@@ -25,10 +25,11 @@ LAYER_IDS = [2, 3, 4, 8]
 # Quantization and the stored teacher, against their definitions
 # ---------------------------------------------------------------------------------------------
 
+
 def test_fp6_values_are_e3m2():
     mags = formats.FP6_MAGNITUDES
     assert len(formats.FP6_VALUES) == 64 and mags[0] == 0 and formats.FP6_MAX == 28.0
-    assert mags[1] == 2.0 ** -4 and mags[4] == 0.25 and mags[-4:].tolist() == [16, 20, 24, 28]
+    assert mags[1] == 2.0**-4 and mags[4] == 0.25 and mags[-4:].tolist() == [16, 20, 24, 28]
     assert (mags.diff() > 0).all()
 
 
@@ -109,6 +110,7 @@ def test_stored_teacher_equals_the_computed_one(head):
 # Extraction, conversion, check, training on the tiny target
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def made(tiny_target, tmp_path_factory) -> Path:
     """The same prepared chats extracted as v1 (root/v1) and compact (root/cmp)."""
@@ -123,11 +125,27 @@ def made(tiny_target, tmp_path_factory) -> Path:
         chat = [dict(m) for m in CHATS[n % len(CHATS)]]
         chat[-1]["content"] += " More words." * (n % 4)
         records.append({"id": f"c{n}", "messages": chat})
-    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(root / "chats.jsonl", records)),
-                           out=root / "prep", max_length=256))
+    prepare(
+        PrepareOptions(
+            target=str(tiny_target),
+            data=str(write_jsonl(root / "chats.jsonl", records)),
+            out=root / "prep",
+            max_length=256,
+        )
+    )
     for name, layout in (("v1", "v1"), ("cmp", "compact")):
-        extract(ExtractOptions(prepared=root / "prep", out=root / name, target=str(tiny_target), layer_ids=LAYER_IDS,
-                               dtype="fp32", layout=layout, stored_top_k=8), show_progress=False)
+        extract(
+            ExtractOptions(
+                prepared=root / "prep",
+                out=root / name,
+                target=str(tiny_target),
+                layer_ids=LAYER_IDS,
+                dtype="fp32",
+                layout=layout,
+                stored_top_k=8,
+            ),
+            show_progress=False,
+        )
     return root
 
 
@@ -166,18 +184,39 @@ def test_compact_extraction_resumes(made, tiny_target, tmp_path):
     ds = Path(shutil.copytree(made / "cmp", tmp_path / "cmp"))
     victim = files(ds)[3]
     victim.write_bytes(victim.read_bytes()[:200])
-    summary = extract(ExtractOptions(prepared=made / "prep", out=ds, target=str(tiny_target), layer_ids=LAYER_IDS,
-                                     dtype="fp32", layout="compact", stored_top_k=8), show_progress=False)
+    summary = extract(
+        ExtractOptions(
+            prepared=made / "prep",
+            out=ds,
+            target=str(tiny_target),
+            layer_ids=LAYER_IDS,
+            dtype="fp32",
+            layout="compact",
+            stored_top_k=8,
+        ),
+        show_progress=False,
+    )
     assert summary.written == 1 and summary.already_done == 9
     assert files(ds)[3].read_bytes() == files(made / "cmp")[3].read_bytes()
     with pytest.raises(ValueError, match="compact"):  # another K is another dataset
-        extract(ExtractOptions(prepared=made / "prep", out=ds, target=str(tiny_target), layer_ids=LAYER_IDS,
-                               dtype="fp32", layout="compact", stored_top_k=4), show_progress=False)
+        extract(
+            ExtractOptions(
+                prepared=made / "prep",
+                out=ds,
+                target=str(tiny_target),
+                layer_ids=LAYER_IDS,
+                dtype="fp32",
+                layout="compact",
+                stored_top_k=4,
+            ),
+            show_progress=False,
+        )
 
 
 def test_convert_to_compact_equals_extraction(made, tmp_path):
-    convert(ConvertOptions(src=made / "v1", out=tmp_path / "cmp", layout="compact", stored_top_k=8),
-                           show_progress=False)
+    convert(
+        ConvertOptions(src=made / "v1", out=tmp_path / "cmp", layout="compact", stored_top_k=8), show_progress=False
+    )
     for i, p in files(made / "cmp").items():
         a, b = formats.read_compact_file(p), formats.read_compact_file(files(tmp_path / "cmp")[i])
         assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in formats.COMPACT_KEYS), i
@@ -186,15 +225,26 @@ def test_convert_to_compact_equals_extraction(made, tmp_path):
         convert(ConvertOptions(src=made / "cmp", out=tmp_path / "v1", layout="v1"), show_progress=False)
 
 
-@pytest.mark.parametrize("layout", [formats.FORMAT_V1_FLAT, formats.FORMAT_SPECFORGE, formats.FORMAT_HS_SAFETENSORS,
-                                    formats.FORMAT_SPECULATORS_ARROW])
+@pytest.mark.parametrize(
+    "layout",
+    [formats.FORMAT_V1_FLAT, formats.FORMAT_SPECFORGE, formats.FORMAT_HS_SAFETENSORS, formats.FORMAT_SPECULATORS_ARROW],
+)
 def test_every_layout_converts_to_compact_and_trains(made, tiny_target, tmp_path, layout):
 
     from eaglet.training.loop import train
 
     foreign = write_foreign(made / "v1", tmp_path / "foreign", layout, final_norm(tiny_target))
-    convert(ConvertOptions(src=foreign, out=tmp_path / "cmp", layout="compact", target=str(tiny_target),
-                           aux_layer_ids=LAYER_IDS[:3], stored_top_k=8), show_progress=False)
+    convert(
+        ConvertOptions(
+            src=foreign,
+            out=tmp_path / "cmp",
+            layout="compact",
+            target=str(tiny_target),
+            aux_layer_ids=LAYER_IDS[:3],
+            stored_top_k=8,
+        ),
+        show_progress=False,
+    )
     report = C.check_dataset(CheckOptions(path=tmp_path / "cmp", target=str(tiny_target)))
     assert report.clean, report.lines()
     # The teacher's argmax is the one v1's last state gives: the same bits from a pre-norm state;
@@ -206,8 +256,17 @@ def test_every_layout_converts_to_compact_and_trains(made, tiny_target, tmp_path
         assert layout == formats.FORMAT_SPECFORGE or torch.equal(got, ref), i
         agree, total = agree + int((got == ref).sum()), total + len(ref)
     assert agree / total > 0.95
-    summary = train(TrainOptions(dataset_dir=tmp_path / "cmp", out_dir=tmp_path / "run", total_steps=2, teacher_top_k=8,
-                                 eval_fraction=0.2, batch_size=3), show_progress=False)  # padded rows of stored teachers too
+    summary = train(
+        TrainOptions(
+            dataset_dir=tmp_path / "cmp",
+            out_dir=tmp_path / "run",
+            total_steps=2,
+            teacher_top_k=8,
+            eval_fraction=0.2,
+            batch_size=3,
+        ),
+        show_progress=False,
+    )  # padded rows of stored teachers too
     assert summary.step == 2
 
 
@@ -218,23 +277,37 @@ def test_heldout_accuracy_is_the_same_on_compact_and_v1(made, tmp_path):
     from eaglet.training.loop import train
 
     # fp32 on every machine: under bf16 autocast the 6-bit aux states' rounding can tip an argmax
-    train(TrainOptions(dataset_dir=made / "v1", out_dir=tmp_path / "run", total_steps=3, eval_fraction=0.3, batch_size=2,
-                       bf16=False), show_progress=False)
+    train(
+        TrainOptions(
+            dataset_dir=made / "v1",
+            out_dir=tmp_path / "run",
+            total_steps=3,
+            eval_fraction=0.3,
+            batch_size=2,
+            bf16=False,
+        ),
+        show_progress=False,
+    )
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
-    v1, cmp = (evaluate_heldout(ckpt, made / name, eval_fraction=0.3, batch_size=2, bf16=False)
-               for name in ("v1", "cmp"))
+    v1, cmp = (
+        evaluate_heldout(ckpt, made / name, eval_fraction=0.3, batch_size=2, bf16=False) for name in ("v1", "cmp")
+    )
     assert v1["acc"] == cmp["acc"] and v1["positions"] == cmp["positions"]
 
 
 def test_train_on_compact_refuses_what_needs_the_last_state(made, tmp_path):
     from eaglet.training.loop import train
 
-    for options, message in (({"teacher_top_k": 0}, "stores the target's top 8 only"),
-                             ({"teacher_top_k": 9}, "stores the target's top 8 only"),
-                             ({"teacher_top_k": 8, "feature_loss_weight": 0.1}, "no last-layer state")):
+    for options, message in (
+        ({"teacher_top_k": 0}, "stores the target's top 8 only"),
+        ({"teacher_top_k": 9}, "stores the target's top 8 only"),
+        ({"teacher_top_k": 8, "feature_loss_weight": 0.1}, "no last-layer state"),
+    ):
         with pytest.raises(ValueError, match=message):
-            train(TrainOptions(dataset_dir=made / "cmp", out_dir=tmp_path / "run", total_steps=1, **options),
-                               show_progress=False)
+            train(
+                TrainOptions(dataset_dir=made / "cmp", out_dir=tmp_path / "run", total_steps=1, **options),
+                show_progress=False,
+            )
 
 
 @pytest.fixture
@@ -259,9 +332,11 @@ def test_check_finds_planted_faults_in_compact_files(cmp_copy, tiny_target):
     ds = cmp_copy
     obj = {i: formats.read_safetensors(p) for i, p in files(ds).items()}
     planted = {
-        C.STORED_TEACHER: [edit(ds, 0, teacher_ids=obj[0]["teacher_ids"] + 1000),
-                           edit(ds, 1, teacher_log_probs=obj[1]["teacher_log_probs"].flip(-1)),
-                           edit(ds, 2, teacher_log_probs=torch.full_like(obj[2]["teacher_log_probs"], float("nan")))],
+        C.STORED_TEACHER: [
+            edit(ds, 0, teacher_ids=obj[0]["teacher_ids"] + 1000),
+            edit(ds, 1, teacher_log_probs=obj[1]["teacher_log_probs"].flip(-1)),
+            edit(ds, 2, teacher_log_probs=torch.full_like(obj[2]["teacher_log_probs"], float("nan"))),
+        ],
         C.WRONG_DTYPE: [edit(ds, 3, aux_scales=obj[3]["aux_scales"].float())],
         C.WRONG_SHAPE: [edit(ds, 4, aux_codes=obj[4]["aux_codes"][:, :2].contiguous())],
         C.MASK_VALUES: [edit(ds, 5, loss_mask=obj[5]["loss_mask"] * 2)],
@@ -269,8 +344,14 @@ def test_check_finds_planted_faults_in_compact_files(cmp_copy, tiny_target):
         C.NON_FINITE: [edit(ds, 9, aux_scales=obj[9]["aux_scales"].index_fill(0, torch.tensor([2]), float("nan")))],
     }
     # File 1 again: its teacher reversed (above) and cut to another K.
-    planted[C.WRONG_SHAPE].append(edit(ds, 1, teacher_ids=obj[1]["teacher_ids"][:, :4].contiguous(),
-                                       teacher_log_probs=obj[1]["teacher_log_probs"].flip(-1)[:, :4].contiguous()))
+    planted[C.WRONG_SHAPE].append(
+        edit(
+            ds,
+            1,
+            teacher_ids=obj[1]["teacher_ids"][:, :4].contiguous(),
+            teacher_log_probs=obj[1]["teacher_log_probs"].flip(-1)[:, :4].contiguous(),
+        )
+    )
     trunc = files(ds)[7]
     trunc.write_bytes(trunc.read_bytes()[:100])
     planted[C.UNREADABLE] = [str(trunc.relative_to(ds))]
@@ -291,17 +372,19 @@ def test_check_names_a_compact_file_of_another_layer_or_model(cmp_copy, tiny_tar
     lp = formats.read_safetensors(files(ds)[5])["teacher_log_probs"].float()
     edit(ds, 5, teacher_log_probs=(lp - 0.5).half())  # a teacher from another model
     report = C.check_dataset(CheckOptions(path=ds, target=str(tiny_target), identity_samples=10))
-    assert any(p.kind == C.LAYER_IDENTITY and p.path == rel and "slot 0" in p.message for p in report.problems), \
+    assert any(p.kind == C.LAYER_IDENTITY and p.path == rel and "slot 0" in p.message for p in report.problems), (
         report.lines()
-    assert any(p.kind == C.STORED_TEACHER and "recomputed target's by 0.5" in p.message for p in report.problems), \
+    )
+    assert any(p.kind == C.STORED_TEACHER and "recomputed target's by 0.5" in p.message for p in report.problems), (
         "\n".join(report.lines())
+    )
 
 
 def tensor_bytes(path: Path, name: str) -> tuple[int, int]:
     """[start, end) of a tensor's bytes in a safetensors file (8-byte header length, JSON header, data)."""
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    start, end = json.loads(raw[8:8 + n])[name]["data_offsets"]
+    start, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
     return 8 + n + start, 8 + n + end
 
 
@@ -311,7 +394,7 @@ def overwrite(ds: Path, i: int, name: str, offset: int, data: bytes) -> str:
     start, end = tensor_bytes(path, name)
     assert start + offset + len(data) <= end
     raw = bytearray(path.read_bytes())
-    raw[start + offset:start + offset + len(data)] = data
+    raw[start + offset : start + offset + len(data)] = data
     path.write_bytes(bytes(raw))
     return str(path.relative_to(ds))
 
@@ -365,8 +448,9 @@ def test_check_finds_a_row_of_0xff_in_the_aux_codes(cmp_copy):
     assert checksum_findings(ds) == [(rel, "aux_codes")]
 
 
-@pytest.mark.parametrize("name, bit", [("teacher_ids", 0), ("teacher_log_probs", 0), ("aux_scales", 3),
-                                       ("input_ids", 1)])
+@pytest.mark.parametrize(
+    "name, bit", [("teacher_ids", 0), ("teacher_log_probs", 0), ("aux_scales", 3), ("input_ids", 1)]
+)
 def test_check_finds_a_flipped_bit_in_any_tensor(cmp_copy, name, bit):
     ds = cmp_copy
     rel = flip_bit(ds, 6, name, 10, bit)
@@ -417,8 +501,9 @@ def test_version_1_compact_data_is_read_with_a_warning(made, cmp_copy, caplog):
     with caplog.at_level("WARNING", logger="eaglet.formats"):
         for path in files(ds).values():
             formats.read_training_sample(path, formats.FORMAT_COMPACT)
-    assert [r.getMessage() for r in caplog.records if "compact version 1" in r.getMessage()] == \
-        [f"{ds}: {formats.compact_version_warning({'compact': {'version': 1}})}"]  # once per dataset
+    assert [r.getMessage() for r in caplog.records if "compact version 1" in r.getMessage()] == [
+        f"{ds}: {formats.compact_version_warning({'compact': {'version': 1}})}"
+    ]  # once per dataset
     codes = formats.read_safetensors(files(ds)[0])["aux_codes"].clone()
     codes[1] = 0
     rel = edit(ds, 0, aux_codes=codes)
@@ -438,8 +523,12 @@ def test_current_compact_data_needs_its_checksums(cmp_copy):
     path = files(ds)[8]
     save_file(formats.read_safetensors(path), str(path))
     rel = str(path.relative_to(ds))
-    assert checksum_findings(ds) == [(rel, "no sha256 checksums in its header (written before compact version 2, "
-                                           "by another tool, or rewritten since)")]
+    assert checksum_findings(ds) == [
+        (
+            rel,
+            "no sha256 checksums in its header (written before compact version 2, by another tool, or rewritten since)",
+        )
+    ]
     with pytest.raises(ValueError, match=f"{rel}: no sha256 checksums"):
         formats.read_training_sample(path, formats.FORMAT_COMPACT)
     problem = formats.compact_version_problem({"compact": {"version": 3}})

@@ -54,8 +54,9 @@ def ggml_rope_norm(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Te
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
 
 
-def llama_cpp_eagle3_step0(path: Path, embeddings: torch.Tensor, tokens: torch.Tensor,
-                           features: torch.Tensor) -> torch.Tensor:
+def llama_cpp_eagle3_step0(
+    path: Path, embeddings: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor
+) -> torch.Tensor:
     """llama.cpp's eagle3 encoder + decoder on one sequence: features [L, 3H_t] of target
     positions 0..L-1, `tokens` [L] the token after each; target-vocabulary logits [L, V] (-inf
     outside the draft vocabulary)."""
@@ -82,8 +83,9 @@ def llama_cpp_eagle3_step0(path: Path, embeddings: torch.Tensor, tokens: torch.T
     attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(L, -1) @ t["blk.0.attn_output.weight"].T
     h = attn + (g_norm if meta.get("eagle3.norm_before_residual") else g)
     h_norm = rms(h, t["blk.0.ffn_norm.weight"], eps)
-    ffn = (torch.nn.functional.silu(h_norm @ t["blk.0.ffn_gate.weight"].T) * (h_norm @ t["blk.0.ffn_up.weight"].T)) \
-        @ t["blk.0.ffn_down.weight"].T
+    ffn = (torch.nn.functional.silu(h_norm @ t["blk.0.ffn_gate.weight"].T) * (h_norm @ t["blk.0.ffn_up.weight"].T)) @ t[
+        "blk.0.ffn_down.weight"
+    ].T
     out = rms(h + ffn, t["output_norm.weight"], eps) @ t["output.weight"].T  # [L, draft vocab]
     logits = torch.full((L, len(meta["tokenizer.ggml.tokens"])), float("-inf"))
     logits[:, t["d2t"]] = out  # ggml_set_rows at the absolute target ids
@@ -101,14 +103,16 @@ def eaglet_step0(draft, tokens: torch.Tensor, features: torch.Tensor) -> torch.T
     return logits
 
 
-@pytest.mark.parametrize("variant", [{}, {"fc_norm": True}, {"norm_before_residual": True},
-                                     {"num_kv_heads": 4}, {"target_hidden_size": 24}])
+@pytest.mark.parametrize(
+    "variant", [{}, {"fc_norm": True}, {"norm_before_residual": True}, {"num_kv_heads": 4}, {"target_hidden_size": 24}]
+)
 def test_llama_cpp_graph_on_the_gguf_gives_eaglets_logits(tmp_path, variant):
     draft = random_drafter(tiny_config(**variant))
     ckpt = write_checkpoint(tmp_path, draft)
     out = tmp_path / "drafter.gguf"
-    export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="gguf", dtype="fp32",
-                                 target_gguf=target_gguf(tmp_path / "target.gguf")))
+    export_drafter(
+        ExportOptions(ckpt=ckpt, out=out, fmt="gguf", dtype="fp32", target_gguf=target_gguf(tmp_path / "target.gguf"))
+    )
     torch.manual_seed(3)
     L = 11
     tokens = torch.randint(0, draft.config.target_vocab_size, (L,))
@@ -146,8 +150,9 @@ def test_gguf_metadata_tokenizer_and_round_trip(tmp_path):
     draft = random_drafter(tiny_config())
     ckpt = write_checkpoint(tmp_path, draft)
     out = tmp_path / "drafter.gguf"
-    summary = export_drafter(ExportOptions(ckpt=ckpt, out=out, fmt="gguf",
-                                           target_gguf=target_gguf(tmp_path / "target.gguf")))
+    summary = export_drafter(
+        ExportOptions(ckpt=ckpt, out=out, fmt="gguf", target_gguf=target_gguf(tmp_path / "target.gguf"))
+    )
     reader = gguf.GGUFReader(out)
     meta = {k: f.contents() for k, f in reader.fields.items()}
     assert meta["general.architecture"] == "eagle3" and meta["eagle3.block_count"] == 1
@@ -170,20 +175,27 @@ def test_gguf_metadata_tokenizer_and_round_trip(tmp_path):
 def test_cli_exports_gguf(tmp_path, capsys):
     ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config()))
     out = tmp_path / "d.gguf"
-    assert cli_main(["export", str(ckpt), str(out), "--format", "gguf", "--target-gguf",
-                     str(target_gguf(tmp_path / "t.gguf"))]) == 0
+    assert (
+        cli_main(
+            ["export", str(ckpt), str(out), "--format", "gguf", "--target-gguf", str(target_gguf(tmp_path / "t.gguf"))]
+        )
+        == 0
+    )
     assert "--spec-type draft-eagle3" in capsys.readouterr().out and out.is_file()
 
 
-@pytest.mark.parametrize("variant, options, message", [
-    ({"norm_output": True}, {}, r"cannot export as gguf: norm_output \(EAGLE-3.1's post-norm state"),
-    ({"sliding_window": 8}, {}, "sliding_window 8: llama.cpp's eagle3 attention has no window"),
-    ({}, {"tokens": 49}, "its tokenizer has 49 tokens, the drafter was trained for a target vocabulary of 50"),
-    # another model with the same tokenizer (SmolLM2-135M for a tiny target) once exported
-    ({}, {"width": 576}, "a target of hidden size 576, the drafter reads states of 32"),
-    ({}, {"out": "drafter"}, "give a path ending .gguf"),
-    ({}, {"target_gguf": None}, "the target is org/tiny-target, not the embedded one; pass --target-gguf"),
-])
+@pytest.mark.parametrize(
+    "variant, options, message",
+    [
+        ({"norm_output": True}, {}, r"cannot export as gguf: norm_output \(EAGLE-3.1's post-norm state"),
+        ({"sliding_window": 8}, {}, "sliding_window 8: llama.cpp's eagle3 attention has no window"),
+        ({}, {"tokens": 49}, "its tokenizer has 49 tokens, the drafter was trained for a target vocabulary of 50"),
+        # another model with the same tokenizer (SmolLM2-135M for a tiny target) once exported
+        ({}, {"width": 576}, "a target of hidden size 576, the drafter reads states of 32"),
+        ({}, {"out": "drafter"}, "give a path ending .gguf"),
+        ({}, {"target_gguf": None}, "the target is org/tiny-target, not the embedded one; pass --target-gguf"),
+    ],
+)
 def test_gguf_export_refusals(tmp_path, variant, options, message):
     ckpt = write_checkpoint(tmp_path, random_drafter(tiny_config(**variant)))
     source = target_gguf(tmp_path / "t.gguf", options.get("tokens", len(TOKENS)), options.get("width"))
@@ -202,8 +214,11 @@ def test_gguf_export_compares_the_targets_tokens_with_the_gguf_s(tmp_path, monke
     source = target_gguf(tmp_path / "t.gguf")
     other = [f"word{i}" for i in range(len(TOKENS))]
     monkeypatch.setattr(files, "target_vocabulary", lambda target: other)
-    with pytest.raises(ValueError, match=r"t.gguf: its tokenizer is not the drafter's target's \(50 of 50 tokens differ; "
-                                         r"token 0 is 'tok0' there, 'word0' in the target's tokenizer\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"t.gguf: its tokenizer is not the drafter's target's \(50 of 50 tokens differ; "
+        r"token 0 is 'tok0' there, 'word0' in the target's tokenizer\)",
+    ):
         export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "d.gguf", fmt="gguf", target_gguf=source))
     assert not (tmp_path / "d.gguf").exists()
     # the target's own tokens (past its tokenizer: none, as for a padded vocabulary) pass
@@ -250,7 +265,7 @@ def test_the_targets_f32_copy_keeps_its_metadata_and_dequantizes_every_tensor(tm
     assert torch.equal(tensors["output_norm.weight"], norm)
     scale = matrix.reshape(4, 2, 32).abs().amax(-1, keepdim=True) / 127
     error = (tensors["blk.0.attn_q.weight"].reshape(4, 2, 32) - matrix.reshape(4, 2, 32)).abs()
-    assert tensors["blk.0.attn_q.weight"].shape == (4, 64) and bool((error <= scale * (0.5 + 127 * 2 ** -11)).all())
+    assert tensors["blk.0.attn_q.weight"].shape == (4, 64) and bool((error <= scale * (0.5 + 127 * 2**-11)).all())
     assert not list(tmp_path.glob(".*"))  # written atomically: no temp file left
     formats.write_gguf_as(dst, tmp_path / "target.q8_0.gguf", "Q8_0")  # and back: the very blocks it came from
     again = {t.name: t for t in gguf.GGUFReader(tmp_path / "target.q8_0.gguf").tensors}

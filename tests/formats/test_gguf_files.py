@@ -40,9 +40,13 @@ def quantized_gguf(path: Path) -> Path:
 def layout(path: Path) -> dict[str, int]:
     """Byte offsets inside a good GGUF: where its token list, tensor list and tensor data are."""
     reader = gguf.GGUFReader(path)
-    return {"start": 0, "tokens": reader.fields["tokenizer.ggml.tokens"].offset,
-            "tensor_info": reader.tensors[0].field.offset, "data": reader.data_offset,
-            "last_tensor": reader.tensors[-1].data_offset}
+    return {
+        "start": 0,
+        "tokens": reader.fields["tokenizer.ggml.tokens"].offset,
+        "tensor_info": reader.tensors[0].field.offset,
+        "data": reader.data_offset,
+        "last_tensor": reader.tensors[-1].data_offset,
+    }
 
 
 def field_part_offset(path: Path, tensor: int, part: int) -> int:
@@ -53,7 +57,7 @@ def field_part_offset(path: Path, tensor: int, part: int) -> int:
 
 def patched(path: Path, at: int, value: int, width: int = 8) -> Path:
     data = bytearray(path.read_bytes())
-    data[at:at + width] = value.to_bytes(width, "little")
+    data[at : at + width] = value.to_bytes(width, "little")
     path.write_bytes(bytes(data))
     return path
 
@@ -88,18 +92,22 @@ def test_the_embedded_gguf_reads():
     assert len(formats.read_gguf(path).tensors) == 272
 
 
-@pytest.mark.parametrize("where, plus, message", [
-    ("start", 0, r"empty \(0 bytes\), not a GGUF; download or copy it again"),
-    ("start", 3, "truncated: 3 bytes, fewer than a GGUF's magic and version"),  # inside the magic
-    ("start", 6, "truncated: 6 bytes, fewer than a GGUF's magic and version"),  # inside the version
-    ("start", 20, "truncated or damaged: 20 bytes, but its header reads on to byte 24"),  # inside the counts
-    ("tokens", 40, "truncated or damaged: .* but its header reads on to byte"),  # inside the token list
-    ("tensor_info", 5, "truncated or damaged: .* but its header reads on to byte"),  # inside the tensor list
-    ("data", 0, "truncated: tensor 'blk.0.attn_q.weight' .* past the file's end"),  # no tensor data at all
-    ("last_tensor", 100, r"truncated: tensor 'output_norm.weight' \(F32 \[64\]\) ends at byte"),
-], ids=["empty", "magic", "version", "counts", "keys", "tensor-list", "data-start", "data-end"])
+@pytest.mark.parametrize(
+    "where, plus, message",
+    [
+        ("start", 0, r"empty \(0 bytes\), not a GGUF; download or copy it again"),
+        ("start", 3, "truncated: 3 bytes, fewer than a GGUF's magic and version"),  # inside the magic
+        ("start", 6, "truncated: 6 bytes, fewer than a GGUF's magic and version"),  # inside the version
+        ("start", 20, "truncated or damaged: 20 bytes, but its header reads on to byte 24"),  # inside the counts
+        ("tokens", 40, "truncated or damaged: .* but its header reads on to byte"),  # inside the token list
+        ("tensor_info", 5, "truncated or damaged: .* but its header reads on to byte"),  # inside the tensor list
+        ("data", 0, "truncated: tensor 'blk.0.attn_q.weight' .* past the file's end"),  # no tensor data at all
+        ("last_tensor", 100, r"truncated: tensor 'output_norm.weight' \(F32 \[64\]\) ends at byte"),
+    ],
+    ids=["empty", "magic", "version", "counts", "keys", "tensor-list", "data-start", "data-end"],
+)
 def test_a_truncated_gguf_is_refused_naming_it(good, where, plus, message):
-    good.write_bytes(good.read_bytes()[:layout(good)[where] + plus])
+    good.write_bytes(good.read_bytes()[: layout(good)[where] + plus])
     assert "download or copy it again" in refused(good, message)
 
 
@@ -117,8 +125,11 @@ def test_garbage_and_a_wrong_magic_are_not_a_gguf(good, tmp_path):
 
 
 def test_an_unknown_version_is_refused(good):
-    refused(patched(good, 4, 99, width=4), "GGUF version 99, which eaglet's gguf reader does not read; convert the "
-                                           "model again with a llama.cpp converter that writes GGUF version 2 or 3")
+    refused(
+        patched(good, 4, 99, width=4),
+        "GGUF version 99, which eaglet's gguf reader does not read; convert the "
+        "model again with a llama.cpp converter that writes GGUF version 2 or 3",
+    )
 
 
 def test_a_damaged_header_value_is_refused(good):
@@ -128,22 +139,30 @@ def test_a_damaged_header_value_is_refused(good):
     refused(patched(good, at + key_bytes, 77, width=4), r"a damaged GGUF header \(.*77")
 
 
-@pytest.mark.parametrize("tensor, part, value, message", [
-    (1, 5, 1 << 20, r"truncated: tensor 'output_norm.weight' \(F32 \[64\]\) ends at byte"),
-    (1, 3, 1 << 16, r"tensor 'output_norm.weight' \(F32 \[65536\]\) ends at byte .* past the file's end"),
-    (0, 3, 33, r"tensor 'blk.0.attn_q.weight' \(Q8_0 \[33, 4\]\) has rows of 33 values, not whole 32-value blocks"),
-    (0, 4, 99, "tensor 'blk.0.attn_q.weight' has ggml type code 99, which is no type the gguf package knows"),
-    (1, 5, 268, r"tensor 'output_norm.weight' .* starts at data offset 268, off the file's 32-byte alignment"),
-], ids=["offset-past-end", "shape-past-end", "partial-block", "unknown-type", "misaligned"])
+@pytest.mark.parametrize(
+    "tensor, part, value, message",
+    [
+        (1, 5, 1 << 20, r"truncated: tensor 'output_norm.weight' \(F32 \[64\]\) ends at byte"),
+        (1, 3, 1 << 16, r"tensor 'output_norm.weight' \(F32 \[65536\]\) ends at byte .* past the file's end"),
+        (0, 3, 33, r"tensor 'blk.0.attn_q.weight' \(Q8_0 \[33, 4\]\) has rows of 33 values, not whole 32-value blocks"),
+        (0, 4, 99, "tensor 'blk.0.attn_q.weight' has ggml type code 99, which is no type the gguf package knows"),
+        (1, 5, 268, r"tensor 'output_norm.weight' .* starts at data offset 268, off the file's 32-byte alignment"),
+    ],
+    ids=["offset-past-end", "shape-past-end", "partial-block", "unknown-type", "misaligned"],
+)
 def test_a_tensor_that_does_not_fit_its_file_is_refused(good, tensor, part, value, message):
     refused(patched(good, field_part_offset(good, tensor, part), value, width=4 if part == 4 else 8), message)
 
 
 def test_every_reader_of_a_target_gguf_names_it(good, tmp_path, capsys):
     """weight_type, write_gguf_as, f32_target_gguf, and `eaglet export --format gguf --target-gguf`."""
-    good.write_bytes(good.read_bytes()[:layout(good)["last_tensor"] + 10])
-    for read in (formats.weight_type, formats.is_quantized, f32_target_gguf,
-                 lambda p: formats.write_gguf_as(p, tmp_path / "f32.gguf")):
+    good.write_bytes(good.read_bytes()[: layout(good)["last_tensor"] + 10])
+    for read in (
+        formats.weight_type,
+        formats.is_quantized,
+        f32_target_gguf,
+        lambda p: formats.write_gguf_as(p, tmp_path / "f32.gguf"),
+    ):
         with pytest.raises(formats.GGUFDamaged, match=f"^{good}: truncated: tensor 'output_norm.weight'"):
             read(good)
     assert not (tmp_path / "f32.gguf").exists()
@@ -160,7 +179,7 @@ def test_a_damaged_cached_f32_copy_is_written_again(good, tmp_path, monkeypatch,
     cached = f32_target_gguf(good)
     assert cached.parent == tmp_path / "home" / "gguf" and formats.weight_type(cached) == "F32"
     whole = cached.read_bytes()
-    cached.write_bytes(whole[:len(whole) // 2])  # cut in its tensor data
+    cached.write_bytes(whole[: len(whole) // 2])  # cut in its tensor data
     with caplog.at_level(logging.WARNING, logger="eaglet.target"):
         assert f32_target_gguf(good) == cached
     assert cached.read_bytes() == whole and f"{cached}: truncated: tensor" in caplog.text

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("datasets", reason="speculators' layout is an Arrow table written with `datasets` "
-                                       "(pip install 'eaglet[speculators]')")
+pytest.importorskip(
+    "datasets",
+    reason="speculators' layout is an Arrow table written with `datasets` (pip install 'eaglet[speculators]')",
+)
 
 from eaglet import check as C  # noqa: E402
 from eaglet import formats  # noqa: E402
@@ -35,11 +37,26 @@ def extracted(tiny_target, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("layouts")
     records = [{"id": f"c{n}", "messages": CHATS[n % len(CHATS)]} for n in range(7)]
-    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(root / "chats.jsonl", records)),
-                           out=root / "prep", max_length=256))
+    prepare(
+        PrepareOptions(
+            target=str(tiny_target),
+            data=str(write_jsonl(root / "chats.jsonl", records)),
+            out=root / "prep",
+            max_length=256,
+        )
+    )
     for name, layout in (("v1", "v1"), ("spec", "speculators")):
-        extract(ExtractOptions(prepared=root / "prep", out=root / name, target=str(tiny_target), layer_ids=LAYER_IDS,
-                               dtype="fp32", layout=layout), show_progress=False)
+        extract(
+            ExtractOptions(
+                prepared=root / "prep",
+                out=root / name,
+                target=str(tiny_target),
+                layer_ids=LAYER_IDS,
+                dtype="fp32",
+                layout=layout,
+            ),
+            show_progress=False,
+        )
     return root
 
 
@@ -83,8 +100,17 @@ def test_extract_writes_speculators_layout(extracted, tiny_target, tmp_path):
     before = {i: p.read_bytes() for i, p in formats.list_dataset_files(spec).files}
     victim = formats.speculators_hs_path(spec, 2)
     victim.write_bytes(victim.read_bytes()[:100])
-    summary = extract(ExtractOptions(prepared=extracted / "prep", out=spec, target=str(tiny_target), layer_ids=LAYER_IDS,
-                                     dtype="fp32", layout="speculators"), show_progress=False)
+    summary = extract(
+        ExtractOptions(
+            prepared=extracted / "prep",
+            out=spec,
+            target=str(tiny_target),
+            layer_ids=LAYER_IDS,
+            dtype="fp32",
+            layout="speculators",
+        ),
+        show_progress=False,
+    )
     assert summary.written == 1 and summary.already_done == 6
     after = {i: p.read_bytes() for i, p in formats.list_dataset_files(spec).files}
     assert all(after[i] == before[i] for i in after if i != 2)  # the complete files are kept as they were
@@ -94,15 +120,24 @@ def test_extract_writes_speculators_layout(extracted, tiny_target, tmp_path):
     redone, ref = samples(spec)[2], samples(extracted / "v1")[2]
     assert torch.equal(redone.input_ids, ref.input_ids) and torch.equal(redone.loss_mask, ref.loss_mask)
     for name in ("aux_hidden", "last_hidden"):
-        torch.testing.assert_close(getattr(redone, name).float(), getattr(ref, name).float(), rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(getattr(redone, name).float(), getattr(ref, name).float(), rtol=2**-7, atol=1e-6)
 
 
 def test_one_folder_one_layout(extracted, tiny_target):
     from eaglet.extract import extract
 
     with pytest.raises(ValueError, match="format='speculators-v1'.*'speculators-arrow'"):
-        extract(ExtractOptions(prepared=extracted / "prep", out=extracted / "v1", target=str(tiny_target),
-                               layer_ids=LAYER_IDS, dtype="fp32", layout="speculators"), show_progress=False)
+        extract(
+            ExtractOptions(
+                prepared=extracted / "prep",
+                out=extracted / "v1",
+                target=str(tiny_target),
+                layer_ids=LAYER_IDS,
+                dtype="fp32",
+                layout="speculators",
+            ),
+            show_progress=False,
+        )
 
 
 def test_convert_round_trip_is_bit_exact(extracted, tmp_path, capsys):
@@ -122,13 +157,16 @@ def test_convert_round_trip_is_bit_exact(extracted, tmp_path, capsys):
         assert back[key] == v1[key], key
     # v1 files each hold their own storages (no state dragging the others along).
     for name in ("v1", "back"):
-        sizes = sorted(p.stat().st_size for p in formats.list_v1_files(tmp_path / name if name == "back"
-                                                                        else extracted / name).values())
+        sizes = sorted(
+            p.stat().st_size
+            for p in formats.list_v1_files(tmp_path / name if name == "back" else extracted / name).values()
+        )
         assert sizes == sorted(p.stat().st_size for p in formats.list_v1_files(extracted / "v1").values())
     # A kill mid-way leaves some files missing: the rerun writes only those.
     formats.speculators_hs_path(tmp_path / "spec", 4).unlink()
-    summary = convert(ConvertOptions(src=extracted / "v1", out=tmp_path / "spec", layout="speculators"),
-                                     show_progress=False)
+    summary = convert(
+        ConvertOptions(src=extracted / "v1", out=tmp_path / "spec", layout="speculators"), show_progress=False
+    )
     assert summary.written == 1 and summary.already_done == 6
     assert_same_samples(extracted / "v1", tmp_path / "spec")
 
@@ -143,13 +181,20 @@ def test_convert_refusals(extracted, tmp_path, tiny_target):
     for i, s in samples(extracted / "v1").items():
         write_specforge_sample(sf, i, s.input_ids, s.loss_mask, s.last_hidden, s.aux_hidden)
     with pytest.raises(ValueError, match="speculators applies that norm itself"):
-        convert(ConvertOptions(src=sf, out=tmp_path / "x", layout="speculators", aux_layer_ids=LAYER_IDS[:3]),
-                               show_progress=False)
+        convert(
+            ConvertOptions(src=sf, out=tmp_path / "x", layout="speculators", aux_layer_ids=LAYER_IDS[:3]),
+            show_progress=False,
+        )
     with pytest.raises(ValueError, match="pass --target"):
-        convert(ConvertOptions(src=sf, out=tmp_path / "x", layout="v1", aux_layer_ids=LAYER_IDS[:3]),
-                               show_progress=False)
-    convert(ConvertOptions(src=sf, out=tmp_path / "sf_v1", layout="v1", target=str(tiny_target),
-                           aux_layer_ids=LAYER_IDS[:3]), show_progress=False)
+        convert(
+            ConvertOptions(src=sf, out=tmp_path / "x", layout="v1", aux_layer_ids=LAYER_IDS[:3]), show_progress=False
+        )
+    convert(
+        ConvertOptions(
+            src=sf, out=tmp_path / "sf_v1", layout="v1", target=str(tiny_target), aux_layer_ids=LAYER_IDS[:3]
+        ),
+        show_progress=False,
+    )
     cfg = json.loads((tmp_path / "sf_v1" / formats.DATA_CONFIG_FILE).read_text())
     assert cfg["last_hidden_state"] == "post_norm" and cfg["layer_ids"] == LAYER_IDS
     report = C.check_dataset(CheckOptions(path=tmp_path / "sf_v1", use_target=False))
@@ -211,11 +256,13 @@ def test_a_file_loss_mask_the_table_contradicts_is_named(spec_copy):
     obj = formats.read_safetensors(formats.speculators_hs_path(spec_copy, 2))
     mask = torch.tensor(formats.read_speculators_rows(spec_copy)[2]["loss_mask"], dtype=torch.long)
     agrees, shifted = mask.clone(), torch.roll(mask, 1)
-    formats.write_hs_safetensors_sample(spec_copy / formats.HIDDEN_STATES_DIR, 2, obj["token_ids"],
-                                        obj["hidden_states"], agrees)
+    formats.write_hs_safetensors_sample(
+        spec_copy / formats.HIDDEN_STATES_DIR, 2, obj["token_ids"], obj["hidden_states"], agrees
+    )
     assert C.check_dataset(CheckOptions(path=spec_copy, use_target=False)).clean
-    formats.write_hs_safetensors_sample(spec_copy / formats.HIDDEN_STATES_DIR, 2, obj["token_ids"],
-                                        obj["hidden_states"], shifted)
+    formats.write_hs_safetensors_sample(
+        spec_copy / formats.HIDDEN_STATES_DIR, 2, obj["token_ids"], obj["hidden_states"], shifted
+    )
     report = C.check_dataset(CheckOptions(path=spec_copy, use_target=False))
     assert [(p.kind, p.path) for p in report.errors] == [(C.TABLE_ROW, "hidden_states/hs_2.safetensors")]
     assert "loss_mask differs from row 2's loss_mask (first difference at position" in report.errors[0].message
@@ -244,8 +291,10 @@ def test_the_table_is_read_from_its_own_folder_only(spec_copy, tmp_path):
 
 
 def test_speculators_own_reader_yields_the_same_tensors(extracted):
-    data = pytest.importorskip("speculators.train.data", reason="the peer library is installed by "
-                                                                "./scripts/bootstrap --test (requirements-peers.lock)")
+    data = pytest.importorskip(
+        "speculators.train.data",
+        reason="the peer library is installed by ./scripts/bootstrap --test (requirements-peers.lock)",
+    )
     spec = extracted / "spec"
     reader = data.ArrowDataset(max_len=4096, datapath=str(spec), on_missing="raise")
     assert len(reader) == 7 and reader.approx_lengths == [len(s.input_ids) for s in samples(spec).values()]
@@ -262,24 +311,34 @@ def test_data_config_is_typed_read_and_written_in_one_place(tmp_path):
     the file and the field, keys eaglet does not know survive a read and a write, and a missing
     file is None (a foreign dataset without one)."""
     assert formats.read_data_config(tmp_path) is None
-    formats.write_json_atomic(tmp_path / formats.DATA_CONFIG_FILE,
-                              {"format": "v1", "hidden_size": 64, "layer_ids": [2, 3, 4, 6], "their_key": {"a": 1}})
+    formats.write_json_atomic(
+        tmp_path / formats.DATA_CONFIG_FILE,
+        {"format": "v1", "hidden_size": 64, "layer_ids": [2, 3, 4, 6], "their_key": {"a": 1}},
+    )
     cfg = formats.read_data_config(tmp_path)
     assert (cfg.format, cfg.hidden_size, cfg.layer_ids, cfg.vocab_size) == ("v1", 64, [2, 3, 4, 6], None)
     assert cfg.extra == {"their_key": {"a": 1}} and cfg.rows == formats.ROWS_PER_FOLDER
     formats.write_data_config(tmp_path, cfg)
     assert formats.read_json(tmp_path / formats.DATA_CONFIG_FILE)["their_key"] == {"a": 1}
     formats.write_json_atomic(tmp_path / formats.DATA_CONFIG_FILE, {"hidden_size": "64", "layer_ids": [2, "x"]})
-    with pytest.raises(ValueError, match=r"data_config.json: hidden_size '64': expected a positive int; "
-                                         r"layer_ids \[2, 'x'\]: expected a list of ints >= 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_config.json: hidden_size '64': expected a positive int; "
+        r"layer_ids \[2, 'x'\]: expected a list of ints >= 0",
+    ):
         formats.read_data_config(tmp_path)
     with pytest.raises(ValueError, match="expected a positive int"):
         formats.read_data_config(tmp_path)  # the same again: nothing was cached or half-read
     # sizes of 0 or below once passed for ints (rows_per_folder 0 divides by zero in every reader)
-    formats.write_json_atomic(tmp_path / formats.DATA_CONFIG_FILE,
-                              {"rows_per_folder": 0, "max_length": -1, "num_samples": 0, "layer_ids": [-1, 2]})
-    with pytest.raises(ValueError, match=r"rows_per_folder 0: expected a positive int; max_length -1: expected a "
-                                         r"positive int; layer_ids \[-1, 2\]: expected a list of ints >= 0"):
+    formats.write_json_atomic(
+        tmp_path / formats.DATA_CONFIG_FILE,
+        {"rows_per_folder": 0, "max_length": -1, "num_samples": 0, "layer_ids": [-1, 2]},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"rows_per_folder 0: expected a positive int; max_length -1: expected a "
+        r"positive int; layer_ids \[-1, 2\]: expected a list of ints >= 0",
+    ):
         formats.read_data_config(tmp_path)
     assert formats.parse_data_config([1, 2])[1] == ["a JSON list, not an object"]
 
@@ -294,13 +353,16 @@ def test_a_hand_edited_prepared_line_is_refused_by_line():
         formats.TokenizedSample.from_json(json.dumps({**good, "input_ids": [], "loss_mask": []}), "p.jsonl:4")
 
 
-@pytest.mark.parametrize("pointer, message", [
-    ({"step": 1, "path": "../../elsewhere"}, "leads out of"),
-    ({"step": 1, "path": "/tmp"}, "is not a path relative to"),
-    ({"step": 1}, r"expected \{\"step\": N, \"path\": \"step_...\"\}"),
-    ({"step": 1, "path": 5}, "expected"),
-    ([1], "expected"),
-])
+@pytest.mark.parametrize(
+    "pointer, message",
+    [
+        ({"step": 1, "path": "../../elsewhere"}, "leads out of"),
+        ({"step": 1, "path": "/tmp"}, "is not a path relative to"),
+        ({"step": 1}, r"expected \{\"step\": N, \"path\": \"step_...\"\}"),
+        ({"step": 1, "path": 5}, "expected"),
+        ([1], "expected"),
+    ],
+)
 def test_a_checkpoint_pointer_leads_only_inside_its_run(tmp_path, pointer, message):
     """best.json's path once led export to any folder, and a damaged one gave KeyError / TypeError."""
     (tmp_path / "checkpoints").mkdir()

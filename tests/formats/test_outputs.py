@@ -14,8 +14,16 @@ from eaglet.evaluate import evaluate
 from eaglet.extract import extract
 from eaglet.prepare import prepare
 from eaglet.training.loop import train
-from eaglet.options import (CheckOptions, ConvertOptions, EvalOptions, ExtractOptions, ImportOptions, PrepareOptions,
-                            RunOptions, TrainOptions)
+from eaglet.options import (
+    CheckOptions,
+    ConvertOptions,
+    EvalOptions,
+    ExtractOptions,
+    ImportOptions,
+    PrepareOptions,
+    RunOptions,
+    TrainOptions,
+)
 
 
 @pytest.fixture
@@ -58,9 +66,14 @@ def test_an_unmarked_folder_is_known_by_its_files(outputs, tiny_target, chats_js
 # What a user's folder may hold under a name a stage writes, by stage (a speculators dataset whose
 # hidden_states/ is elsewhere lost its Arrow table to extract; a tool's own train_config.json was
 # replaced by train's; an eval's vllm-drafter/ of the user's own was deleted)
-USERS_FILES = {"prepare": ["token_freq.pt"], "extract": ["data_config.json", "state.json", "data-00000-of-00001.arrow"],
-               "convert": ["sample_lengths.json"], "train": ["train_config.json"], "eval": ["vllm-drafter/notes"],
-               "run": ["summary.json"]}
+USERS_FILES = {
+    "prepare": ["token_freq.pt"],
+    "extract": ["data_config.json", "state.json", "data-00000-of-00001.arrow"],
+    "convert": ["sample_lengths.json"],
+    "train": ["train_config.json"],
+    "eval": ["vllm-drafter/notes"],
+    "run": ["summary.json"],
+}
 
 
 def stage_run(stage, outputs, tiny_target, chats_jsonl, out):
@@ -69,14 +82,18 @@ def stage_run(stage, outputs, tiny_target, chats_jsonl, out):
 
     recipe = outputs / "r.toml"
     recipe.write_text('[recipe]\nname = "r"\n\n[prepare]\n')
-    return {"prepare": lambda: prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out)),
-            "extract": lambda: extract(ExtractOptions(prepared=outputs / "prepared", out=out), show_progress=False),
-            "convert": lambda: convert(ConvertOptions(src=outputs / "data", out=out, layout="compact"),
-                                       show_progress=False),
-            "train": lambda: train(TrainOptions(dataset_dir=outputs / "data", out_dir=out, total_steps=1),
-                                   show_progress=False),
-            "eval": lambda: evaluate(EvalOptions(drafter_path=outputs / "nothing", out=out)),
-            "run": lambda: run_recipe(RunOptions(spec=recipe, out=out))}[stage]
+    return {
+        "prepare": lambda: prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out)),
+        "extract": lambda: extract(ExtractOptions(prepared=outputs / "prepared", out=out), show_progress=False),
+        "convert": lambda: convert(
+            ConvertOptions(src=outputs / "data", out=out, layout="compact"), show_progress=False
+        ),
+        "train": lambda: train(
+            TrainOptions(dataset_dir=outputs / "data", out_dir=out, total_steps=1), show_progress=False
+        ),
+        "eval": lambda: evaluate(EvalOptions(drafter_path=outputs / "nothing", out=out)),
+        "run": lambda: run_recipe(RunOptions(spec=recipe, out=out)),
+    }[stage]
 
 
 @pytest.mark.parametrize("stage", sorted(USERS_FILES))
@@ -86,16 +103,20 @@ def test_a_folder_no_stage_marked_keeps_the_files_a_stage_would_write(outputs, t
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text("the user's")
     before = snapshot(folder)
-    with pytest.raises(FileExistsError, match=rf"--out .*users: holds .*{USERS_FILES[stage][0].split('/')[0]}.*, which "
-                                              rf"no eaglet stage marked as its own .*`eaglet {stage}` would replace"):
+    with pytest.raises(
+        FileExistsError,
+        match=rf"--out .*users: holds .*{USERS_FILES[stage][0].split('/')[0]}.*, which "
+        rf"no eaglet stage marked as its own .*`eaglet {stage}` would replace",
+    ):
         stage_run(stage, outputs, tiny_target, chats_jsonl, folder)()
     assert snapshot(folder) == before and not (folder / formats.OUTPUT_MARKER).exists()
 
 
-@pytest.mark.parametrize("stage, name", [("eval", "llama-server-logs"), ("eval", "vllm-drafter"),
-                                         ("extract", "hidden_states"), ("train", "metrics.jsonl")])
-def test_a_link_where_a_stage_writes_is_refused_even_in_its_own_folder(outputs, tiny_target, chats_jsonl, stage,
-                                                                        name):
+@pytest.mark.parametrize(
+    "stage, name",
+    [("eval", "llama-server-logs"), ("eval", "vllm-drafter"), ("extract", "hidden_states"), ("train", "metrics.jsonl")],
+)
+def test_a_link_where_a_stage_writes_is_refused_even_in_its_own_folder(outputs, tiny_target, chats_jsonl, stage, name):
     """eval wrote llama-server's logs through a link at OUT/llama-server-logs; an OUT/vllm-drafter
     link ended in a raw rmtree error."""
     folder, elsewhere = outputs / "own", outputs / "elsewhere"
@@ -103,8 +124,11 @@ def test_a_link_where_a_stage_writes_is_refused_even_in_its_own_folder(outputs, 
     elsewhere.mkdir()
     (folder / formats.OUTPUT_MARKER).write_text(formats.io.OUTPUT_KINDS[stage] + "\n")
     (folder / name).symlink_to(elsewhere)
-    with pytest.raises(FileExistsError, match=rf"own/{name}: a symbolic link \(to .*elsewhere\) where `eaglet {stage}` "
-                                              rf"writes its own {name}"):
+    with pytest.raises(
+        FileExistsError,
+        match=rf"own/{name}: a symbolic link \(to .*elsewhere\) where `eaglet {stage}` "
+        rf"writes its own {name}",
+    ):
         stage_run(stage, outputs, tiny_target, chats_jsonl, folder)()
     assert list(elsewhere.iterdir()) == []
 
@@ -112,11 +136,12 @@ def test_a_link_where_a_stage_writes_is_refused_even_in_its_own_folder(outputs, 
 def test_an_existing_file_as_out_is_refused(outputs, tiny_target, chats_jsonl):
     afile = outputs / "afile"
     afile.write_text("mine")
-    for run in (lambda: prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=afile)),
-                lambda: extract(ExtractOptions(prepared=outputs / "prepared", out=afile), show_progress=False),
-                lambda: train(TrainOptions(dataset_dir=outputs / "data", out_dir=afile, total_steps=1),
-                                           show_progress=False),
-                lambda: evaluate(EvalOptions(drafter_path=outputs / "nothing", out=afile))):
+    for run in (
+        lambda: prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=afile)),
+        lambda: extract(ExtractOptions(prepared=outputs / "prepared", out=afile), show_progress=False),
+        lambda: train(TrainOptions(dataset_dir=outputs / "data", out_dir=afile, total_steps=1), show_progress=False),
+        lambda: evaluate(EvalOptions(drafter_path=outputs / "nothing", out=afile)),
+    ):
         with pytest.raises(FileExistsError, match=r"--out .*afile: an existing file; `eaglet \w+` writes a folder"):
             run()
     assert afile.read_text() == "mine"
@@ -127,14 +152,18 @@ def test_an_out_through_a_dangling_link_is_named_as_one(outputs, tiny_target, ch
     link = outputs / "link"
     link.symlink_to(outputs / "nowhere")
     for out in (link, link / "below"):
-        for run in (lambda: prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out)),
-                    lambda: extract(ExtractOptions(prepared=outputs / "prepared", out=out), show_progress=False),
-                    lambda: train(TrainOptions(dataset_dir=outputs / "data", out_dir=out, total_steps=1),
-                                               show_progress=False),
-                    lambda: evaluate(EvalOptions(drafter_path=outputs / "nothing", out=out)),
-                    lambda: formats.atomic_dir(out).__enter__()):
-            with pytest.raises(FileExistsError, match=rf"{link} is a symbolic link to .*nowhere, which does not "
-                                                      "exist; create what it points to, remove the link"):
+        for run in (
+            lambda: prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=out)),
+            lambda: extract(ExtractOptions(prepared=outputs / "prepared", out=out), show_progress=False),
+            lambda: train(TrainOptions(dataset_dir=outputs / "data", out_dir=out, total_steps=1), show_progress=False),
+            lambda: evaluate(EvalOptions(drafter_path=outputs / "nothing", out=out)),
+            lambda: formats.atomic_dir(out).__enter__(),
+        ):
+            with pytest.raises(
+                FileExistsError,
+                match=rf"{link} is a symbolic link to .*nowhere, which does not "
+                "exist; create what it points to, remove the link",
+            ):
                 run()
     assert not (outputs / "nowhere").exists()
 
@@ -144,8 +173,10 @@ def test_paths_read_from_files_stay_inside_their_folder(tmp_path, monkeypatch):
     from eaglet.recipe import run_recipe
 
     monkeypatch.chdir(tmp_path)
-    for line, said in (('name = "../../escaped"', r"\[recipe\]\.name '\.\./\.\./escaped': a plain name"),
-                       ('name = "x"\nout = "../../escaped"', r"\[recipe\]\.out: '\.\./\.\./escaped' leads out of")):
+    for line, said in (
+        ('name = "../../escaped"', r"\[recipe\]\.name '\.\./\.\./escaped': a plain name"),
+        ('name = "x"\nout = "../../escaped"', r"\[recipe\]\.out: '\.\./\.\./escaped' leads out of"),
+    ):
         recipe = tmp_path / "r.toml"
         recipe.write_text(f"[recipe]\n{line}\n\n[prepare]\n")
         with pytest.raises(ValueError, match=said):
@@ -159,15 +190,21 @@ def test_paths_read_from_files_stay_inside_their_folder(tmp_path, monkeypatch):
     # an index of the wrong form is named, not a KeyError / AttributeError / TypeError
     for text in ('{"metadata": {}}', '{"weight_map": ["a", "b"]}', "[1, 2]", '{"weight_map": {"fc.weight": 7}}'):
         (folder / "model.safetensors.index.json").write_text(text)
-        with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: no \"weight_map\" object of tensor "
-                                             r"name -> shard file; the index is damaged"):
+        with pytest.raises(
+            ValueError,
+            match=r"model\.safetensors\.index\.json: no \"weight_map\" object of tensor "
+            r"name -> shard file; the index is damaged",
+        ):
             formats.weight_files(folder)
 
 
 def test_written_files_honour_the_umask(outputs):
     """Files appear by rename from temp files (0600 as made); what a stage leaves is as the umask says."""
-    for path in (outputs / "prepared" / "prepared.jsonl", outputs / "data" / formats.DATA_CONFIG_FILE,
-                 next((outputs / "data" / formats.HIDDEN_STATES_DIR).rglob("*.pt"))):
+    for path in (
+        outputs / "prepared" / "prepared.jsonl",
+        outputs / "data" / formats.DATA_CONFIG_FILE,
+        next((outputs / "data" / formats.HIDDEN_STATES_DIR).rglob("*.pt")),
+    ):
         assert path.stat().st_mode & 0o777 == 0o666 & ~formats.io.current_umask(), path
 
 
@@ -176,8 +213,9 @@ def test_bounds_no_run_reaches_and_contradictory_options_are_refused(outputs):
     from eaglet.recipe import apply_scale
 
     with pytest.raises(ValueError, match=r"--time-budget 1e\+30: must be in \(0, "):
-        train(TrainOptions(dataset_dir=outputs / "data", out_dir=outputs / "run", time_budget=1e30),
-                           show_progress=False)
+        train(
+            TrainOptions(dataset_dir=outputs / "data", out_dir=outputs / "run", time_budget=1e30), show_progress=False
+        )
     with pytest.raises(ValueError, match=r"--scale 1e\+30: must be in \(0, "):
         apply_scale({}, 1e30)
     with pytest.raises(ValueError, match="--no-target skips them: give one"):
@@ -189,11 +227,15 @@ def test_extract_shards_of_another_count_exclude_each_other(outputs):
     out = outputs / "data"
     with formats.output_lock(out, "extract", lock=formats.lock_path(out, "shard-0-of-2")):
         with pytest.raises(formats.OutputBusy, match=r"--num-shards 2 is writing it now"):
-            extract(ExtractOptions(prepared=outputs / "prepared", out=out, dtype="fp32", num_shards=3, shard_id=1),
-                                   show_progress=False)
+            extract(
+                ExtractOptions(prepared=outputs / "prepared", out=out, dtype="fp32", num_shards=3, shard_id=1),
+                show_progress=False,
+            )
         # the same count (another shard of the same run) goes ahead
-        extract(ExtractOptions(prepared=outputs / "prepared", out=out, dtype="fp32", num_shards=2, shard_id=1),
-                               show_progress=False)
+        extract(
+            ExtractOptions(prepared=outputs / "prepared", out=out, dtype="fp32", num_shards=2, shard_id=1),
+            show_progress=False,
+        )
 
 
 @pytest.mark.parametrize("kind", ["dangling link", "under a file", "under /proc"])
@@ -240,15 +282,22 @@ def test_an_output_that_is_holds_or_lies_inside_an_input_is_refused(outputs, tin
     chats.parent.mkdir()
     chats.write_text('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}\n')
     before = chats.read_bytes()
-    with pytest.raises(FileExistsError, match=r"--out .*x holds --data .*prepared.jsonl: `eaglet prepare` writes a "
-                                              "folder of its own"):
+    with pytest.raises(
+        FileExistsError,
+        match=r"--out .*x holds --data .*prepared.jsonl: `eaglet prepare` writes a "
+        "folder of its own",
+    ):
         prepare(PrepareOptions(target=str(tiny_target), data=str(chats), out=chats.parent))
     assert chats.read_bytes() == before
 
     from eaglet.convert import convert
+
     data = outputs / "data"
-    for out, where in ((data.parent, "holds the source"), (data / "hidden_states", "is inside the source"),
-                       (data, "is the source")):
+    for out, where in (
+        (data.parent, "holds the source"),
+        (data / "hidden_states", "is inside the source"),
+        (data, "is the source"),
+    ):
         with pytest.raises(FileExistsError, match=rf"--out .* {where} "):
             convert(ConvertOptions(src=data, out=out, layout="speculators"), show_progress=False)
     with pytest.raises(FileExistsError, match="holds --prepared"):
@@ -287,7 +336,9 @@ def test_whole_samples_of_other_shapes_are_never_overwritten(outputs, tmp_path):
     data = Path(shutil.copytree(outputs / "data", tmp_path / "copy"))
     sample = formats.sample_path(data, formats.V1_LAYOUT, 1)
     other = [torch.randn(3, 64, dtype=torch.bfloat16) for _ in range(4)]
-    formats.write_sample(tmp_path / "other", formats.V1_LAYOUT, 1, torch.arange(3), other, torch.ones(3, dtype=torch.long))
+    formats.write_sample(
+        tmp_path / "other", formats.V1_LAYOUT, 1, torch.arange(3), other, torch.ones(3, dtype=torch.long)
+    )
     sample.write_bytes(formats.sample_path(tmp_path / "other", formats.V1_LAYOUT, 1).read_bytes())
     before = sample.read_bytes()
     with pytest.raises(FileExistsError, match=r"data_1.pt: a whole sample of other shapes .*another dataset's file"):
@@ -304,14 +355,16 @@ def test_train_keeps_to_checkpoints_of_its_own(outputs, tmp_path):
     (linked / "checkpoints").symlink_to(run / "checkpoints")
     before = snapshot(run / "checkpoints")
     with pytest.raises(FileExistsError, match="checkpoints: a symbolic link"):
-        train(TrainOptions(dataset_dir=outputs / "data", out_dir=linked, total_steps=2, resume=True),
-                           show_progress=False)
+        train(
+            TrainOptions(dataset_dir=outputs / "data", out_dir=linked, total_steps=2, resume=True), show_progress=False
+        )
     copied = tmp_path / "copied"
     copied.mkdir()
     shutil.copytree(run / "checkpoints", copied / "checkpoints")
     with pytest.raises(FileExistsError, match="holds checkpoints, which no eaglet stage marked as its own"):
-        train(TrainOptions(dataset_dir=outputs / "data", out_dir=copied, total_steps=2, resume=True),
-                           show_progress=False)
+        train(
+            TrainOptions(dataset_dir=outputs / "data", out_dir=copied, total_steps=2, resume=True), show_progress=False
+        )
     assert snapshot(run / "checkpoints") == before
 
 
@@ -332,7 +385,9 @@ def test_eval_replaces_only_its_own_drafters_results(outputs, tmp_path):
     results.mkdir()
     (results / "eval.json").write_text('{"config": {"drafter": "/elsewhere/other-run"}, "sets": {}}')
     (results / formats.OUTPUT_MARKER).write_text("eval results\n")
-    with pytest.raises(FileExistsError, match=r"eval.json holds the results of another drafter, '/elsewhere/other-run'"):
+    with pytest.raises(
+        FileExistsError, match=r"eval.json holds the results of another drafter, '/elsewhere/other-run'"
+    ):
         evaluate(EvalOptions(drafter_path=outputs / "run", out=results))
     assert "other-run" in (results / "eval.json").read_text()
 

@@ -32,14 +32,25 @@ from eaglet.options import PrepareOptions, RegenOptions
 
 CHATS = [
     [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi!"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add two numbers in Python."},
-     {"role": "assistant", "content": "def add(a, b): return a + b"}, {"role": "user", "content": "Thanks"},
-     {"role": "assistant", "content": "You are welcome."}],
-    [{"role": "user", "content": "What does the fox do?"}, {"role": "assistant", "content": "It jumps."},
-     {"role": "user", "content": "Over what?"}, {"role": "assistant", "content": "The lazy dog."},
-     {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Nobody knows."}],
-    [{"role": "user", "content": "A user asks a question and the assistant answers it politely and precisely. " * 3},
-     {"role": "assistant", "content": "Sure."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add two numbers in Python."},
+        {"role": "assistant", "content": "def add(a, b): return a + b"},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "You are welcome."},
+    ],
+    [
+        {"role": "user", "content": "What does the fox do?"},
+        {"role": "assistant", "content": "It jumps."},
+        {"role": "user", "content": "Over what?"},
+        {"role": "assistant", "content": "The lazy dog."},
+        {"role": "user", "content": "Why?"},
+        {"role": "assistant", "content": "Nobody knows."},
+    ],
+    [
+        {"role": "user", "content": "A user asks a question and the assistant answers it politely and precisely. " * 3},
+        {"role": "assistant", "content": "Sure."},
+    ],
 ]
 
 
@@ -161,11 +172,22 @@ class StandIn:
                 empty = {"EMPTY": "", "BLANK": " \n ", "NULL": None}
                 first_try = [v for k, v in empty.items() if k in user] if tries == 1 else []
                 text = first_try[0] if first_try else stand_in.answer(req["messages"])
-                self.reply(200, {"id": "x", "object": "chat.completion", "model": req["model"],
-                                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                              "finish_reason": "stop"}],
-                                 "usage": {"prompt_tokens": 1, "completion_tokens": len((text or "").split()),
-                                           "total_tokens": 1}})
+                self.reply(
+                    200,
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "model": req["model"],
+                        "choices": [
+                            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                        ],
+                        "usage": {
+                            "prompt_tokens": 1,
+                            "completion_tokens": len((text or "").split()),
+                            "total_tokens": 1,
+                        },
+                    },
+                )
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -193,13 +215,15 @@ def stand_in():
 
 def endpoint_regen(data: Path, out: Path, server: StandIn, **kw):
     kw = {"base_url": server.url, "concurrency": 4, "max_retries": 3, "timeout": 5.0, **kw}
-    return regen.regenerate(RegenOptions(data=str(data), out=out, backend="openai", **kw), backoff=0.01,
-                            progress_bar=False)
+    return regen.regenerate(
+        RegenOptions(data=str(data), out=out, backend="openai", **kw), backoff=0.01, progress_bar=False
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Pure pieces
 # ---------------------------------------------------------------------------------------------
+
 
 def test_turn_prompts_and_stop_split():
     chat = CHATS[1]
@@ -218,10 +242,12 @@ def test_turn_prompts_and_stop_split():
 # Local backend
 # ---------------------------------------------------------------------------------------------
 
+
 def reference_greedy(model, tokenizer, messages: list[dict], max_new: int) -> tuple[str, str]:
     """Plain greedy decoding, one prompt, no padding, no KV cache, no `generate`."""
-    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                    add_special_tokens=False)["input_ids"]
+    ids = tokenizer(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )["input_ids"]
     new: list[int] = []
     with torch.no_grad():
         for _ in range(max_new):
@@ -262,8 +288,15 @@ def test_local_greedy_batched_equals_unbatched_and_uses_regenerated_history(live
 
 def test_local_sampling_is_seeded(lively_target, tmp_path):
     data = chats_file(tmp_path / "chats.jsonl", 4)
-    kw = {"target": str(lively_target), "dtype": "fp32", "device": "cpu", "max_new_tokens": 8, "temperature": 0.9,
-          "top_p": 0.9, "batch_size": 4}
+    kw = {
+        "target": str(lively_target),
+        "dtype": "fp32",
+        "device": "cpu",
+        "max_new_tokens": 8,
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "batch_size": 4,
+    }
     regen.regenerate(RegenOptions(data=str(data), out=tmp_path / "s1.jsonl", seed=3, **kw))
     regen.regenerate(RegenOptions(data=str(data), out=tmp_path / "s2.jsonl", seed=3, **kw))
     assert read_out(tmp_path / "s1.jsonl") == read_out(tmp_path / "s2.jsonl")
@@ -275,8 +308,18 @@ def test_local_prompt_too_long(lively_target, tmp_path):
     """A first prompt over the limit fails (errors file); a later one keeps the turns before it."""
     data = chats_file(tmp_path / "chats.jsonl", 4)
     out = tmp_path / "out.jsonl"
-    s = regen.regenerate(RegenOptions(data=str(data), out=out, target=str(lively_target), dtype="fp32", device="cpu",
-                                      max_new_tokens=4, max_prompt_tokens=55), progress_bar=False)
+    s = regen.regenerate(
+        RegenOptions(
+            data=str(data),
+            out=out,
+            target=str(lively_target),
+            dtype="fp32",
+            device="cpu",
+            max_new_tokens=4,
+            max_prompt_tokens=55,
+        ),
+        progress_bar=False,
+    )
     recs = read_out(out)
     errors = [json.loads(line) for line in errors_path(out).read_text().splitlines()]
     assert {e["id"] for e in errors} == {"c3"} and "tokens, more than the 55 allowed" in errors[0]["reason"]
@@ -292,23 +335,42 @@ def test_local_time_budget_stops_after_the_batch_at_hand(lively_target, tmp_path
 
     data = chats_file(tmp_path / "chats.jsonl", 12)
     ref = resolve_target(str(lively_target))
-    gen = regen_local.LocalGenerator(load_target(ref, torch.float32, torch.device("cpu")), load_tokenizer(ref),
-                                     0.0, 1.0, 4)
+    gen = regen_local.LocalGenerator(
+        load_target(ref, torch.float32, torch.device("cpu")), load_tokenizer(ref), 0.0, 1.0, 4
+    )
     batches, written = [], []
-    regen_local.run_local(conversations.iter_conversations(str(data), ReadStats(), None, 0, None), gen, 2, None,
-                          written.append, lambda conv, reason: pytest.fail(reason), lambda tokens: None,
-                          lambda: batches.append(1), out_of_time=lambda: len(batches) >= 1)
+    regen_local.run_local(
+        conversations.iter_conversations(str(data), ReadStats(), None, 0, None),
+        gen,
+        2,
+        None,
+        written.append,
+        lambda conv, reason: pytest.fail(reason),
+        lambda tokens: None,
+        lambda: batches.append(1),
+        out_of_time=lambda: len(batches) >= 1,
+    )
     assert len(batches) == 1 and 1 <= len(written) <= 2  # only the chats of the one batch that ran
     assert all(conv.done == 1 for conv in written)
-    s = regen.regenerate(RegenOptions(data=str(data), out=tmp_path / "out.jsonl", target=str(lively_target),
-                                      dtype="fp32", device="cpu", max_new_tokens=4, time_budget=1e-9),
-                                      progress_bar=False)
+    s = regen.regenerate(
+        RegenOptions(
+            data=str(data),
+            out=tmp_path / "out.jsonl",
+            target=str(lively_target),
+            dtype="fp32",
+            device="cpu",
+            max_new_tokens=4,
+            time_budget=1e-9,
+        ),
+        progress_bar=False,
+    )
     assert s.out_of_time and s.written == 0 and "stopped at --time-budget" in "\n".join(s.lines())
 
 
 # ---------------------------------------------------------------------------------------------
 # Endpoint backend
 # ---------------------------------------------------------------------------------------------
+
 
 def test_endpoint_turn_by_turn_history(stand_in, tmp_path):
     data = chats_file(tmp_path / "chats.jsonl", 6)
@@ -324,11 +386,19 @@ def test_endpoint_turn_by_turn_history(stand_in, tmp_path):
             assert len(sent) == 1, (rec["id"], k)
             # ...and the answer stored is what the server said to that request.
             assert msgs[idx]["content"] == StandIn.answer(msgs[:idx])
-        assert rec["regen"] == {"target": "stand-in-model", "backend": "openai", "temperature": 0.5, "top_p": 0.8,
-                                "max_new_tokens": 33, "base_url": stand_in.url,
-                                "finish_reasons": ["stop"] * len(answers(rec))}
-    assert all(r["model"] == "stand-in-model" and r["max_tokens"] == 33 and r["temperature"] == 0.5
-               and r["top_p"] == 0.8 for r in stand_in.requests)
+        assert rec["regen"] == {
+            "target": "stand-in-model",
+            "backend": "openai",
+            "temperature": 0.5,
+            "top_p": 0.8,
+            "max_new_tokens": 33,
+            "base_url": stand_in.url,
+            "finish_reasons": ["stop"] * len(answers(rec)),
+        }
+    assert all(
+        r["model"] == "stand-in-model" and r["max_tokens"] == 33 and r["temperature"] == 0.5 and r["top_p"] == 0.8
+        for r in stand_in.requests
+    )
     # Multi-turn: the second answer saw the first regenerated one (its "#1" counts it).
     assert answers(recs["c2"])[2].endswith("#2") and "#" in answers(recs["c2"])[1]
 
@@ -340,8 +410,15 @@ def test_endpoint_retries_and_errors_file(stand_in, tmp_path):
         {"id": "busy", "messages": [{"role": "user", "content": "BUSY one"}, {"role": "assistant", "content": "x"}]},
         {"id": "slow", "messages": [{"role": "user", "content": "SLOW one"}, {"role": "assistant", "content": "x"}]},
         {"id": "bad", "messages": [{"role": "user", "content": "BAD one"}, {"role": "assistant", "content": "x"}]},
-        {"id": "bad2", "messages": [{"role": "user", "content": "fine first"}, {"role": "assistant", "content": "x"},
-                                    {"role": "user", "content": "then BAD"}, {"role": "assistant", "content": "y"}]},
+        {
+            "id": "bad2",
+            "messages": [
+                {"role": "user", "content": "fine first"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "then BAD"},
+                {"role": "assistant", "content": "y"},
+            ],
+        },
         {"id": "down", "messages": [{"role": "user", "content": "ALWAYS500"}, {"role": "assistant", "content": "x"}]},
     ]
     data = write_jsonl(tmp_path / "chats.jsonl", records)
@@ -363,7 +440,11 @@ def test_endpoint_retries_and_errors_file(stand_in, tmp_path):
     s2 = endpoint_regen(data, out, stand_in, resume=True, max_retries=0)
     assert s2.already_done == 4 and s2.written == 0 and s2.failed == 3
     assert sorted(r["messages"][-1]["content"] for r in stand_in.requests[n:]) == [
-        "ALWAYS500", "BAD one", "fine first", "then BAD"]
+        "ALWAYS500",
+        "BAD one",
+        "fine first",
+        "then BAD",
+    ]
 
 
 def test_resume_after_kill(stand_in, tmp_path):
@@ -373,7 +454,7 @@ def test_resume_after_kill(stand_in, tmp_path):
     lines = out.read_bytes().splitlines(keepends=True)
     assert len(lines) == 10
     # A kill mid-write: 6 complete lines and half of the 7th, without its newline.
-    killed = b"".join(lines[:6]) + lines[6][:len(lines[6]) // 2]
+    killed = b"".join(lines[:6]) + lines[6][: len(lines[6]) // 2]
     out.write_bytes(killed)
     kept_ids = {json.loads(line)["id"] for line in lines[:6]}
 
@@ -388,8 +469,10 @@ def test_resume_after_kill(stand_in, tmp_path):
     assert new_lines[:6] == lines[:6]  # complete lines untouched
     recs = read_out(out)  # asserts no duplicate ids
     assert set(recs) == {f"c{i}" for i in range(10)}
-    redone = {re.search(r"\[(\d+)\]", next(m["content"] for m in r["messages"] if m["role"] == "user")).group(1)
-              for r in stand_in.requests[n:]}
+    redone = {
+        re.search(r"\[(\d+)\]", next(m["content"] for m in r["messages"] if m["role"] == "user")).group(1)
+        for r in stand_in.requests[n:]
+    }
     assert redone == {k[1:] for k in set(recs) - kept_ids}  # done ids not asked again
 
     # A second resume has nothing to do.
@@ -417,8 +500,23 @@ def test_output_reads_back_with_prepare(stand_in, tiny_target, tmp_path):
 def test_cli_regen(stand_in, tmp_path, capsys):
     data = chats_file(tmp_path / "chats.jsonl", 3)
     out = tmp_path / "cli.jsonl"
-    argv = ["regen", "--data", str(data), "--out", str(out), "--backend", "openai", "--base-url", stand_in.url,
-            "--model", "served-name", "--concurrency", "2", "--max-new-tokens", "16"]
+    argv = [
+        "regen",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--backend",
+        "openai",
+        "--base-url",
+        stand_in.url,
+        "--model",
+        "served-name",
+        "--concurrency",
+        "2",
+        "--max-new-tokens",
+        "16",
+    ]
     assert main(argv) == 0
     assert "regenerated 3 conversations" in capsys.readouterr().out
     assert {r["regen"]["target"] for r in read_out(out).values()} == {"served-name"}
@@ -443,15 +541,29 @@ def test_max_turns_keeps_the_first_answers(stand_in, tmp_path):
 # Failures that must not pass for success
 # ---------------------------------------------------------------------------------------------
 
+
 def test_every_chat_failing_is_an_error(stand_in, tmp_path, capsys):
     """Nothing written and every chat failed: exit 2 with one line naming the errors file, the
     count and the first reason. (Some chats written, some failed: success, as the retries test shows.)"""
-    records = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"BAD {i}"},
-                                            {"role": "assistant", "content": "x"}]} for i in range(3)]
+    records = [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"BAD {i}"}, {"role": "assistant", "content": "x"}]}
+        for i in range(3)
+    ]
     data = write_jsonl(tmp_path / "chats.jsonl", records)
     out = tmp_path / "out.jsonl"
-    argv = ["regen", "--data", str(data), "--out", str(out), "--backend", "openai", "--base-url", stand_in.url,
-            "--max-retries", "0"]
+    argv = [
+        "regen",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--backend",
+        "openai",
+        "--base-url",
+        stand_in.url,
+        "--max-retries",
+        "0",
+    ]
     assert main(argv) == 2
     err = last_line(capsys.readouterr().err)
     assert err.startswith("eaglet regen: error: ")
@@ -465,13 +577,25 @@ def test_every_chat_failing_is_an_error(stand_in, tmp_path, capsys):
 def test_endpoint_empty_answer_fails_the_chat_and_resume_retries_it(stand_in, tmp_path):
     """An empty, whitespace-only or null answer is a failure of its chat, at once (no retry
     within the run), not a finished chat; the resume asks again and writes the answers."""
-    def chat(cid: str, *users: str) -> dict:
-        return {"id": cid, "messages": [m for u in users for m in ({"role": "user", "content": u},
-                                                                   {"role": "assistant", "content": "x"})]}
 
-    data = write_jsonl(tmp_path / "chats.jsonl", [
-        chat("ok", "plain"), chat("empty", "EMPTY one"), chat("blank", "BLANK one"), chat("null", "NULL one"),
-        chat("later", "fine first", "then EMPTY")])
+    def chat(cid: str, *users: str) -> dict:
+        return {
+            "id": cid,
+            "messages": [
+                m for u in users for m in ({"role": "user", "content": u}, {"role": "assistant", "content": "x"})
+            ],
+        }
+
+    data = write_jsonl(
+        tmp_path / "chats.jsonl",
+        [
+            chat("ok", "plain"),
+            chat("empty", "EMPTY one"),
+            chat("blank", "BLANK one"),
+            chat("null", "NULL one"),
+            chat("later", "fine first", "then EMPTY"),
+        ],
+    )
     out = tmp_path / "out.jsonl"
     s = endpoint_regen(data, out, stand_in)
     assert set(read_out(out)) == {"ok"} and s.written == 1 and s.failed == 4
@@ -490,8 +614,10 @@ def test_endpoint_empty_answer_fails_the_chat_and_resume_retries_it(stand_in, tm
 def test_local_empty_answer_fails_the_chat(lively_target, tmp_path, monkeypatch):
     """Local: a turn whose first generated token is the stop token fails its chat (a later turn
     too: the chat is not written cut short), and the resume regenerates it."""
-    records = [{"id": r["id"], "messages": [dict(m) for m in r["messages"]]}
-               for r in map(json.loads, chats_file(tmp_path / "plain.jsonl", 4).read_text().splitlines())]
+    records = [
+        {"id": r["id"], "messages": [dict(m) for m in r["messages"]]}
+        for r in map(json.loads, chats_file(tmp_path / "plain.jsonl", 4).read_text().splitlines())
+    ]
     records[0]["messages"][0]["content"] += " EMPTY"  # c0: turn 0
     records[1]["messages"][3]["content"] += " EMPTY"  # c1: turn 1
     data = write_jsonl(tmp_path / "chats.jsonl", records)
@@ -512,8 +638,10 @@ def test_local_empty_answer_fails_the_chat(lively_target, tmp_path, monkeypatch)
     assert set(read_out(out)) == {"c2", "c3"} and s.failed == 2 and s.cut_short == 0
     assert s.errors == {"empty answer (finish_reason stop), nothing to train on": 2}  # one kind, two turns
     errors = {e["id"]: e["reason"] for e in map(json.loads, errors_path(out).read_text().splitlines())}
-    assert errors == {"c0": "turn 0: " + conversations.empty_answer(conversations.Turn("", "stop", 1)),
-                      "c1": "turn 1: " + conversations.empty_answer(conversations.Turn("", "stop", 1))}
+    assert errors == {
+        "c0": "turn 0: " + conversations.empty_answer(conversations.Turn("", "stop", 1)),
+        "c1": "turn 1: " + conversations.empty_answer(conversations.Turn("", "stop", 1)),
+    }
     s2 = regen.regenerate(RegenOptions(data=str(data), out=out, target=str(lively_target), resume=True, **kw))
     assert s2.written == 2 and set(read_out(out)) == {"c0", "c1", "c2", "c3"}
 
@@ -522,13 +650,25 @@ def test_local_empty_answer_fails_the_chat(lively_target, tmp_path, monkeypatch)
 # Ctrl-C: the message names what continues the stage
 # ---------------------------------------------------------------------------------------------
 
+
 def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, capsys, monkeypatch):
     from eaglet import cli
 
     data = chats_file(tmp_path / "chats.jsonl", 6)
     out = tmp_path / "out.jsonl"
-    argv = ["regen", "--data", str(data), "--out", str(out), "--backend", "openai", "--base-url", stand_in.url,
-            "--concurrency", "1"]
+    argv = [
+        "regen",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--backend",
+        "openai",
+        "--base-url",
+        stand_in.url,
+        "--concurrency",
+        "1",
+    ]
     real = regen_openai.regen_conversation_remote
 
     def ctrl_c_at_c3(ep, conv, *rest):
@@ -539,8 +679,10 @@ def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, ca
     with monkeypatch.context() as m:
         m.setattr(regen_openai, "regen_conversation_remote", ctrl_c_at_c3)
         assert main(argv) == 130
-    assert last_line(capsys.readouterr().err) == ("eaglet regen: interrupted; every finished chat in --out is kept; "
-                                                  "the same command with --resume skips them and continues")
+    assert last_line(capsys.readouterr().err) == (
+        "eaglet regen: interrupted; every finished chat in --out is kept; "
+        "the same command with --resume skips them and continues"
+    )
     kept = set(read_out(out))
     assert kept and "c3" not in kept
     assert main(argv) == 2 and "--resume" in capsys.readouterr().err  # the plain same command is refused...
@@ -553,8 +695,10 @@ def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, ca
     monkeypatch.setattr("eaglet.training.loop.train", interrupted)
     train_argv = ["train", str(tmp_path / "data"), "--out", str(tmp_path / "run")]
     assert main(train_argv) == 130
-    assert last_line(capsys.readouterr().err) == ("eaglet train: interrupted; checkpoints up to the last save are "
-                                                  "kept; the same command with --resume continues from the latest")
+    assert last_line(capsys.readouterr().err) == (
+        "eaglet train: interrupted; checkpoints up to the last save are "
+        "kept; the same command with --resume continues from the latest"
+    )
     assert main(train_argv + ["--resume"]) == 130
     assert last_line(capsys.readouterr().err).endswith("; the same command continues from the latest")  # has it
 
@@ -568,7 +712,9 @@ def test_interrupt_message_names_the_command_that_resumes(stand_in, tmp_path, ca
 # tested in test_llama_cpp_server.py where llama.cpp is installed
 # ---------------------------------------------------------------------------------------------
 
-LLAMA_STAND_IN = LLAMA_STAND_IN_PREAMBLE + '''\
+LLAMA_STAND_IN = (
+    LLAMA_STAND_IN_PREAMBLE
+    + """\
 log = os.environ["STAND_IN_LOG"]
 delay = float(os.environ.get("STAND_IN_DELAY", "0"))
 lock = threading.Lock()
@@ -588,7 +734,8 @@ class H(Replies):
         self.reply({"tokens": answer[:n], "stop_type": "eos" if len(answer) <= n else "limit",
                     "timings": {"prompt_n": len(prompt), "predicted_n": min(n, len(answer) + 1)}})
 ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-'''
+"""
+)
 
 
 @pytest.fixture
@@ -671,8 +818,7 @@ def test_llama_cpp_options_belong_to_its_backend(tmp_path):
         regen.regenerate(RegenOptions(data="x.jsonl", out=tmp_path / "o.jsonl", backend="local", threads=2))
 
 
-def test_llama_cpp_kill_leaves_no_server_and_resume_loses_nothing(llama_stand_in, tiny_target, tmp_path,
-                                                                   monkeypatch):
+def test_llama_cpp_kill_leaves_no_server_and_resume_loses_nothing(llama_stand_in, tiny_target, tmp_path, monkeypatch):
     """A SIGKILL of eaglet mid-run: complete lines only, no llama-server left running (it dies
     with its parent), and --resume writes what a whole run writes."""
     import os
@@ -685,9 +831,28 @@ def test_llama_cpp_kill_leaves_no_server_and_resume_loses_nothing(llama_stand_in
     llama_regen(data, whole, tiny_target)
     gguf = target_gguf(tmp_path / "target.gguf")
     out = tmp_path / "out.jsonl"
-    argv = [sys.executable, "-m", "eaglet", "regen", "--data", str(data), "--out", str(out), "--backend", "llama.cpp",
-            "--target", str(tiny_target), "--target-gguf", str(gguf), "--concurrency", "2", "--threads", "1",
-            "--max-new-tokens", "4"]
+    argv = [
+        sys.executable,
+        "-m",
+        "eaglet",
+        "regen",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--backend",
+        "llama.cpp",
+        "--target",
+        str(tiny_target),
+        "--target-gguf",
+        str(gguf),
+        "--concurrency",
+        "2",
+        "--threads",
+        "1",
+        "--max-new-tokens",
+        "4",
+    ]
     llama_stand_in.unlink()
     proc = subprocess.Popen(argv, env={**os.environ, "STAND_IN_DELAY": "0.3"}, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -712,8 +877,10 @@ def test_llama_cpp_backend_names_a_damaged_target_gguf_before_the_server_starts(
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(embedded.smollm2_gguf().read_bytes()[:4096])
     with pytest.raises(ValueError, match=r"cut\.gguf"):
-        regen.regenerate(RegenOptions(data=str(chats_jsonl), out=tmp_path / "out.jsonl", backend="llama.cpp",
-                                      target_gguf=cut), progress_bar=False)
+        regen.regenerate(
+            RegenOptions(data=str(chats_jsonl), out=tmp_path / "out.jsonl", backend="llama.cpp", target_gguf=cut),
+            progress_bar=False,
+        )
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
 
 
@@ -724,8 +891,11 @@ def test_the_errors_report_replaces_only_an_errors_report(stand_in, tmp_path):
     chats = [{"id": "a", "messages": [{"role": "user", "content": "plain"}, {"role": "assistant", "content": "x"}]}]
     data = write_jsonl(tmp_path / "q.errors.jsonl", chats)
     before = data.read_bytes()
-    with pytest.raises(FileExistsError, match=r"q.errors.jsonl: regen writes its errors report here, and this file "
-                                              "holds other records"):
+    with pytest.raises(
+        FileExistsError,
+        match=r"q.errors.jsonl: regen writes its errors report here, and this file "
+        "holds other records",
+    ):
         endpoint_regen(data, tmp_path / "q.jsonl", stand_in)
     assert data.read_bytes() == before and not (tmp_path / "q.jsonl").exists()
 
@@ -733,8 +903,9 @@ def test_the_errors_report_replaces_only_an_errors_report(stand_in, tmp_path):
     victim.write_text("precious")
     (tmp_path / "r.errors.jsonl").symlink_to(victim)
     chats_file = write_jsonl(tmp_path / "chats.jsonl", chats)
-    with pytest.raises(FileExistsError, match="r.errors.jsonl: regen writes its errors report here, and this is a "
-                                              "symbolic link"):
+    with pytest.raises(
+        FileExistsError, match="r.errors.jsonl: regen writes its errors report here, and this is a symbolic link"
+    ):
         endpoint_regen(chats_file, tmp_path / "r.jsonl", stand_in)
     assert victim.read_text() == "precious"
 
@@ -766,6 +937,8 @@ def test_repeated_ids_never_collide_with_a_record_of_that_name(tmp_path):
     """The second `same` became `same#2`, and so was a record named `same#2`: a resume counted
     one of them done and never regenerated it."""
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
-    data = write_jsonl(tmp_path / "dup.jsonl", [{"id": i, "messages": chat} for i in ("same", "same", "same#2", "same")])
+    data = write_jsonl(
+        tmp_path / "dup.jsonl", [{"id": i, "messages": chat} for i in ("same", "same", "same#2", "same")]
+    )
     ids = [c.id for c in conversations.iter_conversations(str(data), conversations.ReadStats(), None, 0)]
     assert ids == ["same", "same#2", "same#2#2", "same#3"]

@@ -26,8 +26,15 @@ from eaglet.formats.runs import BEST_FILE, CHECKPOINTS_DIR, DRAFTER_CONFIG_FILE,
 from eaglet.training.checkpoints import RunFolderBusy, prune_checkpoints, truncate_metrics
 from eaglet.training.loop import train
 from helpers import chat_records
-from eaglet.options import (CheckOptions, ConvertOptions, ExportOptions, ExtractOptions, ImportOptions, PrepareOptions,
-                            TrainOptions)
+from eaglet.options import (
+    CheckOptions,
+    ConvertOptions,
+    ExportOptions,
+    ExtractOptions,
+    ImportOptions,
+    PrepareOptions,
+    TrainOptions,
+)
 
 QUICK = dict(total_steps=4, ttt_steps=2, eval_every=2, log_every=1, batch_size=2, eval_fraction=0.2)
 
@@ -35,8 +42,14 @@ QUICK = dict(total_steps=4, ttt_steps=2, eval_every=2, log_every=1, batch_size=2
 @pytest.fixture(scope="module")
 def data(tiny_target, tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("run_folder")
-    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(work / "chats.jsonl", chat_records(12))),
-                           out=work / "prep", max_length=256))
+    prepare(
+        PrepareOptions(
+            target=str(tiny_target),
+            data=str(write_jsonl(work / "chats.jsonl", chat_records(12))),
+            out=work / "prep",
+            max_length=256,
+        )
+    )
     extract(ExtractOptions(prepared=work / "prep", out=work / "v1", target=str(tiny_target)), show_progress=False)
     return work
 
@@ -60,14 +73,24 @@ def pointers_name_complete_checkpoints(run: Path) -> bool:
 
 def test_a_run_folder_has_one_writer_and_a_killed_one_leaves_no_lock(data, tmp_path):
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from eaglet.training.checkpoints import run_lock\n"
-                               f"with run_lock(Path({str(run)!r})):\n    print('held', flush=True); time.sleep(120)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from eaglet.training.checkpoints import run_lock\n"
+            f"with run_lock(Path({str(run)!r})):\n    print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RunFolderBusy, match=rf"{run}: another `eaglet train` \(pid {holder.pid} on .*\) is "
-                                                r"writing this run folder; wait for it to end, or train into"):
+        with pytest.raises(
+            RunFolderBusy,
+            match=rf"{run}: another `eaglet train` \(pid {holder.pid} on .*\) is "
+            r"writing this run folder; wait for it to end, or train into",
+        ):
             train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **QUICK), show_progress=False)
         assert not (run / CHECKPOINTS_DIR).exists()  # refused before touching anything
     finally:
@@ -95,7 +118,9 @@ def test_interrupt_while_saving_leaves_pointers_to_complete_checkpoints(data, tm
         train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **QUICK), show_progress=False)
     assert calls == [2, 4] and pointers_name_complete_checkpoints(run)
     assert formats.read_json(run / CHECKPOINTS_DIR / BEST_FILE)["step"] == 2  # the new best was never saved
-    export_drafter(ExportOptions(ckpt=run, out=tmp_path / "export", fmt="eagle"))  # export and eval of RUN work as they are
+    export_drafter(
+        ExportOptions(ckpt=run, out=tmp_path / "export", fmt="eagle")
+    )  # export and eval of RUN work as they are
     monkeypatch.setattr(T, "save_checkpoint", real)
     assert train(TrainOptions(dataset_dir=data / "v1", out_dir=run, resume=True), show_progress=False).step == 4
 
@@ -117,12 +142,21 @@ def test_resume_refuses_other_data(data, tiny_target, tmp_path):
     run = tmp_path / "run"
     train(TrainOptions(dataset_dir=data / "v1", out_dir=run, stop_after=2, **QUICK), show_progress=False)
     other = tmp_path / "other"  # the same target, other chats
-    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(tmp_path / "c.jsonl", chat_records(14)[2:])),
-                           out=tmp_path / "p", max_length=256))
+    prepare(
+        PrepareOptions(
+            target=str(tiny_target),
+            data=str(write_jsonl(tmp_path / "c.jsonl", chat_records(14)[2:])),
+            out=tmp_path / "p",
+            max_length=256,
+        )
+    )
     extract(ExtractOptions(prepared=tmp_path / "p", out=other, target=str(tiny_target)), show_progress=False)
     v1 = formats.FORMAT_V1
-    with pytest.raises(ValueError, match=rf"--resume: .*step_00000002 was trained on {data / 'v1'} \({v1} layout, 12 "
-                                         rf"samples\); {other} is other data \({v1} layout, 12 samples, other samples\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"--resume: .*step_00000002 was trained on {data / 'v1'} \({v1} layout, 12 "
+        rf"samples\); {other} is other data \({v1} layout, 12 samples, other samples\)",
+    ):
         train(TrainOptions(dataset_dir=other, out_dir=run, resume=True), show_progress=False)
     # the same samples, other stored values
     convert(ConvertOptions(src=data / "v1", out=tmp_path / "cmp", layout="compact", stored_top_k=16))
@@ -139,19 +173,36 @@ def test_train_refuses_layer_ids_the_states_do_not_match(data, tmp_path):
     cfg["layer_ids"] = [3, 4, 5, 8]  # the files hold 2, 4, 5 (the tiny target's 2, N//2, N-3)
     cfg["aux_layer_ids"] = [3, 4, 5]  # edited as one fact (check names the two records disagreeing otherwise)
     formats.write_json_atomic(edited / formats.DATA_CONFIG_FILE, cfg)
-    with pytest.raises(ValueError, match=r"data_config.json: layer_ids \[3, 4, 5, 8\] do not match the stored states "
-                                         r"\(slot 0 matches layer 2.*`eaglet check .* --target T`"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_config.json: layer_ids \[3, 4, 5, 8\] do not match the stored states "
+        r"\(slot 0 matches layer 2.*`eaglet check .* --target T`",
+    ):
         train(TrainOptions(dataset_dir=edited, out_dir=tmp_path / "run", **QUICK), show_progress=False)
     assert not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
 
 
 @pytest.mark.parametrize("max_length", [1, 2, 3])
 def test_max_length_that_leaves_no_position_is_refused(max_length, data, tmp_path, capsys):
-    code = cli_main(["train", str(data / "v1"), "--out", str(tmp_path / "run"), "--ttt-steps", "2",
-                     "--max-length", str(max_length), "--total-steps", "2"])
+    code = cli_main(
+        [
+            "train",
+            str(data / "v1"),
+            "--out",
+            str(tmp_path / "run"),
+            "--ttt-steps",
+            "2",
+            "--max-length",
+            str(max_length),
+            "--total-steps",
+            "2",
+        ]
+    )
     assert code == 2
-    assert (f"--max-length {max_length}: TTT step k at position t predicts token t+k+2, so with --ttt-steps 2 a "
-            "sample needs at least 4 tokens") in capsys.readouterr().err
+    assert (
+        f"--max-length {max_length}: TTT step k at position t predicts token t+k+2, so with --ttt-steps 2 a "
+        "sample needs at least 4 tokens"
+    ) in capsys.readouterr().err
     assert not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
 
 
@@ -185,9 +236,21 @@ def test_non_finite_loss_stops_the_run(data, tmp_path, monkeypatch):
 def test_eval_refuses_a_target_of_other_weights(data, other_target, tmp_path, capsys):
     run = tmp_path / "run"
     train(TrainOptions(dataset_dir=data / "v1", out_dir=run, **QUICK), show_progress=False)
-    args = ["eval", str(run), "--target", str(other_target), "--methods", "chain", "--prompts",
-            str(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello there"}])), "--max-new-tokens", "4",
-            "--dtype", "fp32", "--no-plot"]
+    args = [
+        "eval",
+        str(run),
+        "--target",
+        str(other_target),
+        "--methods",
+        "chain",
+        "--prompts",
+        str(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello there"}])),
+        "--max-new-tokens",
+        "4",
+        "--dtype",
+        "fp32",
+        "--no-plot",
+    ]
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert "trained for a target of revision" in err and f"--target {other_target.resolve()} has revision" in err
@@ -199,7 +262,9 @@ def test_check_names_the_other_revision_first(data, other_target):
     report = C.check_dataset(CheckOptions(path=data / "v1", target=str(other_target)))
     assert not report.clean
     first = next(p for p in report.problems if p.kind == C.LAYER_IDENTITY)
-    assert first.path == formats.DATA_CONFIG_FILE and "is not the revision of the target checked against" in first.message
+    assert (
+        first.path == formats.DATA_CONFIG_FILE and "is not the revision of the target checked against" in first.message
+    )
     assert C.check_dataset(CheckOptions(path=data / "v1")).clean  # its own recorded target
 
 
@@ -224,7 +289,6 @@ def test_both_paths_of_auto_run_on_any_machine(data, tiny_target, tmp_path, monk
     assert ev16["loss"] == pytest.approx(ev32["loss"], rel=5e-3) and ev16["loss"] != ev32["loss"]
 
 
-
 def test_samples_longer_than_the_target_are_refused_by_train_and_check(data):
     """A prepared --max-length beyond the target's positions gives states the target never makes in use."""
     from types import SimpleNamespace
@@ -233,9 +297,12 @@ def test_samples_longer_than_the_target_are_refused_by_train_and_check(data):
 
     short = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=16))
     src = Source(data / "v1", {0: 10, 1: 40, 2: 20}, {}, [2, 4, 5], "pre_norm", "bfloat16", lambda i: None, True)
-    with pytest.raises(ValueError, match=rf"{data / 'v1'}: sample 1 has 40 tokens and 2 sample\(s\) in all are longer "
-                                         r"than the target's 16 positions \(max_position_embeddings\); pass "
-                                         r"--max-length 16 or less"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{data / 'v1'}: sample 1 has 40 tokens and 2 sample\(s\) in all are longer "
+        r"than the target's 16 positions \(max_position_embeddings\); pass "
+        r"--max-length 16 or less",
+    ):
         refuse_beyond_positions(src, None, short.config)
     refuse_beyond_positions(src, 16, short.config)  # truncated to fit: trains
     results = [check_files.FileResult(0, "a.pt", 0, length=10), check_files.FileResult(1, "b.pt", 0, length=40)]
@@ -263,15 +330,22 @@ def test_the_optimizer_is_fused_and_a_resume_keeps_it(data, tmp_path):
     assert train(TrainOptions(dataset_dir=data / "v1", out_dir=run, resume=True), show_progress=False).step == 4
 
 
-@pytest.mark.parametrize("change, said", [
-    ({"step": -7}, r"step -7, trajectory or best of the wrong kind"),
-    ({"plan": {"total_steps": 10 ** 9, "warmup": 1, "eval_every": 2, "save_every": 2, "calibrated": True}},
-     r"plan of 1000000000 steps, the run's --total-steps is 4"),
-    ({"plan": {"total_steps": 4, "warmup": 1, "eval_every": 0, "save_every": 2, "calibrated": True}},
-     r"total_steps, eval_every, save_every must be whole numbers >= 1"),
-    ({"best": {"step": 10 ** 9, "tau": 1.0}}, r"best step 1000000000"),
-    ({"trajectory": None}, r"trajectory or best of the wrong kind"),
-])
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"step": -7}, r"step -7, trajectory or best of the wrong kind"),
+        (
+            {"plan": {"total_steps": 10**9, "warmup": 1, "eval_every": 2, "save_every": 2, "calibrated": True}},
+            r"plan of 1000000000 steps, the run's --total-steps is 4",
+        ),
+        (
+            {"plan": {"total_steps": 4, "warmup": 1, "eval_every": 0, "save_every": 2, "calibrated": True}},
+            r"total_steps, eval_every, save_every must be whole numbers >= 1",
+        ),
+        ({"best": {"step": 10**9, "tau": 1.0}}, r"best step 1000000000"),
+        ({"trajectory": None}, r"trajectory or best of the wrong kind"),
+    ],
+)
 def test_a_damaged_training_state_is_named_before_it_drives_the_loop(data, tmp_path, change, said):
     """A training_state.pt's plan of 10^9 steps trained on past --total-steps; step -7, eval_every 0
     or a missing trajectory ended in IndexError, ZeroDivisionError or KeyError."""
@@ -302,8 +376,17 @@ def test_pruning_removes_only_the_checkpoints_a_run_writes(tmp_path):
     """A user's step_00000004.bak sorted among the steps and was deleted as one; an export put into
     a checkpoint folder, and one named like a checkpoint, were deleted with the step folders."""
     root = tmp_path / CHECKPOINTS_DIR
-    for name in ("step_00000002", "step_00000004", "step_00000004.bak", "step_00000004-copy", "step_00000005",
-                 "step_00000006", "step_00000007", "step_notes", "step_00000008"):
+    for name in (
+        "step_00000002",
+        "step_00000004",
+        "step_00000004.bak",
+        "step_00000004-copy",
+        "step_00000005",
+        "step_00000006",
+        "step_00000007",
+        "step_notes",
+        "step_00000008",
+    ):
         (root / name).mkdir(parents=True)
         for file in (DRAFTER_CONFIG_FILE, MODEL_FILE, STATE_FILE):
             (root / name / file).write_text("x")
@@ -311,8 +394,14 @@ def test_pruning_removes_only_the_checkpoints_a_run_writes(tmp_path):
     (root / "step_00000007" / STATE_FILE).unlink()  # an export named like a checkpoint: no training state
     prune_checkpoints(root, keep=1, protect={"step_00000002"})
     assert sorted(p.name for p in root.iterdir()) == [
-        "step_00000002", "step_00000004-copy", "step_00000004.bak", "step_00000005", "step_00000007",
-        "step_00000008", "step_notes"]
+        "step_00000002",
+        "step_00000004-copy",
+        "step_00000004.bak",
+        "step_00000005",
+        "step_00000007",
+        "step_00000008",
+        "step_notes",
+    ]
 
 
 @pytest.mark.parametrize("line", ['{"foo": 1}', '{"step": "x"}', "[1, 2]", '{"step": true}', '{"step": -5}'])
@@ -356,8 +445,11 @@ def test_a_damaged_or_edited_checkpoint_is_never_resumed_from_nor_exported(data,
     save_file(weights, str(ckpt / formats.DRAFTER_WEIGHTS_FILE))
     edited = dict(config, eagle_aux_hidden_state_layer_ids=[3, 4, 5])
     formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, edited)
-    with pytest.raises(ValueError, match=r"config\.json: field eagle_aux_hidden_state_layer_ids \[3, 4, 5\] is not "
-                                         r"what eaglet\.draft_config implies \(\[2, 4, 5\]\); the file was edited"):
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json: field eagle_aux_hidden_state_layer_ids \[3, 4, 5\] is not "
+        r"what eaglet\.draft_config implies \(\[2, 4, 5\]\); the file was edited",
+    ):
         export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "export", fmt="speculators"))
     formats.write_json_atomic(ckpt / formats.DRAFTER_CONFIG_FILE, config)
     export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "export", fmt="speculators"))
@@ -372,8 +464,11 @@ def test_no_drafter_folder_is_written_among_a_runs_checkpoints(data, tmp_path):
     train(TrainOptions(dataset_dir=data / "v1", out_dir=run, stop_after=2, **QUICK), show_progress=False)
     checkpoints = run / CHECKPOINTS_DIR
     for out in (checkpoints / "step_00000002" / "exported", checkpoints / "step_00000012"):
-        with pytest.raises(FileExistsError, match=r"inside .*checkpoints, a train run's checkpoints, which the run "
-                                                  r"prunes"):
+        with pytest.raises(
+            FileExistsError,
+            match=r"inside .*checkpoints, a train run's checkpoints, which the run "
+            r"prunes",
+        ):
             export_drafter(ExportOptions(ckpt=run, out=out, fmt="eagle"))
         with pytest.raises(FileExistsError, match=r"a train run's checkpoints"):
             import_drafter(ImportOptions(src=checkpoints / "step_00000002", out=out))
@@ -388,8 +483,11 @@ def test_a_metrics_file_that_is_a_link_is_refused(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").symlink_to(elsewhere)
-    with pytest.raises(ValueError, match=r"metrics\.jsonl: a link \(to .*planted\.jsonl\); a run writes its metrics "
-                                         r"inside its folder only"):
+    with pytest.raises(
+        ValueError,
+        match=r"metrics\.jsonl: a link \(to .*planted\.jsonl\); a run writes its metrics "
+        r"inside its folder only",
+    ):
         truncate_metrics(run / "metrics.jsonl", 0)
     assert not elsewhere.exists()
 

@@ -72,8 +72,9 @@ def test_resume_continues_exactly(dataset, tmp_path, capsys):
     """`train --out R --resume` alone takes the run's settings; a kill's half-written checkpoint is removed."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(TrainOptions(dataset_dir=dataset, out_dir=straight, total_steps=8, **FAST), show_progress=False)
-    first = train(TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=8, stop_after=4, **FAST),
-                               show_progress=False)
+    first = train(
+        TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=8, stop_after=4, **FAST), show_progress=False
+    )
     assert first.step == 4
     half_written = resumed / "checkpoints" / f".step_00000006{formats.TMP_MARK}k1ll3d"
     half_written.mkdir()
@@ -87,8 +88,10 @@ def test_resume_continues_exactly(dataset, tmp_path, capsys):
     assert cli_main(["train", str(dataset), "--out", str(resumed), "--resume", "--lr", "1e-3"]) == 2
     assert "'lr': (0.003, 0.001)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="lr"):
-        train(TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=8, resume=True, **{**FAST, "lr": 1e-3}),
-                           show_progress=False)
+        train(
+            TrainOptions(dataset_dir=dataset, out_dir=resumed, total_steps=8, resume=True, **{**FAST, "lr": 1e-3}),
+            show_progress=False,
+        )
 
 
 def test_refuses_bad_dataset_and_other_target(dataset, tiny_target, tmp_path):
@@ -102,8 +105,12 @@ def test_refuses_bad_dataset_and_other_target(dataset, tiny_target, tmp_path):
             (bad / f.name).write_bytes(f.read_bytes())
     os.symlink(dataset / formats.HIDDEN_STATES_DIR, bad / formats.HIDDEN_STATES_DIR)
     cfg = formats.read_json(dataset / formats.DATA_CONFIG_FILE)
-    for change, msg in (({"num_hidden_layers": 9}, "num_hidden_layers"), ({"num_samples": 99}, "99"),
-                        ({"last_hidden_state": "after_norm"}, "pre_norm"), ({"hidden_size": 32}, "hidden_states shapes")):
+    for change, msg in (
+        ({"num_hidden_layers": 9}, "num_hidden_layers"),
+        ({"num_samples": 99}, "99"),
+        ({"last_hidden_state": "after_norm"}, "pre_norm"),
+        ({"hidden_size": 32}, "hidden_states shapes"),
+    ):
         formats.write_json_atomic(bad / formats.DATA_CONFIG_FILE, {**cfg, **change})
         with pytest.raises(ValueError, match=msg):
             open_dataset(bad)
@@ -126,28 +133,92 @@ def test_dataset_the_check_rejects_is_refused_with_its_message(dataset, tmp_path
 
 
 def test_cli_train(dataset, tmp_path, capsys):
-    rc = cli_main(["train", str(dataset), "--out", str(tmp_path / "run"), "--total-steps", "2", "--ttt-steps", "2",
-                   "--eval-every", "2", "--log-every", "1", "--bf16"])
+    rc = cli_main(
+        [
+            "train",
+            str(dataset),
+            "--out",
+            str(tmp_path / "run"),
+            "--total-steps",
+            "2",
+            "--ttt-steps",
+            "2",
+            "--eval-every",
+            "2",
+            "--log-every",
+            "1",
+            "--bf16",
+        ]
+    )
     assert rc == 0 and "best checkpoint: step 2" in capsys.readouterr().out
     assert cli_main(["train", str(tmp_path / "nothing"), "--out", str(tmp_path / "r2")]) == 2
 
 
 def test_torchrun_two_processes_match_one(dataset, tmp_path):
     """2 processes x accumulation 1 == 1 process x accumulation 2 (same global batch, same order)."""
-    opts = ["--total-steps", "4", "--ttt-steps", "2", "--lr", "3e-3", "--warmup-steps", "1", "--batch-size", "2",
-            "--eval-every", "2", "--log-every", "1", "--eval-fraction", "0.1"]
+    opts = [
+        "--total-steps",
+        "4",
+        "--ttt-steps",
+        "2",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--eval-every",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-fraction",
+        "0.1",
+    ]
     torchrun = Path(sys.executable).with_name("torchrun")
     with socket.socket() as sock:  # a free port, so parallel test runs do not collide
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), "-m", "eaglet.cli",
-                          "train", str(dataset), "--out", str(tmp_path / "two"), "--device", "cpu", *opts],
-                         capture_output=True, text=True, env=env, timeout=120)
+    two = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "-m",
+            "eaglet.cli",
+            "train",
+            str(dataset),
+            "--out",
+            str(tmp_path / "two"),
+            "--device",
+            "cpu",
+            *opts,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
-    one = train(TrainOptions(dataset_dir=dataset, out_dir=tmp_path / "one", device="cpu", grad_accum=2, total_steps=4,
-                             ttt_steps=2, lr=3e-3, warmup_steps=1, batch_size=2, eval_every=2, log_every=1,
-                             eval_fraction=0.1), show_progress=False)
+    one = train(
+        TrainOptions(
+            dataset_dir=dataset,
+            out_dir=tmp_path / "one",
+            device="cpu",
+            grad_accum=2,
+            total_steps=4,
+            ttt_steps=2,
+            lr=3e-3,
+            warmup_steps=1,
+            batch_size=2,
+            eval_every=2,
+            log_every=1,
+            eval_fraction=0.1,
+        ),
+        show_progress=False,
+    )
     assert one.step == 4
     a, b = run_weights(tmp_path / "one", 4), run_weights(tmp_path / "two", 4)
     for k in a:
@@ -204,6 +275,7 @@ def test_target_shape_mismatch_is_refused(field, value):
 # Training efficiency options
 # ---------------------------------------------------------------------------------------------
 
+
 def test_sparse_teacher_is_cached_once_per_sample_and_exact(dataset, tiny_target):
     """The cached top-k teacher equals a fresh one computed from the stored state, whatever the
     batch it is first seen in, and the target's head runs once per sample."""
@@ -235,7 +307,7 @@ def test_sparse_teacher_is_cached_once_per_sample_and_exact(dataset, tiny_target
     in_pack = source(packed)
     assert len(calls) == before  # the same samples, packed: from the cache, at their offsets
     a = ds.lengths[3]
-    assert torch.equal(in_pack.ids[0, a:a + n], fresh.ids[0]) and not in_pack.in_draft[0, a + n:].any()
+    assert torch.equal(in_pack.ids[0, a : a + n], fresh.ids[0]) and not in_pack.in_draft[0, a + n :].any()
 
 
 def test_packs_hold_every_sample_once_within_the_budget():
@@ -255,7 +327,7 @@ def test_packs_hold_every_sample_once_within_the_budget():
     s1, s2 = BatchStream(idx, lengths, 2, 0, pack_tokens=1024), BatchStream(idx, lengths, 2, 0, pack_tokens=1024)
     far = [s1[m] for m in range(3 * s1.per_epoch)]
     assert s2[len(far) - 1] == far[-1] and all(len(b) <= 2 for b in far)  # rows of 2 packs
-    epoch_0 = far[:s1.per_epoch]
+    epoch_0 = far[: s1.per_epoch]
     assert sorted(i for b in epoch_0 for row in b for i in row) == idx
 
 
@@ -269,8 +341,10 @@ def test_packed_training_resumes_exactly(dataset, tmp_path, compile):
     train(TrainOptions(dataset_dir=dataset, out_dir=straight, total_steps=6, **opts), show_progress=False)
     if compile:
         eager = tmp_path / "eager"
-        train(TrainOptions(dataset_dir=dataset, out_dir=eager, total_steps=6, **{**opts, "compile": False}),
-                           show_progress=False)
+        train(
+            TrainOptions(dataset_dir=dataset, out_dir=eager, total_steps=6, **{**opts, "compile": False}),
+            show_progress=False,
+        )
         ran = [json.loads((run / "train_config.json").read_text()) for run in (straight, eager)]
         assert (ran[0]["compile"], ran[0]["compile_mode"]) == (True, "inductor") and ran[0]["compile_graphs"] >= 1
         assert (ran[1]["compile"], ran[1]["compile_mode"], ran[1]["compile_graphs"]) == (False, "eager", 0)
@@ -287,8 +361,12 @@ def test_packed_training_resumes_exactly(dataset, tmp_path, compile):
 
 def test_time_budget_sizes_the_schedule(dataset, tmp_path):
     run = tmp_path / "run"
-    summary = train(TrainOptions(dataset_dir=dataset, out_dir=run, time_budget=3.0, **{**FAST, "eval_every": None,
-                                                                            "save_every": None}), show_progress=False)
+    summary = train(
+        TrainOptions(
+            dataset_dir=dataset, out_dir=run, time_budget=3.0, **{**FAST, "eval_every": None, "save_every": None}
+        ),
+        show_progress=False,
+    )
     cfg = json.loads((run / "checkpoints" / "latest.json").read_text())
     state = torch.load(run / "checkpoints" / cfg["path"] / "training_state.pt", weights_only=True)
     assert state["plan"]["calibrated"] and state["plan"]["total_steps"] == summary.total_steps == summary.step
@@ -298,8 +376,10 @@ def test_time_budget_sizes_the_schedule(dataset, tmp_path):
     evals = [r for r in iter_metrics(run) if r["split"] == "eval"]
     assert evals and evals[-1]["step"] == summary.step and evals[-1]["train_seconds"] > 0
     with pytest.raises(ValueError, match="time-budget"):
-        train(TrainOptions(dataset_dir=dataset, out_dir=tmp_path / "r2", time_budget=3.0, total_steps=5),
-                           show_progress=False)
+        train(
+            TrainOptions(dataset_dir=dataset, out_dir=tmp_path / "r2", time_budget=3.0, total_steps=5),
+            show_progress=False,
+        )
 
 
 def test_ttt_ramp_lm_head_init_and_loss_on_all(dataset, tiny_target, tmp_path):
@@ -310,9 +390,19 @@ def test_ttt_ramp_lm_head_init_and_loss_on_all(dataset, tiny_target, tmp_path):
     cfg = TrainConfig(ttt_steps=3, ttt_ramp=0.5)
     assert [cfg.ttt_steps_at(s, 12) for s in range(0, 12, 2)] == [1, 2, 3, 3, 3, 3]
     run = tmp_path / "run"
-    train(TrainOptions(dataset_dir=dataset, out_dir=run, total_steps=6, lm_head_init="target", freeze_lm_head=True,
-                       loss_on="all", teacher_top_k=8, **{**FAST, "eval_every": 6, "save_every": 6}),
-                       show_progress=False)
+    train(
+        TrainOptions(
+            dataset_dir=dataset,
+            out_dir=run,
+            total_steps=6,
+            lm_head_init="target",
+            freeze_lm_head=True,
+            loss_on="all",
+            teacher_top_k=8,
+            **{**FAST, "eval_every": 6, "save_every": 6},
+        ),
+        show_progress=False,
+    )
     w = run_weights(run, 6)
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     ids = torch.arange(w["d2t"].shape[0]) + w["d2t"]
@@ -353,18 +443,21 @@ def test_auto_dtype_is_bf16_only_where_fast(monkeypatch):
     assert (parse_duration("90"), parse_duration("1.5m"), parse_duration("2h")) == (90.0, 90.0, 7200.0)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"total_steps": 0}, "--total-steps 0: must be >= 1"),
-    ({"draft_vocab_size": 0}, "--draft-vocab-size 0: must be >= 1"),
-    ({"batch_size": 0}, "--batch-size 0: must be >= 1"),
-    ({"ttt_steps": 0}, "--ttt-steps 0: must be >= 1"),
-    ({"max_length": -5}, "--max-length -5: must be >= 1"),
-    ({"eval_fraction": 1.5}, r"--eval-fraction 1.5: must be in \[0, 1\): the share of samples held out"),
-    ({"eval_fraction": -0.5}, r"--eval-fraction -0.5: must be in \[0, 1\)"),
-    ({"lr": 0.0}, "--lr 0.0: must be > 0"),
-    ({"lr": float("nan")}, "--lr nan: must be > 0"),
-    ({"warmup_steps": -1}, "--warmup-steps -1: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"total_steps": 0}, "--total-steps 0: must be >= 1"),
+        ({"draft_vocab_size": 0}, "--draft-vocab-size 0: must be >= 1"),
+        ({"batch_size": 0}, "--batch-size 0: must be >= 1"),
+        ({"ttt_steps": 0}, "--ttt-steps 0: must be >= 1"),
+        ({"max_length": -5}, "--max-length -5: must be >= 1"),
+        ({"eval_fraction": 1.5}, r"--eval-fraction 1.5: must be in \[0, 1\): the share of samples held out"),
+        ({"eval_fraction": -0.5}, r"--eval-fraction -0.5: must be in \[0, 1\)"),
+        ({"lr": 0.0}, "--lr 0.0: must be > 0"),
+        ({"lr": float("nan")}, "--lr nan: must be > 0"),
+        ({"warmup_steps": -1}, "--warmup-steps -1: must be >= 0"),
+    ],
+)
 def test_train_options_are_validated_in_one_place(options, message, tmp_path):
     """TrainConfig refuses out-of-range numbers itself, so the CLI, recipes and the Python entry
     function all get the same one-line error (instead of a full epoch or a torch traceback)."""
@@ -373,8 +466,10 @@ def test_train_options_are_validated_in_one_place(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**options)
     with pytest.raises(ValueError, match=message):
-        train(TrainOptions(dataset_dir=tmp_path / "no-such-dataset", out_dir=tmp_path / "no-such-run", **options),
-                           show_progress=False)
+        train(
+            TrainOptions(dataset_dir=tmp_path / "no-such-dataset", out_dir=tmp_path / "no-such-run", **options),
+            show_progress=False,
+        )
     assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
@@ -402,7 +497,7 @@ def test_time_budget_calibration_follows_rank_0_on_every_rank():
 
     cfg = TrainConfig(time_budget=600)
     bar = SimpleNamespace(reset=lambda total: None, update=lambda n: None)
-    progress = SimpleNamespace(calibration=Calibration(start=10 ** 9), bar=bar)  # this rank never timed enough
+    progress = SimpleNamespace(calibration=Calibration(start=10**9), bar=bar)  # this rank never timed enough
     state = RunState(Plan.first(cfg, 100), None, step=5)
     run = SimpleNamespace(cfg=cfg, dist=FakeRank([0]), split=SimpleNamespace(tokens_per_step=100.0))
     calibrate_budget(run, state, progress)  # rank 0 not ready: one broadcast, the plan stays open
@@ -446,7 +541,7 @@ def test_time_budget_resizes_the_plan_at_the_rate_of_the_last_steps():
         resize_budget(run, state, progress)  # not again until RESIZE_STEPS more steps
         assert run.dist.calls == 2
     state.done["seconds"] = 100.0  # this rank has spent less than half the budget, rank 0 more (its seconds
-    state.step += RESIZE_STEPS     # decide, so that every rank stops taking part at the same step)
-    run.dist = FakeRank([0, 10 ** 6])
+    state.step += RESIZE_STEPS  # decide, so that every rank stops taking part at the same step)
+    run.dist = FakeRank([0, 10**6])
     resize_budget(run, state, progress)
     assert progress.resize_from is None

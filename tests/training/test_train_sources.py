@@ -39,10 +39,20 @@ def one_thread():
 def work(tiny_target, tmp_path_factory) -> Path:
     """`prep/` (eaglet prepare) and `data/` (its fp32 v1 extraction, so online can match it closely)."""
     work = tmp_path_factory.mktemp("sources")
-    prepare(PrepareOptions(target=str(tiny_target), data=str(write_jsonl(work / "chats.jsonl", chat_records())),
-                           out=work / "prep", max_length=512))
-    extract(ExtractOptions(prepared=work / "prep", out=work / "data", target=str(tiny_target), dtype="fp32",
-                           store_dtype="fp32"), show_progress=False)
+    prepare(
+        PrepareOptions(
+            target=str(tiny_target),
+            data=str(write_jsonl(work / "chats.jsonl", chat_records())),
+            out=work / "prep",
+            max_length=512,
+        )
+    )
+    extract(
+        ExtractOptions(
+            prepared=work / "prep", out=work / "data", target=str(tiny_target), dtype="fp32", store_dtype="fp32"
+        ),
+        show_progress=False,
+    )
     return work
 
 
@@ -62,8 +72,10 @@ def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("layout", [formats.FORMAT_V1_FLAT, formats.FORMAT_SPECFORGE, formats.FORMAT_HS_SAFETENSORS,
-                                    formats.FORMAT_SPECULATORS_ARROW])
+@pytest.mark.parametrize(
+    "layout",
+    [formats.FORMAT_V1_FLAT, formats.FORMAT_SPECFORGE, formats.FORMAT_HS_SAFETENSORS, formats.FORMAT_SPECULATORS_ARROW],
+)
 def test_foreign_layout_trains_exactly_like_v1(layout, work, v1_run, tiny_target, tmp_path):
     foreign = write_foreign(work / "data", tmp_path / "foreign", layout, final_norm(tiny_target))
     assert formats.list_dataset_files(foreign).format == layout
@@ -98,8 +110,11 @@ def test_foreign_dataset_refusals(work, tiny_target, tmp_path):
     with pytest.raises(ValueError, match="pass --target"):
         train(TrainOptions(dataset_dir=hs, out_dir=tmp_path / "r", aux_layer_ids=AUX, **RUN))
     with pytest.raises(ValueError, match="aux layer ids"):
-        train(TrainOptions(dataset_dir=hs, out_dir=tmp_path / "r", target=str(tiny_target), aux_layer_ids=[2, 4, 8],
-                           **RUN))
+        train(
+            TrainOptions(
+                dataset_dir=hs, out_dir=tmp_path / "r", target=str(tiny_target), aux_layer_ids=[2, 4, 8], **RUN
+            )
+        )
     s = formats.read_hs_safetensors_sample(hs / "hs_0.safetensors")
     formats.write_hs_safetensors_sample(hs, 0, s["token_ids"], s["hidden_states"])  # no loss_mask
     with pytest.raises(ValueError, match="hs_0.safetensors: no loss_mask"):
@@ -117,8 +132,11 @@ def test_online_matches_offline(work, tmp_path, max_length):
     train(TrainOptions(dataset_dir=work / "data", out_dir=tmp_path / "off", **opts))
     train(TrainOptions(dataset_dir=work / "prep", out_dir=tmp_path / "on", online=True, target_dtype="fp32", **opts))
     off, on = records(tmp_path / "off"), records(tmp_path / "on")
-    assert [(r["step"], r["split"]) for r in off] == [(r["step"], r["split"]) for r in on] == \
-        [(1, "train"), (1, "eval"), (2, "train"), (2, "eval")]
+    assert (
+        [(r["step"], r["split"]) for r in off]
+        == [(r["step"], r["split"]) for r in on]
+        == [(1, "train"), (1, "eval"), (2, "train"), (2, "eval")]
+    )
     for a, b in zip(off, on):
         assert a["positions"] == b["positions"] and a["acc"] == b["acc"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
@@ -141,8 +159,25 @@ def test_online_resume_continues_exactly(work, tmp_path):
 
 
 def test_cli_train_online(work, tmp_path, capsys):
-    rc = cli_main(["train", str(work / "prep"), "--online", "--target-dtype", "fp32", "--out", str(tmp_path / "run"),
-                   "--total-steps", "1", "--ttt-steps", "2", "--eval-every", "1", "--aux-layer-ids", "1,3,6"])
+    rc = cli_main(
+        [
+            "train",
+            str(work / "prep"),
+            "--online",
+            "--target-dtype",
+            "fp32",
+            "--out",
+            str(tmp_path / "run"),
+            "--total-steps",
+            "1",
+            "--ttt-steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--aux-layer-ids",
+            "1,3,6",
+        ]
+    )
     assert rc == 0 and "best checkpoint: step 1" in capsys.readouterr().out
     cfg = formats.read_json(tmp_path / "run" / "checkpoints" / "step_00000001" / "config.json")
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
@@ -157,8 +192,11 @@ def test_a_wrong_last_state_convention_is_refused_with_its_file_and_the_fix(work
 
     wrong = Problem("last state", "hidden_states/rows_0-2000/data_0.pt", "reads better after the final norm")
     monkeypatch.setattr(data, "convention_problem", lambda *args: wrong)
-    with pytest.raises(ValueError, match=r"data_0.pt: reads better after the final norm \(.*data_config.json, or "
-                                         r"--last-hidden-state .*`eaglet check` for the full report"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_0.pt: reads better after the final norm \(.*data_config.json, or "
+        r"--last-hidden-state .*`eaglet check` for the full report",
+    ):
         data.refuse_wrong_last_state(open_dataset(work / "data"), read_heads(tiny_target))
 
 
@@ -166,7 +204,7 @@ def test_online_refuses_a_prepared_folder_its_side_files_contradict(work, tmp_pa
     """A token_freq.pt of {7: 10^9} built the draft vocabulary without the data's own tokens, and
     --online trained on it (offline, check refuses such a dataset)."""
     prep = Path(shutil.copytree(work / "prep", tmp_path / "prep"))
-    formats.write_token_freq(prep / formats.TOKEN_FREQ_FILE, {7: 10 ** 9})
+    formats.write_token_freq(prep / formats.TOKEN_FREQ_FILE, {7: 10**9})
     with pytest.raises(ValueError, match=r"token_freq.pt counts token \d+ .* times, the samples' masks \d+"):
         train(TrainOptions(dataset_dir=prep, out_dir=tmp_path / "run", online=True, total_steps=1), show_progress=False)
 
@@ -183,7 +221,10 @@ def test_online_refuses_a_loss_mask_the_chat_template_does_not_imply(work, tmp_p
     for s in samples:
         count_masked(freq, s)
     formats.write_token_freq(prep / formats.TOKEN_FREQ_FILE, freq)
-    with pytest.raises(ValueError, match=rf"prepared.jsonl sample '{lines[1]['id']}': loss_mask: masked run at "
-                                         r"tokens \d+\.\.\d+ does not start after the generation prompt; prepare the "
-                                         "data again"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prepared.jsonl sample '{lines[1]['id']}': loss_mask: masked run at "
+        r"tokens \d+\.\.\d+ does not start after the generation prompt; prepare the "
+        "data again",
+    ):
         train(TrainOptions(dataset_dir=prep, out_dir=tmp_path / "run", online=True, total_steps=1), show_progress=False)

@@ -25,11 +25,37 @@ import torch
 
 from eaglet import formats, layers, ranges
 from eaglet.check.files import Expect, FileResult, check_file, is_unsafe_pickle_error, load_problem
-from eaglet.check.identity import (generation_prompt, heads_check, identity_check, load_target_for_check,
-                                   pick_identity_files, target_revision_problem, template_mismatch, too_long_problems)
-from eaglet.check.report import (BROKEN_LINK, DATA_CONFIG, DUPLICATE_INDEX, ERROR, FOLDER_NAMING, LAYER_IDENTITY,
-                                 MASK_TEMPLATE, MISSING_INDEX, NO_FILES, NOT_CHECKED, RMS_BOUNDS, SAMPLE_LENGTHS,
-                                 STRAY_FILE, TOKEN_FREQ, UNREADABLE, WARNING, CheckReport, Problem, SlotStats)
+from eaglet.check.identity import (
+    generation_prompt,
+    heads_check,
+    identity_check,
+    load_target_for_check,
+    pick_identity_files,
+    target_revision_problem,
+    template_mismatch,
+    too_long_problems,
+)
+from eaglet.check.report import (
+    BROKEN_LINK,
+    DATA_CONFIG,
+    DUPLICATE_INDEX,
+    ERROR,
+    FOLDER_NAMING,
+    LAYER_IDENTITY,
+    MASK_TEMPLATE,
+    MISSING_INDEX,
+    NO_FILES,
+    NOT_CHECKED,
+    RMS_BOUNDS,
+    SAMPLE_LENGTHS,
+    STRAY_FILE,
+    TOKEN_FREQ,
+    UNREADABLE,
+    WARNING,
+    CheckReport,
+    Problem,
+    SlotStats,
+)
 from eaglet.chat import special_token_ids
 from eaglet.formats import fmt_rows
 from eaglet.heads import TargetHeads
@@ -47,13 +73,17 @@ RMS_OUTLIER_FACTOR = 10.0
 # data_config.json and what it makes every file expected to be
 # ---------------------------------------------------------------------------------------------
 
+
 def read_config(root: Path, layout: formats.Layout) -> tuple[formats.DataConfig | None, list[Problem]]:
     path = root / formats.DATA_CONFIG_FILE
     if not path.exists():
         # eaglet's own layouts always have one; foreign layouts may not (then files set the bar).
         sev = ERROR if layout.side_files else WARNING
-        return None, [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, "missing: expectations are inferred from the "
-                                                                      "first file", sev)]
+        return None, [
+            Problem(
+                DATA_CONFIG, formats.DATA_CONFIG_FILE, "missing: expectations are inferred from the first file", sev
+            )
+        ]
     try:
         raw = formats.read_json(path)
         if not isinstance(raw, dict):
@@ -63,16 +93,22 @@ def read_config(root: Path, layout: formats.Layout) -> tuple[formats.DataConfig 
     cfg, kind_problems = formats.parse_data_config(raw)
     probs = layer_ids_problems(raw)
     if isinstance(cfg.format, str) and formats.find_layout(cfg.format) is None:
-        probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"format {cfg.format!r} is no layout eaglet "
-                                                                    f"knows (the files are {layout.name})"))
+        probs.append(
+            Problem(
+                DATA_CONFIG,
+                formats.DATA_CONFIG_FILE,
+                f"format {cfg.format!r} is no layout eaglet knows (the files are {layout.name})",
+            )
+        )
     version_problem = layout.config_problem(raw)
     if version_problem:
         probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, version_problem))
     version_warning = layout.config_warning(raw)
     if version_warning:
         probs.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, version_warning, WARNING))
-    probs += [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, why) for why in kind_problems
-              if not why.startswith("layer_ids ")]  # reported by layer_ids_problems, with EAGLE-3's rule
+    probs += [
+        Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, why) for why in kind_problems if not why.startswith("layer_ids ")
+    ]  # reported by layer_ids_problems, with EAGLE-3's rule
     return cfg, probs
 
 
@@ -83,26 +119,44 @@ def layer_ids_problems(cfg: dict[str, Any]) -> list[Problem]:
     if problem:
         return [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"layer_ids {ids!r}: {problem}")]
     if aux is not None and isinstance(ids, list) and aux != ids[:-1]:  # two records of one fact: which is right?
-        return [Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"aux_layer_ids {aux!r} are not layer_ids {ids!r} "
-                                                               "without the last layer")]
+        return [
+            Problem(
+                DATA_CONFIG,
+                formats.DATA_CONFIG_FILE,
+                f"aux_layer_ids {aux!r} are not layer_ids {ids!r} without the last layer",
+            )
+        ]
     return []
 
 
 def expect_from_config(cfg: formats.DataConfig, layout: formats.Layout) -> Expect:
     ids = cfg.layer_ids
     teacher = layout.stores_teacher  # its files hold the aux states and, in place of the last, a teacher
-    return Expect(layout, cfg.hidden_size, len(ids) - teacher if ids is not None else None,
-                  None if layout.dequantized else cfg.hidden_states_dtype, cfg.vocab_size,
-                  teacher_top_k=layout.stored_top_k(cfg.to_json()), config=cfg.to_json())
+    return Expect(
+        layout,
+        cfg.hidden_size,
+        len(ids) - teacher if ids is not None else None,
+        None if layout.dequantized else cfg.hidden_states_dtype,
+        cfg.vocab_size,
+        teacher_top_k=layout.stored_top_k(cfg.to_json()),
+        config=cfg.to_json(),
+    )
 
 
 def expect_from_file(first: FileResult, layout: formats.Layout, vocab_size: int | None) -> Expect:
-    return Expect(layout, first.hidden_size, first.num_states, first.dtype, vocab_size,
-                  source=f"as in the first file, {first.path}")
+    return Expect(
+        layout,
+        first.hidden_size,
+        first.num_states,
+        first.dtype,
+        vocab_size,
+        source=f"as in the first file, {first.path}",
+    )
 
 
-def expectations(root: Path, files: list[tuple[int, Path]], cfg: formats.DataConfig | None, layout: formats.Layout,
-                 vocab: int | None) -> Expect:
+def expectations(
+    root: Path, files: list[tuple[int, Path]], cfg: formats.DataConfig | None, layout: formats.Layout, vocab: int | None
+) -> Expect:
     """From data_config.json; without one, the first readable file sets the bar for all others."""
     if cfg is not None:
         return expect_from_config(cfg, layout)
@@ -123,6 +177,7 @@ def rows_per_folder(root: Path) -> int:
 # Dataset level
 # ---------------------------------------------------------------------------------------------
 
+
 def index_problems(listing: formats.DatasetFiles, expected_count: int | None) -> list[Problem]:
     out = []
     by_index: dict[int, list[Path]] = defaultdict(list)
@@ -130,15 +185,26 @@ def index_problems(listing: formats.DatasetFiles, expected_count: int | None) ->
         by_index[i].append(p)
     for i, paths in sorted(by_index.items()):
         if len(paths) > 1:
-            out.append(Problem(DUPLICATE_INDEX, str(paths[1]), f"index {i} appears {len(paths)} times: "
-                                                               + ", ".join(str(p) for p in paths)))
+            out.append(
+                Problem(
+                    DUPLICATE_INDEX,
+                    str(paths[1]),
+                    f"index {i} appears {len(paths)} times: " + ", ".join(str(p) for p in paths),
+                )
+            )
     n = expected_count if expected_count is not None else (max(by_index) + 1 if by_index else 0)
     # counted, never listed: a recorded count is data (a damaged one of 1e11 once took 23 GB here)
     num_missing = n - sum(1 for i in by_index if i < n)
     if num_missing:
         first = list(itertools.islice((i for i in range(n) if i not in by_index), 10))
-        out.append(Problem(MISSING_INDEX, "", f"{num_missing} of {n} indices have no file: {', '.join(map(str, first))}"
-                                              + (", ..." if num_missing > len(first) else "")))
+        out.append(
+            Problem(
+                MISSING_INDEX,
+                "",
+                f"{num_missing} of {n} indices have no file: {', '.join(map(str, first))}"
+                + (", ..." if num_missing > len(first) else ""),
+            )
+        )
     extra = sorted(i for i in by_index if i >= n)
     if extra:
         out.append(Problem(MISSING_INDEX, "", f"indices {fmt_rows(extra, 10)} beyond the {n} samples recorded"))
@@ -148,10 +214,13 @@ def index_problems(listing: formats.DatasetFiles, expected_count: int | None) ->
 def placement_problems(listing: formats.DatasetFiles) -> list[Problem]:
     """Files where the layout does not put them, files of no layout, links that lead nowhere."""
     out = [Problem(FOLDER_NAMING, str(p), why) for _, p, why in listing.misplaced]
-    out += [Problem(STRAY_FILE, str(p), "not a hidden-state file of this layout (a killed writer's temp file?)",
-                    WARNING) for p in listing.stray]
-    out += [Problem(BROKEN_LINK, str(p), f"{why}; replace it with the file or remove it")
-            for p, why in listing.broken_links]
+    out += [
+        Problem(STRAY_FILE, str(p), "not a hidden-state file of this layout (a killed writer's temp file?)", WARNING)
+        for p in listing.stray
+    ]
+    out += [
+        Problem(BROKEN_LINK, str(p), f"{why}; replace it with the file or remove it") for p, why in listing.broken_links
+    ]
     out += [Problem(BROKEN_LINK, str(p), why, WARNING) for p, why in listing.unfollowed_links]
     return out
 
@@ -160,15 +229,24 @@ def config_totals_problems(cfg: formats.DataConfig, results: list[FileResult]) -
     """data_config.json's counts against the files (only meaningful when every file read)."""
     out = []
     lengths = [r.length for r in results if r.length is not None]
-    facts = {"num_samples": len(results), "num_tokens": sum(lengths),
-             "num_masked_tokens": sum(r.masked for r in results), "seq_length": max(lengths, default=0)}
+    facts = {
+        "num_samples": len(results),
+        "num_tokens": sum(lengths),
+        "num_masked_tokens": sum(r.masked for r in results),
+        "seq_length": max(lengths, default=0),
+    }
     for key, actual in facts.items():
         recorded = getattr(cfg, key)
         if recorded is not None and recorded != actual:
             out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"{key} is {recorded}, the files hold {actual}"))
     if cfg.max_length is not None and facts["seq_length"] > cfg.max_length:  # the bound prepare truncated to
-        out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"max_length is {cfg.max_length}, but the files "
-                                                                  f"hold a sample of {facts['seq_length']} tokens"))
+        out.append(
+            Problem(
+                DATA_CONFIG,
+                formats.DATA_CONFIG_FILE,
+                f"max_length is {cfg.max_length}, but the files hold a sample of {facts['seq_length']} tokens",
+            )
+        )
     return out
 
 
@@ -185,15 +263,22 @@ def sample_lengths_problems(root: Path, results: list[FileResult], required: boo
     out = []
     wrong = [(i, recorded[i], n) for i, n in sorted(actual.items()) if i in recorded and recorded[i] != n]
     for i, rec, n in wrong[:3]:
-        out.append(Problem(SAMPLE_LENGTHS, name, f"sample {i}: recorded length {rec}, file has {n}"
-                                                 + (f" ({len(wrong)} samples disagree)" if len(wrong) > 1 else "")))
+        out.append(
+            Problem(
+                SAMPLE_LENGTHS,
+                name,
+                f"sample {i}: recorded length {rec}, file has {n}"
+                + (f" ({len(wrong)} samples disagree)" if len(wrong) > 1 else ""),
+            )
+        )
     files = {r.index for r in results}
     only_rec, only_files = sorted(set(recorded) - files), sorted(files - set(recorded))
     if only_rec:
         out.append(Problem(SAMPLE_LENGTHS, name, f"lists {len(only_rec)} samples with no file: {fmt_rows(only_rec)}"))
     if only_files:
-        out.append(Problem(SAMPLE_LENGTHS, name,
-                           f"misses {len(only_files)} samples that have files: {fmt_rows(only_files)}"))
+        out.append(
+            Problem(SAMPLE_LENGTHS, name, f"misses {len(only_files)} samples that have files: {fmt_rows(only_files)}")
+        )
     return out
 
 
@@ -207,8 +292,9 @@ def load_token_freq(root: Path, required: bool) -> tuple[dict[int, int] | None, 
     try:
         return formats.read_token_freq(path), []
     except Exception as e:
-        return None, [load_problem(e, name)] if is_unsafe_pickle_error(e) else \
-            [Problem(TOKEN_FREQ, name, f"unreadable: {type(e).__name__}: {str(e)[:160]}")]
+        return None, [load_problem(e, name)] if is_unsafe_pickle_error(e) else [
+            Problem(TOKEN_FREQ, name, f"unreadable: {type(e).__name__}: {str(e)[:160]}")
+        ]
 
 
 def token_freq_problems(recorded: dict[int, int], results: list[FileResult]) -> list[Problem]:
@@ -220,25 +306,41 @@ def token_freq_problems(recorded: dict[int, int], results: list[FileResult]) -> 
     if not diff:
         return []
     t = diff[0]
-    return [Problem(TOKEN_FREQ, formats.TOKEN_FREQ_FILE,
-                    f"disagrees with the files' masked tokens on {len(diff)} token ids "
-                    f"(e.g. id {t}: recorded {recorded.get(t, 0)}, files have {actual.get(t, 0)}; "
-                    f"recorded total {sum(recorded.values())}, files {sum(actual.values())})")]
+    return [
+        Problem(
+            TOKEN_FREQ,
+            formats.TOKEN_FREQ_FILE,
+            f"disagrees with the files' masked tokens on {len(diff)} token ids "
+            f"(e.g. id {t}: recorded {recorded.get(t, 0)}, files have {actual.get(t, 0)}; "
+            f"recorded total {sum(recorded.values())}, files {sum(actual.values())})",
+        )
+    ]
 
 
 def rms_outlier_problems(results: list[FileResult]) -> list[Problem]:
     out = []
     num = max((len(r.slot_median_row_rms) for r in results), default=0)
     for j in range(num):
-        vals = [(r, r.slot_median_row_rms[j]) for r in results if len(r.slot_median_row_rms) > j
-                and math.isfinite(r.slot_median_row_rms[j]) and r.slot_median_row_rms[j] > 0]
+        vals = [
+            (r, r.slot_median_row_rms[j])
+            for r in results
+            if len(r.slot_median_row_rms) > j
+            and math.isfinite(r.slot_median_row_rms[j])
+            and r.slot_median_row_rms[j] > 0
+        ]
         if len(vals) < 3:
             continue
         med = sorted(v for _, v in vals)[len(vals) // 2]
         for r, v in vals:
             if v > med * RMS_OUTLIER_FACTOR or v < med / RMS_OUTLIER_FACTOR:
-                out.append(Problem(RMS_BOUNDS, r.path, f"slot {j} median row RMS {v:.3g} is {v / med:.3g}x the dataset's "
-                                                       f"median {med:.3g} for this slot"))
+                out.append(
+                    Problem(
+                        RMS_BOUNDS,
+                        r.path,
+                        f"slot {j} median row RMS {v:.3g} is {v / med:.3g}x the dataset's "
+                        f"median {med:.3g} for this slot",
+                    )
+                )
     return out
 
 
@@ -254,8 +356,9 @@ SLOT_MIN_SPREAD = 0.01  # log units: a floor on the deviation of a slot that eve
 
 def slot_scales(results: list[FileResult]) -> tuple[list[FileResult], list[list[float]]]:
     """The files whose every slot has a positive finite median row RMS, and those scales (logs)."""
-    files = [r for r in results if r.slot_median_row_rms and
-             all(math.isfinite(v) and v > 0 for v in r.slot_median_row_rms)]
+    files = [
+        r for r in results if r.slot_median_row_rms and all(math.isfinite(v) and v > 0 for v in r.slot_median_row_rms)
+    ]
     width = max((len(r.slot_median_row_rms) for r in files), default=0)
     files = [r for r in files if len(r.slot_median_row_rms) == width]
     return files, [[math.log(v) for v in r.slot_median_row_rms] for r in files]
@@ -281,11 +384,18 @@ def slot_order_problems(results: list[FileResult], layer_names: list[str]) -> li
             for k in range(width):
                 apart = abs(typical[j] - typical[k]) / max(spread[j], spread[k])
                 if k != j and apart > SLOT_APART and abs(x[j] - typical[k]) * SLOT_NEAR <= own:
-                    out.append(Problem(LAYER_IDENTITY, r.path, (
-                        f"slot {j} ({name(j)}) has the scale of slot {k} ({name(k)}): median row RMS "
-                        f"{math.exp(x[j]):.3g}, where this dataset's slot {j} has {math.exp(typical[j]):.3g} and "
-                        f"slot {k} {math.exp(typical[k]):.3g}; its states are another layer's (slots swapped or "
-                        f"filled from the wrong layer): re-extract this file")))
+                    out.append(
+                        Problem(
+                            LAYER_IDENTITY,
+                            r.path,
+                            (
+                                f"slot {j} ({name(j)}) has the scale of slot {k} ({name(k)}): median row RMS "
+                                f"{math.exp(x[j]):.3g}, where this dataset's slot {j} has {math.exp(typical[j]):.3g} and "
+                                f"slot {k} {math.exp(typical[k]):.3g}; its states are another layer's (slots swapped or "
+                                f"filled from the wrong layer): re-extract this file"
+                            ),
+                        )
+                    )
                     break
     return out
 
@@ -299,8 +409,17 @@ def slot_stats(results: list[FileResult], layer_names: list[str]) -> list[SlotSt
             continue
         sumsq, elems = sum(r.slot_sumsq[j] for r in rs), sum(r.slot_elems[j] for r in rs)
         meds = [r.slot_median_row_rms[j] for r in rs]
-        out.append(SlotStats(j, layer_names[j] if j < len(layer_names) else "?", math.sqrt(sumsq / elems),
-                             sum(meds) / len(meds), min(meds), max(meds), max(r.slot_max_row_rms[j] for r in rs)))
+        out.append(
+            SlotStats(
+                j,
+                layer_names[j] if j < len(layer_names) else "?",
+                math.sqrt(sumsq / elems),
+                sum(meds) / len(meds),
+                min(meds),
+                max(meds),
+                max(r.slot_max_row_rms[j] for r in rs),
+            )
+        )
     return out
 
 
@@ -317,6 +436,7 @@ def length_histogram(lengths: list[int]) -> dict[str, int]:
 # The entry function and its steps
 # ---------------------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def single_threaded_ops() -> Iterator[None]:
     """One intra-op thread per torch op while files are checked in parallel: the per-file ops
@@ -330,16 +450,28 @@ def single_threaded_ops() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def check_target(report: CheckReport, cfg: formats.DataConfig | None, target: str | None, use_target: bool,
-                 placed: Placement | None = None) -> tuple[Any, Any, Any]:
+def check_target(
+    report: CheckReport,
+    cfg: formats.DataConfig | None,
+    target: str | None,
+    use_target: bool,
+    placed: Placement | None = None,
+) -> tuple[Any, Any, Any]:
     """(tokenizer, model, input device) of the target checked against, all None when there is none."""
     spec = target or (cfg.target_path if cfg else None)
     if not use_target:
-        report.problems.append(Problem(NOT_CHECKED, "", "layer identity and mask vs template skipped (--no-target)",
-                                       WARNING))
+        report.problems.append(
+            Problem(NOT_CHECKED, "", "layer identity and mask vs template skipped (--no-target)", WARNING)
+        )
     elif not spec:
-        report.problems.append(Problem(NOT_CHECKED, "", "layer identity and mask vs template skipped: no --target and "
-                                                        "no target_path in data_config.json", WARNING))
+        report.problems.append(
+            Problem(
+                NOT_CHECKED,
+                "",
+                "layer identity and mask vs template skipped: no --target and no target_path in data_config.json",
+                WARNING,
+            )
+        )
     else:
         try:
             ref, tokenizer, model, device = load_target_for_check(spec, cfg, placed)
@@ -348,10 +480,16 @@ def check_target(report: CheckReport, cfg: formats.DataConfig | None, target: st
             # that cannot run is not a pass. A target merely recorded in data_config.json may live on
             # another machine: then a warning.
             asked = target is not None or placed is not None
-            report.problems.append(Problem(NOT_CHECKED, str(spec), f"layer identity and mask vs template "
-                                                                   f"{'could not run' if asked else 'skipped'}: "
-                                                                   f"target not loadable ({type(e).__name__}: {e})",
-                                           ERROR if asked else WARNING))
+            report.problems.append(
+                Problem(
+                    NOT_CHECKED,
+                    str(spec),
+                    f"layer identity and mask vs template "
+                    f"{'could not run' if asked else 'skipped'}: "
+                    f"target not loadable ({type(e).__name__}: {e})",
+                    ERROR if asked else WARNING,
+                )
+            )
             return None, None, None
         report.target = ref.name
         report.problems += [p for p in [target_revision_problem(cfg, ref)] if p]
@@ -363,8 +501,14 @@ def expect_template(report: CheckReport, exp: Expect, tokenizer: Any, cfg: forma
     """The chat template's generation prompt and end-of-turn tokens, for every file's mask check."""
     gp = generation_prompt(tokenizer)
     if not gp:
-        report.problems.append(Problem(NOT_CHECKED, "", "mask vs template skipped: the chat template has no "
-                                                        "separable generation prompt", WARNING))
+        report.problems.append(
+            Problem(
+                NOT_CHECKED,
+                "",
+                "mask vs template skipped: the chat template has no separable generation prompt",
+                WARNING,
+            )
+        )
         return
     exp.gen_prompt_ids, report.generation_prompt = gp
     exp.eot_ids = frozenset(special_token_ids(tokenizer))
@@ -373,8 +517,9 @@ def expect_template(report: CheckReport, exp: Expect, tokenizer: Any, cfg: forma
         report.problems.append(Problem(MASK_TEMPLATE, formats.DATA_CONFIG_FILE, other))
 
 
-def scan_files(root: Path, files: list[tuple[int, Path]], exp: Expect, workers: int,
-               required: bool) -> tuple[list[FileResult], dict[int, int] | None, list[Problem]]:
+def scan_files(
+    root: Path, files: list[tuple[int, Path]], exp: Expect, workers: int, required: bool
+) -> tuple[list[FileResult], dict[int, int] | None, list[Problem]]:
     """Every file checked, in threads, with token_freq.pt read beside them: (results, recorded
     frequencies, their problems). Threads, not processes: torch.load reads and every tensor op
     here release the GIL, and threads avoid pickling tensors back from workers (measured faster
@@ -386,28 +531,37 @@ def scan_files(root: Path, files: list[tuple[int, Path]], exp: Expect, workers: 
     return results, recorded_freq, freq_problems
 
 
-def side_file_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.DataConfig | None,
-                       table_rows: int | None,
-                       unique: list[FileResult], required: bool) -> list[Problem]:
+def side_file_problems(
+    root: Path,
+    listing: formats.DatasetFiles,
+    cfg: formats.DataConfig | None,
+    table_rows: int | None,
+    unique: list[FileResult],
+    required: bool,
+) -> list[Problem]:
     """The indices, sample_lengths.json and data_config.json's totals against the files."""
     out = []
     recorded = cfg.num_samples if cfg else None
     if recorded is not None and table_rows is not None and recorded != table_rows:
-        out.append(Problem(DATA_CONFIG, formats.DATA_CONFIG_FILE, f"num_samples is {recorded}, the Arrow table has "
-                                                                  f"{table_rows} rows"))
+        out.append(
+            Problem(
+                DATA_CONFIG,
+                formats.DATA_CONFIG_FILE,
+                f"num_samples is {recorded}, the Arrow table has {table_rows} rows",
+            )
+        )
     out += index_problems(listing, table_rows if table_rows is not None else recorded)
     out += sample_lengths_problems(root, unique, required)
     return out
 
 
 def slot_names(cfg: formats.DataConfig | None) -> list[str]:
-    """"layer K" for each stored slot, as data_config.json records them (none when it does not)."""
+    """ "layer K" for each stored slot, as data_config.json records them (none when it does not)."""
     ids = cfg.layer_ids if cfg is not None else None
     return [f"layer {k}" for k in ids] if isinstance(ids, list) else []
 
 
-def fill_totals(report: CheckReport, results: list[FileResult], unique: list[FileResult],
-                layer_ids: Any) -> None:
+def fill_totals(report: CheckReport, results: list[FileResult], unique: list[FileResult], layer_ids: Any) -> None:
     names = [f"layer {k}" for k in layer_ids] if isinstance(layer_ids, list) else []
     report.slots = slot_stats(results, names)
     report.files = len(results)
@@ -418,30 +572,57 @@ def fill_totals(report: CheckReport, results: list[FileResult], unique: list[Fil
     report.length_histogram = length_histogram(lengths)
 
 
-def check_identity(report: CheckReport, root: Path, exp: Expect, model: Any, device: Any, results: list[FileResult],
-                   cfg: formats.DataConfig | None, layer_ids: list[int], identity_samples: int) -> None:
+def check_identity(
+    report: CheckReport,
+    root: Path,
+    exp: Expect,
+    model: Any,
+    device: Any,
+    results: list[FileResult],
+    cfg: formats.DataConfig | None,
+    layer_ids: list[int],
+    identity_samples: int,
+) -> None:
     """Layer identity on sampled files, unless the recorded shape already rules the target out."""
     n = model.config.num_hidden_layers
     last_conv = (cfg.last_hidden_state if cfg else None) or exp.layout.last_state
     vocab = getattr(model.config, "vocab_size", None)
     if cfg is not None and cfg.vocab_size is not None and vocab is not None and cfg.vocab_size != vocab:
-        report.problems.append(Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,  # train refuses it: say so first
-                                       f"vocab_size {cfg.vocab_size} is not the target's {vocab}"))
+        report.problems.append(
+            Problem(
+                LAYER_IDENTITY,
+                formats.DATA_CONFIG_FILE,  # train refuses it: say so first
+                f"vocab_size {cfg.vocab_size} is not the target's {vocab}",
+            )
+        )
     if exp.hidden_size is not None and exp.hidden_size != model.config.hidden_size:
-        report.problems.append(Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
-                                       f"hidden size {exp.hidden_size} is not the target's {model.config.hidden_size}"))
+        report.problems.append(
+            Problem(
+                LAYER_IDENTITY,
+                formats.DATA_CONFIG_FILE,
+                f"hidden size {exp.hidden_size} is not the target's {model.config.hidden_size}",
+            )
+        )
     elif any(not 0 <= k <= n for k in layer_ids):
-        report.problems.append(Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
-                                       f"layer_ids {layer_ids} are not all in 0..{n} for this {n}-layer target"))
+        report.problems.append(
+            Problem(
+                LAYER_IDENTITY,
+                formats.DATA_CONFIG_FILE,
+                f"layer_ids {layer_ids} are not all in 0..{n} for this {n}-layer target",
+            )
+        )
     elif isinstance(model, TargetHeads):
         heads_check(report, root, exp, model, pick_identity_files(results, identity_samples), last_conv)
     else:
-        identity_check(report, root, exp, model, pick_identity_files(results, identity_samples), layer_ids,
-                       last_conv, device)
+        identity_check(
+            report, root, exp, model, pick_identity_files(results, identity_samples), layer_ids, last_conv, device
+        )
 
 
-NO_LAYOUT = ("no v1 (hidden_states/rows_*/data_*.pt), compact, speculators (Arrow table + "
-             "hidden_states/hs_*.safetensors), flat data_*.pt, SpecForge *.ckpt[.gz] or hs_*.safetensors files found")
+NO_LAYOUT = (
+    "no v1 (hidden_states/rows_*/data_*.pt), compact, speculators (Arrow table + "
+    "hidden_states/hs_*.safetensors), flat data_*.pt, SpecForge *.ckpt[.gz] or hs_*.safetensors files found"
+)
 
 
 def table_rows_of(report: CheckReport, root: Path, layout: formats.Layout) -> tuple[bool, int | None]:
@@ -455,10 +636,17 @@ def table_rows_of(report: CheckReport, root: Path, layout: formats.Layout) -> tu
         return False, None
 
 
-def dataset_problems(root: Path, listing: formats.DatasetFiles, cfg: formats.DataConfig | None,
-                     table_rows: int | None, results: list[FileResult], unique: list[FileResult], recorded_freq: Any,
-                     required: bool,
-                     model: Any) -> list[Problem]:
+def dataset_problems(
+    root: Path,
+    listing: formats.DatasetFiles,
+    cfg: formats.DataConfig | None,
+    table_rows: int | None,
+    results: list[FileResult],
+    unique: list[FileResult],
+    recorded_freq: Any,
+    required: bool,
+    model: Any,
+) -> list[Problem]:
     """What only the whole dataset shows: side files, token counts, totals, lengths, RMS outliers."""
     out = side_file_problems(root, listing, cfg, table_rows, unique, required)
     if recorded_freq is not None:
@@ -474,8 +662,12 @@ def check_dataset(options: CheckOptions) -> CheckReport:
     """Check every file of the hidden-state dataset at `path`; with a target (`target`, else
     data_config's `target_path`, placed by `device_map` when given), also layer identity and
     mask-vs-template on sampled files."""
-    target, use_target, identity_samples, workers = (options.target, options.use_target, options.identity_samples,
-                                                     options.workers)
+    target, use_target, identity_samples, workers = (
+        options.target,
+        options.use_target,
+        options.identity_samples,
+        options.workers,
+    )
     ranges.at_least(0, identity_samples=identity_samples)
     ranges.at_least(1, workers=workers)
     placed = placement_from_options(options.device_map, options.max_memory, options.offload_folder)
@@ -512,8 +704,9 @@ def check_dataset(options: CheckOptions) -> CheckReport:
     report.problems += [p for r in results for p in r.problems] + freq_problems
     report.template_checked_files = sum(r.template_checked for r in results)
     unique = list({r.index: r for r in results}.values())
-    report.problems += dataset_problems(root, listing, cfg, table_rows, results, unique, recorded_freq,
-                                        layout.side_files, model)
+    report.problems += dataset_problems(
+        root, listing, cfg, table_rows, results, unique, recorded_freq, layout.side_files, model
+    )
     layer_ids = cfg.layer_ids if cfg else None
     if model is not None and layer_ids is None:
         layer_ids = layers.default_layer_ids(model.config.num_hidden_layers)

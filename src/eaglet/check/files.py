@@ -15,9 +15,25 @@ from typing import Any
 import torch
 
 from eaglet import formats
-from eaglet.check.report import (ALL_ZERO, CHECKSUM, HIDDEN_SIZE, LENGTH_MISMATCH, MASK_EMPTY, MASK_TEMPLATE,
-                                 MASK_VALUES, NON_FINITE, RMS_BOUNDS, STATE_COUNT, STORED_TEACHER, TOKEN_RANGE,
-                                 UNREADABLE, UNSAFE_PICKLE, WRONG_DTYPE, WRONG_SHAPE, Problem)
+from eaglet.check.report import (
+    ALL_ZERO,
+    CHECKSUM,
+    HIDDEN_SIZE,
+    LENGTH_MISMATCH,
+    MASK_EMPTY,
+    MASK_TEMPLATE,
+    MASK_VALUES,
+    NON_FINITE,
+    RMS_BOUNDS,
+    STATE_COUNT,
+    STORED_TEACHER,
+    TOKEN_RANGE,
+    UNREADABLE,
+    UNSAFE_PICKLE,
+    WRONG_DTYPE,
+    WRONG_SHAPE,
+    Problem,
+)
 from eaglet.formats import fmt_rows
 
 # RMS of one stored state (a whole [T, H] tensor). Below the floor a state carries no signal;
@@ -86,8 +102,12 @@ def unsafe_global_name(e: BaseException) -> str:
 
 def load_problem(e: BaseException, rel: str) -> Problem:
     if is_unsafe_pickle_error(e):
-        return Problem(UNSAFE_PICKLE, rel, f"needs arbitrary pickled objects ({unsafe_global_name(e)}); "
-                                           "refused by torch.load(weights_only=True), not executed")
+        return Problem(
+            UNSAFE_PICKLE,
+            rel,
+            f"needs arbitrary pickled objects ({unsafe_global_name(e)}); "
+            "refused by torch.load(weights_only=True), not executed",
+        )
     text = str(e)
     if "central directory" in text:  # torch.save writes a zip; its directory is at the very end
         why = "not a complete zip archive (its central directory, at the end of the file, is missing)"
@@ -101,6 +121,7 @@ def load_problem(e: BaseException, rel: str) -> Problem:
 # ---------------------------------------------------------------------------------------------
 # Schema: dtypes and shapes of the common view, against the dataset's expectations
 # ---------------------------------------------------------------------------------------------
+
 
 def is_int_tensor(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
@@ -130,8 +151,11 @@ def state_schema_problems(h: torch.Tensor, j: int, T: int, exp: Expect, rel: str
         out.append(Problem(WRONG_DTYPE, rel, f"hidden state slot {j} is {h.dtype}: expected a float dtype"))
         ok = False
     elif exp.dtype and formats_dtype_name(h.dtype) != exp.dtype:
-        out.append(Problem(WRONG_DTYPE, rel, f"hidden state slot {j} is {formats_dtype_name(h.dtype)}, "
-                                             f"recorded {exp.dtype} {src}"))
+        out.append(
+            Problem(
+                WRONG_DTYPE, rel, f"hidden state slot {j} is {formats_dtype_name(h.dtype)}, recorded {exp.dtype} {src}"
+            )
+        )
     if h.dim() != 2:
         out.append(Problem(WRONG_SHAPE, rel, f"hidden state slot {j} has shape {tuple(h.shape)}: expected [T, H]"))
         return out, False
@@ -139,8 +163,9 @@ def state_schema_problems(h: torch.Tensor, j: int, T: int, exp: Expect, rel: str
         out.append(Problem(LENGTH_MISMATCH, rel, f"hidden state slot {j} has {h.shape[0]} rows, input_ids has {T}"))
         ok = False
     if exp.hidden_size is not None and h.shape[1] != exp.hidden_size:
-        out.append(Problem(HIDDEN_SIZE, rel, f"hidden state slot {j} has H={h.shape[1]}, expected "
-                                             f"{exp.hidden_size} {src}"))
+        out.append(
+            Problem(HIDDEN_SIZE, rel, f"hidden state slot {j} has H={h.shape[1]}, expected {exp.hidden_size} {src}")
+        )
     return out, ok
 
 
@@ -150,15 +175,25 @@ def schema_problems(s: formats.FileStates, exp: Expect, rel: str) -> tuple[list[
     ids = s.input_ids
     if not is_int_tensor(ids) or ids.dim() != 1:
         what = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-        out.append(Problem(WRONG_DTYPE if isinstance(ids, torch.Tensor) and ids.dim() == 1 else WRONG_SHAPE, rel,
-                           f"input_ids is {what}: expected an integer tensor [T]"))
+        out.append(
+            Problem(
+                WRONG_DTYPE if isinstance(ids, torch.Tensor) and ids.dim() == 1 else WRONG_SHAPE,
+                rel,
+                f"input_ids is {what}: expected an integer tensor [T]",
+            )
+        )
         return out, [False] * len(s.states)
     T = ids.shape[0]
     if s.loss_mask is not None:
         out += mask_schema_problems(s.loss_mask, T, rel)
     if exp.num_states is not None and len(s.states) != exp.num_states:
-        out.append(Problem(STATE_COUNT, rel, f"{len(s.states)} hidden states, expected {exp.num_states} "
-                                             f"(one per layer id) ({exp.source})"))
+        out.append(
+            Problem(
+                STATE_COUNT,
+                rel,
+                f"{len(s.states)} hidden states, expected {exp.num_states} (one per layer id) ({exp.source})",
+            )
+        )
     usable = []
     for j, h in enumerate(s.states):
         probs, ok = state_schema_problems(h, j, T, exp, rel)
@@ -170,6 +205,7 @@ def schema_problems(s: formats.FileStates, exp: Expect, rel: str) -> tuple[list[
 # ---------------------------------------------------------------------------------------------
 # Values
 # ---------------------------------------------------------------------------------------------
+
 
 def masked_runs(mask: list[int]) -> list[tuple[int, int]]:
     """[start, end) of every run of ones."""
@@ -201,7 +237,7 @@ def mask_template_issues(ids: list[int], mask: list[int], gen: list[int], eot_id
 
     def after_prompt(s: int) -> bool:
         # Exact, or the prompt's last token merged with the first assistant token (BPE) and got masked.
-        return ids[max(0, s - g):s] == gen or (g > 1 and ids[max(0, s - g + 1):s] == gen[:-1])
+        return ids[max(0, s - g) : s] == gen or (g > 1 and ids[max(0, s - g + 1) : s] == gen[:-1])
 
     for s, e in runs:
         if not after_prompt(s):
@@ -210,7 +246,7 @@ def mask_template_issues(ids: list[int], mask: list[int], gen: list[int], eot_id
             issues.append(f"masked run at tokens {s}..{e - 1} does not end on an end-of-turn token")
     starts = {s for s, _ in runs}
     for p in range(T - g + 1):
-        if ids[p] == gen[0] and ids[p:p + g] == gen:
+        if ids[p] == gen[0] and ids[p : p + g] == gen:
             q = p + g
             if q < T and q not in starts and (q - 1) not in starts:
                 issues.append(f"assistant turn at token {q} (after the generation prompt) is not in the loss mask")
@@ -233,16 +269,23 @@ def state_value_problems(h: torch.Tensor, j: int, rel: str) -> tuple[list[Proble
         real = [int(r) for r in bad_rows[:1000] if not bool(torch.isfinite(h[r]).all())]
         if real:
             kinds = "NaN" if bool(torch.isnan(h[real[0]]).any()) else "Inf"
-            out.append(Problem(NON_FINITE, rel, f"slot {j} row {real[0]}: {kinds} ({len(bad_rows)} of {T} rows "
-                                                f"non-finite, rows {fmt_rows(bad_rows.tolist())})"))
+            out.append(
+                Problem(
+                    NON_FINITE,
+                    rel,
+                    f"slot {j} row {real[0]}: {kinds} ({len(bad_rows)} of {T} rows "
+                    f"non-finite, rows {fmt_rows(bad_rows.tolist())})",
+                )
+            )
         else:  # finite values whose square overflows fp32: still far out of any sane range
             out.append(Problem(RMS_BOUNDS, rel, f"slot {j} row {int(bad_rows[0])}: values beyond 1e19"))
     zero = (row_norm == 0).nonzero().flatten()
     if len(zero) == T:
         out.append(Problem(ALL_ZERO, rel, f"slot {j} is all zeros"))
     elif len(zero):
-        out.append(Problem(ALL_ZERO, rel, f"slot {j}: {len(zero)} of {T} rows are all zeros "
-                                          f"(rows {fmt_rows(zero.tolist())})"))
+        out.append(
+            Problem(ALL_ZERO, rel, f"slot {j}: {len(zero)} of {T} rows are all zeros (rows {fmt_rows(zero.tolist())})")
+        )
     fin = row_norm[finite].double()
     sumsq, elems = float((fin * fin).sum()), int(fin.numel()) * H
     rms = math.sqrt(sumsq / elems) if elems else 0.0
@@ -259,7 +302,9 @@ def mask_value_problems(m: torch.Tensor, rel: str) -> list[Problem]:
     bad = (m != 0) & (m != 1)
     if bool(bad.any()):
         vals = sorted(set(m[bad].tolist()))[:5]
-        out.append(Problem(MASK_VALUES, rel, f"loss_mask holds {vals} at {int(bad.sum())} positions: expected only 0/1"))
+        out.append(
+            Problem(MASK_VALUES, rel, f"loss_mask holds {vals} at {int(bad.sum())} positions: expected only 0/1")
+        )
     elif not bool((m == 1).any()):
         out.append(Problem(MASK_EMPTY, rel, f"loss_mask has no 1 in {m.shape[0]} positions: nothing to train on"))
     return out
@@ -271,26 +316,40 @@ def stored_teacher_problems(t: formats.StoredTeacher, vocab_size: int | None, re
     out = []
     ids, lp = t.ids.long(), t.log_probs.float()
     if vocab_size is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        out.append(Problem(STORED_TEACHER, rel, f"teacher_ids {int(ids.min())}..{int(ids.max())} outside "
-                                                f"[0, {vocab_size})"))
+        out.append(
+            Problem(STORED_TEACHER, rel, f"teacher_ids {int(ids.min())}..{int(ids.max())} outside [0, {vocab_size})")
+        )
     repeats = (ids.sort(-1).values.diff(dim=-1) == 0).any(-1)  # [T]: a token twice at that position
     if repeats.any():
         out.append(Problem(STORED_TEACHER, rel, f"teacher_ids repeat a token at position {int(repeats.nonzero()[0])}"))
     if not torch.isfinite(lp).all():
-        out.append(Problem(STORED_TEACHER, rel, "teacher_log_probs hold NaN/Inf at positions "
-                                                + fmt_rows((~torch.isfinite(lp)).any(-1).nonzero().flatten().tolist())))
+        out.append(
+            Problem(
+                STORED_TEACHER,
+                rel,
+                "teacher_log_probs hold NaN/Inf at positions "
+                + fmt_rows((~torch.isfinite(lp)).any(-1).nonzero().flatten().tolist()),
+            )
+        )
         return out
     bad = (lp > 1e-3).any(-1) | (lp.diff(dim=-1) > 1e-3).any(-1) | (lp.exp().sum(-1) > 1.01)  # [T]
     if bad.any():
-        out.append(Problem(STORED_TEACHER, rel, "teacher_log_probs are not log-probabilities of the most likely tokens "
-                                                "in order (> 0, increasing, or summing past 1) at positions "
-                                                + fmt_rows(bad.nonzero().flatten().tolist())))
+        out.append(
+            Problem(
+                STORED_TEACHER,
+                rel,
+                "teacher_log_probs are not log-probabilities of the most likely tokens "
+                "in order (> 0, increasing, or summing past 1) at positions "
+                + fmt_rows(bad.nonzero().flatten().tolist()),
+            )
+        )
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # One file
 # ---------------------------------------------------------------------------------------------
+
 
 def check_file(index: int, path: Path, root: Path, exp: Expect) -> FileResult:
     """Everything one file can tell on its own. Runs in worker threads; never raises."""
@@ -376,16 +435,22 @@ def teacher_problems(t: formats.StoredTeacher, exp: Expect, rel: str) -> list[Pr
     out = stored_teacher_problems(t, exp.vocab_size, rel)
     k = t.ids.shape[1]
     if exp.teacher_top_k is not None and k != exp.teacher_top_k:
-        out.append(Problem(WRONG_SHAPE, rel, f"teacher_ids hold {k} tokens per position, expected "
-                                             f"{exp.teacher_top_k} ({exp.source})"))
+        out.append(
+            Problem(
+                WRONG_SHAPE,
+                rel,
+                f"teacher_ids hold {k} tokens per position, expected {exp.teacher_top_k} ({exp.source})",
+            )
+        )
     return out
 
 
 def check_slot_values(res: FileResult, states: list[torch.Tensor], usable: list[bool]) -> None:
     """Each well-formed slot's value problems and statistics (NaN where a slot is not usable)."""
     for j, (h, ok) in enumerate(zip(states, usable)):
-        probs, sumsq, elems, med, mx = (state_value_problems(h, j, res.path) if ok
-                                         else ([], 0.0, 0, float("nan"), float("nan")))
+        probs, sumsq, elems, med, mx = (
+            state_value_problems(h, j, res.path) if ok else ([], 0.0, 0, float("nan"), float("nan"))
+        )
         res.problems += probs
         res.slot_sumsq.append(sumsq)
         res.slot_elems.append(elems)

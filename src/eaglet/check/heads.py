@@ -32,7 +32,7 @@ def head_argmax(h: torch.Tensor, lm_head: torch.nn.Linear) -> torch.Tensor:
     best = torch.full((h.shape[0],), float("-inf"), device=w.device)
     arg = torch.zeros(h.shape[0], dtype=torch.long, device=w.device)
     for v in range(0, w.shape[0], VOCAB_CHUNK):
-        value, index = F.linear(h, w[v:v + VOCAB_CHUNK].float()).max(-1)
+        value, index = F.linear(h, w[v : v + VOCAB_CHUNK].float()).max(-1)
         better = value > best
         best, arg = torch.where(better, value, best), torch.where(better, index + v, arg)
     return arg.cpu()
@@ -49,16 +49,16 @@ def scored_positions(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
 
 
 @torch.inference_mode()
-def convention_hits(last: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None,
-                    heads: TargetHeads) -> tuple[int, dict[str, int]]:
+def convention_hits(
+    last: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None, heads: TargetHeads
+) -> tuple[int, dict[str, int]]:
     """(positions scored, next-token hits per reading of the stored last state)."""
     pos = scored_positions(ids, mask)
     if not len(pos):
         return 0, {c: 0 for c in formats.LAST_STATE_CONVENTIONS}
     norm = heads.norm()
     h = last[pos].to(next(norm.parameters()).device)  # its weight's
-    readings = {formats.LAST_STATE_PRE_NORM: norm(h.float()),
-                formats.LAST_STATE_POST_NORM: h}
+    readings = {formats.LAST_STATE_PRE_NORM: norm(h.float()), formats.LAST_STATE_POST_NORM: h}
     nxt = ids[1:][pos]
     return len(pos), {c: int((head_argmax(x, heads.head()) == nxt).sum()) for c, x in readings.items()}
 
@@ -71,6 +71,10 @@ def convention_problem(positions: int, hits: dict[str, int], recorded: str, wher
     ours, theirs = hits[recorded] / positions, hits[other] / positions
     if theirs < ours + CONVENTION_MARGIN:
         return None
-    return Problem(LAYER_IDENTITY, where, f"the stored last state predicts the next token on {theirs:.0%} of "
-                                         f"{positions} assistant positions read as {other}, {ours:.0%} read as "
-                                         f"recorded ({recorded}): last_hidden_state is {other}")
+    return Problem(
+        LAYER_IDENTITY,
+        where,
+        f"the stored last state predicts the next token on {theirs:.0%} of "
+        f"{positions} assistant positions read as {other}, {ours:.0%} read as "
+        f"recorded ({recorded}): last_hidden_state is {other}",
+    )

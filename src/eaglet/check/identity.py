@@ -15,12 +15,32 @@ from eaglet import formats
 from eaglet.chat import special_token_ids, template_hash
 from eaglet.check.files import Expect, FileResult, mask_template_issues
 from eaglet.check.heads import convention_hits, convention_problem
-from eaglet.check.report import (ERROR, LAYER_IDENTITY, NOT_CHECKED, STORED_TEACHER, TOO_LONG, WARNING, CheckReport,
-                                 Problem, SlotIdentity)
+from eaglet.check.report import (
+    ERROR,
+    LAYER_IDENTITY,
+    NOT_CHECKED,
+    STORED_TEACHER,
+    TOO_LONG,
+    WARNING,
+    CheckReport,
+    Problem,
+    SlotIdentity,
+)
 from eaglet.placement import Placement
 from eaglet.heads import TargetHeads
-from eaglet.target import (base_model, decoder_layers, input_device, load_heads, load_target, load_tokenizer,
-                           max_positions, parse_dtype, pick_device, resolve_target, whole_target_size)
+from eaglet.target import (
+    base_model,
+    decoder_layers,
+    input_device,
+    load_heads,
+    load_target,
+    load_tokenizer,
+    max_positions,
+    parse_dtype,
+    pick_device,
+    resolve_target,
+    whole_target_size,
+)
 
 if TYPE_CHECKING:  # transformers' modelling code loads only with a model
     from transformers import PreTrainedModel
@@ -46,7 +66,7 @@ def generation_prompt(tokenizer: Any) -> tuple[list[int], str] | None:
         return None
     if not with_p.startswith(without) or len(with_p) == len(without):
         return None
-    text = with_p[len(without):]
+    text = with_p[len(without) :]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return (list(ids), text) if ids else None
 
@@ -54,13 +74,16 @@ def generation_prompt(tokenizer: Any) -> tuple[list[int], str] | None:
 def template_mismatch(recorded: str | None, tokenizer: Any) -> str | None:
     """The recorded chat template's hash against the tokenizer's, when one was recorded."""
     if recorded and recorded != template_hash(tokenizer):
-        return (f"chat_template_sha256 {recorded} is not the target tokenizer's ({template_hash(tokenizer)}): the "
-                "data was prepared with another template")
+        return (
+            f"chat_template_sha256 {recorded} is not the target tokenizer's ({template_hash(tokenizer)}): the "
+            "data was prepared with another template"
+        )
     return None
 
 
-def prepared_mask_problem(samples: list[formats.TokenizedSample], pconfig: dict[str, Any],
-                          tokenizer: Any) -> str | None:
+def prepared_mask_problem(
+    samples: list[formats.TokenizedSample], pconfig: dict[str, Any], tokenizer: Any
+) -> str | None:
     """What `eaglet check` finds in a stored file's loss mask, found in prepared samples (train
     --online reads no stored file): a template other than the one recorded, or a mask whose runs are
     not the assistant turns the chat template implies (shifted, inverted, a user turn)."""
@@ -78,8 +101,9 @@ def prepared_mask_problem(samples: list[formats.TokenizedSample], pconfig: dict[
     return None
 
 
-def load_target_for_check(spec: str, cfg: formats.DataConfig | None, placed: Placement | None = None
-                          ) -> tuple[Any, Any, PreTrainedModel | TargetHeads, torch.device]:
+def load_target_for_check(
+    spec: str, cfg: formats.DataConfig | None, placed: Placement | None = None
+) -> tuple[Any, Any, PreTrainedModel | TargetHeads, torch.device]:
     """(ref, tokenizer, model, input device). Recompute in the recorded compute dtype, as
     extraction did; on the default device, or across the devices `placed` maps. A folder that holds
     only the heads gives its heads instead (as stored, on the CPU): what they alone can check."""
@@ -95,27 +119,38 @@ def load_target_for_check(spec: str, cfg: formats.DataConfig | None, placed: Pla
 def target_revision_problem(cfg: formats.DataConfig | None, ref: Any) -> Problem | None:
     """The data records the revision (content hash) of the target it came from; a target of other
     weights explains every identity mismatch that follows, so it is said first, in one line."""
-    recorded = (cfg.target_revision if cfg else None)
+    recorded = cfg.target_revision if cfg else None
     if not recorded or ref.is_revision(recorded):
         return None
-    return Problem(LAYER_IDENTITY, formats.DATA_CONFIG_FILE,
-                   f"target_revision {recorded} ({(cfg.target if cfg and cfg.target else '?')}) is not the "
-                   f"revision of the target checked against, {ref.name} ({ref.revision}): other weights, so no "
-                   "stored state will match; "
-                   "check against the target the data was extracted with")
+    return Problem(
+        LAYER_IDENTITY,
+        formats.DATA_CONFIG_FILE,
+        f"target_revision {recorded} ({(cfg.target if cfg and cfg.target else '?')}) is not the "
+        f"revision of the target checked against, {ref.name} ({ref.revision}): other weights, so no "
+        "stored state will match; "
+        "check against the target the data was extracted with",
+    )
 
 
 def too_long_problems(results: list[FileResult], model: PreTrainedModel | TargetHeads) -> list[Problem]:
     """Samples longer than the target's positions: states the target never makes in use."""
     limit = max_positions(model)
-    return [Problem(TOO_LONG, r.path, f"{r.length} tokens, the target has {limit} positions "
-                                      f"(max_position_embeddings): prepare with --max-length {limit} or less")
-            for r in results if r.length is not None and r.length > limit]
+    return [
+        Problem(
+            TOO_LONG,
+            r.path,
+            f"{r.length} tokens, the target has {limit} positions "
+            f"(max_position_embeddings): prepare with --max-length {limit} or less",
+        )
+        for r in results
+        if r.length is not None and r.length > limit
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # Recomputing a sample with the target
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Recomputed:
@@ -137,6 +172,7 @@ def recompute(model: PreTrainedModel, input_ids: torch.Tensor, device: torch.dev
     def hook(k: int):
         def f(_m, _a, output):
             outs[k] = (output[0] if isinstance(output, tuple) else output)[0].float().cpu()
+
         return f
 
     handles = [layer.register_forward_hook(hook(k + 1)) for k, layer in enumerate(layers)]
@@ -148,8 +184,11 @@ def recompute(model: PreTrainedModel, input_ids: torch.Tensor, device: torch.dev
     finally:
         for h in handles:
             h.remove()
-    states = {"layer 0": emb, **{f"layer {k}": outs[k] for k in range(1, n + 1)},
-              f"layer {n} post-norm": out.last_hidden_state[0].float().cpu()}
+    states = {
+        "layer 0": emb,
+        **{f"layer {k}": outs[k] for k in range(1, n + 1)},
+        f"layer {n} post-norm": out.last_hidden_state[0].float().cpu(),
+    }
     norm = getattr(base, "norm", None)
     head = model.get_output_embeddings()
     dtype = next(model.parameters()).dtype
@@ -177,8 +216,15 @@ def expected_labels(layer_ids: list[int], last_convention: str, n: int) -> list[
     return labels
 
 
-def slot_identity_problem(j: int, num_slots: int, expected: str, best: str, stats: dict[str, tuple[float, float, float]],
-                          last_convention: str, rel: str) -> Problem | None:
+def slot_identity_problem(
+    j: int,
+    num_slots: int,
+    expected: str,
+    best: str,
+    stats: dict[str, tuple[float, float, float]],
+    last_convention: str,
+    rel: str,
+) -> Problem | None:
     """Name what a slot really holds when it is not what the config records."""
     e_cos, e_rel, _ = stats[expected]
     b_cos, b_rel, _ = stats[best]
@@ -191,19 +237,33 @@ def slot_identity_problem(j: int, num_slots: int, expected: str, best: str, stat
     if clearly_other:
         if best.split(" post-norm")[0] == expected.split(" post-norm")[0]:  # same layer, other side of the norm
             what = "post-norm" if best.endswith("post-norm") else "pre-norm"
-            return Problem(LAYER_IDENTITY, rel, f"{name} matches {best.split(' post-norm')[0]} {what}, recorded "
-                                                f"{last_convention} {detail}")
+            return Problem(
+                LAYER_IDENTITY,
+                rel,
+                f"{name} matches {best.split(' post-norm')[0]} {what}, recorded {last_convention} {detail}",
+            )
         return Problem(LAYER_IDENTITY, rel, f"{name} matches {best}, not {expected.removeprefix('layer ')} {detail}")
-    return Problem(LAYER_IDENTITY, rel, f"{name} matches no layer of the target: recorded {expected} has rel err "
-                                        f"{e_rel:.3g}, cos {e_cos:.4f}; closest is {best} (rel err {b_rel:.3g})")
+    return Problem(
+        LAYER_IDENTITY,
+        rel,
+        f"{name} matches no layer of the target: recorded {expected} has rel err "
+        f"{e_rel:.3g}, cos {e_cos:.4f}; closest is {best} (rel err {b_rel:.3g})",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The teacher: the stored last state's (or stored top-K's) next-token predictions
 # ---------------------------------------------------------------------------------------------
 
-def teacher_accuracy(rec: Recomputed, stored_last: torch.Tensor | formats.StoredTeacher, last_convention: str,
-                     ids: torch.Tensor, mask: torch.Tensor | None, n: int) -> tuple[int, int, int, int] | None:
+
+def teacher_accuracy(
+    rec: Recomputed,
+    stored_last: torch.Tensor | formats.StoredTeacher,
+    last_convention: str,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    n: int,
+) -> tuple[int, int, int, int] | None:
     """(positions, stored correct, recomputed correct, agreeing) for next-token argmax on masked
     positions; the stored argmax is lm_head(norm(stored last)), or a compact file's first teacher id."""
     if rec.norm is None:
@@ -233,7 +293,7 @@ def log_probs_at(h: torch.Tensor, head: torch.nn.Linear, ids: torch.Tensor, chun
     h = h.to(w.device, torch.float32)
     lse = torch.full((h.shape[0],), float("-inf"), device=w.device)
     for v in range(0, w.shape[0], chunk):
-        logits = h @ w[v:v + chunk].float().T + (0 if bias is None else bias[v:v + chunk].float())
+        logits = h @ w[v : v + chunk].float().T + (0 if bias is None else bias[v : v + chunk].float())
         lse = torch.logaddexp(lse, logits.logsumexp(-1))
     idx = ids.to(w.device).long()
     picked = (h[:, None, :] * w[idx].float()).sum(-1) + (0 if bias is None else bias[idx].float())
@@ -246,14 +306,19 @@ def stored_log_prob_problem(rec: Recomputed, t: formats.StoredTeacher, n: int, r
     err = (ref - t.log_probs.float()).abs().mean().item()
     if err <= TEACHER_LOG_PROB_ERR:
         return None
-    return Problem(STORED_TEACHER, rel, f"teacher_log_probs differ from the recomputed target's by {err:.3f} nats on "
-                                        f"average (at most {TEACHER_LOG_PROB_ERR} expected): another model, or a "
-                                        "post-norm state normed twice")
+    return Problem(
+        STORED_TEACHER,
+        rel,
+        f"teacher_log_probs differ from the recomputed target's by {err:.3f} nats on "
+        f"average (at most {TEACHER_LOG_PROB_ERR} expected): another model, or a "
+        "post-norm state normed twice",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Layer identity over sampled files
 # ---------------------------------------------------------------------------------------------
+
 
 def pick_identity_files(results: list[FileResult], k: int) -> list[FileResult]:
     """Evenly spread over the dataset (first, last, between): deterministic and representative."""
@@ -263,12 +328,19 @@ def pick_identity_files(results: list[FileResult], k: int) -> list[FileResult]:
     return [ok[round(i * (len(ok) - 1) / max(k - 1, 1))] for i in range(k)]
 
 
-def slot_identities(report: CheckReport, sample: formats.FileStates, rec: Recomputed, labels: list[str],
-                    last_convention: str, rel: str, worst: dict[int, SlotIdentity]) -> None:
+def slot_identities(
+    report: CheckReport,
+    sample: formats.FileStates,
+    rec: Recomputed,
+    labels: list[str],
+    last_convention: str,
+    rel: str,
+    worst: dict[int, SlotIdentity],
+) -> None:
     """Match each stored slot of one file against every recomputed state: its problems go to the
     report, and `worst` keeps, per slot, the file where the recorded layer matched least."""
     slots = len(sample.states) + (sample.teacher is not None)  # compact: the last slot is the teacher
-    for j, h in enumerate(sample.states[:len(labels)]):
+    for j, h in enumerate(sample.states[: len(labels)]):
         stats = {name: compare(h, ref) for name, ref in rec.states.items()}
         best = min(stats, key=lambda name: stats[name][1])
         expected = labels[j]
@@ -281,8 +353,16 @@ def slot_identities(report: CheckReport, sample: formats.FileStates, rec: Recomp
             worst[j] = SlotIdentity(j, expected, best, e_cos, e_rel, e_abs, stats[best][0], stats[best][1])
 
 
-def identity_check(report: CheckReport, root: Path, exp: Expect, model: PreTrainedModel, files: list[FileResult],
-                   layer_ids: list[int], last_convention: str, device: torch.device) -> None:
+def identity_check(
+    report: CheckReport,
+    root: Path,
+    exp: Expect,
+    model: PreTrainedModel,
+    files: list[FileResult],
+    layer_ids: list[int],
+    last_convention: str,
+    device: torch.device,
+) -> None:
     n = model.config.num_hidden_layers
     labels = expected_labels(layer_ids, last_convention, n)
     worst: dict[int, SlotIdentity] = {}
@@ -302,16 +382,31 @@ def identity_check(report: CheckReport, root: Path, exp: Expect, model: PreTrain
     report.identity = [worst[j] for j in sorted(worst)]
     report.identity_files = [r.path for r in files]
     if acc[0]:
-        report.next_token_accuracy = {"positions": acc[0], "stored_last": acc[1] / acc[0],
-                                      "recomputed": acc[2] / acc[0], "agreement": acc[3] / acc[0]}
+        report.next_token_accuracy = {
+            "positions": acc[0],
+            "stored_last": acc[1] / acc[0],
+            "recomputed": acc[2] / acc[0],
+            "agreement": acc[3] / acc[0],
+        }
         if acc[3] / acc[0] < TEACHER_AGREEMENT:
-            report.problems.append(Problem(LAYER_IDENTITY, files[-1].path if files else "",
-                                           f"the stored next-token argmax agrees with the recomputed target on only "
-                                           f"{acc[3] / acc[0]:.1%} of masked positions ({len(files)} sampled files)"))
+            report.problems.append(
+                Problem(
+                    LAYER_IDENTITY,
+                    files[-1].path if files else "",
+                    f"the stored next-token argmax agrees with the recomputed target on only "
+                    f"{acc[3] / acc[0]:.1%} of masked positions ({len(files)} sampled files)",
+                )
+            )
 
 
-def layer_identity_problems(root: Path, fmt: str | formats.Layout, sample: Path, model: PreTrainedModel,
-                            layer_ids: list[int], last_convention: str) -> list[Problem]:
+def layer_identity_problems(
+    root: Path,
+    fmt: str | formats.Layout,
+    sample: Path,
+    model: PreTrainedModel,
+    layer_ids: list[int],
+    last_convention: str,
+) -> list[Problem]:
     """The layer-identity errors `eaglet check --target` would report for one file, with the
     target already loaded: train runs this before spending hours on states whose recorded
     layer ids are not what the files hold (an edited data_config.json trains a drafter that the
@@ -319,8 +414,16 @@ def layer_identity_problems(root: Path, fmt: str | formats.Layout, sample: Path,
     report = CheckReport(str(root))
     probe = FileResult(0, str(sample.relative_to(root)), 0, schema_ok=True, length=1)
     with torch.inference_mode():
-        identity_check(report, root, Expect(formats.layout(fmt)), model, [probe], layer_ids, last_convention,
-                       next(model.parameters()).device)
+        identity_check(
+            report,
+            root,
+            Expect(formats.layout(fmt)),
+            model,
+            [probe],
+            layer_ids,
+            last_convention,
+            next(model.parameters()).device,
+        )
     return [p for p in report.problems if p.kind == LAYER_IDENTITY and p.severity == ERROR]
 
 
@@ -332,8 +435,14 @@ def sampled_states(root: Path, exp: Expect, r: FileResult) -> formats.FileStates
     return sample
 
 
-def heads_check(report: CheckReport, root: Path, exp: Expect, target_heads: TargetHeads, files: list[FileResult],
-                last_convention: str) -> None:
+def heads_check(
+    report: CheckReport,
+    root: Path,
+    exp: Expect,
+    target_heads: TargetHeads,
+    files: list[FileResult],
+    last_convention: str,
+) -> None:
     """With the heads alone: the stored last state's next-token accuracy read as recorded and read
     the other way, on the sampled files; the layer identity is said to be not checked, and how."""
     positions, hits = 0, {c: 0 for c in formats.LAST_STATE_CONVENTIONS}
@@ -349,10 +458,19 @@ def heads_check(report: CheckReport, root: Path, exp: Expect, target_heads: Targ
             report.problems.append(p)
     if positions:
         other = next(c for c in formats.LAST_STATE_CONVENTIONS if c != last_convention)
-        report.next_token_accuracy = {"positions": positions, "stored_last": hits[last_convention] / positions,
-                                      f"stored_last_read_{other}": hits[other] / positions}
+        report.next_token_accuracy = {
+            "positions": positions,
+            "stored_last": hits[last_convention] / positions,
+            f"stored_last_read_{other}": hits[other] / positions,
+        }
     report.identity_files = [r.path for r in files]
-    report.problems.append(Problem(NOT_CHECKED, "", f"layer identity not checked: {target_heads.source}; the heads "
-                                                    "checked the last state and the sizes. For the layers, "
-                                                    f"`eaglet check {root} --target FULL_TARGET [--device-map auto]`",
-                                   WARNING))
+    report.problems.append(
+        Problem(
+            NOT_CHECKED,
+            "",
+            f"layer identity not checked: {target_heads.source}; the heads "
+            "checked the last state and the sizes. For the layers, "
+            f"`eaglet check {root} --target FULL_TARGET [--device-map auto]`",
+            WARNING,
+        )
+    )

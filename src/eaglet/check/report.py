@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from eaglet import formats
+
 # The kinds of problem a layout's own schema check reports are named where the layouts are; they
 # are check's kinds as much as those below (eaglet.check exports them all).
 from eaglet.formats import AUX_CODES, TABLE_ROW, WRONG_DTYPE, WRONG_KEYS, WRONG_SHAPE  # noqa: F401
@@ -118,6 +119,7 @@ class CheckReport:
 # Text report
 # ---------------------------------------------------------------------------------------------
 
+
 def report_lines(r: CheckReport, max_per_kind: int = 10) -> list[str]:
     layout = formats.find_layout(r.format)
     out = [f"eaglet check {r.path}", f"  format: {layout.description if layout else 'none found'}"]
@@ -125,11 +127,15 @@ def report_lines(r: CheckReport, max_per_kind: int = 10) -> list[str]:
     if r.next_token_accuracy:
         a = r.next_token_accuracy
         what = "the stored teacher's argmax" if layout and layout.stores_teacher else "lm_head(norm(last))"
-        out.append(f"  next-token accuracy of {what} on {a['positions']} masked positions: stored "
-                   f"{a['stored_last']:.1%}, recomputed {a['recomputed']:.1%}, agreement {a['agreement']:.1%}")
+        out.append(
+            f"  next-token accuracy of {what} on {a['positions']} masked positions: stored "
+            f"{a['stored_last']:.1%}, recomputed {a['recomputed']:.1%}, agreement {a['agreement']:.1%}"
+        )
     if r.generation_prompt:
-        out.append(f"  loss mask vs chat template (generation prompt {r.generation_prompt!r}): "
-                   f"{r.template_checked_files} files checked")
+        out.append(
+            f"  loss mask vs chat template (generation prompt {r.generation_prompt!r}): "
+            f"{r.template_checked_files} files checked"
+        )
     out += problem_lines(r.problems, max_per_kind)
     out.append("result: CLEAN" if r.clean else f"result: NOT CLEAN ({len(r.errors)} problems)")
     return out
@@ -141,27 +147,35 @@ def file_lines(r: CheckReport) -> list[str]:
         return []
     share = r.masked_tokens / max(r.tokens, 1)
     mb = r.bytes / 1e6
-    return [f"  {r.files} files, {r.samples} samples, {r.tokens:,} tokens, {r.masked_tokens:,} masked "
-            f"({share:.1%}), {mb:,.1f} MB, {r.bytes / max(r.tokens, 1):,.0f} bytes/token",
-            f"  read in {r.seconds:.2f} s ({mb / max(r.seconds, 1e-9):,.0f} MB/s, {r.workers} threads)",
-            "  lengths: " + ", ".join(f"{k}: {v}" for k, v in r.length_histogram.items())]
+    return [
+        f"  {r.files} files, {r.samples} samples, {r.tokens:,} tokens, {r.masked_tokens:,} masked "
+        f"({share:.1%}), {mb:,.1f} MB, {r.bytes / max(r.tokens, 1):,.0f} bytes/token",
+        f"  read in {r.seconds:.2f} s ({mb / max(r.seconds, 1e-9):,.0f} MB/s, {r.workers} threads)",
+        "  lengths: " + ", ".join(f"{k}: {v}" for k, v in r.length_histogram.items()),
+    ]
 
 
 def slot_lines(r: CheckReport) -> list[str]:
     """Per-slot statistics, and the layer identity of each slot where a target was checked against."""
     out = []
     if r.slots:
-        out.append("  per-layer statistics (RMS over all tokens; median row RMS: mean [min..max] over files; max row RMS):")
+        out.append(
+            "  per-layer statistics (RMS over all tokens; median row RMS: mean [min..max] over files; max row RMS):"
+        )
         for s in r.slots:
-            out.append(f"    slot {s.slot} ({s.layer}): rms {s.rms:.4g}, median row rms {s.median_row_rms:.4g} "
-                       f"[{s.min_file_median_row_rms:.4g}..{s.max_file_median_row_rms:.4g}], "
-                       f"max row rms {s.max_row_rms:.4g}")
+            out.append(
+                f"    slot {s.slot} ({s.layer}): rms {s.rms:.4g}, median row rms {s.median_row_rms:.4g} "
+                f"[{s.min_file_median_row_rms:.4g}..{s.max_file_median_row_rms:.4g}], "
+                f"max row rms {s.max_row_rms:.4g}"
+            )
     if r.identity:
         out.append(f"  layer identity vs {r.target} on {len(r.identity_files)} sampled files (worst file per slot):")
         for i in r.identity:
             mark = "ok" if i.best == i.expected else f"best match {i.best} (rel err {i.best_rel_err:.3g})"
-            out.append(f"    slot {i.slot} = {i.expected}: cos {i.cos:.5f}, rel err {i.rel_err:.3g}, "
-                       f"max abs err {i.max_abs_err:.3g}; {mark}")
+            out.append(
+                f"    slot {i.slot} = {i.expected}: cos {i.cos:.5f}, rel err {i.rel_err:.3g}, "
+                f"max abs err {i.max_abs_err:.3g}; {mark}"
+            )
     return out
 
 

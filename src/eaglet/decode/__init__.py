@@ -22,11 +22,32 @@ The package, from the bottom up (a module imports only those listed before it):
 Importers take these names from `eaglet.decode`.
 """
 
-from eaglet.decode.core import (BOTH, DRAFTER, NGRAM, DecodeStats, DraftTree, accept_greedy, accept_sampling,
-                                ancestor_matrix, process_probs, token_budget, tree_attention_mask,
-                                truncate_at_eos)
-from eaglet.decode.hybrid import (Calibration, HybridProposer, admit_by_cost, drop_rivals, expected_acceptance,
-                                  keep_nodes, measure_drafter_pass, measure_pass_costs, merge_chain, path_nodes)
+from eaglet.decode.core import (
+    BOTH,
+    DRAFTER,
+    NGRAM,
+    DecodeStats,
+    DraftTree,
+    accept_greedy,
+    accept_sampling,
+    ancestor_matrix,
+    process_probs,
+    token_budget,
+    tree_attention_mask,
+    truncate_at_eos,
+)
+from eaglet.decode.hybrid import (
+    Calibration,
+    HybridProposer,
+    admit_by_cost,
+    drop_rivals,
+    expected_acceptance,
+    keep_nodes,
+    measure_drafter_pass,
+    measure_pass_costs,
+    merge_chain,
+    path_nodes,
+)
 from eaglet.decode.parallel import ParallelProposer
 from eaglet.decode.proposers import Eagle3Proposer, NgramProposer, Proposer
 from eaglet.decode.fast import FAST_TARGET_ENV, FastTarget, fast_target_refused
@@ -34,17 +55,42 @@ from eaglet.decode.runner import TargetRunner, plain_generate, speculative_gener
 
 __all__ = [
     # core
-    "BOTH", "DRAFTER", "NGRAM", "DecodeStats", "DraftTree", "accept_greedy", "accept_sampling", "ancestor_matrix",
-    "process_probs", "token_budget", "tree_attention_mask", "truncate_at_eos",
+    "BOTH",
+    "DRAFTER",
+    "NGRAM",
+    "DecodeStats",
+    "DraftTree",
+    "accept_greedy",
+    "accept_sampling",
+    "ancestor_matrix",
+    "process_probs",
+    "token_budget",
+    "tree_attention_mask",
+    "truncate_at_eos",
     # proposers
-    "Eagle3Proposer", "NgramProposer", "Proposer",
+    "Eagle3Proposer",
+    "NgramProposer",
+    "Proposer",
     # parallel
     "ParallelProposer",
     # fast
-    "FAST_TARGET_ENV", "FastTarget", "fast_target_refused",
+    "FAST_TARGET_ENV",
+    "FastTarget",
+    "fast_target_refused",
     # runner
-    "TargetRunner", "plain_generate", "speculative_generate", "target_runner",
+    "TargetRunner",
+    "plain_generate",
+    "speculative_generate",
+    "target_runner",
     # hybrid
-    "Calibration", "HybridProposer", "admit_by_cost", "drop_rivals", "expected_acceptance", "keep_nodes",
-    "measure_drafter_pass", "measure_pass_costs", "merge_chain", "path_nodes",
+    "Calibration",
+    "HybridProposer",
+    "admit_by_cost",
+    "drop_rivals",
+    "expected_acceptance",
+    "keep_nodes",
+    "measure_drafter_pass",
+    "measure_pass_costs",
+    "merge_chain",
+    "path_nodes",
 ]

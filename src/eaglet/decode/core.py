@@ -62,6 +62,7 @@ DRAFTER, NGRAM, BOTH = "drafter", "ngram", "both"
 # Small pure helpers
 # ---------------------------------------------------------------------------------------------
 
+
 def as_id_list(input_ids: TokenIds) -> list[int]:
     """Token ids from a list, a [L] or a [1, L] tensor (batch size 1 only)."""
     if isinstance(input_ids, torch.Tensor):
@@ -114,6 +115,7 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 # Tree attention masks and acceptance
 # ---------------------------------------------------------------------------------------------
 
+
 def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     """[N, N] bool, row i true at i and its ancestors. parents[i] is -1 (root) or < i."""
     n = len(parents)
@@ -125,8 +127,7 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     return anc
 
 
-def tree_attention_mask(parents: list[int], prefix_len: int, dtype: torch.dtype,
-                        device: torch.device) -> torch.Tensor:
+def tree_attention_mask(parents: list[int], prefix_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive [1, 1, 1 + N, prefix_len + 1 + N] mask for the verification pass over
     [root, nodes]: the cached prefix is visible to all, the root to all nodes, and a node sees
     its ancestors and itself. Additive 0 / finfo.min works with both Llama's eager attention
@@ -172,8 +173,9 @@ def accept_greedy(tokens: list[int], parents: list[int], target_choice: list[int
         at = nxt + 1
 
 
-def accept_sampling(tokens: list[int], parents: list[int], probs: torch.Tensor,
-                    generator: torch.Generator | None) -> tuple[list[int], int]:
+def accept_sampling(
+    tokens: list[int], parents: list[int], probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[list[int], int]:
     """Recursive rejection sampling over siblings; probs [1 + N, V] are the processed target
     distributions after the root and after each node. Siblings are tried in node order (the
     drafter's order, fixed before the target's randomness), each accepted with the current
@@ -204,6 +206,7 @@ def accept_sampling(tokens: list[int], parents: list[int], probs: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 # The draft tree a proposer returns
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class DraftTree:
@@ -253,6 +256,7 @@ def tree_limits(mode: str, depth: int, top_k: int, total_tokens: int) -> tuple[i
 # The target's side: positions and KV-cache compaction
 # ---------------------------------------------------------------------------------------------
 
+
 def keep_cache_entries(cache: DynamicCache, start: int, rel: list[int], device: torch.device) -> None:
     """Keep cache entries [0, start) + start + rel (rel sorted), dropping rejected tree nodes.
 
@@ -277,6 +281,7 @@ def keep_cache_entries(cache: DynamicCache, start: int, rel: list[int], device: 
 # ---------------------------------------------------------------------------------------------
 # Speculative decoding
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class DecodeStats:
@@ -309,8 +314,11 @@ class DecodeStats:
         return [a / r if r else 0.0 for a, r in zip(self.position_accepted, self.position_reached)]
 
     def record(self, accepted: int, tree_depth: int) -> None:
-        for xs, n in ((self.accept_counts, accepted + 1), (self.position_reached, tree_depth),
-                      (self.position_accepted, tree_depth)):
+        for xs, n in (
+            (self.accept_counts, accepted + 1),
+            (self.position_reached, tree_depth),
+            (self.position_accepted, tree_depth),
+        ):
             xs.extend([0] * (n - len(xs)))
         self.accept_counts[accepted] += 1
         # position d counts only when the previous d were accepted and the tree reached depth d+1
@@ -321,13 +329,23 @@ class DecodeStats:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(tau=self.tau, tau_verify=self.tau_verify, acceptance_rates=self.acceptance_rates,
-                 tokens_per_s=self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0)
+        d.update(
+            tau=self.tau,
+            tau_verify=self.tau_verify,
+            acceptance_rates=self.acceptance_rates,
+            tokens_per_s=self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0,
+        )
         return d
 
 
-def verify(runner: TargetRunner | FastTarget, root: int, tree: DraftTree, temperature: float, top_p: float,
-           generator: torch.Generator | None) -> tuple[list[int], int, torch.Tensor | None]:
+def verify(
+    runner: TargetRunner | FastTarget,
+    root: int,
+    tree: DraftTree,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int, torch.Tensor | None]:
     """One target pass over [root, nodes] after the cached prefix, with the tree's mask and
     positions. Returns the accepted nodes, the bonus token and the target's aux states at the
     root and the accepted nodes, the only entries of this pass its cache keeps."""
@@ -345,9 +363,17 @@ def verify(runner: TargetRunner | FastTarget, root: int, tree: DraftTree, temper
     return path, bonus, aux_all[kept] if aux_all is not None else None
 
 
-def decode_loop(runner: TargetRunner | FastTarget, proposer: Proposer, prompt: list[int], max_new_tokens: int,
-                eos_ids: Sequence[int], limits: tuple[int, int, int], temperature: float, top_p: float,
-                generator: torch.Generator | None) -> tuple[list[int], DecodeStats]:
+def decode_loop(
+    runner: TargetRunner | FastTarget,
+    proposer: Proposer,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    limits: tuple[int, int, int],
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], DecodeStats]:
     """`speculative_generate`'s decoding on a fresh `runner` (its caller closes it): the prefill,
     then cycles of propose, `verify` and commit until EOS, `max_new_tokens` or the target's
     positions. `limits` are the checked (depth, top_k, total_tokens) of `tree_limits`."""

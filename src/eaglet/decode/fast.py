@@ -47,7 +47,9 @@ def fast_target_refused(model: HFModel) -> str | None:
         return f"{FAST_TARGET_ENV}=0"
     config = model.config
     if getattr(config, "model_type", None) not in FAST_MODEL_TYPES:
-        return f"model type {getattr(config, 'model_type', None)!r} (the fast target runs {', '.join(FAST_MODEL_TYPES)})"
+        return (
+            f"model type {getattr(config, 'model_type', None)!r} (the fast target runs {', '.join(FAST_MODEL_TYPES)})"
+        )
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return "the target is placed across devices"
     window = getattr(config, "sliding_window", None)
@@ -57,8 +59,9 @@ def fast_target_refused(model: HFModel) -> str | None:
         return f"sliding-window attention ({window} positions)"
     layer = decoder_layers(model)[0]
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
-            not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+    if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or not all(
+        hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+    ):
         return "a decoder layer without q/k/v/o and gate/up/down projections"
     assert attn is not None and mlp is not None  # they have the projections
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
@@ -85,8 +88,13 @@ class FastLayer:
 def fused(*linears: nn.Linear) -> PackedLinear:
     """One packed product for several linears on the same input (their outputs concatenated)."""
     biases = [lin.bias for lin in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b if b is not None else lin.weight.new_zeros(lin.weight.shape[0]) for b, lin in zip(biases, linears)])
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat(
+            [b if b is not None else lin.weight.new_zeros(lin.weight.shape[0]) for b, lin in zip(biases, linears)]
+        )
+    )
     return PackedLinear(torch.cat([lin.weight for lin in linears]).contiguous(), bias)
 
 
@@ -114,10 +122,16 @@ class FastWeights:
     def layer(layer: HFModel) -> FastLayer:
         a, m = layer.self_attn, layer.mlp
         q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        return FastLayer(layer.input_layernorm.weight, fused(a.q_proj, a.k_proj, a.v_proj),
-                         None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                         PackedLinear(a.o_proj.weight), layer.post_attention_layernorm.weight,
-                         fused(m.gate_proj, m.up_proj), PackedLinear(m.down_proj.weight))
+        return FastLayer(
+            layer.input_layernorm.weight,
+            fused(a.q_proj, a.k_proj, a.v_proj),
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            PackedLinear(a.o_proj.weight),
+            layer.post_attention_layernorm.weight,
+            fused(m.gate_proj, m.up_proj),
+            PackedLinear(m.down_proj.weight),
+        )
 
     def cache(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The KV cache [layers, kv heads, >= positions, head dim] (grown by doubling; the first
@@ -176,8 +190,13 @@ class FastTarget:
     def cached(self) -> int:
         return self.length
 
-    def forward(self, token_ids: list[int], positions: list[int] | None = None, mask: torch.Tensor | None = None,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        token_ids: list[int],
+        positions: list[int] | None = None,
+        mask: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [q or 1, V] (fp32) and the aux states [q, sum H] of the fed tokens, as
         `TargetRunner.forward` returns them."""
         t0 = time.perf_counter()
@@ -187,13 +206,17 @@ class FastTarget:
         self.seconds += time.perf_counter() - t0
         return logits, aux
 
-    def run(self, token_ids: list[int], positions: list[int] | None, mask: torch.Tensor | None,
-            last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self, token_ids: list[int], positions: list[int] | None, mask: torch.Tensor | None, last_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         w, q, start = self.w, len(token_ids), self.length
         end = start + q
         keys, values = w.cache(end)
-        pos = torch.arange(start, end, device=self.device) if positions is None else torch.tensor(
-            positions, device=self.device)
+        pos = (
+            torch.arange(start, end, device=self.device)
+            if positions is None
+            else torch.tensor(positions, device=self.device)
+        )
         x = w.embed(torch.tensor(token_ids, device=self.device))
         cos, sin = w.rotary(x[None], pos[None])
         cos, sin = cos[0][:, None], sin[0][:, None]  # [q, 1, head dim]: broadcast over heads
@@ -221,23 +244,42 @@ class FastTarget:
             return {"is_causal": True}
         return {"attn_mask": torch.ones(q, start + q, dtype=torch.bool).tril(start)}
 
-    def layer(self, i: int, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              keys: torch.Tensor, values: torch.Tensor, start: int, end: int, masking: dict) -> torch.Tensor:
+    def layer(
+        self,
+        i: int,
+        layer: FastLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        end: int,
+        masking: dict,
+    ) -> torch.Tensor:
         w, q = self.w, x.shape[0]
         h = rms_norm(x, layer.input_norm, w.eps)
-        qs, ks, vs = layer.qkv(h).split([w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim,
-                                         w.num_kv_heads * w.head_dim], dim=-1)
-        qs, ks, vs = qs.view(q, w.num_heads, w.head_dim), ks.view(q, w.num_kv_heads, w.head_dim), vs.view(
-            q, w.num_kv_heads, w.head_dim)
+        qs, ks, vs = layer.qkv(h).split(
+            [w.num_heads * w.head_dim, w.num_kv_heads * w.head_dim, w.num_kv_heads * w.head_dim], dim=-1
+        )
+        qs, ks, vs = (
+            qs.view(q, w.num_heads, w.head_dim),
+            ks.view(q, w.num_kv_heads, w.head_dim),
+            vs.view(q, w.num_kv_heads, w.head_dim),
+        )
         if layer.q_norm is not None:
             assert layer.k_norm is not None  # Qwen3 norms both q and k
             qs, ks = rms_norm(qs, layer.q_norm, w.eps), rms_norm(ks, layer.k_norm, w.eps)
         qs, ks = rotate(qs, cos, sin), rotate(ks, cos, sin)
         keys[i, :, start:end] = ks.transpose(0, 1)
         values[i, :, start:end] = vs.transpose(0, 1)
-        att = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], keys[i, :, :end][None],
-                                             values[i, :, :end][None], enable_gqa=w.num_kv_heads != w.num_heads,
-                                             **masking)
+        att = F.scaled_dot_product_attention(
+            qs.transpose(0, 1)[None],
+            keys[i, :, :end][None],
+            values[i, :, :end][None],
+            enable_gqa=w.num_kv_heads != w.num_heads,
+            **masking,
+        )
         x = x + layer.o(att[0].transpose(0, 1).reshape(q, w.num_heads * w.head_dim))
         h = rms_norm(x, layer.post_norm, w.eps)
         gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -248,5 +290,5 @@ class FastTarget:
         if rel != list(range(len(rel))):
             idx = torch.tensor([start + r for r in rel], device=self.device)
             for cache in (self.w.keys, self.w.values):
-                cache[:, :, start:start + len(rel)] = cache.index_select(2, idx)
+                cache[:, :, start : start + len(rel)] = cache.index_select(2, idx)
         self.length = start + len(rel)

@@ -30,6 +30,7 @@ from eaglet.target import max_positions
 # One tree from two proposals
 # ---------------------------------------------------------------------------------------------
 
+
 def path_nodes(tree: DraftTree, path: list[int]) -> list[int]:
     """The nodes of `tree` that spell the longest prefix of `path` from the root, in depth order."""
     child_of = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens))}
@@ -47,8 +48,13 @@ def drop_rivals(tree: DraftTree, chain: list[int], depths: set[int]) -> DraftTre
     `depths` but hold another token: two siblings cannot both be right, so where the chain's token
     is right with probability p, a rival is right with at most 1 - p."""
     under = [-1] + path_nodes(tree, chain)  # the chain's depth-d token hangs under under[d]
-    dropped = {i for d in depths if d < min(len(chain), len(under))
-               for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p == under[d] and t != chain[d]}
+    dropped = {
+        i
+        for d in depths
+        if d < min(len(chain), len(under))
+        for i, (p, t) in enumerate(zip(tree.parents, tree.tokens))
+        if p == under[d] and t != chain[d]
+    }
     if not dropped:
         return tree
     for i, p in enumerate(tree.parents):  # parents come first: a subtree follows its root
@@ -60,8 +66,9 @@ def drop_rivals(tree: DraftTree, chain: list[int], depths: set[int]) -> DraftTre
 def keep_nodes(tree: DraftTree, keep: list[int]) -> DraftTree:
     """The subtree of the nodes `keep` (sorted, ancestor-closed), parents renumbered."""
     index = {i: k for k, i in enumerate(keep)}
-    return DraftTree([tree.tokens[i] for i in keep],
-                     [-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep])
+    return DraftTree(
+        [tree.tokens[i] for i in keep], [-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep]
+    )
 
 
 def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[str]]:
@@ -90,9 +97,11 @@ def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[str]
 # Calibration and admission by cost
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass
 class DraftedTree:
     """A drafter's tree as proposed, kept to learn from: `start` = len(seq) when proposed."""
+
     start: int
     tokens: list[int]
     parents: list[int]
@@ -147,8 +156,13 @@ def expected_acceptance(parents: list[int], right: list[float]) -> list[float]:
     return expected
 
 
-def admit_by_cost(parents: list[int], expected: list[float], pass_costs: Sequence[float], spent: float = 0.0,
-                  max_nodes: int | None = None) -> list[int]:
+def admit_by_cost(
+    parents: list[int],
+    expected: list[float],
+    pass_costs: Sequence[float],
+    spent: float = 0.0,
+    max_nodes: int | None = None,
+) -> list[int]:
     """The nodes worth verifying: a cycle yields 1 + sum(expected of verified nodes) tokens for
     pass_costs[q - 1] + spent seconds (q - 1 nodes verified, `spent` already paid for drafting). Nodes
     join likeliest first while they raise tokens per second; the result is ancestor-closed
@@ -168,8 +182,9 @@ def admit_by_cost(parents: list[int], expected: list[float], pass_costs: Sequenc
 
 
 @torch.inference_mode()
-def measure_pass_costs(model: HFModel, context: int = 256, max_q: int = 8, repeats: int = 5,
-                       seed: int = 0) -> list[float]:
+def measure_pass_costs(
+    model: HFModel, context: int = 256, max_q: int = 8, repeats: int = 5, seed: int = 0
+) -> list[float]:
     """Median seconds of a target pass over q = 1..max_q new tokens after `context` cached tokens,
     as the decoder runs it (`target_runner`: the fast target where it applies). Each round times
     every q once, so drift of the machine spreads over all of them."""
@@ -196,8 +211,9 @@ def measure_pass_costs(model: HFModel, context: int = 256, max_q: int = 8, repea
 
 
 @torch.inference_mode()
-def measure_drafter_pass(drafter: DraftModel, context: int = 256, depth: int = 1, repeats: int = 9,
-                         seed: int = 0) -> float:
+def measure_drafter_pass(
+    drafter: DraftModel, context: int = 256, depth: int = 1, repeats: int = 9, seed: int = 0
+) -> float:
     """Median seconds of one drafting cycle after `context` committed positions: the drafter fed
     one new position, then its proposal (an EAGLE-3 chain of `depth`, a parallel drafter's block),
     as decoding runs it each cycle."""
@@ -213,9 +229,9 @@ def measure_drafter_pass(drafter: DraftModel, context: int = 256, depth: int = 1
     times = []
     for r in range(repeats + 1):  # round 0 warms up
         proposer.reset()
-        proposer.observe(seq[:context + 1], aux[:context])
+        proposer.observe(seq[: context + 1], aux[:context])
         t0 = time.perf_counter()
-        proposer.observe(seq[:context + 2], aux[context:context + 1])
+        proposer.observe(seq[: context + 2], aux[context : context + 1])
         proposer.propose(depth, 1, depth)
         if r > 0:
             times.append(time.perf_counter() - t0)
@@ -225,6 +241,7 @@ def measure_drafter_pass(drafter: DraftModel, context: int = 256, depth: int = 1
 # ---------------------------------------------------------------------------------------------
 # The hybrid proposer
 # ---------------------------------------------------------------------------------------------
+
 
 class HybridProposer:
     """The drafter's chain or tree and prompt lookup's continuation in one tree, verified in one
@@ -251,9 +268,16 @@ class HybridProposer:
     drafted rival could at best just reach the floor and is left out (off by default: on SmolLM2
     and 2 CPU cores it did not pay)."""
 
-    def __init__(self, drafter: Proposer | None, lookup: NgramProposer, drafter_limits: tuple[int, int, int],
-                 lookup_tokens: int, drop_rivals: bool = False, pass_costs: Sequence[float] | None = None,
-                 explore_runs: int = 8):
+    def __init__(
+        self,
+        drafter: Proposer | None,
+        lookup: NgramProposer,
+        drafter_limits: tuple[int, int, int],
+        lookup_tokens: int,
+        drop_rivals: bool = False,
+        pass_costs: Sequence[float] | None = None,
+        explore_runs: int = 8,
+    ):
         if lookup_tokens < 1:
             raise ValueError(f"lookup_tokens {lookup_tokens}: must be >= 1")
         if pass_costs is not None and (len(pass_costs) < 2 or min(pass_costs) <= 0):
@@ -314,7 +338,7 @@ class HybridProposer:
         if self.drafted is None:
             return
         d, self.drafted = self.drafted, None
-        committed = seq[d.start:]
+        committed = seq[d.start :]
         on_path: list[bool] = []  # per node: its path equals the committed tokens
         for i, (parent, token, depth) in enumerate(zip(d.parents, d.tokens, d.depths)):
             reached = (parent < 0 or on_path[parent]) and depth - 1 < len(committed)
@@ -339,9 +363,10 @@ class HybridProposer:
         if nodes + 1 >= len(costs):
             return False
         without = tokens / costs[nodes]
-        with_drafter = sum(share * max(tokens / (costs[nodes] + d),
-                                       (tokens + (1.0 - lookup_first) * right) / (costs[nodes + 1] + d))
-                           for share, right in outcomes)
+        with_drafter = sum(
+            share * max(tokens / (costs[nodes] + d), (tokens + (1.0 - lookup_first) * right) / (costs[nodes + 1] + d))
+            for share, right in outcomes
+        )
         return with_drafter > without
 
     def propose(self, max_depth: int, top_k: int, total_tokens: int) -> DraftTree:
@@ -356,10 +381,12 @@ class HybridProposer:
         if self.drafter is not None and max_depth > 0:
             expected = expected_acceptance(chain_parents, chain_right)
             plan = admit_by_cost(chain_parents, expected, self.pass_costs, max_nodes=total_tokens)
-            explore = self.explore_runs > 0 and (self.drafter_runs < self.explore_runs
-                                                 or self.skipped >= self.explore_runs)
-            if explore or self.drafter_pays(chain_right[0] if chain else 0.0, 1.0 + sum(expected[i] for i in plan),
-                                            len(plan)):
+            explore = self.explore_runs > 0 and (
+                self.drafter_runs < self.explore_runs or self.skipped >= self.explore_runs
+            )
+            if explore or self.drafter_pays(
+                chain_right[0] if chain else 0.0, 1.0 + sum(expected[i] for i in plan), len(plan)
+            ):
                 tree, drafter_right, spent = self.run_drafter(max_depth)
             else:
                 self.skipped += 1
@@ -367,8 +394,9 @@ class HybridProposer:
         right = drafter_right + [0.0] * (len(merged) - len(tree))
         for d, node in enumerate(path_nodes(merged, chain)):  # the lookup's calibrated rate (shared: the higher)
             right[node] = max(right[node], chain_right[d])
-        keep = admit_by_cost(merged.parents, expected_acceptance(merged.parents, right), self.pass_costs, spent,
-                             total_tokens)
+        keep = admit_by_cost(
+            merged.parents, expected_acceptance(merged.parents, right), self.pass_costs, spent, total_tokens
+        )
         self.sources = [sources[i] for i in keep]
         return keep_nodes(merged, keep)
 

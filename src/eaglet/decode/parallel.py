@@ -60,8 +60,10 @@ class ParallelProposer:
             raise ValueError(f"a {self.name} drafter needs the target's aux states")
         queued = sum(a.shape[0] for a in self.pending)
         if self.context_len + queued + aux.shape[0] != len(seq) - 1:
-            raise ValueError(f"drafter context {self.context_len + queued} + {aux.shape[0]} new positions != "
-                             f"committed {len(seq) - 1}")
+            raise ValueError(
+                f"drafter context {self.context_len + queued} + {aux.shape[0]} new positions != "
+                f"committed {len(seq) - 1}"
+            )
         if aux.shape[0]:
             self.pending.append(aux)
         self.seq = seq
@@ -127,20 +129,25 @@ class ParallelProposer:
             h = layer.input_layernorm(x)
             k_blk, v_blk = attn.keys_values(h, cos_q, sin_q)
             allowed = torch.ones(1, 1, B, n + B, dtype=torch.bool, device=device)
-            x = layer.finish(x, attn.attend(attn.query(h, cos_q, sin_q), torch.cat([k_ctx, k_blk], 2),
-                                            torch.cat([v_ctx, v_blk], 2), allowed))
+            x = layer.finish(
+                x,
+                attn.attend(
+                    attn.query(h, cos_q, sin_q), torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), allowed
+                ),
+            )
         return d.norm(x)[0, 1:]
 
     def p_eagle_pass(self, new: torch.Tensor | None, start: int, m: int) -> torch.Tensor:
         d, K = self.drafter, self.cfg.block_size
         device = d.fc.weight.device
         last = start + m - 1  # the last committed position with aux states: depth 0 predicts 2 ahead of it
-        real_tokens = torch.tensor(self.seq[start + 1: start + m + 1], dtype=torch.long, device=device)
+        real_tokens = torch.tensor(self.seq[start + 1 : start + m + 1], dtype=torch.long, device=device)
         g = d.fuse(new.to(device)) if new is not None else d.fc.weight.new_zeros(0, self.cfg.hidden_size)
         hidden = torch.cat([g, d.parallel_hidden()[0].expand(K - 1, -1)])[None]
         x = torch.cat([d.embed_tokens(real_tokens), d.mask_embedding((K - 1,), device)]).to(d.dtype)[None]
-        q_pos = torch.cat([torch.arange(start, start + m, device=device),
-                           torch.arange(last + 1, last + K, device=device)])
+        q_pos = torch.cat(
+            [torch.arange(start, start + m, device=device), torch.arange(last + 1, last + K, device=device)]
+        )
         cos, sin = d.rope(q_pos)
         q = m + K - 1
         # queries see every kept position, the new real ones causally, the parallel ones causally after all real
@@ -154,8 +161,10 @@ class ParallelProposer:
             if m:
                 self.store(i, k[:, :, :m], v[:, :, :m], start)
             k_old, v_old = self.cached(i, start)
-            hidden = layer.finish(hidden, attn.attend(attn.query(inp, cos, sin), torch.cat([k_old, k], 2),
-                                                      torch.cat([v_old, v], 2), allowed))
+            hidden = layer.finish(
+                hidden,
+                attn.attend(attn.query(inp, cos, sin), torch.cat([k_old, k], 2), torch.cat([v_old, v], 2), allowed),
+            )
         normed = d.norm(hidden)[0]
         if m:
             self.last_out = normed[m - 1]

@@ -31,6 +31,7 @@ from eaglet.packed import PackedLinear
 # The proposer interface
 # ---------------------------------------------------------------------------------------------
 
+
 class Proposer(Protocol):
     """What the engine needs from a drafter.
 
@@ -54,6 +55,7 @@ class Proposer(Protocol):
 # ---------------------------------------------------------------------------------------------
 # The EAGLE-3 proposer
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class DrafterProducts:
@@ -84,11 +86,15 @@ def drafter_products(drafter: Eagle3Draft) -> DrafterProducts:
     if packed is None or packed.versions != versions:
         a, m = drafter.midlayer.self_attn, drafter.midlayer.mlp
         with torch.no_grad():
-            packed = DrafterProducts(PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                                     PackedLinear(a.o_proj.weight),
-                                     PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-                                     PackedLinear(m.down_proj.weight), PackedLinear(drafter.lm_head.weight),
-                                     PackedLinear(drafter.fc.weight), versions)
+            packed = DrafterProducts(
+                PackedLinear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                PackedLinear(a.o_proj.weight),
+                PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                PackedLinear(m.down_proj.weight),
+                PackedLinear(drafter.lm_head.weight),
+                PackedLinear(drafter.fc.weight),
+                versions,
+            )
         _PACKED[drafter] = packed
     return packed
 
@@ -146,8 +152,9 @@ class Eagle3Proposer:
 
     # -- one pass of the drafter's layer -------------------------------------------------------
 
-    def layer(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, slot: int,
-              allowed: torch.Tensor) -> torch.Tensor:
+    def layer(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, slot: int, allowed: torch.Tensor
+    ) -> torch.Tensor:
         """The midlayer for q new queries (fed hidden [q, H], tokens [q]) at RoPE `positions`
         [q]. Their keys/values go to buffer slots [slot, slot + q); they attend to slots
         [0, slot + q) as `allowed` [q, slot + q] says. Returns the outputs [q, H]."""
@@ -161,18 +168,23 @@ class Eagle3Proposer:
         embeds = d.embed_tokens(token_ids).to(hidden.dtype)
         normed = ml.hidden_norm(hidden)
         x = torch.cat([ml.input_layernorm(embeds), normed], dim=-1)
-        q, k, v = self.products.qkv(x).split([cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                                              cfg.num_kv_heads * cfg.head_dim], dim=-1)
+        q, k, v = self.products.qkv(x).split(
+            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1
+        )
         q = q.view(1, q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = k.view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = v.view(1, q_len, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         q = apply_rope(q, cos, sin)
-        k_buf[:, :, slot: slot + q_len] = apply_rope(k, cos, sin)
-        v_buf[:, :, slot: slot + q_len] = v
-        o = F.scaled_dot_product_attention(q, k_buf[:, :, : slot + q_len], v_buf[:, :, : slot + q_len],
-                                           attn_mask=allowed[None, None],
-                                           enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        k_buf[:, :, slot : slot + q_len] = apply_rope(k, cos, sin)
+        v_buf[:, :, slot : slot + q_len] = v
+        o = F.scaled_dot_product_attention(
+            q,
+            k_buf[:, :, : slot + q_len],
+            v_buf[:, :, : slot + q_len],
+            attn_mask=allowed[None, None],
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )
         h = ml.residual(hidden, normed) + self.products.o(o.transpose(1, 2).reshape(q_len, -1))
         gate, up = self.products.gate_up(ml.post_attention_layernorm(h)).chunk(2, dim=-1)
         h = h + self.products.down(F.silu(gate) * up)
@@ -206,7 +218,7 @@ class Eagle3Proposer:
             return
         device = self.drafter.fc.weight.device
         g = self.fuse(aux.to(device))
-        next_tokens = torch.tensor(seq[start + 1: start + m + 1], device=device)
+        next_tokens = torch.tensor(seq[start + 1 : start + m + 1], device=device)
         positions = torch.arange(start, start + m, device=device)
         allowed = allowed_keys(positions, torch.arange(start + m, device=device), self.cfg.sliding_window)
         out = self.layer(g, next_tokens, positions, start, allowed)
@@ -244,17 +256,22 @@ class Eagle3Proposer:
             n_exp = anc.shape[0]
             # the frontier sees its ancestors and itself among expanded nodes
             new_anc = torch.cat([frontier_anc, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
-            anc = torch.cat([torch.cat([anc, torch.zeros(n_exp, k, dtype=torch.bool, device=device)], 1),
-                             new_anc], dim=0)
+            anc = torch.cat(
+                [torch.cat([anc, torch.zeros(n_exp, k, dtype=torch.bool, device=device)], 1), new_anc], dim=0
+            )
             positions = torch.full((k,), root_pos + depth, device=device)
             # the window is anchored where the node's chain left the context (training's step-k
             # query at position t sees step-0 keys (t - window, t]), not at its RoPE position
-            context = allowed_keys(torch.full((k,), root_pos, device=device),
-                                   torch.arange(self.context_len, device=device), self.cfg.sliding_window)
+            context = allowed_keys(
+                torch.full((k,), root_pos, device=device),
+                torch.arange(self.context_len, device=device),
+                self.cfg.sliding_window,
+            )
             allowed = torch.cat([context, new_anc], dim=1)
             # expanded nodes sit in buffer slots context_len + (their expansion index)
-            out = self.layer(frontier_hidden, self.draft_to_target[frontier_ids], positions,
-                             self.context_len + n_exp, allowed)
+            out = self.layer(
+                frontier_hidden, self.draft_to_target[frontier_ids], positions, self.context_len + n_exp, allowed
+            )
 
             child_scores, child_ids = self.log_probs(out).topk(k, dim=-1)  # [k, k]
             child_scores = child_scores + frontier_scores[:, None]
@@ -291,6 +308,7 @@ class Eagle3Proposer:
 # ---------------------------------------------------------------------------------------------
 # Prompt lookup (n-gram)
 # ---------------------------------------------------------------------------------------------
+
 
 class NgramProposer:
     """Prompt lookup: proposes, as a chain, the tokens that followed the latest earlier occurrence
@@ -330,7 +348,7 @@ class NgramProposer:
         # the n-grams that end at i - 1 and are followed by seq[i]: the last n-gram has no follower yet
         for i in range(max(self.indexed, 1), len(seq)):
             for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
-                self.follower[tuple(seq[i - n: i])] = i
+                self.follower[tuple(seq[i - n : i])] = i
         self.seq, self.indexed = seq, len(seq)
 
     def learn(self, seq: list[int]) -> None:
@@ -354,7 +372,7 @@ class NgramProposer:
         for n in range(min(self.max_ngram, len(self.seq)), self.min_ngram - 1, -1):
             at = self.follower.get(tuple(self.seq[-n:]))
             if at is not None and limit > 0:
-                chain = self.seq[at: at + limit]
+                chain = self.seq[at : at + limit]
                 # scored in full, also beyond what is proposed: what the target commits does not depend
                 # on the proposal (greedy: the tokens; sampled: their law), so a depth left out still
                 # learns, and can come back

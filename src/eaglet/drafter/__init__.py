@@ -19,25 +19,67 @@ Importers take these names from `eaglet.drafter`; the tests also reach into the 
 from eaglet.drafter.attention import DiagonalTTTAttention, allowed_keys, apply_rope, rope_cos_sin
 from eaglet.drafter.config import DEFAULT_TTT_STEPS, DraftConfig, build_draft_vocab
 from eaglet.drafter.model import DraftOutput, Eagle3Draft, load_embeddings_from, num_parameters
-from eaglet.drafter.parallel import (DFLASH, P_EAGLE, PARALLEL_FAMILIES, BlockOutput, DraftModel, ParallelDraft,
-                                     anchor_grid, build_model, position_weights, predicted_positions)
+from eaglet.drafter.parallel import (
+    DFLASH,
+    P_EAGLE,
+    PARALLEL_FAMILIES,
+    BlockOutput,
+    DraftModel,
+    ParallelDraft,
+    anchor_grid,
+    build_model,
+    position_weights,
+    predicted_positions,
+)
 from eaglet.drafter.objectives import STAT_ROWS, acceptance_length, block_loss, stats_summary, ttt_loss
-from eaglet.drafter.teacher import (DraftFirstHead, Teacher, TeacherHead, make_teacher, make_teacher_head,
-                                    target_top_k, teacher_from_top_k)
+from eaglet.drafter.teacher import (
+    DraftFirstHead,
+    Teacher,
+    TeacherHead,
+    make_teacher,
+    make_teacher_head,
+    target_top_k,
+    teacher_from_top_k,
+)
 
 __all__ = [
     # config
-    "DEFAULT_TTT_STEPS", "DraftConfig", "build_draft_vocab",
+    "DEFAULT_TTT_STEPS",
+    "DraftConfig",
+    "build_draft_vocab",
     # attention
-    "DiagonalTTTAttention", "allowed_keys", "apply_rope", "rope_cos_sin",
+    "DiagonalTTTAttention",
+    "allowed_keys",
+    "apply_rope",
+    "rope_cos_sin",
     # model
-    "DraftOutput", "Eagle3Draft", "load_embeddings_from", "num_parameters",
+    "DraftOutput",
+    "Eagle3Draft",
+    "load_embeddings_from",
+    "num_parameters",
     # parallel
-    "DFLASH", "P_EAGLE", "PARALLEL_FAMILIES", "BlockOutput", "DraftModel", "ParallelDraft", "anchor_grid", "build_model",
-    "position_weights", "predicted_positions",
+    "DFLASH",
+    "P_EAGLE",
+    "PARALLEL_FAMILIES",
+    "BlockOutput",
+    "DraftModel",
+    "ParallelDraft",
+    "anchor_grid",
+    "build_model",
+    "position_weights",
+    "predicted_positions",
     # teacher
-    "DraftFirstHead", "Teacher", "TeacherHead", "make_teacher", "make_teacher_head", "target_top_k",
+    "DraftFirstHead",
+    "Teacher",
+    "TeacherHead",
+    "make_teacher",
+    "make_teacher_head",
+    "target_top_k",
     "teacher_from_top_k",
     # objectives
-    "STAT_ROWS", "acceptance_length", "block_loss", "stats_summary", "ttt_loss",
+    "STAT_ROWS",
+    "acceptance_length",
+    "block_loss",
+    "stats_summary",
+    "ttt_loss",
 ]

@@ -31,6 +31,7 @@ TTT_KERNELS = (FLASH, CHUNKED)
 # RoPE
 # ---------------------------------------------------------------------------------------------
 
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [..., head_dim] for positions of any shape ([L], or [B, L] packed), Llama's
     half-rotation layout."""
@@ -50,6 +51,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Masks and the causal block
 # ---------------------------------------------------------------------------------------------
 
+
 def allowed_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
     """Bool [q, k]: query position t sees step-0 key position s when s <= t (and s > t - window)."""
     allowed = keys[None, :] <= queries[:, None]
@@ -58,8 +60,9 @@ def allowed_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None) 
     return allowed
 
 
-def document_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None,
-                  documents: torch.Tensor | None) -> torch.Tensor:
+def document_keys(
+    queries: torch.Tensor, keys: torch.Tensor, window: int | None, documents: torch.Tensor | None
+) -> torch.Tensor:
     """`allowed_keys`, and in packed rows ([B, L] `documents`) only keys of the query's own
     document: [q, k], or [B, q, k] packed. Documents are contiguous, so a window counted in row
     positions is the same window within the document."""
@@ -76,20 +79,27 @@ def step0_mask(L: int, window: int | None, documents: torch.Tensor | None, devic
     return mask if documents is None else mask[:, None]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
-                     documents: torch.Tensor | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """SDPA over step-0 keys: causal, or causal within a sliding window (a boolean band mask);
     packed rows (`documents`) within each document (a block-diagonal mask per row)."""
     gqa = q.shape[1] != k.shape[1]
     if documents is None and (window is None or window >= k.shape[2]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=step0_mask(k.shape[2], window, documents, q.device),
-                                          enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=step0_mask(k.shape[2], window, documents, q.device), enable_gqa=gqa
+    )
 
 
 @torch.no_grad()
-def causal_lse(q: torch.Tensor, k: torch.Tensor, chunk_size: int = DEFAULT_QUERY_CHUNK,
-               window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+def causal_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    chunk_size: int = DEFAULT_QUERY_CHUNK,
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
     """log sum_{s<=t} exp(scale q_t.k_s) per query, [B, heads, L], at least fp32; (chunk x L) scores at a time.
     Packed rows (`documents`): over the keys of the query's own document only."""
     B, nh, L, d = q.shape
@@ -99,9 +109,10 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, chunk_size: int = DEFAULT_QUERY
     out = []
     for s in range(0, L, chunk_size):
         e = min(L, s + chunk_size)
-        scores = torch.einsum("bhgcd,bhsd->bhgcs", qg[:, :, :, s:e], kf[:, :, :e]) * d ** -0.5
-        allowed = document_keys(torch.arange(s, e, device=q.device), torch.arange(e, device=q.device), window,
-                                documents)
+        scores = torch.einsum("bhgcd,bhsd->bhgcs", qg[:, :, :, s:e], kf[:, :, :e]) * d**-0.5
+        allowed = document_keys(
+            torch.arange(s, e, device=q.device), torch.arange(e, device=q.device), window, documents
+        )
         if documents is not None:  # [B, c, e] -> over kv heads and their query groups
             allowed = allowed[:, None, None]
         out.append(torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1))
@@ -114,8 +125,14 @@ class CausalLogSumExp(torch.autograd.Function):
     d lse_t / d k_s = scale * p_ts q_t, i.e. the value-gradient of SDPA(q, k, .) for grad g*q."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, chunk_size: int, window: int | None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        chunk_size: int,
+        window: int | None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(q, k)
         ctx.window, ctx.documents = window, documents
         return causal_lse(q, k, chunk_size, window, documents)
@@ -135,9 +152,17 @@ class CausalLogSumExp(torch.autograd.Function):
 # The two kernels of the diagonal TTT attention
 # ---------------------------------------------------------------------------------------------
 
-def chunked_diagonal_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, dk: torch.Tensor,
-                               dv: torch.Tensor, chunk_size: int, window: int | None,
-                               documents: torch.Tensor | None) -> torch.Tensor:
+
+def chunked_diagonal_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    chunk_size: int,
+    window: int | None,
+    documents: torch.Tensor | None,
+) -> torch.Tensor:
     """The "chunked" kernel: the causal block is fused SDPA (its output o_c) plus its log-sum-exp
     lse_c (`CausalLogSumExp`, scores made `chunk_size` queries at a time and never kept); the
     diagonal keys dk/dv [k, B, kv, L, d] give element-wise dot products s_j. One softmax over all:
@@ -148,9 +173,10 @@ def chunked_diagonal_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tens
     nkv = k0.shape[1]
     with torch.autocast(q.device.type, enabled=False):  # the merge stays fp32 under bf16 autocast
         lse_c = CausalLogSumExp.apply(q.float(), k0.float(), chunk_size, window, documents).view(
-            B, nkv, nh // nkv, L, 1)
+            B, nkv, nh // nkv, L, 1
+        )
         qg = q.float().view(B, nkv, nh // nkv, L, d)
-        diag = torch.einsum("bhgld,kbhld->bhglk", qg, dk.float()) * d ** -0.5  # one dot product per position and step
+        diag = torch.einsum("bhgld,kbhld->bhglk", qg, dk.float()) * d**-0.5  # one dot product per position and step
         lse = torch.logsumexp(torch.cat([lse_c, diag], dim=-1), dim=-1, keepdim=True)
         out = torch.exp(lse_c - lse) * o_c.float().view(B, nkv, nh // nkv, L, d)
         out = out + torch.einsum("bhglk,kbhld->bhgld", torch.exp(diag - lse), dv.float())
@@ -169,18 +195,26 @@ class FlashDiagonalAttention(torch.autograd.Function):
     the log-sum-exp's own backward (`CausalLogSumExp`) needs two more in fp32."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k0: torch.Tensor,
+        v0: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         B, nh, L, d = q.shape
         nkv = k0.shape[1]
         g = nh // nkv
         k0, v0 = k0.repeat_interleave(g, dim=1), v0.repeat_interleave(g, dim=1)  # the kernel wants equal heads
         if mask is not None:  # the kernel takes an additive mask of the query's dtype
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        o_c, lse_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k0, v0, 0.0, mask is None,
-                                                                               attn_mask=mask)
+        o_c, lse_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k0, v0, 0.0, mask is None, attn_mask=mask
+        )
         qg = q.float().view(B, nkv, g, L, d)
-        diag = torch.einsum("bhgld,kbhld->bhglk", qg, dk.float()) * d ** -0.5
+        diag = torch.einsum("bhgld,kbhld->bhglk", qg, dk.float()) * d**-0.5
         lse_c = lse_c.float().view(B, nkv, g, L, 1)
         lse = torch.logsumexp(torch.cat([lse_c, diag], dim=-1), dim=-1, keepdim=True)
         a, b = torch.exp(lse_c - lse), torch.exp(diag - lse)
@@ -197,19 +231,33 @@ class FlashDiagonalAttention(torch.autograd.Function):
         gf = grad.float().view(B, nkv, g, L, d)
         grad_c = (a * gf).reshape(B, nh, L, d).to(q.dtype)
         dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_c, q, k0, v0, out, lse_c, 0.0, mask is None, attn_mask=mask)
+            grad_c, q, k0, v0, out, lse_c, 0.0, mask is None, attn_mask=mask
+        )
         row = (gf * out.float().view(B, nkv, g, L, d)).sum(-1, keepdim=True)  # dO.out per query
         ds = b * (torch.einsum("bhgld,kbhld->bhglk", gf, dv.float()) - row)  # the diagonal scores' gradients
         dq = dq.float().view(B, nkv, g, L, d) + scale * torch.einsum("bhglk,kbhld->bhgld", ds, dk.float())
         qg = q.float().view(B, nkv, g, L, d)
         ddk = scale * torch.einsum("bhglk,bhgld->kbhld", ds, qg)
         ddv = torch.einsum("bhglk,bhgld->kbhld", b, gf)
-        return (dq.reshape(B, nh, L, d).to(q.dtype), dk0.view(B, nkv, g, L, d).sum(2).to(k0.dtype),
-                dv0.view(B, nkv, g, L, d).sum(2).to(v0.dtype), ddk.to(dk.dtype), ddv.to(dv.dtype), None)
+        return (
+            dq.reshape(B, nh, L, d).to(q.dtype),
+            dk0.view(B, nkv, g, L, d).sum(2).to(k0.dtype),
+            dv0.view(B, nkv, g, L, d).sum(2).to(v0.dtype),
+            ddk.to(dk.dtype),
+            ddv.to(dv.dtype),
+            None,
+        )
 
 
-def flash_diagonal_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, dk: torch.Tensor,
-                             dv: torch.Tensor, window: int | None, documents: torch.Tensor | None) -> torch.Tensor:
+def flash_diagonal_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    window: int | None,
+    documents: torch.Tensor | None,
+) -> torch.Tensor:
     """The "flash" kernel (`FlashDiagonalAttention`) with its step-0 mask; the CPU's only."""
     if q.device.type != "cpu":
         raise ValueError(f"the {FLASH!r} TTT kernel is the CPU's flash attention; on {q.device.type} use {CHUNKED!r}")
@@ -230,9 +278,17 @@ def check_kernel(kernel: str) -> str:
     return kernel
 
 
-def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
-                           diag_v: list[torch.Tensor], kernel: str, chunk_size: int = DEFAULT_QUERY_CHUNK,
-                           window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+def diagonal_ttt_attention(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    diag_k: list[torch.Tensor],
+    diag_v: list[torch.Tensor],
+    kernel: str,
+    chunk_size: int = DEFAULT_QUERY_CHUNK,
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention over step-0 keys plus one same-position key per later step, jointly
     softmaxed, by the named `kernel` ("flash" or "chunked"; `chunk_size` is the chunked one's).
     `window`: the causal block sees only the last `window` positions; `documents` [B, L] (packed
@@ -248,6 +304,7 @@ def diagonal_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, 
 # ---------------------------------------------------------------------------------------------
 # The attention core of one TTT unroll
 # ---------------------------------------------------------------------------------------------
+
 
 class TTTAttentionCore(Protocol):
     """Holds the keys/values of earlier TTT steps of one unroll; returns attention outputs.
@@ -267,8 +324,13 @@ class DiagonalTTTAttention:
     """The efficient TTT attention core: keeps step-0 keys and the per-step diagonal keys.
     `kernel` names how it computes ("flash" or "chunked"); None: the device's `default_kernel`."""
 
-    def __init__(self, kernel: str | None = None, chunk_size: int = DEFAULT_QUERY_CHUNK,
-                 window: int | None = None, documents: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        kernel: str | None = None,
+        chunk_size: int = DEFAULT_QUERY_CHUNK,
+        window: int | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> None:
         self.kernel = None if kernel is None else check_kernel(kernel)
         self.chunk_size, self.window, self.documents = chunk_size, window, documents
         self.k0: torch.Tensor | None = None
@@ -282,6 +344,14 @@ class DiagonalTTTAttention:
         else:
             self.diag_k.append(k)
             self.diag_v.append(v)
-        return diagonal_ttt_attention(q, self.k0, self.v0, self.diag_k, self.diag_v,
-                                      self.kernel or default_kernel(q.device), self.chunk_size, self.window,
-                                      self.documents)
+        return diagonal_ttt_attention(
+            q,
+            self.k0,
+            self.v0,
+            self.diag_k,
+            self.diag_v,
+            self.kernel or default_kernel(q.device),
+            self.chunk_size,
+            self.window,
+            self.documents,
+        )

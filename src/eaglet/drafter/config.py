@@ -33,8 +33,11 @@ def attention_shape(c: Any) -> tuple[int, int, int]:
     MLA_MAX_WIDTH x hidden, else hidden / value width heads over MLA_NARROW_KV_HEADS."""
     heads = c.num_attention_heads
     if getattr(c, "kv_lora_rank", None) is None:
-        return heads, getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or \
-            c.hidden_size // heads
+        return (
+            heads,
+            getattr(c, "num_key_value_heads", None) or heads,
+            getattr(c, "head_dim", None) or c.hidden_size // heads,
+        )
     head_dim = c.v_head_dim
     if heads * head_dim <= MLA_MAX_WIDTH * c.hidden_size:
         return heads, heads, head_dim
@@ -73,23 +76,36 @@ class DraftConfig:
             raise ValueError("an EAGLE-3 drafter has one layer and no block_size or mask_token_id")
         if parallel:
             if self.num_layers < 1 or self.block_size < 2:
-                raise ValueError(f"a {self.family} drafter needs num_layers >= 1 (got {self.num_layers}) and "
-                                 f"block_size >= 2 (got {self.block_size})")
+                raise ValueError(
+                    f"a {self.family} drafter needs num_layers >= 1 (got {self.num_layers}) and "
+                    f"block_size >= 2 (got {self.block_size})"
+                )
             if self.mask_token_id is None or not 0 <= self.mask_token_id < self.target_vocab_size:
-                raise ValueError(f"mask_token_id {self.mask_token_id}: a {self.family} drafter needs a target token "
-                                 f"id in [0, {self.target_vocab_size})")
+                raise ValueError(
+                    f"mask_token_id {self.mask_token_id}: a {self.family} drafter needs a target token "
+                    f"id in [0, {self.target_vocab_size})"
+                )
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):  # RoPE's base: a frequency of theta^(-i/d)
             raise ValueError(f"rope_theta {self.rope_theta}: must be > 0 and finite")
         if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):  # below 0 a zero row's norm is NaN
             raise ValueError(f"rms_norm_eps {self.rms_norm_eps}: must be > 0 and finite")
-        sizes = {"hidden_size": self.hidden_size, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
-                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
-                 "max_position_embeddings": self.max_position_embeddings, "target_vocab_size": self.target_vocab_size}
+        sizes = {
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "target_vocab_size": self.target_vocab_size,
+        }
         bad = [f"{name} {value}" for name, value in sizes.items() if not (isinstance(value, int) and value >= 1)]
         if bad:
             raise ValueError(f"{', '.join(bad)}: must be whole numbers >= 1")
-        switches = {"fc_norm": self.fc_norm, "norm_output": self.norm_output,
-                    "norm_before_residual": self.norm_before_residual}
+        switches = {
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
+            "norm_before_residual": self.norm_before_residual,
+        }
         not_bool = [f"{name} {value!r}" for name, value in switches.items() if not isinstance(value, bool)]
         if not_bool:  # "yes" would be exported as it is, and read as on by one engine, off by another
             raise ValueError(f"{', '.join(not_bool)}: must be true or false")
@@ -103,8 +119,9 @@ class DraftConfig:
             raise ValueError(f"sliding_window {self.sliding_window} must be >= 1 (or None for full attention)")
 
     @classmethod
-    def from_target(cls, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int | None = None,
-                    **overrides: Any) -> DraftConfig:
+    def from_target(
+        cls, target_config: Any, aux_layer_ids: list[int], draft_vocab_size: int | None = None, **overrides: Any
+    ) -> DraftConfig:
         """One Llama layer shaped like the target's layers (the EAGLE-3 default; `attention_shape`
         for an MLA target)."""
         c = target_config
@@ -112,13 +129,19 @@ class DraftConfig:
         vocab = c.vocab_size
         heads, kv_heads, head_dim = attention_shape(c)
         values = dict(
-            hidden_size=c.hidden_size, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            hidden_size=c.hidden_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             intermediate_size=c.intermediate_size,
             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
             rope_theta=getattr(c, "rope_theta", None) or rope.get("rope_theta", 10000.0),
-            max_position_embeddings=layers.config_positions(c), target_vocab_size=vocab,
-            draft_vocab_size=draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab), aux_layer_ids=list(aux_layer_ids),
-            target_hidden_size=c.hidden_size)
+            max_position_embeddings=layers.config_positions(c),
+            target_vocab_size=vocab,
+            draft_vocab_size=draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab),
+            aux_layer_ids=list(aux_layer_ids),
+            target_hidden_size=c.hidden_size,
+        )
         values.update(overrides)
         return cls(**values)
 
@@ -138,8 +161,9 @@ class DraftConfig:
         return asdict(self)
 
 
-def build_draft_vocab(token_freq: dict[int, int], target_vocab_size: int,
-                      draft_vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def build_draft_vocab(
+    token_freq: dict[int, int], target_vocab_size: int, draft_vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) for the `draft_vocab_size` most frequent loss-masked tokens.
 
     Draft ids are the chosen target ids in ascending order (as EAGLE does), so
@@ -149,8 +173,9 @@ def build_draft_vocab(token_freq: dict[int, int], target_vocab_size: int,
     size = draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, target_vocab_size)
     if not 0 < size <= target_vocab_size:
         raise ValueError(f"draft vocab size {size} must be in [1, target vocab {target_vocab_size}]")
-    ranked = sorted(((c, t) for t, c in token_freq.items() if 0 <= t < target_vocab_size and c > 0),
-                    key=lambda ct: (-ct[0], ct[1]))
+    ranked = sorted(
+        ((c, t) for t, c in token_freq.items() if 0 <= t < target_vocab_size and c > 0), key=lambda ct: (-ct[0], ct[1])
+    )
     chosen = {t for _, t in ranked[:size]}
     filler = (t for t in range(target_vocab_size) if t not in chosen)
     while len(chosen) < size:

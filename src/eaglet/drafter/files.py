@@ -25,8 +25,7 @@ from eaglet.drafter.config import DraftConfig
 from eaglet.drafter.parallel import DraftModel, build_model
 from eaglet.formats.drafters import SECTION, plain_rope_theta, read_field
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
-from eaglet.target import (find_target_gguf, load_heads, resolve_target, serving_name, target_vocabulary,
-                           text_config)
+from eaglet.target import find_target_gguf, load_heads, resolve_target, serving_name, target_vocabulary, text_config
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +66,17 @@ def expected_tensors(cfg: DraftConfig) -> dict[str, torch.Tensor]:
 def layer_id_problems(cfg: DraftConfig) -> list[str]:
     ids = cfg.aux_layer_ids
     if not ids:
-        return ["field aux_layer_ids is missing or empty: the engines would capture their default layers, "
-                "not necessarily the ones the drafter was trained on"]
+        return [
+            "field aux_layer_ids is missing or empty: the engines would capture their default layers, "
+            "not necessarily the ones the drafter was trained on"
+        ]
     problem = layers.aux_ids_problem(ids)
     # Engines concatenate the captured states in layer order, so the ids must increase.
-    return [f"field aux_layer_ids {ids}: {problem}; fc takes the three states concatenated in that order"] if problem else []
+    return (
+        [f"field aux_layer_ids {ids}: {problem}; fc takes the three states concatenated in that order"]
+        if problem
+        else []
+    )
 
 
 def kind(t: torch.Tensor) -> str:
@@ -87,8 +92,10 @@ def vocab_problems(cfg: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor) -> li
     wrong = (targets != marked).nonzero().flatten()
     if wrong.numel():
         i = int(wrong[0])
-        return [f"field d2t disagrees with t2d at {wrong.numel()} draft ids: draft id {i} + d2t[{i}] = "
-                f"{int(targets[i])}, but the {i}-th target id marked in t2d is {int(marked[i])}"]
+        return [
+            f"field d2t disagrees with t2d at {wrong.numel()} draft ids: draft id {i} + d2t[{i}] = "
+            f"{int(targets[i])}, but the {i}-th target id marked in t2d is {int(marked[i])}"
+        ]
     return []
 
 
@@ -97,8 +104,10 @@ def weight_problems(cfg: DraftConfig, tensors: dict[str, torch.Tensor], fmt: str
     expected = expected_tensors(cfg)
     shown = {name: formats.format_name(name, fmt, cfg.family) for name in expected.keys() | tensors.keys()}
     problems = [f"field {shown[n]} missing{MISSING_WHY.get(n, '')}" for n in sorted(expected.keys() - tensors.keys())]
-    problems += [f"unknown tensor {shown[n]} {list(tensors[n].shape)} (eaglet's drafter has no such weight)"
-                 for n in sorted(tensors.keys() - expected.keys())]
+    problems += [
+        f"unknown tensor {shown[n]} {list(tensors[n].shape)} (eaglet's drafter has no such weight)"
+        for n in sorted(tensors.keys() - expected.keys())
+    ]
     sound = set()
     for name in sorted(expected.keys() & tensors.keys()):
         want, got = expected[name], tensors[name]
@@ -107,9 +116,11 @@ def weight_problems(cfg: DraftConfig, tensors: dict[str, torch.Tensor], fmt: str
         elif kind(got) != kind(want):
             problems.append(f"field {shown[name]} is {got.dtype}, expected a {kind(want)} tensor")
         elif got.is_floating_point() and got.dtype not in FLOAT_DTYPES:
-            problems.append(f"field {shown[name]} is {got.dtype}, expected one of "
-                            f"{', '.join(str(d) for d in FLOAT_DTYPES)} (quantized weights are not read: "
-                            "dequantize them first)")
+            problems.append(
+                f"field {shown[name]} is {got.dtype}, expected one of "
+                f"{', '.join(str(d) for d in FLOAT_DTYPES)} (quantized weights are not read: "
+                "dequantize them first)"
+            )
         elif got.is_floating_point() and not torch.isfinite(got).all():
             problems.append(f"field {shown[name]} holds NaN or Inf")
         else:
@@ -119,8 +130,13 @@ def weight_problems(cfg: DraftConfig, tensors: dict[str, torch.Tensor], fmt: str
     return problems
 
 
-def check_drafter(cfg: DraftConfig, tensors: dict[str, torch.Tensor], config_where: Path | str,
-                  weights_where: Path | str, fmt: str = formats.FORMAT_EAGLET) -> None:
+def check_drafter(
+    cfg: DraftConfig,
+    tensors: dict[str, torch.Tensor],
+    config_where: Path | str,
+    weights_where: Path | str,
+    fmt: str = formats.FORMAT_EAGLET,
+) -> None:
     """Raise one ValueError listing every problem, each with the file and field it is about."""
     problems = [f"{config_where}: {p}" for p in layer_id_problems(cfg)]
     problems += [f"{weights_where}: {p}" for p in weight_problems(cfg, tensors, fmt)]
@@ -144,8 +160,10 @@ def target_embeddings(target: str) -> torch.Tensor:
 def default_aux_layer_ids(target: str | None, where: Path) -> list[int]:
     """What the engines capture when a folder names no ids: [2, N//2, N-3] of an N-layer target."""
     if target is None:
-        raise ValueError(f"{where}: no eagle_aux_hidden_state_layer_ids; the engines then capture [2, N//2, N-3] "
-                         f"of an N-layer target: pass the target so eaglet can read N")
+        raise ValueError(
+            f"{where}: no eagle_aux_hidden_state_layer_ids; the engines then capture [2, N//2, N-3] "
+            f"of an N-layer target: pass the target so eaglet can read N"
+        )
     return layers.default_aux_ids(text_config(resolve_target(target)).num_hidden_layers)
 
 
@@ -155,8 +173,11 @@ def whole_vocabulary_head(cfg: DraftConfig, target: str) -> dict[str, torch.Tens
     if cfg.draft_vocab_size != cfg.target_vocab_size:
         return {}  # a reduced vocabulary needs its own head: left missing, and named so
     head = load_heads(resolve_target(target), torch.float32, roles=(heads.LM_HEAD,)).head().weight
-    return {LM_HEAD: head.detach().clone(), "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
-            "t2d": torch.ones(cfg.target_vocab_size, dtype=torch.bool)}
+    return {
+        LM_HEAD: head.detach().clone(),
+        "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
+        "t2d": torch.ones(cfg.target_vocab_size, dtype=torch.bool),
+    }
 
 
 def drop_ignorable(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
@@ -181,8 +202,10 @@ def refuse_edited_engine_fields(c: dict[str, Any], cfg: DraftConfig, where: Path
     edited = [k for k in implied if k != "eaglet" and k in c and c[k] != implied[k]]
     if edited:
         k = edited[0]
-        raise ValueError(f"{where}: field {k} {c[k]!r} is not what eaglet.draft_config implies ({implied[k]!r}); the "
-                         "file was edited: restore it (or export from another checkpoint)")
+        raise ValueError(
+            f"{where}: field {k} {c[k]!r} is not what eaglet.draft_config implies ({implied[k]!r}); the "
+            "file was edited: restore it (or export from another checkpoint)"
+        )
     if not families.family(cfg.family).parallel:  # RoPE keys eaglet never writes, but SGLang would read as set
         plain_rope_theta(c, str(where))
 
@@ -207,8 +230,7 @@ def read_drafter(path: str | Path, target: str | None = None) -> Drafter:
             cfg = DraftConfig(**fields, aux_layer_ids=ids)
         except ValueError as e:
             raise ValueError(f"{config_path}: {e}") from e
-        tensors = formats.from_format_names(drop_ignorable(stored, weights_where), fmt, weights_where,
-                                            cfg.family)
+        tensors = formats.from_format_names(drop_ignorable(stored, weights_where), fmt, weights_where, cfg.family)
     from_target = False
     if EMBEDDINGS not in tensors and target is not None:
         tensors[EMBEDDINGS], from_target = target_embeddings(target), True
@@ -234,8 +256,10 @@ def recorded_target_revision(d: Drafter) -> str | None:
     else:
         field, value = "eaglet_export.target_revision", export_record(d).get("target_revision")
     if value is not None and not (isinstance(value, str) and value):
-        raise ValueError(f"{d.folder / formats.DRAFTER_CONFIG_FILE}: field {field} {value!r} is not a revision (a "
-                         "content hash eaglet records); restore the file")
+        raise ValueError(
+            f"{d.folder / formats.DRAFTER_CONFIG_FILE}: field {field} {value!r} is not a revision (a "
+            "content hash eaglet records); restore the file"
+        )
     return value
 
 
@@ -250,8 +274,10 @@ def recorded_target(d: Drafter) -> str | None:
     else:
         field, value = "eaglet_export.target", export_record(d).get("target")
     if value is not None and not (isinstance(value, str) and value):
-        raise ValueError(f"{d.folder / formats.DRAFTER_CONFIG_FILE}: field {field} {value!r} is not a model folder "
-                         "or hub id; write the target's folder or id there, or pass --target")
+        raise ValueError(
+            f"{d.folder / formats.DRAFTER_CONFIG_FILE}: field {field} {value!r} is not a model folder "
+            "or hub id; write the target's folder or id there, or pass --target"
+        )
     return value
 
 
@@ -271,12 +297,17 @@ def load_draft_weights(model: DraftModel, folder: Path, keep_frozen: bool = Fals
     tensors = bool_mask(formats.read_safetensors(folder / MODEL_FILE))
     check_drafter(model.config, tensors, folder / formats.DRAFTER_CONFIG_FILE, folder / MODEL_FILE)
     if keep_frozen:
-        changed = [n for n, p in model.named_parameters()
-                   if not p.requires_grad and not torch.equal(tensors[n].to(p.device, p.dtype), p.detach())]
+        changed = [
+            n
+            for n, p in model.named_parameters()
+            if not p.requires_grad and not torch.equal(tensors[n].to(p.device, p.dtype), p.detach())
+        ]
         if changed:
-            raise ValueError(f"{folder / MODEL_FILE}: field {changed[0]} is not the target's (it is frozen in "
-                             "training, so the checkpoint was changed since): resume from an earlier checkpoint "
-                             "(point latest.json at it) or train into another --out")
+            raise ValueError(
+                f"{folder / MODEL_FILE}: field {changed[0]} is not the target's (it is frozen in "
+                "training, so the checkpoint was changed since): resume from an earlier checkpoint "
+                "(point latest.json at it) or train into another --out"
+            )
     model.load_state_dict(tensors)
 
 
@@ -324,21 +355,33 @@ def write_gguf(d: Drafter, out: Path, dtype: str, target_gguf: str | Path | None
         raise ValueError(f"--out {out}: --format gguf writes one file; give a path ending {formats.GGUF_SUFFIX}")
     if out.exists():
         raise FileExistsError(f"--out {out} already exists; remove it or choose another path")
-    source = find_target_gguf(target_gguf, recorded_target(d),
-                              "the drafter must carry that tokenizer, llama-server checks it")
+    source = find_target_gguf(
+        target_gguf, recorded_target(d), "the drafter must carry that tokenizer, llama-server checks it"
+    )
     tensors = {k: v for k, v in d.tensors.items() if k not in (EMBEDDINGS, "t2d")}
     recorded = recorded_target(d)
-    provenance = {"eaglet_version": __version__, "source_format": d.format, "target": recorded,
-                  "target_revision": recorded_target_revision(d), "tokenizer_from": source.name,
-                  "step": (d.source.get("eaglet") or {}).get("step")}
-    size = formats.write_gguf_drafter(out, d.config, tensors, source, WEIGHT_DTYPES[dtype],
-                                      name=f"eaglet drafter for {recorded or 'its target'}",
-                                      provenance=json.dumps(provenance), expected_tokens=target_vocabulary(recorded))
+    provenance = {
+        "eaglet_version": __version__,
+        "source_format": d.format,
+        "target": recorded,
+        "target_revision": recorded_target_revision(d),
+        "tokenizer_from": source.name,
+        "step": (d.source.get("eaglet") or {}).get("step"),
+    }
+    size = formats.write_gguf_drafter(
+        out,
+        d.config,
+        tensors,
+        source,
+        WEIGHT_DTYPES[dtype],
+        name=f"eaglet drafter for {recorded or 'its target'}",
+        provenance=json.dumps(provenance),
+        expected_tokens=target_vocabulary(recorded),
+    )
     return source, len(tensors), size
 
 
-def export_gguf_file(path: str | Path, out: str | Path, target_gguf: str | Path | None,
-                     dtype: str = "bf16") -> Path:
+def export_gguf_file(path: str | Path, out: str | Path, target_gguf: str | Path | None, dtype: str = "bf16") -> Path:
     """The drafter at `path` (checked) written as llama.cpp's GGUF at `out`; returns `out`."""
     write_gguf(read_drafter(path), Path(out), dtype, target_gguf)
     return Path(out)
@@ -347,6 +390,7 @@ def export_gguf_file(path: str | Path, out: str | Path, target_gguf: str | Path 
 # ---------------------------------------------------------------------------------------------
 # Folders the serving engines load (export's speculators and eagle formats; eval's vLLM methods)
 # ---------------------------------------------------------------------------------------------
+
 
 def unservable(cfg: DraftConfig, fmt: str) -> list[str]:
     """Variants a format's engine would load and then run wrongly, or cannot load at all."""
@@ -366,24 +410,35 @@ def format_warnings(cfg: DraftConfig, fmt: str) -> list[str]:
     if fmt == formats.FORMAT_EAGLE and cfg.norm_output:
         notes.append("norm_output: engines without EAGLE-3.1 support ignore it and feed back the pre-norm state")
     if cfg.sliding_window is not None:
-        notes.append(f"sliding window {cfg.sliding_window} (layer_types sliding_attention): an engine that ignores it "
-                     "runs the drafter with full attention, which differs once a context is longer than the window")
+        notes.append(
+            f"sliding window {cfg.sliding_window} (layer_types sliding_attention): an engine that ignores it "
+            "runs the drafter with full attention, which differs once a context is longer than the window"
+        )
     if fmt == formats.FORMAT_EAGLE and cfg.norm_before_residual:
-        notes.append("norm_before_residual: engines that do not read it keep the un-normalised residual; vLLM and "
-                     "speculators read it (--format speculators is the safe choice)")
+        notes.append(
+            "norm_before_residual: engines that do not read it keep the un-normalised residual; vLLM and "
+            "speculators read it (--format speculators is the safe choice)"
+        )
     if fmt == formats.FORMAT_SPECULATORS and cfg.target_hidden_size != cfg.hidden_size:
-        notes.append(f"target_hidden_size {cfg.target_hidden_size} != hidden_size {cfg.hidden_size}: vLLM reads it, "
-                     "but the speculators library (0.9) sizes fc by hidden_size and cannot load this folder itself")
+        notes.append(
+            f"target_hidden_size {cfg.target_hidden_size} != hidden_size {cfg.hidden_size}: vLLM reads it, "
+            "but the speculators library (0.9) sizes fc by hidden_size and cannot load this folder itself"
+        )
     if fmt == formats.FORMAT_EAGLE and cfg.fc_norm:
-        notes.append("fc_norm (norm_before_fc: one RMSNorm before fc, input_norm.weight): SGLang reads it from 0.5.23 "
-                     "on (llama_eagle3.py); older SGLang skips input_norm.weight without a word and drafts wrongly")
+        notes.append(
+            "fc_norm (norm_before_fc: one RMSNorm before fc, input_norm.weight): SGLang reads it from 0.5.23 "
+            "on (llama_eagle3.py); older SGLang skips input_norm.weight without a word and drafts wrongly"
+        )
     family = families.family(cfg.family)
     if fmt == formats.FORMAT_SPECULATORS and family.vllm_served[1] is not None:
-        notes.append(f"{family.title} is served by {vllm_engine.serving_versions(cfg.family)} only; newer vLLM "
-                     "refuse it")
+        notes.append(
+            f"{family.title} is served by {vllm_engine.serving_versions(cfg.family)} only; newer vLLM refuse it"
+        )
     if fmt == formats.FORMAT_EAGLE and cfg.aux_layer_ids[0] != 2:
-        notes.append(f"aux layer ids {cfg.aux_layer_ids} do not start at 2: SGLang releases with sgl-project/sglang"
-                     f"#25454 read eagle_config ids whose first is not 1 without the +1, one layer off")
+        notes.append(
+            f"aux layer ids {cfg.aux_layer_ids} do not start at 2: SGLang releases with sgl-project/sglang"
+            f"#25454 read eagle_config ids whose first is not 1 without the +1, one layer off"
+        )
     return notes
 
 
@@ -403,14 +458,18 @@ def refuse_own_head_for_sglang(d: Drafter, target: str | None) -> None:
     head is not the target's rows (trained, not frozen at --lm-head-init target) would draft
     garbage there, silently. Checked against the target's head."""
     if not target:
-        raise ValueError(f"{d.folder}: no target recorded; pass --verifier so the DFlash drafter's LM head can be "
-                         "checked against the target's (SGLang drafts with the target's own)")
+        raise ValueError(
+            f"{d.folder}: no target recorded; pass --verifier so the DFlash drafter's LM head can be "
+            "checked against the target's (SGLang drafts with the target's own)"
+        )
     head = load_heads(resolve_target(target), torch.float32, roles=(heads.LM_HEAD,)).head().weight
     rows = head[torch.arange(d.config.draft_vocab_size) + d.tensors["d2t"]]
     if not torch.allclose(rows, d.tensors["lm_head.weight"].float(), rtol=1e-3, atol=1e-5):
-        raise ValueError(f"{d.folder}: the drafter's LM head is its own, but SGLang's DFLASH drafts with the "
-                         f"target's: train with --lm-head-init target --freeze-lm-head for SGLang, or use "
-                         f"--format speculators (vLLM loads the drafter's own head)")
+        raise ValueError(
+            f"{d.folder}: the drafter's LM head is its own, but SGLang's DFLASH drafts with the "
+            f"target's: train with --lm-head-init target --freeze-lm-head for SGLang, or use "
+            f"--format speculators (vLLM loads the drafter's own head)"
+        )
 
 
 @dataclass
@@ -423,8 +482,9 @@ class EngineFolder:
     notes: list[str]
 
 
-def write_engine_folder(d: Drafter, out: Path, fmt: str, dtype: str = "bf16", verifier: str | None = None,
-                        speculative_tokens: int = 3) -> EngineFolder:
+def write_engine_folder(
+    d: Drafter, out: Path, fmt: str, dtype: str = "bf16", verifier: str | None = None, speculative_tokens: int = 3
+) -> EngineFolder:
     """The drafter as a folder an engine loads (config.json + model.safetensors, atomically): `fmt`
     speculators (vLLM) or eagle (SGLang, the official EAGLE-3 code); refused where the engine would
     load it and then run it wrongly (`unservable`), with what depends on the engine's version said."""
@@ -435,26 +495,37 @@ def write_engine_folder(d: Drafter, out: Path, fmt: str, dtype: str = "bf16", ve
     torch_dtype = formats.DTYPE_NAMES[WEIGHT_DTYPES[dtype]]
     recorded = recorded_target(d)
     target = verifier or (serving_name(recorded) if recorded else None)
-    provenance = {"eaglet_version": __version__, "source_format": d.format, "target": target,
-                  "target_revision": recorded_target_revision(d), "step": (d.source.get("eaglet") or {}).get("step")}
+    provenance = {
+        "eaglet_version": __version__,
+        "source_format": d.format,
+        "target": target,
+        "target_revision": recorded_target_revision(d),
+        "step": (d.source.get("eaglet") or {}).get("step"),
+    }
     traits = families.family(d.config.family)
     if traits.injects_context and fmt == formats.FORMAT_EAGLE:  # z-lab's layout, SGLang's DFLASH
         refuse_own_head_for_sglang(d, verifier or recorded)
         config = formats.build_dflash_config(d.config, torch_dtype, provenance)
     elif traits.parallel:
         if not target:
-            raise ValueError(f"{d.folder}: no target recorded; pass --verifier (vLLM's speculators_config.verifier."
-                             f"name_or_path is required)")
-        config = formats.build_parallel_speculators_config(d.config, torch_dtype, target,
-                                                           verifier_architectures(target), provenance)
+            raise ValueError(
+                f"{d.folder}: no target recorded; pass --verifier (vLLM's speculators_config.verifier."
+                f"name_or_path is required)"
+            )
+        config = formats.build_parallel_speculators_config(
+            d.config, torch_dtype, target, verifier_architectures(target), provenance
+        )
     elif fmt == formats.FORMAT_EAGLE:
         config = formats.build_eagle_config(d.config, torch_dtype, provenance)
     else:
         if not target:
-            raise ValueError(f"{d.folder}: no target recorded; pass --verifier (vLLM's speculators_config.verifier."
-                             f"name_or_path is required)")
-        config = formats.build_speculators_config(d.config, torch_dtype, target, verifier_architectures(target),
-                                                  speculative_tokens, provenance)
+            raise ValueError(
+                f"{d.folder}: no target recorded; pass --verifier (vLLM's speculators_config.verifier."
+                f"name_or_path is required)"
+            )
+        config = formats.build_speculators_config(
+            d.config, torch_dtype, target, verifier_architectures(target), speculative_tokens, provenance
+        )
     notes = format_warnings(d.config, fmt)
     for n in notes:
         log.warning("%s: %s", out, n)

@@ -82,8 +82,9 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                core: TTTAttentionCore) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, core: TTTAttentionCore
+    ) -> torch.Tensor:
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         h = self.residual(hidden, normed) + self.self_attn(x, cos, sin, core)
@@ -171,9 +172,15 @@ class Eagle3Draft(Drafter):
             aux_hidden = self.fc_norm(aux_hidden)
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
-    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int = DEFAULT_TTT_STEPS,
-                attention: Callable[[], TTTAttentionCore] = DiagonalTTTAttention,
-                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> DraftOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        steps: int = DEFAULT_TTT_STEPS,
+        attention: Callable[[], TTTAttentionCore] = DiagonalTTTAttention,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> DraftOutput:
         """Unroll `steps` TTT steps over right-padded sequences, or over packed rows.
 
         input_ids [B, L] are the sample's tokens; aux_hidden [B, L, 3H] the target's aux states at

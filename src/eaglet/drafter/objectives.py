@@ -52,8 +52,9 @@ def soft_cross_entropy(logits: torch.Tensor, log_probs: torch.Tensor, ids: torch
     return torch.logsumexp(z, dim=-1) - (log_probs.float().exp() * picked).sum(-1)
 
 
-def objective_loss(logits: torch.Tensor, log_probs: torch.Tensor, ids: torch.Tensor | None,
-                   objective: str) -> torch.Tensor:
+def objective_loss(
+    logits: torch.Tensor, log_probs: torch.Tensor, ids: torch.Tensor | None, objective: str
+) -> torch.Tensor:
     """Per-row loss of draft logits [N, Vd] against the teacher's log-probabilities (dense [N, Vd],
     or sparse [N, k] over draft ids `ids`):
     - "ce": soft cross-entropy -sum p log q (KL(p || q) plus the teacher's entropy);
@@ -75,9 +76,15 @@ def objective_loss(logits: torch.Tensor, log_probs: torch.Tensor, ids: torch.Ten
     return weight * kl + (1 - weight) * (1 - overlap)
 
 
-def ttt_loss(out: DraftOutput, teacher: Teacher, positions: torch.Tensor, decay: float = STEP_WEIGHT_DECAY,
-             feature_weight: float = 0.0, documents: torch.Tensor | None = None,
-             objective: str = "ce") -> tuple[torch.Tensor, StepStats]:
+def ttt_loss(
+    out: DraftOutput,
+    teacher: Teacher,
+    positions: torch.Tensor,
+    decay: float = STEP_WEIGHT_DECAY,
+    feature_weight: float = 0.0,
+    documents: torch.Tensor | None = None,
+    objective: str = "ce",
+) -> tuple[torch.Tensor, StepStats]:
     """Sum over steps of decay^k * mean soft cross-entropy vs the target, and per-step sums.
 
     Step k at position t predicts token t+k+2 from the target's distribution at position t+k+1.
@@ -93,25 +100,28 @@ def ttt_loss(out: DraftOutput, teacher: Teacher, positions: torch.Tensor, decay:
     L = positions.shape[1]
     for k, hidden in enumerate(out.hidden):
         n_pos = max(0, L - k - 2)  # positions whose predicted token (t+k+2) is inside the sequence
-        sel = positions[:, k + 2:].bool()  # [B, n_pos]
+        sel = positions[:, k + 2 :].bool()  # [B, n_pos]
         if documents is not None:  # the predicted token must be of the same sample
-            sel = sel & (documents[:, k + 2:] == documents[:, :n_pos])
+            sel = sel & (documents[:, k + 2 :] == documents[:, :n_pos])
         h = hidden[:, :n_pos][sel]  # [N, H] the counted positions only
 
         def teacher_at(x: torch.Tensor) -> torch.Tensor:  # the teacher's rows for them (t+k+1)
-            return x[:, k + 1: k + 1 + n_pos][sel]
+            return x[:, k + 1 : k + 1 + n_pos][sel]
 
         drafted = teacher_at(teacher.in_draft)
         logits = out.head(h)
-        ce = objective_loss(logits, teacher_at(teacher.log_probs),
-                            None if teacher.ids is None else teacher_at(teacher.ids), objective)
+        ce = objective_loss(
+            logits, teacher_at(teacher.log_probs), None if teacher.ids is None else teacher_at(teacher.ids), objective
+        )
         n = drafted.sum()
         step_sum = (ce * drafted).sum()
         step_loss = step_sum / n.clamp(min=1)
         if feature_weight and teacher.features is not None:
             target = teacher_at(teacher.features).float()
-            step_loss = step_loss + feature_weight * F.smooth_l1_loss(h.float(), target, reduction="none").mean(-1).mean()
-        total = total + (decay ** k) * step_loss
+            step_loss = (
+                step_loss + feature_weight * F.smooth_l1_loss(h.float(), target, reduction="none").mean(-1).mean()
+            )
+        total = total + (decay**k) * step_loss
         with torch.no_grad():
             hit = (logits.argmax(-1) == teacher_at(teacher.argmax)) & drafted
         loss_sum.append(step_sum.detach())
@@ -130,8 +140,14 @@ def stats_summary(sums: torch.Tensor) -> dict[str, Any]:
     return {"loss": loss, "acc": acc, "tau": acceptance_length(acc), "positions": count, "drafted": drafted}
 
 
-def block_loss(out: BlockOutput, teacher: Teacher, counted: torch.Tensor, weights: list[float],
-               documents: torch.Tensor | None = None, objective: str = "ce") -> tuple[torch.Tensor, StepStats]:
+def block_loss(
+    out: BlockOutput,
+    teacher: Teacher,
+    counted: torch.Tensor,
+    weights: list[float],
+    documents: torch.Tensor | None = None,
+    objective: str = "ce",
+) -> tuple[torch.Tensor, StepStats]:
     """A parallel drafter's loss over its blocks, and its per-position statistics.
 
     Block position k predicts the token at row position `out.predicts[k]` from the target's
@@ -148,8 +164,9 @@ def block_loss(out: BlockOutput, teacher: Teacher, counted: torch.Tensor, weight
     anchor_doc = None if documents is None else documents.gather(1, out.anchors.clamp(min=0))
     total = counted.new_zeros((), dtype=torch.float32)
     if out.everywhere is not None:
-        depth0, _ = ttt_loss(DraftOutput([out.everywhere], out.head), teacher, counted, documents=documents,
-                             objective=objective)
+        depth0, _ = ttt_loss(
+            DraftOutput([out.everywhere], out.head), teacher, counted, documents=documents, objective=objective
+        )
         total = total + weights[0] * depth0
     reached = out.anchors >= 0  # [B, A] blocks whose positions so far were all right
     loss_sum, correct, count, loss_count = [], [], [], []
@@ -165,8 +182,9 @@ def block_loss(out: BlockOutput, teacher: Teacher, counted: torch.Tensor, weight
 
         drafted = teacher_at(teacher.in_draft)
         logits = out.head(hidden[ok])
-        ce = objective_loss(logits, teacher_at(teacher.log_probs),
-                            None if teacher.ids is None else teacher_at(teacher.ids), objective)
+        ce = objective_loss(
+            logits, teacher_at(teacher.log_probs), None if teacher.ids is None else teacher_at(teacher.ids), objective
+        )
         n = drafted.sum()
         step_sum = (ce * drafted).sum()
         if out.everywhere is None or k > 0:

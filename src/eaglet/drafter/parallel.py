@@ -55,7 +55,7 @@ def position_weights(family: str, block_size: int) -> list[float]:
     if families.family(family).injects_context:
         gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
         return [math.exp(-k / gamma) for k in range(block_size - 1)]
-    return [max(P_EAGLE_KEEP ** d, P_EAGLE_KEEP_MIN) for d in range(block_size)]
+    return [max(P_EAGLE_KEEP**d, P_EAGLE_KEEP_MIN) for d in range(block_size)]
 
 
 def predicted_positions(cfg: DraftConfig) -> int:
@@ -96,8 +96,9 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """o_proj(attention) for queries q over keys k / values v; `allowed` [B or 1, 1, q, k] bool."""
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, enable_gqa=self.num_heads != self.num_kv_heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
 
 
@@ -197,8 +198,14 @@ class ParallelDraft(Drafter):
 
     # -- training ---------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, anchors: torch.Tensor,
-                documents: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> BlockOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> BlockOutput:
         """Blocks at `anchors` [B, A] (row positions, -1 = none) of rows input_ids [B, L] with their
         aux states [B, L, 3H]; packed rows number their samples in `documents` and restart RoPE
         positions at each (`positions`), and a block sees only its own sample."""
@@ -213,8 +220,9 @@ class ParallelDraft(Drafter):
         return self.p_eagle_blocks(input_ids, aux_hidden, anchors, documents, positions)
 
     @staticmethod
-    def block_layout(anchors: torch.Tensor, documents: torch.Tensor, positions: torch.Tensor, first: int,
-                     n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def block_layout(
+        anchors: torch.Tensor, documents: torch.Tensor, positions: torch.Tensor, first: int, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """For A anchors x n block positions (RoPE offsets first .. first+n-1 from the anchor's):
         the anchor of each block query [B, A*n] (clamped), its RoPE position, its document (-2
         where the anchor is padding) and its block number [A*n]."""
@@ -227,8 +235,14 @@ class ParallelDraft(Drafter):
         block = torch.arange(A, device=anchors.device)[:, None].expand(A, n).reshape(A * n)
         return query_anchor, rope_pos, doc, block
 
-    def dflash_blocks(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, anchors: torch.Tensor,
-                      documents: torch.Tensor, positions: torch.Tensor) -> BlockOutput:
+    def dflash_blocks(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        documents: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> BlockOutput:
         B, L = input_ids.shape
         A, n = anchors.shape[1], self.config.block_size
         ctx = self.fuse(aux_hidden)  # [B, L, H]
@@ -250,14 +264,21 @@ class ParallelDraft(Drafter):
             h = layer.input_layernorm(x)
             k_ctx, v_ctx = attn.keys_values(ctx, cos_c, sin_c)
             k_blk, v_blk = attn.keys_values(h, cos_q, sin_q)
-            out = attn.attend(attn.query(h, cos_q, sin_q), torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2),
-                              allowed)
+            out = attn.attend(
+                attn.query(h, cos_q, sin_q), torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), allowed
+            )
             x = layer.finish(x, out)
         normed = self.norm(x).view(B, A, n, -1)
         return self.block_output(normed, anchors, range(1, n), 1)
 
-    def p_eagle_blocks(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, anchors: torch.Tensor,
-                       documents: torch.Tensor, positions: torch.Tensor) -> BlockOutput:
+    def p_eagle_blocks(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        documents: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> BlockOutput:
         B, L = input_ids.shape
         A, K = anchors.shape[1], self.config.block_size
         device = input_ids.device
@@ -277,8 +298,9 @@ class ParallelDraft(Drafter):
         depth = torch.arange(n, device=device).repeat(A)
         block = torch.arange(A, device=device).repeat_interleave(n)
         par_par = ((block[:, None] == block[None, :]) & (depth[None, :] <= depth[:, None]))[None].expand(B, -1, -1)
-        allowed = torch.cat([torch.cat([real, real.new_zeros(B, L, A * n)], 2),
-                             torch.cat([par_real, par_par], 2)], 1)[:, None]
+        allowed = torch.cat([torch.cat([real, real.new_zeros(B, L, A * n)], 2), torch.cat([par_real, par_par], 2)], 1)[
+            :, None
+        ]
         allowed = allowed | ~allowed.any(-1, keepdim=True)
         hidden = torch.cat([g, par_hidden], 1)
         cos, sin = self.rope(torch.cat([positions, q_pos], 1))
@@ -304,8 +326,9 @@ class ParallelDraft(Drafter):
         return BlockOutput(hidden, predicts, anchors, self.lm_head)
 
 
-def anchor_grid(counted: torch.Tensor, documents: torch.Tensor | None, stride: int, offset: int,
-                first_shift: int) -> torch.Tensor:
+def anchor_grid(
+    counted: torch.Tensor, documents: torch.Tensor | None, stride: int, offset: int, first_shift: int
+) -> torch.Tensor:
     """Anchors [B, A] (-1 padded): every `stride`-th of the row positions a whose first predicted
     token (a + first_shift: 1 for DFlash, 2 for P-EAGLE) counts (`counted` [B, L]) and lies in
     a's sample, starting at the `offset % stride`-th. Training turns `offset` with the optimizer
@@ -316,16 +339,16 @@ def anchor_grid(counted: torch.Tensor, documents: torch.Tensor | None, stride: i
     if L > first_shift:
         ok = counted[:, first_shift:].bool()
         if documents is not None:
-            ok = ok & (documents[:, first_shift:] == documents[:, :L - first_shift])
-        valid[:, :L - first_shift] = ok
+            ok = ok & (documents[:, first_shift:] == documents[:, : L - first_shift])
+        valid[:, : L - first_shift] = ok
     rows = []
     for b in range(B):
         where = valid[b].nonzero().flatten()
-        rows.append(where[offset % stride::stride])
+        rows.append(where[offset % stride :: stride])
     width = max(1, -(-L // stride))  # the most a row can hold: one shape per row length (one compiled graph)
     out = torch.full((B, width), -1, dtype=torch.long, device=counted.device)
     for b, r in enumerate(rows):
-        out[b, :len(r)] = r
+        out[b, : len(r)] = r
     return out
 
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # transformers' modelling code loads only with a model
 # The teacher head
 # ---------------------------------------------------------------------------------------------
 
+
 class TeacherHead(nn.Module):
     """The frozen target's final norm and LM head; nothing else of the target is kept."""
 
@@ -46,8 +47,9 @@ def in_dtype(module: ModuleT, dtype: torch.dtype | None) -> ModuleT:
     return copy.deepcopy(module).to(dtype)
 
 
-def make_teacher_head(target: TargetHeads | PreTrainedModel, last_hidden_state: str,
-                      head_dtype: torch.dtype | None = torch.float32) -> TeacherHead:
+def make_teacher_head(
+    target: TargetHeads | PreTrainedModel, last_hidden_state: str, head_dtype: torch.dtype | None = torch.float32
+) -> TeacherHead:
     """The teacher from the target's heads (read alone, or a loaded model's): the final norm in
     fp32, the LM head in `head_dtype` (None: as it is, for a user that makes its own copy in the
     dtype it computes in, as training's `DraftFirstHead` does); without the final norm when the
@@ -60,6 +62,7 @@ def make_teacher_head(target: TargetHeads | PreTrainedModel, last_hidden_state: 
 # ---------------------------------------------------------------------------------------------
 # The teacher's distribution
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Teacher:
@@ -99,15 +102,22 @@ class DraftFirstHead(nn.Module):
     def forward(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft logits fp32 [..., Vd], max logit over the other ids [...] (-inf when none))."""
         logits = F.linear(normed.to(self.weight.dtype), self.weight)
-        draft = logits[..., :self.draft_size].float()
+        draft = logits[..., : self.draft_size].float()
         if logits.shape[-1] == self.draft_size:
             return draft, torch.full(draft.shape[:-1], float("-inf"), device=draft.device)
-        return draft, logits[..., self.draft_size:].amax(-1).float()
+        return draft, logits[..., self.draft_size :].amax(-1).float()
 
 
 @torch.no_grad()
-def make_teacher(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.Linear | DraftFirstHead, d2t: torch.Tensor,
-                 t2d: torch.Tensor, top_k: int | None = None, features: bool = False) -> Teacher:
+def make_teacher(
+    last_hidden: torch.Tensor,
+    final_norm: nn.Module,
+    lm_head: nn.Linear | DraftFirstHead,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    top_k: int | None = None,
+    features: bool = False,
+) -> Teacher:
     """`lm_head(final_norm(h_N))` of the frozen target from the stored pre-norm last state;
     dense, or sparse with the `top_k` most likely draft ids. `lm_head` is the target's head, or
     its `DraftFirstHead` made once (the same numbers, faster). The target's argmax counts as
@@ -127,8 +137,9 @@ def make_teacher(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.L
 
 
 @torch.no_grad()
-def target_top_k(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.Module, k: int,
-                 chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def target_top_k(
+    last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.Module, k: int, chunk: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int32 [T, k], log-probabilities fp16 [T, k]) of the target's k most likely next tokens
     over its whole vocabulary, most likely first: the teacher a compact dataset stores. Computed
     as `make_teacher` computes it, a chunk of positions at a time (no [T, vocab] tensor)."""
@@ -142,8 +153,9 @@ def target_top_k(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head: nn.M
     return torch.cat(ids), torch.cat(log_probs)
 
 
-def teacher_from_top_k(ids: torch.Tensor, log_probs: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
-                       top_k: int) -> Teacher:
+def teacher_from_top_k(
+    ids: torch.Tensor, log_probs: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, top_k: int
+) -> Teacher:
     """The sparse teacher `make_teacher(top_k=...)` gives, from a stored full-vocabulary top-K
     (`ids` [B, L, K] target ids, most likely first): the first `top_k` of them that are draft ids,
     renormalised over those. Equal to the teacher computed from the last state whenever the
@@ -171,8 +183,9 @@ class StoredTeacherMaker:
     over its full vocabulary, computed exactly as training computes the teacher from a v1 file
     (the stored-dtype state, the final norm and LM head in fp32)."""
 
-    def __init__(self, target: TargetHeads | PreTrainedModel, top_k: int,
-                 last_hidden_state: str = formats.LAST_STATE_PRE_NORM):
+    def __init__(
+        self, target: TargetHeads | PreTrainedModel, top_k: int, last_hidden_state: str = formats.LAST_STATE_PRE_NORM
+    ):
         head = make_teacher_head(target, last_hidden_state)
         assert head.lm_head is not None  # made with one
         self.final_norm, self.lm_head = head.final_norm, head.lm_head

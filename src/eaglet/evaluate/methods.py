@@ -21,12 +21,31 @@ from typing import TYPE_CHECKING, Any, Sequence, cast
 import torch
 from torch import nn
 
-from eaglet.decode import (DecodeStats, Eagle3Proposer, HybridProposer, NgramProposer, ParallelProposer, Proposer,
-                           measure_pass_costs, plain_generate, speculative_generate, truncate_at_eos)
+from eaglet.decode import (
+    DecodeStats,
+    Eagle3Proposer,
+    HybridProposer,
+    NgramProposer,
+    ParallelProposer,
+    Proposer,
+    measure_pass_costs,
+    plain_generate,
+    speculative_generate,
+    truncate_at_eos,
+)
 from eaglet.drafter import DraftModel, Eagle3Draft, ParallelDraft, predicted_positions
 from eaglet.evaluate.settings import DecodeSettings
-from eaglet.options import (BASELINE, EAGLE3, ENGINE_METHODS, HF_METHODS, LOOKUP_METHODS, METHODS, OUTSIDE_BASELINES,
-                            OWN_COUNTERPART, PARALLEL_METHODS)
+from eaglet.options import (
+    BASELINE,
+    EAGLE3,
+    ENGINE_METHODS,
+    HF_METHODS,
+    LOOKUP_METHODS,
+    METHODS,
+    OUTSIDE_BASELINES,
+    OWN_COUNTERPART,
+    PARALLEL_METHODS,
+)
 from eaglet.target import generation_config, input_device
 
 if TYPE_CHECKING:  # transformers' modelling code loads only with a model
@@ -61,8 +80,9 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def run_method(method: str, target: PreTrainedModel, drafter: DraftModel | None, ids: list[int],
-               s: DecodeSettings) -> Run:
+def run_method(
+    method: str, target: PreTrainedModel, drafter: DraftModel | None, ids: list[int], s: DecodeSettings
+) -> Run:
     """Plain greedy, one of eaglet's engine methods or Hugging Face generate on one prompt."""
     gen = torch.Generator().manual_seed(s.seed) if s.temperature > 0 else None
     if method == BASELINE:
@@ -70,9 +90,20 @@ def run_method(method: str, target: PreTrainedModel, drafter: DraftModel | None,
         return Run(toks, info["wall_s"], info["target_forwards"])
     if method in ENGINE_METHODS:
         proposer, (depth, top_k, total_tokens) = engine_proposer(method, drafter, s)
-        toks, stats = speculative_generate(target, proposer, ids, s.max_new_tokens, s.eos_ids, mode="tree",
-                                           depth=depth, top_k=top_k, total_tokens=total_tokens,
-                                           temperature=s.temperature, top_p=s.top_p, generator=gen)
+        toks, stats = speculative_generate(
+            target,
+            proposer,
+            ids,
+            s.max_new_tokens,
+            s.eos_ids,
+            mode="tree",
+            depth=depth,
+            top_k=top_k,
+            total_tokens=total_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            generator=gen,
+        )
         return Run(toks, stats.wall_s, stats.target_forwards, stats)
     if method in HF_METHODS:
         return hf_generate(method, target, ids, s)
@@ -84,19 +115,26 @@ def hf_generate(method: str, target: PreTrainedModel, ids: list[int], s: DecodeS
     if s.temperature > 0:
         torch.manual_seed(s.seed)  # HF samples from the global generator
     x = torch.tensor([ids], device=input_device(target))
-    config = generation_config(s.temperature, s.top_p, s.max_new_tokens, s.eos_ids[0], list(s.eos_ids),
-                               prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS if method == "prompt-lookup" else None)
+    config = generation_config(
+        s.temperature,
+        s.top_p,
+        s.max_new_tokens,
+        s.eos_ids[0],
+        list(s.eos_ids),
+        prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS if method == "prompt-lookup" else None,
+    )
     counter = ForwardCounter(target)
     try:
         t0 = time.perf_counter()
         with torch.inference_mode():
             # a causal LM generates (transformers' GenerationMixin, which PreTrainedModel's stubs lack)
-            out = cast("GenerationMixin", target).generate(input_ids=x, attention_mask=torch.ones_like(x),
-                                                           generation_config=config)
+            out = cast("GenerationMixin", target).generate(
+                input_ids=x, attention_mask=torch.ones_like(x), generation_config=config
+            )
         wall = time.perf_counter() - t0
     finally:
         counter.remove()
-    toks, _ = truncate_at_eos(out[0, len(ids):].tolist(), set(s.eos_ids))
+    toks, _ = truncate_at_eos(out[0, len(ids) :].tolist(), set(s.eos_ids))
     return Run(toks, wall, counter.count)
 
 
@@ -133,8 +171,9 @@ def hybrid_drafter(drafter: DraftModel, s: DecodeSettings) -> tuple[Proposer, tu
     return Eagle3Proposer(drafter, s.floor), drafter_limits(s.hybrid_draft, s, s.hybrid_chain_depth)
 
 
-def engine_proposer(method: str, drafter: DraftModel | None,
-                    s: DecodeSettings) -> tuple[Proposer, tuple[int, int, int]]:
+def engine_proposer(
+    method: str, drafter: DraftModel | None, s: DecodeSettings
+) -> tuple[Proposer, tuple[int, int, int]]:
     """The proposer of an engine method and the tree limits the engine verifies it under."""
     refuse_wrong_family(method, drafter)
     if method in ("chain", "tree"):
@@ -150,8 +189,13 @@ def engine_proposer(method: str, drafter: DraftModel | None,
         if not s.pass_costs:
             raise ValueError(f"{method} with cost admission needs the target's pass costs (with_pass_costs)")
         # the cost rule replaces the lookup's floor; the drafter keeps its own (it saves drafting work)
-        hybrid = HybridProposer(None if drafted is None else drafted[0], NgramProposer(s.max_ngram),
-                                (0, 1, 0) if drafted is None else drafted[1], s.lookup_tokens, pass_costs=s.pass_costs)
+        hybrid = HybridProposer(
+            None if drafted is None else drafted[0],
+            NgramProposer(s.max_ngram),
+            (0, 1, 0) if drafted is None else drafted[1],
+            s.lookup_tokens,
+            pass_costs=s.pass_costs,
+        )
         return hybrid, hybrid.limits
     lookup = NgramProposer(s.max_ngram, min_prob=s.floor)
     if drafted is None:
@@ -176,10 +220,14 @@ def with_pass_costs(variants: Variants, target: PreTrainedModel, drafter: DraftM
     """`variants` with the target's pass costs measured (once, up to the largest tree any variant
     verifies) filled in where a hybrid / ngram variant admits nodes by cost (`drafter`: the
     hybrid's, whose block or chain sizes its part of the tree)."""
-    needs = {label: s for label, (method, s) in variants.items()
-             if method in LOOKUP_METHODS and s.admission == "cost" and not s.pass_costs}
+    needs = {
+        label: s
+        for label, (method, s) in variants.items()
+        if method in LOOKUP_METHODS and s.admission == "cost" and not s.pass_costs
+    }
     if not needs:
         return variants
+
     def drafted(s: DecodeSettings) -> int:
         if isinstance(drafter, ParallelDraft):
             return parallel_limits(drafter)[2]
@@ -188,8 +236,10 @@ def with_pass_costs(variants: Variants, target: PreTrainedModel, drafter: DraftM
     largest = max(s.lookup_tokens + (0 if variants[label][0] == "ngram" else drafted(s)) for label, s in needs.items())
     costs = tuple(measure_pass_costs(target, max_q=max(2, largest + 1)))
     log.info("target pass costs (ms, 1..%d tokens): %s", len(costs), " ".join(f"{1000 * c:.0f}" for c in costs))
-    return {label: (method, replace(s, pass_costs=costs) if label in needs else s)
-            for label, (method, s) in variants.items()}
+    return {
+        label: (method, replace(s, pass_costs=costs) if label in needs else s)
+        for label, (method, s) in variants.items()
+    }
 
 
 def measured_pass_costs(variants: Variants) -> list[float]:
@@ -216,5 +266,8 @@ def reference_labels(variants: Variants) -> dict[str, str]:
     """The label each variant is compared with (speedup, identical outputs): an outside engine's
     speculative methods with that engine's plain decoding, everything else with eaglet's plain greedy."""
     plain = {m: label for label, (m, _) in variants.items()}
-    return {label: plain.get(OUTSIDE_BASELINES.get(m, BASELINE), BASELINE)
-            for label, (m, _) in variants.items() if label != BASELINE}
+    return {
+        label: plain.get(OUTSIDE_BASELINES.get(m, BASELINE), BASELINE)
+        for label, (m, _) in variants.items()
+        if label != BASELINE
+    }

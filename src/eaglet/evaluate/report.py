@@ -28,6 +28,7 @@ PLOT_FILE = "eval.png"
 # Sums over a prompt set, and their figures
 # ---------------------------------------------------------------------------------------------
 
+
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first differing token (the shorter length if one is a prefix), None if equal."""
     if list(a) == list(b):
@@ -86,16 +87,20 @@ class MethodTotals:
 
     def summary(self, plain: MethodTotals | None, compared: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "turns": self.turns, "new_tokens": self.new_tokens, "wall_s": round(self.wall_s, 3),
-            "tokens_per_s": round(self.tokens_per_s, 3), "target_forwards": self.target_forwards,
+            "turns": self.turns,
+            "new_tokens": self.new_tokens,
+            "wall_s": round(self.wall_s, 3),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "target_forwards": self.target_forwards,
             "tau": round(self.new_tokens / self.target_forwards, 4) if self.target_forwards else None,
         }
         if plain is not None and plain.tokens_per_s > 0:
             out["speedup"] = round(self.tokens_per_s / plain.tokens_per_s, 4)
         if self.verify_forwards:
             out["tau_verify"] = round((self.new_tokens - self.turns) / self.verify_forwards, 4)
-            out["acceptance_rates"] = [round(a / r, 4) if r else None
-                                       for a, r in zip(self.position_accepted, self.position_reached)]
+            out["acceptance_rates"] = [
+                round(a / r, 4) if r else None for a, r in zip(self.position_accepted, self.position_reached)
+            ]
             out["accepted_from"] = dict(sorted(self.accepted_from.items()))
             # the speedup if everything but the target and drafter passes cost nothing
             if plain is not None and plain.new_tokens and self.target_forwards:
@@ -104,19 +109,22 @@ class MethodTotals:
                 out["ceiling_speedup"] = round(out["tau"] * t_token / t_cycle, 4) if t_cycle > 0 else None
         if compared:
             out["identical_share"] = round(self.identical / self.turns, 4) if self.turns else None
-            out["mean_first_divergence"] = (round(sum(self.divergences) / len(self.divergences), 2)
-                                            if self.divergences else None)
+            out["mean_first_divergence"] = (
+                round(sum(self.divergences) / len(self.divergences), 2) if self.divergences else None
+            )
         return out
 
 
-def summarize(totals: dict[str, MethodTotals], compared: bool,
-              references: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+def summarize(
+    totals: dict[str, MethodTotals], compared: bool, references: dict[str, str] | None = None
+) -> dict[str, dict[str, Any]]:
     """Each label's figures, speedups against its reference (`references`; default plain
     greedy); `compared`: report identical outputs."""
     references = references if references is not None else {label: BASELINE for label in totals if label != BASELINE}
-    out = {label: t.summary(totals[references[label]] if label in references else None,
-                            compared and label in references)
-           for label, t in totals.items()}
+    out = {
+        label: t.summary(totals[references[label]] if label in references else None, compared and label in references)
+        for label, t in totals.items()
+    }
     for label, ref in references.items():
         if ref != BASELINE:
             out[label]["speedup_over"] = ref
@@ -150,6 +158,7 @@ class EvalResult:
 # Table and plot
 # ---------------------------------------------------------------------------------------------
 
+
 def fmt(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -158,8 +167,10 @@ def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
     # each method's dtype / threads where eval chose them per method (evaluate.tuning)
     configs = any("config" in r for methods in sets.values() for r in methods.values())
     config_head = f" {'config':<17}" if configs else ""
-    head = (f"{'prompt set':<16} {'method':<16}{config_head} {'turns':>5} {'tokens':>7} {'tok/s':>8} {'speedup':>8} "
-            f"{'ceiling':>8} {'tau':>6} {'identical':>9} {'1st diff':>8}  acceptance per position")
+    head = (
+        f"{'prompt set':<16} {'method':<16}{config_head} {'turns':>5} {'tokens':>7} {'tok/s':>8} {'speedup':>8} "
+        f"{'ceiling':>8} {'tau':>6} {'identical':>9} {'1st diff':>8}  acceptance per position"
+    )
     lines = [head, "-" * len(head)]
     for name, methods in sets.items():
         for m, r in methods.items():
@@ -169,11 +180,13 @@ def format_table(sets: dict[str, dict[str, dict[str, Any]]]) -> str:
                 total = sum(sources.values())
                 acc += "  (accepted: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sources.items()) + ")"
             config = f" {r.get('config', '-'):<17}" if configs else ""
-            lines.append(f"{name:<16} {m:<16}{config} {r['turns']:>5} {r['new_tokens']:>7} {r['tokens_per_s']:>8.2f} "
-                         f"{fmt(r.get('speedup'), '.2f') + 'x' if 'speedup' in r else '-':>8} "
-                         f"{fmt(r.get('ceiling_speedup'), '.2f') + 'x' if r.get('ceiling_speedup') else '-':>8} "
-                         f"{fmt(r.get('tau'), '.2f'):>6} {fmt(r.get('identical_share'), '.0%'):>9} "
-                         f"{fmt(r.get('mean_first_divergence'), '.1f'):>8}  {acc}")
+            lines.append(
+                f"{name:<16} {m:<16}{config} {r['turns']:>5} {r['new_tokens']:>7} {r['tokens_per_s']:>8.2f} "
+                f"{fmt(r.get('speedup'), '.2f') + 'x' if 'speedup' in r else '-':>8} "
+                f"{fmt(r.get('ceiling_speedup'), '.2f') + 'x' if r.get('ceiling_speedup') else '-':>8} "
+                f"{fmt(r.get('tau'), '.2f'):>6} {fmt(r.get('identical_share'), '.0%'):>9} "
+                f"{fmt(r.get('mean_first_divergence'), '.1f'):>8}  {acc}"
+            )
         lines += [first_draft_line(name, m, r) for m, r in methods.items() if "first_acceptance_gap" in r]
     return "\n".join(lines)
 
@@ -183,11 +196,16 @@ def costs_line(costs: dict[str, Any] | None) -> str:
     if not costs:
         return ""
     target = costs["target_pass_s"]
-    line = (f"\npass costs ({costs['config']}, {costs['runner']}): target over 1..{len(target)} new tokens "
-            + " ".join(f"{1000 * c:.1f}" for c in target) + f" ms (4 tokens: {target[3] / target[0]:.2f}x one)")
+    line = (
+        f"\npass costs ({costs['config']}, {costs['runner']}): target over 1..{len(target)} new tokens "
+        + " ".join(f"{1000 * c:.1f}" for c in target)
+        + f" ms (4 tokens: {target[3] / target[0]:.2f}x one)"
+    )
     if "drafter_pass_s" in costs:
-        line += (f"; drafter cycle {1000 * costs['drafter_pass_s']:.1f} ms "
-                 f"({costs['drafter_pass_s'] / target[0]:.2f}x a one-token target pass)")
+        line += (
+            f"; drafter cycle {1000 * costs['drafter_pass_s']:.1f} ms "
+            f"({costs['drafter_pass_s'] / target[0]:.2f}x a one-token target pass)"
+        )
     return line
 
 
@@ -206,8 +224,12 @@ def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: st
         for m, r in by_method.items():
             rates = r.get("acceptance_rates")
             if rates:
-                ax_acc.plot(range(1, len(rates) + 1), [x if x is not None else float("nan") for x in rates],
-                            marker="o", label=f"{name} {m}")
+                ax_acc.plot(
+                    range(1, len(rates) + 1),
+                    [x if x is not None else float("nan") for x in rates],
+                    marker="o",
+                    label=f"{name} {m}",
+                )
     ax_acc.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title="acceptance per position")
     ax_acc.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax_acc.grid(alpha=0.3)
@@ -225,8 +247,13 @@ def write_plot(sets: dict[str, dict[str, dict[str, Any]]], path: Path, title: st
         for b, n in zip(bars, names):
             tau = sets[n].get(m, {}).get("tau")
             if tau is not None:
-                ax_speed.annotate(f"τ {tau:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                                  ha="center", va="bottom", fontsize=7)
+                ax_speed.annotate(
+                    f"τ {tau:.2f}",
+                    (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
     ax_speed.axhline(1.0, color="gray", lw=1, ls="--")
     ax_speed.set_xticks(range(len(names)), names)
     ax_speed.set(ylabel="speedup over plain greedy (or the method in the legend)", title="speedup (bar label: tau)")

@@ -28,14 +28,30 @@ class DecodeSettings(DecodeOptions):
         for key, value in PRESETS[self.preset]["eval"].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)  # frozen: filled once, while it is made
-        ranges.at_least(1, max_new_tokens=self.max_new_tokens, depth=self.depth, top_k=self.top_k,
-                        total_tokens=self.total_tokens, chain_depth=self.chain_depth,
-                        lookup_tokens=self.lookup_tokens, max_ngram=self.max_ngram,
-                        hybrid_chain_depth=self.hybrid_chain_depth)
+        ranges.at_least(
+            1,
+            max_new_tokens=self.max_new_tokens,
+            depth=self.depth,
+            top_k=self.top_k,
+            total_tokens=self.total_tokens,
+            chain_depth=self.chain_depth,
+            lookup_tokens=self.lookup_tokens,
+            max_ngram=self.max_ngram,
+            hybrid_chain_depth=self.hybrid_chain_depth,
+        )
         ranges.within(1, ranges.MAX_NEW_TOKENS, "more than any model's positions", max_new_tokens=self.max_new_tokens)
-        ranges.within(1, ranges.MAX_CYCLE_TOKENS, "more than any pass verifies", depth=self.depth, top_k=self.top_k,
-                      total_tokens=self.total_tokens, chain_depth=self.chain_depth, lookup_tokens=self.lookup_tokens,
-                      max_ngram=self.max_ngram, hybrid_chain_depth=self.hybrid_chain_depth)
+        ranges.within(
+            1,
+            ranges.MAX_CYCLE_TOKENS,
+            "more than any pass verifies",
+            depth=self.depth,
+            top_k=self.top_k,
+            total_tokens=self.total_tokens,
+            chain_depth=self.chain_depth,
+            lookup_tokens=self.lookup_tokens,
+            max_ngram=self.max_ngram,
+            hybrid_chain_depth=self.hybrid_chain_depth,
+        )
         if self.hybrid_draft not in HYBRID_DRAFTS:
             raise ValueError(f"--hybrid-draft {self.hybrid_draft!r}: choose one of {', '.join(HYBRID_DRAFTS)}")
         if self.admission not in ADMISSIONS:
@@ -69,9 +85,20 @@ class DecodeSettings(DecodeOptions):
 
     def record(self) -> dict[str, Any]:
         """What eval.json says of how the methods decoded (the preset's values filled in)."""
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "tree": {"depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens},
-                "chain_depth": self.chain_depth, "min_draft_prob": self.min_draft_prob, "seed": self.seed,
-                "hybrid": {"draft": self.hybrid_draft, "chain_depth": self.hybrid_chain_depth,
-                           "drop_rivals": self.drop_rivals, "lookup_tokens": self.lookup_tokens,
-                           "max_ngram": self.max_ngram, "admission": self.admission}}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "tree": {"depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens},
+            "chain_depth": self.chain_depth,
+            "min_draft_prob": self.min_draft_prob,
+            "seed": self.seed,
+            "hybrid": {
+                "draft": self.hybrid_draft,
+                "chain_depth": self.hybrid_chain_depth,
+                "drop_rivals": self.drop_rivals,
+                "lookup_tokens": self.lookup_tokens,
+                "max_ngram": self.max_ngram,
+                "admission": self.admission,
+            },
+        }

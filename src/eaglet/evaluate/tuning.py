@@ -64,8 +64,13 @@ def verify_tokens(method: str, s: DecodeSettings, drafter: DraftModel | None) ->
     if method == "ngram":
         return 1 + s.lookup_tokens
     if method == "hybrid":
-        drafted = (predicted_positions(drafter.config) if isinstance(drafter, ParallelDraft)
-                   else s.hybrid_chain_depth if s.hybrid_draft == "chain" else s.tree[2])
+        drafted = (
+            predicted_positions(drafter.config)
+            if isinstance(drafter, ParallelDraft)
+            else s.hybrid_chain_depth
+            if s.hybrid_draft == "chain"
+            else s.tree[2]
+        )
         return 1 + s.lookup_tokens + drafted
     if method in HF_METHODS:  # Hugging Face prompt lookup verifies its 10 candidates
         return 11
@@ -77,8 +82,12 @@ def pick(costs: Mapping[Config, Sequence[float]], q: int) -> Config:
     return min(costs, key=lambda c: costs[c][min(q, len(costs[c])) - 1])
 
 
-def choose(methods: dict[str, tuple[str, DecodeSettings]], costs: Mapping[Config, Sequence[float]],
-           drafter: DraftModel | None) -> dict[str, Config]:
+def choose(
+    methods: dict[str, tuple[str, DecodeSettings]], costs: Mapping[Config, Sequence[float]], drafter: DraftModel | None
+) -> dict[str, Config]:
     """label -> the configuration each variant runs at (outside engines' methods: their engines' own)."""
-    return {label: pick(costs, verify_tokens(method, s, drafter)) for label, (method, s) in methods.items()
-            if method not in OUTSIDE_METHODS}
+    return {
+        label: pick(costs, verify_tokens(method, s, drafter))
+        for label, (method, s) in methods.items()
+        if method not in OUTSIDE_METHODS
+    }

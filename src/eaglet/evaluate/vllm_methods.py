@@ -40,14 +40,19 @@ DRAFTER_FOLDER = "vllm-drafter"  # in --out: the export vLLM's drafter methods r
 VLLM_LOGS = "vllm-logs"  # in --out: each engine's log
 
 
-def speculative_config(method: str, s: DecodeSettings, export: Path | None,
-                       drafter: DraftModel | None) -> dict[str, Any] | None:
+def speculative_config(
+    method: str, s: DecodeSettings, export: Path | None, drafter: DraftModel | None
+) -> dict[str, Any] | None:
     """vLLM's speculative config of a method (None for plain decoding)."""
     if method == VLLM_BASELINE:
         return None
     if method == "vllm-ngram":
-        return {"method": "ngram", "num_speculative_tokens": s.lookup_tokens, "prompt_lookup_max": s.max_ngram,
-                "prompt_lookup_min": 1}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": s.lookup_tokens,
+            "prompt_lookup_max": s.max_ngram,
+            "prompt_lookup_min": 1,
+        }
     family = families.family(VLLM_FAMILY_METHODS[method])
     assert export is not None and drafter is not None
     drafts = family.drafts_per_pass(drafter.config.block_size) if family.parallel else s.chain
@@ -80,9 +85,15 @@ def vllm_run(engine: VllmEngine, method: str, ids: list[int], s: DecodeSettings)
     forwards = max(1, len(generated) - accepted)
     if not done.drafts:
         return Run(tokens, done.seconds, forwards)
-    stats = DecodeStats(new_tokens=len(tokens), target_forwards=forwards, verify_forwards=done.drafts,
-                        position_reached=[done.drafts, *per_position[:-1]], position_accepted=per_position,
-                        wall_s=done.seconds, accepted_from={method: accepted})
+    stats = DecodeStats(
+        new_tokens=len(tokens),
+        target_forwards=forwards,
+        verify_forwards=done.drafts,
+        position_reached=[done.drafts, *per_position[:-1]],
+        position_accepted=per_position,
+        wall_s=done.seconds,
+        accepted_from={method: accepted},
+    )
     return Run(tokens, done.seconds, forwards, stats)
 
 
@@ -93,9 +104,16 @@ def engine_pass_costs(engine: VllmEngine, prompt: list[int], sizes: Sequence[int
 
 
 @contextlib.contextmanager
-def vllm_engines(methods: Sequence[str], drafter_path: str | Path, drafter: DraftModel | None, target: str,
-                 out: str | Path | None, s: DecodeSettings, options: EngineOptions, cost_prompt: list[int]
-                 ) -> Iterator[tuple[dict[str, Callable[[list[int], DecodeSettings], Run]], dict[str, Any]]]:
+def vllm_engines(
+    methods: Sequence[str],
+    drafter_path: str | Path,
+    drafter: DraftModel | None,
+    target: str,
+    out: str | Path | None,
+    s: DecodeSettings,
+    options: EngineOptions,
+    cost_prompt: list[int],
+) -> Iterator[tuple[dict[str, Callable[[list[int], DecodeSettings], Run]], dict[str, Any]]]:
     """vLLM engines for vLLM's methods among `methods` (none: nothing starts), the drafter exported
     for them (OUT/vllm-drafter), each method's runner and the record of what ran (the engine's pass
     costs at 1 and at each speculative method's k + 1 tokens included)."""
@@ -114,14 +132,21 @@ def vllm_engines(methods: Sequence[str], drafter_path: str | Path, drafter: Draf
                 shutil.rmtree(export)
             write_engine_folder(read_drafter(drafter_path), export, formats.FORMAT_SPECULATORS, "fp32")
         specs = {m: speculative_config(m, s, export, drafter) for m in wanted}
-        record: dict[str, Any] = {"version": version, "dtype": options.dtype, "threads": options.threads,
-                                  "speculative_configs": specs,
-                                  "drafter_folder": str(export) if export and out is not None else None}
+        record: dict[str, Any] = {
+            "version": version,
+            "dtype": options.dtype,
+            "threads": options.threads,
+            "speculative_configs": specs,
+            "drafter_folder": str(export) if export and out is not None else None,
+        }
         log.info("vLLM %s: %s", version, ", ".join(wanted))
         with contextlib.ExitStack() as stack:
-            engines = {m: stack.enter_context(vllm_engine(target, replace(options, seed=s.seed), specs[m],
-                                                          log_dir=folder / VLLM_LOGS))
-                       for m in wanted}
+            engines = {
+                m: stack.enter_context(
+                    vllm_engine(target, replace(options, seed=s.seed), specs[m], log_dir=folder / VLLM_LOGS)
+                )
+                for m in wanted
+            }
             record["start_seconds"] = {m: round(e.start_seconds, 1) for m, e in engines.items()}
             if VLLM_BASELINE in engines:
                 sizes = [1] + [1 + (spec or {}).get("num_speculative_tokens", 0) for spec in specs.values() if spec]

@@ -31,9 +31,22 @@ import torch
 from safetensors import safe_open
 
 from eaglet.formats.io import header_shapes, read_json, read_safetensors, write_safetensors_atomic
-from eaglet.formats.samples import (AUX_CODES, DATA_CONFIG_FILE, EAGLE3_NUM_STATES, ROWS_PER_FOLDER, WRONG_DTYPE,
-                                    WRONG_SHAPE, FileStates, Finding, StoredTeacher, TrainingSample, fmt_rows,
-                                    keys_findings, lacks_keys, rows_folder)
+from eaglet.formats.samples import (
+    AUX_CODES,
+    DATA_CONFIG_FILE,
+    EAGLE3_NUM_STATES,
+    ROWS_PER_FOLDER,
+    WRONG_DTYPE,
+    WRONG_SHAPE,
+    FileStates,
+    Finding,
+    StoredTeacher,
+    TrainingSample,
+    fmt_rows,
+    keys_findings,
+    lacks_keys,
+    rows_folder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +62,23 @@ COMPACT_READ_VERSIONS = (1, COMPACT_VERSION)
 COMPACT_UNCHECKED_VERSION = 1
 # What recovers a damaged file (extract and convert resume: they write only the missing samples),
 # and a dataset of files without checksums.
-COMPACT_REWRITE_FILE = ("delete the file and re-run the `eaglet extract --layout compact` (or `eaglet convert --layout "
-                        "compact`) that made the dataset, into the same folder: it writes only the missing samples")
-COMPACT_REWRITE_DATASET = ("to get files that can be checked, run `eaglet convert --layout compact` from the dataset "
-                           "it was made from (or `eaglet extract --layout compact`) into a new folder")
+COMPACT_REWRITE_FILE = (
+    "delete the file and re-run the `eaglet extract --layout compact` (or `eaglet convert --layout "
+    "compact`) that made the dataset, into the same folder: it writes only the missing samples"
+)
+COMPACT_REWRITE_DATASET = (
+    "to get files that can be checked, run `eaglet convert --layout compact` from the dataset "
+    "it was made from (or `eaglet extract --layout compact`) into a new folder"
+)
 COMPACT_KEYS = ("input_ids", "loss_mask", "aux_codes", "aux_scales", "teacher_ids", "teacher_log_probs")
-COMPACT_DTYPES = {"aux_codes": (torch.uint8,), "aux_scales": (torch.float16,), "teacher_ids": (torch.int32,),
-                  "teacher_log_probs": (torch.float16,), "loss_mask": (torch.uint8,),
-                  "input_ids": (torch.int32, torch.int64)}
+COMPACT_DTYPES = {
+    "aux_codes": (torch.uint8,),
+    "aux_scales": (torch.float16,),
+    "teacher_ids": (torch.int32,),
+    "teacher_log_probs": (torch.float16,),
+    "loss_mask": (torch.uint8,),
+    "input_ids": (torch.int32, torch.int64),
+}
 FP6_GROUP = 32  # values sharing one scale
 
 
@@ -64,9 +86,10 @@ FP6_GROUP = 32  # values sharing one scale
 # The 6-bit codes
 # ---------------------------------------------------------------------------------------------
 
+
 def _fp6_e3m2_magnitudes() -> torch.Tensor:
     """The 32 non-negative E3M2 values (3 exponent bits, bias 3, 2 mantissa bits, subnormals), ascending."""
-    mags = [(m / 4) * 2.0 ** -2 for m in range(4)]  # exponent field 0: subnormals 0, 0.0625, 0.125, 0.1875
+    mags = [(m / 4) * 2.0**-2 for m in range(4)]  # exponent field 0: subnormals 0, 0.0625, 0.125, 0.1875
     mags += [(1 + m / 4) * 2.0 ** (e - 3) for e in range(1, 8) for m in range(4)]
     return torch.tensor(mags)
 
@@ -95,8 +118,10 @@ def unpack_6bit(packed: torch.Tensor) -> torch.Tensor:
 def check_compact_hidden_size(hidden_size: int, where: str) -> None:
     """Refuse, before any work, a hidden size the compact layout's groups do not divide."""
     if hidden_size % FP6_GROUP:
-        raise ValueError(f"{where}: hidden size {hidden_size} is not a multiple of {FP6_GROUP}, the compact layout's "
-                         "scale group; use --layout v1")
+        raise ValueError(
+            f"{where}: hidden size {hidden_size} is not a multiple of {FP6_GROUP}, the compact layout's "
+            "scale group; use --layout v1"
+        )
 
 
 def quantize_fp6(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +146,9 @@ def dequantize_fp6(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return g.reshape(*scales.shape[:-1], -1).to(dtype)
 
 
-def impossible_fp6_groups(packed: torch.Tensor, scales: torch.Tensor,
-                          values: torch.Tensor | None = None) -> torch.Tensor:
+def impossible_fp6_groups(
+    packed: torch.Tensor, scales: torch.Tensor, values: torch.Tensor | None = None
+) -> torch.Tensor:
     """[..., H/32] bool: the groups whose codes and scale `quantize_fp6` cannot have written
     (`values`: their `dequantize_fp6`, fp32, when the caller has it; else computed).
 
@@ -149,6 +175,7 @@ def impossible_fp6_groups(packed: torch.Tensor, scales: torch.Tensor,
 # data_config.json's "compact" section
 # ---------------------------------------------------------------------------------------------
 
+
 def compact_config(top_k: int) -> dict[str, Any]:
     """data_config.json's "compact" section: what a reader needs to know the files' scheme."""
     return {"version": COMPACT_VERSION, "aux": f"fp6_e3m2, fp16 scale per {FP6_GROUP}", "teacher_top_k": top_k}
@@ -168,17 +195,21 @@ def compact_version_problem(cfg: dict[str, Any]) -> str | None:
     version = compact_section(cfg).get("version")
     if version in COMPACT_READ_VERSIONS:
         return None
-    return (f"compact version {version!r}: this eaglet reads versions {', '.join(map(str, COMPACT_READ_VERSIONS))}; "
-            "use the eaglet that wrote it, or write the dataset again with `eaglet convert --layout compact` "
-            "(or `eaglet extract --layout compact`) into a new folder")
+    return (
+        f"compact version {version!r}: this eaglet reads versions {', '.join(map(str, COMPACT_READ_VERSIONS))}; "
+        "use the eaglet that wrote it, or write the dataset again with `eaglet convert --layout compact` "
+        "(or `eaglet extract --layout compact`) into a new folder"
+    )
 
 
 def compact_version_warning(cfg: dict[str, Any]) -> str | None:
     """What a readable compact version lacks (None: nothing): version 1's files carry no checksum."""
     if compact_section(cfg).get("version") != COMPACT_UNCHECKED_VERSION:
         return None
-    return (f"compact version {COMPACT_UNCHECKED_VERSION}, written before files carried checksums: a flipped bit or an "
-            f"overwritten row in them cannot be found; {COMPACT_REWRITE_DATASET}")
+    return (
+        f"compact version {COMPACT_UNCHECKED_VERSION}, written before files carried checksums: a flipped bit or an "
+        f"overwritten row in them cannot be found; {COMPACT_REWRITE_DATASET}"
+    )
 
 
 def compact_top_k(cfg: dict[str, Any]) -> Any:
@@ -225,8 +256,10 @@ def compact_checksum_problems(f: CompactFile) -> list[str]:
     """Each tensor of `f` whose bytes do not match the checksum written with the file, in a phrase
     that names it ([]: all match)."""
     if not has_compact_checksums(f.metadata):
-        return [f"no {COMPACT_CHECKSUM} checksums in its header (written before compact version {COMPACT_VERSION}, "
-                "by another tool, or rewritten since)"]
+        return [
+            f"no {COMPACT_CHECKSUM} checksums in its header (written before compact version {COMPACT_VERSION}, "
+            "by another tool, or rewritten since)"
+        ]
     try:
         digests = json.loads(f.metadata[COMPACT_CHECKSUM])
         if not isinstance(digests, dict):
@@ -238,8 +271,10 @@ def compact_checksum_problems(f: CompactFile) -> list[str]:
         if k not in digests:
             out.append(f"{k} has no {COMPACT_CHECKSUM} in the header")
         elif tensor_digest(t) != digests[k]:
-            out.append(f"{k}: its bytes do not match the {COMPACT_CHECKSUM} written with them, so they changed since "
-                       "(disk, copy or edit)")
+            out.append(
+                f"{k}: its bytes do not match the {COMPACT_CHECKSUM} written with them, so they changed since "
+                "(disk, copy or edit)"
+            )
     return out
 
 
@@ -283,12 +318,19 @@ def verify_compact_file(f: CompactFile, path: str | os.PathLike) -> None:
 # Files: writer, readers, schema
 # ---------------------------------------------------------------------------------------------
 
+
 def compact_relative_path(index: int, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
     return f"{COMPACT_DIR}/{rows_folder(index, rows_per_folder)}/data_{index}.safetensors"
 
 
-def write_compact_sample(out_dir: str | os.PathLike, index: int, input_ids: torch.Tensor,
-                         aux_states: list[torch.Tensor], loss_mask: torch.Tensor, teacher: StoredTeacher) -> Path:
+def write_compact_sample(
+    out_dir: str | os.PathLike,
+    index: int,
+    input_ids: torch.Tensor,
+    aux_states: list[torch.Tensor],
+    loss_mask: torch.Tensor,
+    teacher: StoredTeacher,
+) -> Path:
     path = Path(out_dir) / compact_relative_path(index)
     if len(aux_states) != EAGLE3_NUM_STATES - 1:
         raise ValueError(f"{path}: {len(aux_states)} aux states, expected {EAGLE3_NUM_STATES - 1}")
@@ -296,20 +338,31 @@ def write_compact_sample(out_dir: str | os.PathLike, index: int, input_ids: torc
         codes, scales = quantize_fp6(torch.stack(aux_states, dim=1))
     except ValueError as e:
         raise ValueError(f"{path} (sample {index}): {e}") from e
-    tensors = {"input_ids": input_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8),
-               "aux_codes": codes, "aux_scales": scales,
-               "teacher_ids": teacher.ids.to(torch.int32), "teacher_log_probs": teacher.log_probs.to(torch.float16)}
+    tensors = {
+        "input_ids": input_ids.to(torch.int32),
+        "loss_mask": loss_mask.to(torch.uint8),
+        "aux_codes": codes,
+        "aux_scales": scales,
+        "teacher_ids": teacher.ids.to(torch.int32),
+        "teacher_log_probs": teacher.log_probs.to(torch.float16),
+    }
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     return write_safetensors_atomic(path, tensors, metadata=compact_checksums(tensors))
 
 
-def write_compact_states(out: str | os.PathLike, index: int, input_ids: torch.Tensor, states: list[torch.Tensor],
-                         loss_mask: torch.Tensor, teacher: StoredTeacher | None) -> Path:
+def write_compact_states(
+    out: str | os.PathLike,
+    index: int,
+    input_ids: torch.Tensor,
+    states: list[torch.Tensor],
+    loss_mask: torch.Tensor,
+    teacher: StoredTeacher | None,
+) -> Path:
     """One sample from all its states, as every layout's writer takes it: the aux states, and in
     place of the last state `teacher`, the target's top-K computed from it."""
     if teacher is None:
         raise ValueError(f"compact sample {index}: the layout stores the target's top-K in place of the last state")
-    return write_compact_sample(out, index, input_ids, states[:EAGLE3_NUM_STATES - 1], loss_mask, teacher)
+    return write_compact_sample(out, index, input_ids, states[: EAGLE3_NUM_STATES - 1], loss_mask, teacher)
 
 
 def read_compact_file(path: str | os.PathLike) -> CompactFile:
@@ -325,13 +378,22 @@ def compact_fields(obj: dict[str, torch.Tensor], path: str | os.PathLike) -> Non
         raise ValueError(f"{path}: keys {sorted(obj)}: missing {missing}")
     T = obj["input_ids"].shape[0]
     codes, scales, tids, tlp = (obj[k] for k in ("aux_codes", "aux_scales", "teacher_ids", "teacher_log_probs"))
-    if codes.dim() != 3 or scales.dim() != 3 or codes.shape[:2] != (T, 3) or scales.shape[:2] != (T, 3) \
-            or codes.shape[2] * 4 != scales.shape[2] * FP6_GROUP * 3:
-        raise ValueError(f"{path}: aux_codes {tuple(codes.shape)} and aux_scales {tuple(scales.shape)}: expected "
-                         f"[T, 3, 3H/4] and [T, 3, H/{FP6_GROUP}] with T = {T}")
+    if (
+        codes.dim() != 3
+        or scales.dim() != 3
+        or codes.shape[:2] != (T, 3)
+        or scales.shape[:2] != (T, 3)
+        or codes.shape[2] * 4 != scales.shape[2] * FP6_GROUP * 3
+    ):
+        raise ValueError(
+            f"{path}: aux_codes {tuple(codes.shape)} and aux_scales {tuple(scales.shape)}: expected "
+            f"[T, 3, 3H/4] and [T, 3, H/{FP6_GROUP}] with T = {T}"
+        )
     if tids.dim() != 2 or tids.shape != tlp.shape or tids.shape[0] != T or obj["loss_mask"].shape != (T,):
-        raise ValueError(f"{path}: teacher_ids {tuple(tids.shape)}, teacher_log_probs {tuple(tlp.shape)}, loss_mask "
-                         f"{tuple(obj['loss_mask'].shape)}: expected [T, K], [T, K] and [T] with T = {T}")
+        raise ValueError(
+            f"{path}: teacher_ids {tuple(tids.shape)}, teacher_log_probs {tuple(tlp.shape)}, loss_mask "
+            f"{tuple(obj['loss_mask'].shape)}: expected [T, K], [T, K] and [T] with T = {T}"
+        )
 
 
 def compact_training_sample(path: str | os.PathLike) -> TrainingSample:
@@ -340,8 +402,13 @@ def compact_training_sample(path: str | os.PathLike) -> TrainingSample:
     compact_fields(obj, path)
     verify_compact_file(f, path)  # ~0.8 ms per MB: 2-3 % of this reader (see COMPACT_CHECKSUM)
     aux = dequantize_fp6(obj["aux_codes"], obj["aux_scales"])  # [T, 3, H]
-    return TrainingSample(obj["input_ids"].long(), aux.reshape(aux.shape[0], -1), None, obj["loss_mask"].long(),
-                          StoredTeacher(obj["teacher_ids"], obj["teacher_log_probs"]))
+    return TrainingSample(
+        obj["input_ids"].long(),
+        aux.reshape(aux.shape[0], -1),
+        None,
+        obj["loss_mask"].long(),
+        StoredTeacher(obj["teacher_ids"], obj["teacher_log_probs"]),
+    )
 
 
 def compact_tokens(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,13 +435,20 @@ def impossible_codes_finding(codes: torch.Tensor, scales: torch.Tensor, aux: tor
     t, s, g = (int(i) for i in bad.nonzero()[0])
     n, scale = FP6_GROUP, float(scales[t, s, g])
     top = int((unpack_6bit(codes[t, s]) & 31).reshape(-1, n)[g].max())
-    why = ("a negative scale, which the encoder never writes" if math.copysign(1.0, scale) < 0 else
-           f"scale 0 with codes up to magnitude {top}, but at scale 0 the encoder writes only +-0" if scale == 0 else
-           f"largest code magnitude {top} at scale {scale:.3g}, but the encoder stores each group's largest value "
-           "as 31 (E3M2's largest)")
+    why = (
+        "a negative scale, which the encoder never writes"
+        if math.copysign(1.0, scale) < 0
+        else f"scale 0 with codes up to magnitude {top}, but at scale 0 the encoder writes only +-0"
+        if scale == 0
+        else f"largest code magnitude {top} at scale {scale:.3g}, but the encoder stores each group's largest value "
+        "as 31 (E3M2's largest)"
+    )
     rows = bad.flatten(1).any(1).nonzero().flatten().tolist()
-    return Finding(AUX_CODES, f"aux row {t}, state {s}, values {g * n}..{(g + 1) * n - 1}: {why} "
-                              f"({int(bad.sum())} such groups, rows {fmt_rows(rows)}); " + COMPACT_REWRITE_FILE)
+    return Finding(
+        AUX_CODES,
+        f"aux row {t}, state {s}, values {g * n}..{(g + 1) * n - 1}: {why} "
+        f"({int(bad.sum())} such groups, rows {fmt_rows(rows)}); " + COMPACT_REWRITE_FILE,
+    )
 
 
 def compact_file_states(f: CompactFile, where: str) -> tuple[FileStates | None, list[Finding]]:
@@ -386,8 +460,15 @@ def compact_file_states(f: CompactFile, where: str) -> tuple[FileStates | None, 
         return None, found
     bad = [f"{k} is {obj[k].dtype}" for k, ok in COMPACT_DTYPES.items() if obj[k].dtype not in ok]
     if bad:
-        return None, found + [Finding(WRONG_DTYPE, f"{', '.join(bad)}: expected " + ", ".join(
-            f"{k} {'/'.join(str(d).removeprefix('torch.') for d in ok)}" for k, ok in COMPACT_DTYPES.items()))]
+        return None, found + [
+            Finding(
+                WRONG_DTYPE,
+                f"{', '.join(bad)}: expected "
+                + ", ".join(
+                    f"{k} {'/'.join(str(d).removeprefix('torch.') for d in ok)}" for k, ok in COMPACT_DTYPES.items()
+                ),
+            )
+        ]
     try:
         compact_fields(obj, where)
     except ValueError as e:

@@ -36,9 +36,13 @@ def _is_ids(v: Any) -> bool:
 
 # sizes (a dimension, a length, rows per folder) are positive: 0 or -1 would pass for an int and
 # divide by zero, or cut every sample to nothing, far from this file
-_STR, _SIZE, _COUNT, _IDS, _DICT = (lambda v: isinstance(v, str), "a string"), (
-    lambda v: _is_int(v) and v > 0, "a positive int"), (_is_count, "an int >= 0"), (
-    _is_ids, "a list of ints >= 0"), (lambda v: isinstance(v, dict), "an object")
+_STR, _SIZE, _COUNT, _IDS, _DICT = (
+    (lambda v: isinstance(v, str), "a string"),
+    (lambda v: _is_int(v) and v > 0, "a positive int"),
+    (_is_count, "an int >= 0"),
+    (_is_ids, "a list of ints >= 0"),
+    (lambda v: isinstance(v, dict), "an object"),
+)
 
 
 @dataclass(frozen=True)
@@ -86,21 +90,56 @@ class DataConfig:
 
 # What each recorded field must be; a field of another kind is a problem named with its value.
 FIELD_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **{name: _STR for name in ("format", "target", "target_path", "target_revision", "architecture", "model_type",
-                               "layer_id_convention", "last_hidden_state", "compute_dtype", "engine", "hidden_states_dtype",
-                               "chat_template_sha256", "prepared_data", "prepared_sha256", "eaglet_version",
-                               "command")},
-    **{name: _SIZE for name in ("num_hidden_layers", "hidden_size", "vocab_size", "max_length", "seq_length",
-                                "rows_per_folder")},
+    **{
+        name: _STR
+        for name in (
+            "format",
+            "target",
+            "target_path",
+            "target_revision",
+            "architecture",
+            "model_type",
+            "layer_id_convention",
+            "last_hidden_state",
+            "compute_dtype",
+            "engine",
+            "hidden_states_dtype",
+            "chat_template_sha256",
+            "prepared_data",
+            "prepared_sha256",
+            "eaglet_version",
+            "command",
+        )
+    },
+    **{
+        name: _SIZE
+        for name in ("num_hidden_layers", "hidden_size", "vocab_size", "max_length", "seq_length", "rows_per_folder")
+    },
     **{name: _COUNT for name in ("num_samples", "num_tokens", "num_masked_tokens")},
-    "layer_ids": _IDS, "aux_layer_ids": _IDS, "converted_from": _DICT, "compact": _DICT,
+    "layer_ids": _IDS,
+    "aux_layer_ids": _IDS,
+    "converted_from": _DICT,
+    "compact": _DICT,
 }
 # Fields that must agree before two runs may write into one folder.
 # The states' compute dtype and engine too: a resume at another --dtype or --engine wrote files of
 # mixed rounding under one record.
-IDENTITY_FIELDS = ("format", "compact", "target_revision", "layer_ids", "hidden_size", "hidden_states_dtype",
-                   "last_hidden_state", "chat_template_sha256", "max_length", "num_samples", "num_tokens",
-                   "prepared_sha256", "compute_dtype", "engine")
+IDENTITY_FIELDS = (
+    "format",
+    "compact",
+    "target_revision",
+    "layer_ids",
+    "hidden_size",
+    "hidden_states_dtype",
+    "last_hidden_state",
+    "chat_template_sha256",
+    "max_length",
+    "num_samples",
+    "num_tokens",
+    "prepared_sha256",
+    "compute_dtype",
+    "engine",
+)
 
 
 def parse_data_config(raw: Any) -> tuple[DataConfig, list[str]]:
@@ -150,9 +189,11 @@ def refuse_other_dataset(out: Path, config: DataConfig) -> None:
     old = read_data_config(out)
     key = None if old is None else first_difference(old, config)
     if key is not None:
-        raise ValueError(f"{out / DATA_CONFIG_FILE}: this folder holds a dataset made with {key}="
-                         f"{getattr(old, key)!r}, this run has {getattr(config, key)!r}; use another --out, or "
-                         "delete the folder to start over")
+        raise ValueError(
+            f"{out / DATA_CONFIG_FILE}: this folder holds a dataset made with {key}="
+            f"{getattr(old, key)!r}, this run has {getattr(config, key)!r}; use another --out, or "
+            "delete the folder to start over"
+        )
 
 
 def discard_side_files(out: Path, old: DataConfig) -> None:
@@ -174,9 +215,11 @@ def ensure_data_config(out: Path, config: DataConfig) -> None:
     if old is None and list_dataset_files(out).files:
         # a run writes its config before its first sample file: these are another dataset's,
         # reached through a linked hidden_states/ (say), and a write here would overwrite them
-        raise FileExistsError(f"{out}: holds sample files that no {DATA_CONFIG_FILE} describes (another dataset's, "
-                              f"e.g. behind a linked {HIDDEN_STATES_DIR}/): nothing was written; choose another "
-                              "--out, or move those files away")
+        raise FileExistsError(
+            f"{out}: holds sample files that no {DATA_CONFIG_FILE} describes (another dataset's, "
+            f"e.g. behind a linked {HIDDEN_STATES_DIR}/): nothing was written; choose another "
+            "--out, or move those files away"
+        )
     if old is not None:
         if first_difference(old, config) is None:
             return

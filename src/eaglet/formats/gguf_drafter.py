@@ -80,8 +80,9 @@ def gguf_unservable(cfg: Any) -> list[str]:
     """Drafter variants llama.cpp's eagle3 graph would load and then run differently."""
     problems = []
     if cfg.norm_output:
-        problems.append("norm_output (EAGLE-3.1's post-norm state fed to the next step): llama.cpp feeds the "
-                        "pre-norm state back")
+        problems.append(
+            "norm_output (EAGLE-3.1's post-norm state fed to the next step): llama.cpp feeds the pre-norm state back"
+        )
     if cfg.sliding_window is not None:
         problems.append(f"sliding_window {cfg.sliding_window}: llama.cpp's eagle3 attention has no window")
     if len(cfg.aux_layer_ids) != 3:
@@ -122,8 +123,10 @@ def tokenizer_fields(target_gguf: Path) -> tuple[int | None, list[tuple[str, Any
             sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
             out.append((name, f.contents(), f.types[0], sub))
     if not any(name == "tokenizer.ggml.tokens" for name, *_ in out):
-        raise ValueError(f"{target_gguf}: no tokenizer.ggml.tokens; not the GGUF of a text model, so no vocabulary "
-                         f"for the drafter to share")
+        raise ValueError(
+            f"{target_gguf}: no tokenizer.ggml.tokens; not the GGUF of a text model, so no vocabulary "
+            f"for the drafter to share"
+        )
     return target_width(reader), out
 
 
@@ -139,14 +142,23 @@ def refuse_other_vocabulary(target_gguf: Path, tokens: list[str], expected: list
     differ = [c for c in compared if c[1] != c[2]]
     if len(differ) > TOKENS_ALLOWED_TO_DIFFER * len(compared):
         i, ours, theirs = differ[0]
-        raise ValueError(f"{target_gguf}: its tokenizer is not the drafter's target's ({len(differ):,} of "
-                         f"{len(compared):,} tokens differ; token {i} is {theirs!r} there, {ours!r} in the target's "
-                         "tokenizer); pass the GGUF of the drafter's own target")
+        raise ValueError(
+            f"{target_gguf}: its tokenizer is not the drafter's target's ({len(differ):,} of "
+            f"{len(compared):,} tokens differ; token {i} is {theirs!r} there, {ours!r} in the target's "
+            "tokenizer); pass the GGUF of the drafter's own target"
+        )
 
 
-def write_gguf_drafter(path: str | os.PathLike, cfg: Any, tensors: dict[str, torch.Tensor], target_gguf: Path,
-                       dtype: torch.dtype = torch.bfloat16, name: str = "eaglet drafter",
-                       provenance: str | None = None, expected_tokens: list[str | None] | None = None) -> int:
+def write_gguf_drafter(
+    path: str | os.PathLike,
+    cfg: Any,
+    tensors: dict[str, torch.Tensor],
+    target_gguf: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    name: str = "eaglet drafter",
+    provenance: str | None = None,
+    expected_tokens: list[str | None] | None = None,
+) -> int:
     """Write `tensors` (eaglet names, checked against `cfg`, a variant `gguf_unservable` passes) as
     llama.cpp's eagle3 GGUF, the tokenizer copied from `target_gguf` (its tokens checked against
     `expected_tokens`, the drafter's target's, where known), atomically; returns the bytes written."""
@@ -154,21 +166,31 @@ def write_gguf_drafter(path: str | os.PathLike, cfg: Any, tensors: dict[str, tor
 
     width, tokenizer = tokenizer_fields(target_gguf)  # parsed once: its 49k-token arrays are most of the work
     if width is not None and width != cfg.aux_width:
-        raise ValueError(f"{target_gguf}: a target of hidden size {width:,}, the drafter reads states of "
-                         f"{cfg.aux_width:,}; pass the GGUF of the drafter's own target")
+        raise ValueError(
+            f"{target_gguf}: a target of hidden size {width:,}, the drafter reads states of "
+            f"{cfg.aux_width:,}; pass the GGUF of the drafter's own target"
+        )
     vocab = next(len(v) for k, v, *_ in tokenizer if k == "tokenizer.ggml.tokens")
     if vocab != cfg.target_vocab_size:
-        raise ValueError(f"{target_gguf}: its tokenizer has {vocab:,} tokens, the drafter was trained for a target "
-                         f"vocabulary of {cfg.target_vocab_size:,}; pass the GGUF of the drafter's own target")
+        raise ValueError(
+            f"{target_gguf}: its tokenizer has {vocab:,} tokens, the drafter was trained for a target "
+            f"vocabulary of {cfg.target_vocab_size:,}; pass the GGUF of the drafter's own target"
+        )
     if expected_tokens is not None:
-        refuse_other_vocabulary(target_gguf, next(v for k, v, *_ in tokenizer if k == "tokenizer.ggml.tokens"),
-                                expected_tokens)
+        refuse_other_vocabulary(
+            target_gguf, next(v for k, v, *_ in tokenizer if k == "tokenizer.ggml.tokens"), expected_tokens
+        )
     path = Path(path)
     with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(tmp, GGUF_ARCH)
         w.add_name(name)
-        w.add_file_type({torch.float32: gguf.LlamaFileType.ALL_F32, torch.float16: gguf.LlamaFileType.MOSTLY_F16,
-                         torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16}[dtype])
+        w.add_file_type(
+            {
+                torch.float32: gguf.LlamaFileType.ALL_F32,
+                torch.float16: gguf.LlamaFileType.MOSTLY_F16,
+                torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16,
+            }[dtype]
+        )
         w.add_uint32(key("context_length"), cfg.max_position_embeddings)
         w.add_uint32(key("embedding_length"), cfg.hidden_size)
         w.add_uint32(key("feed_forward_length"), cfg.intermediate_size)

@@ -58,13 +58,16 @@ def preamble_problem(head: bytes, size: int, versions: list[int]) -> tuple[str, 
         version = int.from_bytes(head[4:8], "big")
     if version not in versions:
         readable = " or ".join(map(str, versions))
-        return (f"GGUF version {version}, which eaglet's gguf reader does not read",
-                f"convert the model again with a llama.cpp converter that writes GGUF version {readable}")
+        return (
+            f"GGUF version {version}, which eaglet's gguf reader does not read",
+            f"convert the model again with a llama.cpp converter that writes GGUF version {readable}",
+        )
     return None
 
 
-def tensor_problem(name: str, raw_type: int, dims: list[int], offset: int, data_start: int, alignment: int,
-                   size: int) -> str | None:
+def tensor_problem(
+    name: str, raw_type: int, dims: list[int], offset: int, data_start: int, alignment: int, size: int
+) -> str | None:
     """What is wrong with one entry of a GGUF's tensor list (ggml type, dimensions in ggml's order,
     offset within the data section that starts at byte `data_start`) in a file of `size` bytes:
     the type unknown, rows not whole quantization blocks, data misaligned or running past the end."""
@@ -107,9 +110,15 @@ def checked_reader() -> type:
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
             for field in fields:
                 _, name, _, dims, raw_type, offset = field.parts
-                problem = tensor_problem(bytes(name).decode("utf-8", "replace"), int(raw_type[0]),
-                                         [int(d) for d in dims], int(offset[0]), start_offs, self.alignment,
-                                         len(self.data))
+                problem = tensor_problem(
+                    bytes(name).decode("utf-8", "replace"),
+                    int(raw_type[0]),
+                    [int(d) for d in dims],
+                    int(offset[0]),
+                    start_offs,
+                    self.alignment,
+                    len(self.data),
+                )
                 if problem:
                     raise Fault(problem)
             super()._build_tensors(start_offs, fields)
@@ -188,4 +197,3 @@ def write_gguf_as(src: str | os.PathLike, dst: str | os.PathLike, weights: str =
         writer.write_tensors_to_file()
         writer.close()
         return os.path.getsize(tmp)
-

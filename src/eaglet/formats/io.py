@@ -43,6 +43,7 @@ SAFETENSORS_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 # Failed writes, said in one line
 # ---------------------------------------------------------------------------------------------
 
+
 class WriteFailed(OSError):
     """A write that failed, said in one line that names the file, why, and what to do."""
 
@@ -56,8 +57,17 @@ REDO = "download or copy it again (a download or copy that stopped early, or a d
 # Below this much free space a failed write is taken to be a full disk: torch.save reports one as
 # "[enforce fail at inline_container.cc] unexpected pos", with neither errno nor file name.
 LOW_SPACE_BYTES = 64 << 20
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
-                errno.ENOTDIR, errno.EEXIST}
+WRITE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EIO,
+    errno.ENOTDIR,
+    errno.EEXIST,
+}
 
 
 def free_bytes(folder: Path) -> int | None:
@@ -91,8 +101,10 @@ def blocked_path(path: Path) -> str | None:
     or "Not a directory"."""
     for p in (path, *path.parents):
         if p.is_symlink() and not p.exists():
-            return (f"{p} is a symbolic link to {os.readlink(p)}, which does not exist; create what it points to, "
-                    "remove the link, or choose another path")
+            return (
+                f"{p} is a symbolic link to {os.readlink(p)}, which does not exist; create what it points to, "
+                "remove the link, or choose another path"
+            )
         if p != path and p.exists() and not p.is_dir():
             return f"{p} is a file, not a folder; choose another path"
     return None
@@ -115,8 +127,10 @@ def os_error_reason(error: BaseException, path: Path) -> str:
         return blocked
     # a known errno is the cause (a pseudo-filesystem such as /proc also reports no free space)
     if code == errno.ENOSPC or (code is None and disk_nearly_full(folder)):
-        return (f"no space left on the device ({(free_bytes(folder) or 0) >> 20} MiB free); free some space and "
-                "run the same command again: finished files are kept and the stage resumes where it stopped")
+        return (
+            f"no space left on the device ({(free_bytes(folder) or 0) >> 20} MiB free); free some space and "
+            "run the same command again: finished files are kept and the stage resumes where it stopped"
+        )
     if code in (errno.EROFS, errno.EACCES, errno.EPERM):
         return f"{os.strerror(code).lower()}; use another folder (--out) or fix its permissions"
     return getattr(error, "strerror", None) or str(error)
@@ -166,11 +180,17 @@ def lock_path(out: str | os.PathLike, part: str = "") -> Path:
 def refuse_odd_lock(lock: Path) -> None:
     """A lock path that is a folder or a symbolic link (dangling or not) is not eaglet's: say so."""
     if lock.is_symlink():
-        raise OSError(errno.ELOOP, f"{lock}: a symbolic link (to {os.readlink(lock)}), not eaglet's lock file; "
-                                   "remove it (eaglet creates the lock file itself)")
+        raise OSError(
+            errno.ELOOP,
+            f"{lock}: a symbolic link (to {os.readlink(lock)}), not eaglet's lock file; "
+            "remove it (eaglet creates the lock file itself)",
+        )
     if lock.exists() and not lock.is_file():
-        raise OSError(errno.EISDIR, f"{lock}: a {'folder' if lock.is_dir() else 'special file'}, not eaglet's lock "
-                                    "file; remove it (eaglet creates the lock file itself)")
+        raise OSError(
+            errno.EISDIR,
+            f"{lock}: a {'folder' if lock.is_dir() else 'special file'}, not eaglet's lock "
+            "file; remove it (eaglet creates the lock file itself)",
+        )
 
 
 def held_lock(lock: Path) -> int | None:
@@ -216,8 +236,10 @@ def refuse_other_sharding(out: str | os.PathLike, num_shards: int) -> None:
     for lock in out.parent.glob(f".{glob.escape(out.name)}.shard-*-of-*.lock"):
         count = lock.name.rsplit("-of-", 1)[1].removesuffix(".lock")
         if count != str(num_shards) and lock_is_held(lock):
-            raise OutputBusy(f"{out}: an `eaglet extract` with --num-shards {count} is writing it now ({lock}); this "
-                             f"one splits the samples into {num_shards}: wait for it, or use the same --num-shards")
+            raise OutputBusy(
+                f"{out}: an `eaglet extract` with --num-shards {count} is writing it now ({lock}); this "
+                f"one splits the samples into {num_shards}: wait for it, or use the same --num-shards"
+            )
 
 
 @contextlib.contextmanager
@@ -286,8 +308,10 @@ def read_weight_index(path: str | os.PathLike) -> dict[str, str]:
     index = read_json(path)
     names = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
-        raise ValueError(f"{path}: no \"weight_map\" object of tensor name -> shard file; the index is damaged: "
-                         "download or write the folder again")
+        raise ValueError(
+            f'{path}: no "weight_map" object of tensor name -> shard file; the index is damaged: '
+            "download or write the folder again"
+        )
     return names
 
 
@@ -297,27 +321,47 @@ def read_weight_index(path: str | os.PathLike) -> dict[str, str]:
 
 # The kind of folder each stage writes (stages of one kind may share a folder: extract's shards,
 # convert into an extract's dataset, which data_config.json then checks). regen writes one file.
-OUTPUT_KINDS = {"prepare": "prepared dataset", "extract": "hidden-state dataset", "convert": "hidden-state dataset",
-                "train": "train run", "eval": "eval results", "run": "recipe run", "export": "drafter",
-                "import": "drafter"}
+OUTPUT_KINDS = {
+    "prepare": "prepared dataset",
+    "extract": "hidden-state dataset",
+    "convert": "hidden-state dataset",
+    "train": "train run",
+    "eval": "eval results",
+    "run": "recipe run",
+    "export": "drafter",
+    "import": "drafter",
+}
 # The files that say which kind a folder is: written by the stage (the marker, from now on), or
 # its own files (folders written before the marker).
 OUTPUT_MARKER = ".eaglet-output"
-KIND_FILES = {"prepared dataset": ("prepared.jsonl", "prepare_config.json"),
-              "hidden-state dataset": ("data_config.json", "hidden_states"),
-              "train run": ("train_config.json", "checkpoints", "metrics.jsonl"),
-              "eval results": ("eval.json",), "recipe run": ("stages",),
-              "drafter": ("config.json", "model.safetensors")}
+KIND_FILES = {
+    "prepared dataset": ("prepared.jsonl", "prepare_config.json"),
+    "hidden-state dataset": ("data_config.json", "hidden_states"),
+    "train run": ("train_config.json", "checkpoints", "metrics.jsonl"),
+    "eval results": ("eval.json",),
+    "recipe run": ("stages",),
+    "drafter": ("config.json", "model.safetensors"),
+}
 # Every name a stage of each kind writes at the top of its folder (glob patterns): in a folder no
 # eaglet stage marked, one of these is someone else's file that the stage would replace or adopt
 # (a speculators dataset's Arrow table, a tool's own train_config.json), so it is refused.
-WRITTEN_NAMES = {"prepared dataset": ("prepared.jsonl", "prepare_config.json", "token_freq.pt"),
-                 "hidden-state dataset": ("data_config.json", "hidden_states", "sample_lengths.json", "token_freq.pt",
-                                          "rows_*", "compact", "state.json", "dataset_info.json", "data-*.arrow"),
-                 "train run": ("train_config.json", "checkpoints", "metrics.jsonl", "tensorboard"),
-                 "eval results": ("eval.json", "eval.png", "vllm-drafter", "vllm-logs", "drafter.gguf",
-                                  "llama-server-logs"),
-                 "recipe run": ("stages", "summary.json", "regen", "prepared", "data", "train", "eval")}
+WRITTEN_NAMES = {
+    "prepared dataset": ("prepared.jsonl", "prepare_config.json", "token_freq.pt"),
+    "hidden-state dataset": (
+        "data_config.json",
+        "hidden_states",
+        "sample_lengths.json",
+        "token_freq.pt",
+        "rows_*",
+        "compact",
+        "state.json",
+        "dataset_info.json",
+        "data-*.arrow",
+    ),
+    "train run": ("train_config.json", "checkpoints", "metrics.jsonl", "tensorboard"),
+    "eval results": ("eval.json", "eval.png", "vllm-drafter", "vllm-logs", "drafter.gguf", "llama-server-logs"),
+    "recipe run": ("stages", "summary.json", "regen", "prepared", "data", "train", "eval"),
+}
 # stages whose output is not a folder of their own kind: the file a stage writes (regen's JSONL,
 # export's GGUF) and drafter folders, which appear whole by rename and are refused when not empty
 UNMARKED = ("regen", "export", "import")
@@ -333,14 +377,17 @@ def claim_output(out: str | os.PathLike, stage: str) -> None:
         return
     kind = OUTPUT_KINDS[stage]
     if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out}: an existing file; `eaglet {stage}` writes a folder ({kind}): give a "
-                              f"folder path that does not exist yet, or an empty one")
+        raise FileExistsError(
+            f"--out {out}: an existing file; `eaglet {stage}` writes a folder ({kind}): give a "
+            f"folder path that does not exist yet, or an empty one"
+        )
     if out.is_dir():
         refuse_other_kind(out, stage, kind)
 
 
-def refuse_overlap(out: str | os.PathLike, stage: str, inputs: dict[str, str | os.PathLike | None],
-                   inside_ok: bool = False) -> None:
+def refuse_overlap(
+    out: str | os.PathLike, stage: str, inputs: dict[str, str | os.PathLike | None], inside_ok: bool = False
+) -> None:
     """Before a stage writes anything: an output that is one of its inputs, holds one or lies inside
     one is refused (each stage writes a folder of its own; a write there could replace the input,
     as prepare did to a chat file named prepared.jsonl). `inputs`: how each is named -> path given.
@@ -351,11 +398,14 @@ def refuse_overlap(out: str | os.PathLike, stage: str, inputs: dict[str, str | o
         if given is None or not os.path.exists(given):  # a name (the embedded data) or nothing yet
             continue
         i = Path(os.path.realpath(given))
-        where = ("is" if o == i else "holds" if o in i.parents
-                 else "is inside" if i in o.parents and not inside_ok else None)
+        where = (
+            "is" if o == i else "holds" if o in i.parents else "is inside" if i in o.parents and not inside_ok else None
+        )
         if where is not None:
-            raise FileExistsError(f"--out {out} {where} {name} {given}: `eaglet {stage}` writes a folder of its own, "
-                                  "apart from its inputs; nothing was written: choose another --out")
+            raise FileExistsError(
+                f"--out {out} {where} {name} {given}: `eaglet {stage}` writes a folder of its own, "
+                "apart from its inputs; nothing was written: choose another --out"
+            )
 
 
 def marked(stage: str) -> bool:
@@ -394,33 +444,47 @@ def present_names(out: Path, patterns: tuple[str, ...]) -> list[str]:
 def refuse_other_kind(out: Path, stage: str, kind: str) -> None:
     marker = out / OUTPUT_MARKER
     if marker.is_symlink() or (marker.exists() and not marker.is_file()):
-        raise FileExistsError(f"--out {out}: {OUTPUT_MARKER} is not eaglet's marker file (a folder or a link); "
-                              "nothing was written: remove it, or choose another --out")
+        raise FileExistsError(
+            f"--out {out}: {OUTPUT_MARKER} is not eaglet's marker file (a folder or a link); "
+            "nothing was written: remove it, or choose another --out"
+        )
     if marker.is_file():
         recorded = marker.read_text(encoding="utf-8", errors="replace").strip()
         found = [f"{OUTPUT_MARKER} says {recorded!r}"] if recorded != kind else []
     else:
-        found = [name for other, names in KIND_FILES.items() if other != kind for name in names
-                 if os.path.lexists(out / name)]
+        found = [
+            name
+            for other, names in KIND_FILES.items()
+            if other != kind
+            for name in names
+            if os.path.lexists(out / name)
+        ]
     if found:
-        raise FileExistsError(f"--out {out}: holds another stage's output ({', '.join(found)}), and `eaglet {stage}` "
-                              f"writes its own ({kind}): nothing was written; choose another --out (each stage writes a "
-                              f"folder of its own)")
+        raise FileExistsError(
+            f"--out {out}: holds another stage's output ({', '.join(found)}), and `eaglet {stage}` "
+            f"writes its own ({kind}): nothing was written; choose another --out (each stage writes a "
+            f"folder of its own)"
+        )
     written = present_names(out, WRITTEN_NAMES.get(kind, ()))
     for name in (n for n in written if (out / n).is_symlink()):
-        raise FileExistsError(f"{out / name}: a symbolic link (to {os.readlink(out / name)}) where `eaglet {stage}` "
-                              f"writes its own {name}; eaglet writes inside its output folder only: nothing was "
-                              "written; remove the link, or choose another --out")
+        raise FileExistsError(
+            f"{out / name}: a symbolic link (to {os.readlink(out / name)}) where `eaglet {stage}` "
+            f"writes its own {name}; eaglet writes inside its output folder only: nothing was "
+            "written; remove the link, or choose another --out"
+        )
     unowned = [] if marker.is_file() else written
     if unowned:
-        raise FileExistsError(f"--out {out}: holds {', '.join(unowned)}, which no eaglet stage marked as its own (no "
-                              f"{OUTPUT_MARKER}): `eaglet {stage}` would replace or adopt them; nothing was written: "
-                              "choose another --out, or move those files away")
+        raise FileExistsError(
+            f"--out {out}: holds {', '.join(unowned)}, which no eaglet stage marked as its own (no "
+            f"{OUTPUT_MARKER}): `eaglet {stage}` would replace or adopt them; nothing was written: "
+            "choose another --out, or move those files away"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Atomic writes: files and folders
 # ---------------------------------------------------------------------------------------------
+
 
 def current_umask() -> int:
     """The process's umask (read by setting it, and setting it back at once)."""
@@ -481,6 +545,7 @@ def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = 
     """Delete temp files and folders (atomic_dir's) a killed writer left behind; `owned` limits it to
     these final names, `recursive=False` to `folder` itself (its other folders may be a user's). A
     folder that does not exist (yet) has none."""
+
     def stale(name: str) -> bool:
         ours = name.startswith(".") and TMP_MARK in name and (owned is None or name[1:].split(TMP_MARK, 1)[0] in owned)
         return ours or SAFETENSORS_TMP_RE.fullmatch(name) is not None
@@ -503,6 +568,7 @@ def remove_stale_temp_files(folder: str | os.PathLike, owned: set[str] | None = 
 # JSON
 # ---------------------------------------------------------------------------------------------
 
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
@@ -517,8 +583,9 @@ def refuse_non_file(path: str | os.PathLike, what: str) -> None:
     forever, a folder fail with a bare errno); a missing file is left to the reader's own error."""
     p = Path(path)
     if p.is_dir():
-        raise IsADirectoryError(errno.EISDIR, f"{path}: a folder where eaglet expects {what}; remove or rename it",
-                                str(path))
+        raise IsADirectoryError(
+            errno.EISDIR, f"{path}: a folder where eaglet expects {what}; remove or rename it", str(path)
+        )
     if p.exists() and not p.is_file():
         raise ValueError(f"{path}: a pipe or device where eaglet expects {what}; remove or rename it")
 
@@ -538,6 +605,7 @@ def read_json(path: str | os.PathLike) -> Any:
 # torch files, loaded without running pickled code
 # ---------------------------------------------------------------------------------------------
 
+
 def read_jsonl_log(path: str | os.PathLike) -> list[Any]:
     """The records of an append-only JSON-lines log (one write per line). A last line without its
     newline is what a kill mid-write leaves: dropped, with a warning. Any other line that is not
@@ -554,8 +622,9 @@ def read_jsonl_log(path: str | os.PathLike) -> list[Any]:
             try:
                 records.append(json.loads(line))
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-                raise ValueError(f"{path}:{n}: not a JSON line ({e}); the file is damaged: restore it or remove the "
-                                 "line") from None
+                raise ValueError(
+                    f"{path}:{n}: not a JSON line ({e}); the file is damaged: restore it or remove the line"
+                ) from None
     return records
 
 
@@ -566,8 +635,12 @@ def torch_save_atomic(obj: Any, path: str | os.PathLike, fsync: bool = True) -> 
 
 # What torch's weights-only unpickler says when a file asks for an object outside its allow-list
 # (a class, a function to call); garbage bytes fail the same loader with "Unsupported operand".
-PICKLED_CODE_MARKERS = ("Unsupported global", "unsupported GLOBAL", "Can only create new object",
-                        "Can only build Tensor")
+PICKLED_CODE_MARKERS = (
+    "Unsupported global",
+    "unsupported GLOBAL",
+    "Can only create new object",
+    "Can only build Tensor",
+)
 
 
 class TorchFileRefused(pickle.UnpicklingError, ValueError):
@@ -602,14 +675,19 @@ def torch_load_safe(path: str | os.PathLike) -> Any:
             raise TorchFileRefused(
                 f"{path}: holds Python objects beyond tensors ({detail}), which eaglet will not execute (it loads "
                 ".pt/.bin files with weights_only=True); in an environment you trust, load it and re-save its "
-                "tensors as safetensors, or torch.save them as a plain dict of tensors") from e
-        raise TorchFileRefused(f"{path}: not a readable torch file ({detail}); it is damaged or was not written "
-                               "by torch.save: restore it or write it again") from e
+                "tensors as safetensors, or torch.save them as a plain dict of tensors"
+            ) from e
+        raise TorchFileRefused(
+            f"{path}: not a readable torch file ({detail}); it is damaged or was not written "
+            "by torch.save: restore it or write it again"
+        ) from e
     except RuntimeError as e:  # torch.save writes a zip: a cut-off one fails in its zip reader, naming no file
         if "PytorchStreamReader" not in str(e):
             raise
-        raise TorchFileRefused(f"{path}: not a readable torch file (cut off or damaged: "
-                               f"{str(e).splitlines()[0][:160]}); restore it or write it again") from e
+        raise TorchFileRefused(
+            f"{path}: not a readable torch file (cut off or damaged: "
+            f"{str(e).splitlines()[0][:160]}); restore it or write it again"
+        ) from e
 
 
 def torch_load_safe_mmap(path: str | os.PathLike) -> Any:
@@ -633,6 +711,7 @@ def torch_load_safe_bytes(data: bytes) -> Any:
 # safetensors files
 # ---------------------------------------------------------------------------------------------
 
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file (raw tensors only: reading one never runs code); a
     truncated or damaged file is a ValueError that names it."""
@@ -643,8 +722,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: not a readable safetensors file, truncated or damaged ({e})") from e
 
 
-def write_safetensors_atomic(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
-                             metadata: dict[str, str] | None = None) -> Path:
+def write_safetensors_atomic(
+    path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> Path:
     """`tensors` (contiguous) as one safetensors file at `path`, atomically."""
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)

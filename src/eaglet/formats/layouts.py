@@ -32,24 +32,67 @@ from typing import Any, Callable
 
 import torch
 
-from eaglet.formats.compact import (COMPACT_DIR, check_compact_hidden_size, compact_config_fields, compact_damage,
-                                    compact_file_states, compact_relative_path, compact_stored_shapes, compact_tokens,
-                                    compact_top_k, compact_training_sample, compact_version_problem,
-                                    compact_version_warning, read_compact_file, write_compact_states)
-from eaglet.formats.io import (read_safetensors,
-                               torch_load_safe, torch_load_safe_bytes, torch_load_safe_mmap,
-                               torch_save_atomic)
+from eaglet.formats.compact import (
+    COMPACT_DIR,
+    check_compact_hidden_size,
+    compact_config_fields,
+    compact_damage,
+    compact_file_states,
+    compact_relative_path,
+    compact_stored_shapes,
+    compact_tokens,
+    compact_top_k,
+    compact_training_sample,
+    compact_version_problem,
+    compact_version_warning,
+    read_compact_file,
+    write_compact_states,
+)
+from eaglet.formats.io import (
+    read_safetensors,
+    torch_load_safe,
+    torch_load_safe_bytes,
+    torch_load_safe_mmap,
+    torch_save_atomic,
+)
 from eaglet.formats.listing import DatasetFiles, files_in, flat_layout_files, nested_layout_files, rows_layout_files
-from eaglet.formats.samples import (HIDDEN_STATES_DIR, LAST_STATE_POST_NORM, LAST_STATE_PRE_NORM, ROWS_PER_FOLDER,
-                                    V1_FOLDER_RE, WRONG_SHAPE, FileStates, Finding,
-                                    StoredTeacher, TrainingSample, drop_batch_dim, eagle3_states, keys_findings,
-                                    lacks_keys, rows_folder, sparse_tensors, stored_kind_findings)
-from eaglet.formats.speculators_files import (ARROW_STATE_FILE, hs_file_states, hs_relative_path,
-                                              HS_SAFETENSORS_FILE_RE, hs_stored_shapes, hs_tokens,
-                                              hs_training_sample, read_table_sample, speculators_relative_path,
-                                              speculators_table_files, speculators_table_rows, speculators_tokens,
-                                              speculators_training_sample, start_speculators_table,
-                                              table_file_states, write_speculators_states)
+from eaglet.formats.samples import (
+    HIDDEN_STATES_DIR,
+    LAST_STATE_POST_NORM,
+    LAST_STATE_PRE_NORM,
+    ROWS_PER_FOLDER,
+    V1_FOLDER_RE,
+    WRONG_SHAPE,
+    FileStates,
+    Finding,
+    StoredTeacher,
+    TrainingSample,
+    drop_batch_dim,
+    eagle3_states,
+    keys_findings,
+    lacks_keys,
+    rows_folder,
+    sparse_tensors,
+    stored_kind_findings,
+)
+from eaglet.formats.speculators_files import (
+    ARROW_STATE_FILE,
+    hs_file_states,
+    hs_relative_path,
+    HS_SAFETENSORS_FILE_RE,
+    hs_stored_shapes,
+    hs_tokens,
+    hs_training_sample,
+    read_table_sample,
+    speculators_relative_path,
+    speculators_table_files,
+    speculators_table_rows,
+    speculators_tokens,
+    speculators_training_sample,
+    start_speculators_table,
+    table_file_states,
+    write_speculators_states,
+)
 from eaglet.options import WRITTEN_LAYOUT_NAMES
 
 # The layouts' names: data_config.json's "format", `eaglet check`'s report.
@@ -72,6 +115,7 @@ COMPACT_FILE_RE = re.compile(r"^data_(\d+)\.safetensors$")
 # ---------------------------------------------------------------------------------------------
 # speculators "v1" (and its flat variant)
 # ---------------------------------------------------------------------------------------------
+
 
 def v1_relative_path(index: int, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
     return f"{HIDDEN_STATES_DIR}/{rows_folder(index, rows_per_folder)}/data_{index}.pt"
@@ -146,12 +190,19 @@ def v1_tokens(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
 
 def v1_stored_shapes(path: str | os.PathLike) -> tuple[list[tuple[int, ...]], int]:
     s = read_v1_sample(path, mmap=True)
-    return [tuple(s.input_ids.shape), tuple(s.loss_mask.shape), *(tuple(h.shape[:1]) for h in s.hidden_states)], \
-        len(s.hidden_states)
+    return [tuple(s.input_ids.shape), tuple(s.loss_mask.shape), *(tuple(h.shape[:1]) for h in s.hidden_states)], len(
+        s.hidden_states
+    )
 
 
-def write_v1_states(out: str | os.PathLike, index: int, input_ids: torch.Tensor, states: list[torch.Tensor],
-                    loss_mask: torch.Tensor, teacher: StoredTeacher | None) -> Path:
+def write_v1_states(
+    out: str | os.PathLike,
+    index: int,
+    input_ids: torch.Tensor,
+    states: list[torch.Tensor],
+    loss_mask: torch.Tensor,
+    teacher: StoredTeacher | None,
+) -> Path:
     del teacher  # v1 keeps the last state itself
     return write_v1_sample(out, index, V1Sample(input_ids, states, loss_mask))
 
@@ -162,8 +213,9 @@ def v1_file_states(obj: Any, where: str) -> tuple[FileStates | None, list[Findin
         return None, found
     hs = obj["hidden_states"]
     if not isinstance(hs, list) or not all(isinstance(h, torch.Tensor) for h in hs):
-        return None, found or [Finding(WRONG_SHAPE, f"hidden_states is a {type(hs).__name__}: the layout stores a "
-                                                    "list of tensors")]
+        return None, found or [
+            Finding(WRONG_SHAPE, f"hidden_states is a {type(hs).__name__}: the layout stores a list of tensors")
+        ]
     found += stored_kind_findings(obj, ("input_ids", "loss_mask"))
     if sparse_tensors(obj):  # named above; no value check can read them
         return None, found
@@ -173,6 +225,7 @@ def v1_file_states(obj: Any, where: str) -> tuple[FileStates | None, list[Findin
 # ---------------------------------------------------------------------------------------------
 # SpecForge offline
 # ---------------------------------------------------------------------------------------------
+
 
 def specforge_relative_path(index: int, compressed: bool = False, rows_per_folder: int = ROWS_PER_FOLDER) -> str:
     return f"{rows_folder(index, rows_per_folder)}/data_{index}.ckpt" + (".gz" if compressed else "")
@@ -193,8 +246,13 @@ def specforge_fields(obj: dict[str, Any]) -> dict[str, Any]:
 
 def specforge_shapes_fit(aux: Any, last: Any) -> bool:
     """aux_hidden_state [T, 3H] and hidden_state [T, H]."""
-    return isinstance(aux, torch.Tensor) and isinstance(last, torch.Tensor) and aux.dim() == 2 and last.dim() == 2 \
+    return (
+        isinstance(aux, torch.Tensor)
+        and isinstance(last, torch.Tensor)
+        and aux.dim() == 2
+        and last.dim() == 2
         and aux.shape[-1] == 3 * last.shape[-1]
+    )
 
 
 def specforge_shapes_message(aux: Any, last: Any) -> str:
@@ -243,12 +301,15 @@ def specforge_file_states(obj: Any, where: str) -> tuple[FileStates | None, list
 # Listing each layout's files (None: the folder is not in that layout)
 # ---------------------------------------------------------------------------------------------
 
+
 def rows_lister(subdir: str, name_re: re.Pattern) -> Callable[[Path, int], DatasetFiles | None]:
     """The lister of a layout whose files are `subdir/rows_{a}-{b}/NAME` (v1, compact): the
     folder `subdir` makes a dataset folder this layout."""
+
     def lister(root: Path, rows_per_folder: int) -> DatasetFiles | None:
         folder = root / subdir
         return rows_layout_files(folder, name_re, rows_per_folder) if folder.is_dir() else None
+
     return lister
 
 
@@ -361,40 +422,94 @@ class Layout:
 
 
 V1_LAYOUT = Layout(
-    FORMAT_V1, "speculators v1 (hidden_states/rows_{a}-{b}/data_{i}.pt)", HIDDEN_STATES_DIR,
-    list_files=rows_lister(HIDDEN_STATES_DIR, V1_FILE_RE), relative_path=v1_relative_path,
-    read_training=v1_training_sample, read_tokens=v1_tokens, read_raw=torch_load_safe_mmap, file_states=v1_file_states,
-    option="v1", write=write_v1_states, stored_shapes=v1_stored_shapes, side_files=True)
+    FORMAT_V1,
+    "speculators v1 (hidden_states/rows_{a}-{b}/data_{i}.pt)",
+    HIDDEN_STATES_DIR,
+    list_files=rows_lister(HIDDEN_STATES_DIR, V1_FILE_RE),
+    relative_path=v1_relative_path,
+    read_training=v1_training_sample,
+    read_tokens=v1_tokens,
+    read_raw=torch_load_safe_mmap,
+    file_states=v1_file_states,
+    option="v1",
+    write=write_v1_states,
+    stored_shapes=v1_stored_shapes,
+    side_files=True,
+)
 V1_FLAT_LAYOUT = Layout(
-    FORMAT_V1_FLAT, "speculators v1, flat (data_{i}.pt)", "",
-    list_files=list_flat_v1_files, relative_path=flat_v1_relative_path,
-    read_training=v1_training_sample, read_tokens=v1_tokens, read_raw=torch_load_safe_mmap, file_states=v1_file_states)
+    FORMAT_V1_FLAT,
+    "speculators v1, flat (data_{i}.pt)",
+    "",
+    list_files=list_flat_v1_files,
+    relative_path=flat_v1_relative_path,
+    read_training=v1_training_sample,
+    read_tokens=v1_tokens,
+    read_raw=torch_load_safe_mmap,
+    file_states=v1_file_states,
+)
 SPECFORGE_LAYOUT = Layout(
-    FORMAT_SPECFORGE, "SpecForge offline (rows_{a}-{b}/data_{i}.ckpt[.gz])", "",
-    list_files=list_specforge_files, relative_path=specforge_relative_path,
-    read_training=specforge_training_sample, read_tokens=specforge_tokens, read_raw=read_specforge_sample,
+    FORMAT_SPECFORGE,
+    "SpecForge offline (rows_{a}-{b}/data_{i}.ckpt[.gz])",
+    "",
+    list_files=list_specforge_files,
+    relative_path=specforge_relative_path,
+    read_training=specforge_training_sample,
+    read_tokens=specforge_tokens,
+    read_raw=read_specforge_sample,
     file_states=specforge_file_states,
     # SpecForge's offline `hidden_state` is what its target head (lm_head only, no norm) consumes
-    last_state=LAST_STATE_POST_NORM)
+    last_state=LAST_STATE_POST_NORM,
+)
 HS_SAFETENSORS_LAYOUT = Layout(
-    FORMAT_HS_SAFETENSORS, "speculators hs_{row}.safetensors, flat (loss_mask in each file, no table)", "",
-    list_files=list_hs_files, relative_path=hs_relative_path,
-    read_training=hs_training_sample, read_tokens=hs_tokens, read_raw=read_safetensors, file_states=hs_file_states)
+    FORMAT_HS_SAFETENSORS,
+    "speculators hs_{row}.safetensors, flat (loss_mask in each file, no table)",
+    "",
+    list_files=list_hs_files,
+    relative_path=hs_relative_path,
+    read_training=hs_training_sample,
+    read_tokens=hs_tokens,
+    read_raw=read_safetensors,
+    file_states=hs_file_states,
+)
 SPECULATORS_LAYOUT = Layout(
-    FORMAT_SPECULATORS_ARROW, "speculators >= 0.6 (Arrow table + hidden_states/hs_{row}.safetensors)",
-    HIDDEN_STATES_DIR, list_files=list_speculators_files, relative_path=speculators_relative_path,
-    read_training=speculators_training_sample, read_tokens=speculators_tokens, read_raw=read_table_sample,
-    file_states=table_file_states, option="speculators", write=write_speculators_states, stored_shapes=hs_stored_shapes,
+    FORMAT_SPECULATORS_ARROW,
+    "speculators >= 0.6 (Arrow table + hidden_states/hs_{row}.safetensors)",
+    HIDDEN_STATES_DIR,
+    list_files=list_speculators_files,
+    relative_path=speculators_relative_path,
+    read_training=speculators_training_sample,
+    read_tokens=speculators_tokens,
+    read_raw=read_table_sample,
+    file_states=table_file_states,
+    option="speculators",
+    write=write_speculators_states,
+    stored_shapes=hs_stored_shapes,
     fixed_last_state=True,  # speculators applies the target's final norm to the stored last state itself
-    table=RowsTable(ARROW_STATE_FILE, speculators_table_rows, start_speculators_table, speculators_table_files))
+    table=RowsTable(ARROW_STATE_FILE, speculators_table_rows, start_speculators_table, speculators_table_files),
+)
 COMPACT_LAYOUT = Layout(
-    FORMAT_COMPACT, "eaglet compact (compact/rows_{a}-{b}/data_{i}.safetensors: 6-bit aux, stored teacher)",
-    COMPACT_DIR, list_files=rows_lister(COMPACT_DIR, COMPACT_FILE_RE), relative_path=compact_relative_path,
-    read_training=compact_training_sample, read_tokens=compact_tokens, read_raw=read_compact_file,
-    file_states=compact_file_states, option="compact", write=write_compact_states, stored_shapes=compact_stored_shapes,
-    side_files=True, stores_teacher=True, dequantized=True, config_fields=compact_config_fields,
-    config_problem=compact_version_problem, config_warning=compact_version_warning, stored_top_k=compact_top_k,
-    damage=compact_damage, check_hidden_size=check_compact_hidden_size)
+    FORMAT_COMPACT,
+    "eaglet compact (compact/rows_{a}-{b}/data_{i}.safetensors: 6-bit aux, stored teacher)",
+    COMPACT_DIR,
+    list_files=rows_lister(COMPACT_DIR, COMPACT_FILE_RE),
+    relative_path=compact_relative_path,
+    read_training=compact_training_sample,
+    read_tokens=compact_tokens,
+    read_raw=read_compact_file,
+    file_states=compact_file_states,
+    option="compact",
+    write=write_compact_states,
+    stored_shapes=compact_stored_shapes,
+    side_files=True,
+    stores_teacher=True,
+    dequantized=True,
+    config_fields=compact_config_fields,
+    config_problem=compact_version_problem,
+    config_warning=compact_version_warning,
+    stored_top_k=compact_top_k,
+    damage=compact_damage,
+    check_hidden_size=check_compact_hidden_size,
+)
 
 # Every layout eaglet reads, in the order detection tries them: the first whose lister finds its
 # mark in a folder wins (speculators' table folder also has hidden_states/, so it comes before v1;
@@ -450,6 +565,7 @@ def list_dataset_files(folder: str | os.PathLike, rows_per_folder: int = ROWS_PE
 # What stages do with a layout, given it or its name
 # ---------------------------------------------------------------------------------------------
 
+
 def read_training_sample(path: str | os.PathLike, fmt: str | Layout) -> TrainingSample:
     """One sample of a dataset in layout `fmt` (as `list_dataset_files` finds it), as training takes it."""
     return layout(fmt).read_training(Path(path))
@@ -479,8 +595,15 @@ def writable_layout(fmt: str | Layout) -> Layout:
     return lay
 
 
-def write_sample(out: str | os.PathLike, fmt: str | Layout, index: int, input_ids: torch.Tensor,
-                 states: list[torch.Tensor], loss_mask: torch.Tensor, teacher: StoredTeacher | None = None) -> Path:
+def write_sample(
+    out: str | os.PathLike,
+    fmt: str | Layout,
+    index: int,
+    input_ids: torch.Tensor,
+    states: list[torch.Tensor],
+    loss_mask: torch.Tensor,
+    teacher: StoredTeacher | None = None,
+) -> Path:
     """One sample's file in layout `fmt` (speculators' keeps the loss mask in its table, not here; the
     compact layout keeps the aux states and, in place of the last state, `teacher`)."""
     write = writable_layout(fmt).write
@@ -522,6 +645,8 @@ def refuse_other_samples(found: list[tuple[Path, str]]) -> None:
     other = [(path, why) for path, why in found if why.startswith(WHOLE_BUT_OTHER)]
     if other:
         path, why = other[0]
-        raise FileExistsError(f"{path}: {why}: another dataset's file ({len(other)} such, e.g. behind a linked "
-                              "folder), which this run would overwrite; no sample file was written: move them away, "
-                              "or choose another --out")
+        raise FileExistsError(
+            f"{path}: {why}: another dataset's file ({len(other)} such, e.g. behind a linked "
+            "folder), which this run would overwrite; no sample file was written: move them away, "
+            "or choose another --out"
+        )

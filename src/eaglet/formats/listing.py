@@ -58,8 +58,13 @@ def files_in(folder: Path, out: DatasetFiles, recursive: bool) -> list[Path]:
         elif p.is_file():
             found.append(p)
         elif recursive and p.is_symlink():
-            out.unfollowed_links.append((p, f"symbolic link to the folder {os.readlink(p)!r}, not followed "
-                                            "(it could loop or count files twice)"))
+            out.unfollowed_links.append(
+                (
+                    p,
+                    f"symbolic link to the folder {os.readlink(p)!r}, not followed "
+                    "(it could loop or count files twice)",
+                )
+            )
     return found
 
 
@@ -72,7 +77,9 @@ def rows_folder_problem(index: int, folder: str, rows_per_folder: int) -> str | 
     if not a <= index < b:
         return f"index {index} lies outside its folder {folder}"
     if b - a != rows_per_folder or a % rows_per_folder:
-        return f"folder {folder} does not follow rows_{{k}}-{{k+{rows_per_folder}}} with k a multiple of {rows_per_folder}"
+        return (
+            f"folder {folder} does not follow rows_{{k}}-{{k+{rows_per_folder}}} with k a multiple of {rows_per_folder}"
+        )
     return None
 
 
@@ -86,8 +93,11 @@ def scan_rows_folders(root: Path, name_re: re.Pattern, rows_per_folder: int, out
                     out.stray.append(f)
                     continue
                 index = int(m.group(1))
-                why = (rows_folder_problem(index, entry.name, rows_per_folder) if f.parent == entry
-                       else f"nested below {entry.name}")
+                why = (
+                    rows_folder_problem(index, entry.name, rows_per_folder)
+                    if f.parent == entry
+                    else f"nested below {entry.name}"
+                )
                 if why:
                     out.misplaced.append((index, f, why))
                 out.files.append((index, f))
@@ -115,8 +125,9 @@ def flat_layout_files(root: Path, name_re: re.Pattern) -> DatasetFiles | None:
     top = files_in(root, out, recursive=False)
     if not any(name_re.match(p.name) for p, _ in out.broken_links) and not any(name_re.match(p.name) for p in top):
         return None
-    return DatasetFiles([(int(m.group(1)), p) for p in top if (m := name_re.match(p.name))],
-                        broken_links=out.broken_links)
+    return DatasetFiles(
+        [(int(m.group(1)), p) for p in top if (m := name_re.match(p.name))], broken_links=out.broken_links
+    )
 
 
 def nested_layout_files(root: Path, name_re: re.Pattern, rows_per_folder: int) -> DatasetFiles | None:
@@ -131,8 +142,11 @@ def nested_layout_files(root: Path, name_re: re.Pattern, rows_per_folder: int) -
         out.files.append((index, p))
         if p.parent != root:  # flat SpecForge folders exist too; rows folders must be right
             rel = p.parent.relative_to(root)
-            why = (rows_folder_problem(index, p.parent.name, rows_per_folder) if len(rel.parts) == 1
-                   else f"nested below {rel.parts[0]}")
+            why = (
+                rows_folder_problem(index, p.parent.name, rows_per_folder)
+                if len(rel.parts) == 1
+                else f"nested below {rel.parts[0]}"
+            )
             if why:
                 out.misplaced.append((index, p, why))
     return out if out.files else None

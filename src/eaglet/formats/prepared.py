@@ -17,8 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from eaglet.formats.io import (atomic_path, failures_named, read_json, remove_stale_temp_files, torch_load_safe,
-                               torch_save_atomic, write_json_atomic)
+from eaglet.formats.io import (
+    atomic_path,
+    failures_named,
+    read_json,
+    remove_stale_temp_files,
+    torch_load_safe,
+    torch_save_atomic,
+    write_json_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +49,9 @@ def read_token_freq(path: str | os.PathLike) -> dict[int, int]:
     try:
         return {int(k): int(v) for k, v in freq.items()}
     except (TypeError, ValueError, OverflowError) as e:  # a NaN, a string, a tensor of several values
-        raise ValueError(f"{path}: expected a dict {{token_id: count}} of whole numbers ({e}); run prepare "
-                         "again") from e
+        raise ValueError(
+            f"{path}: expected a dict {{token_id: count}} of whole numbers ({e}); run prepare again"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,8 +88,10 @@ class TokenizedSample:
             raise ValueError(f"{where}: sample {sample.sample_id} has no tokens (prepare writes none such)")
         bad = next((m for m in sample.loss_mask if type(m) is not int or m not in (0, 1)), None)
         if bad is not None:
-            raise ValueError(f"{where}: sample {sample.sample_id}: field loss_mask holds {bad!r}; a loss mask is 0 or "
-                             "1 per token (prepare the data again)")
+            raise ValueError(
+                f"{where}: sample {sample.sample_id}: field loss_mask holds {bad!r}; a loss mask is 0 or "
+                "1 per token (prepare the data again)"
+            )
         return sample
 
 
@@ -142,8 +152,10 @@ def prepared_problem(samples: list[TokenizedSample], freq: dict[int, int]) -> st
         count_masked(counted, s)
     if counted != {t: c for t, c in freq.items() if c}:
         token = next(t for t in sorted(set(counted) | set(freq)) if counted.get(t, 0) != freq.get(t, 0))
-        return (f"{TOKEN_FREQ_FILE} counts token {token} {freq.get(token, 0)} times, the samples' masks "
-                f"{counted.get(token, 0)}")
+        return (
+            f"{TOKEN_FREQ_FILE} counts token {token} {freq.get(token, 0)} times, the samples' masks "
+            f"{counted.get(token, 0)}"
+        )
     return None
 
 
@@ -155,17 +167,21 @@ def read_prepared(folder: str | os.PathLike) -> tuple[list[TokenizedSample], dic
     config = read_json(config_path)
     max_length = config.get("max_length") if isinstance(config, dict) else None
     if not isinstance(config, dict) or not (type(max_length) is int and max_length >= 1):
-        raise ValueError(f"{config_path}: field max_length {max_length!r}: expected a whole number >= 1 (prepare "
-                         "writes it); prepare the data again, or restore the file")
+        raise ValueError(
+            f"{config_path}: field max_length {max_length!r}: expected a whole number >= 1 (prepare "
+            "writes it); prepare the data again, or restore the file"
+        )
     path = folder / PREPARED_FILE
     with open(path, encoding="utf-8") as f:
         samples = [TokenizedSample.from_json(line, f"{path}:{n + 1}") for n, line in enumerate(f)]
     longest = max(range(len(samples)), key=lambda n: len(samples[n].input_ids), default=None)
     if longest is not None and len(samples[longest].input_ids) > max_length:
         # every stage after prepare trusts the recorded bound (extract records it as the dataset's)
-        raise ValueError(f"{path}:{longest + 1}: a sample of {len(samples[longest].input_ids)} tokens, beyond "
-                         f"{PREPARE_CONFIG_FILE}'s max_length {max_length}; the files were changed since prepare: "
-                         "prepare the data again")
+        raise ValueError(
+            f"{path}:{longest + 1}: a sample of {len(samples[longest].input_ids)} tokens, beyond "
+            f"{PREPARE_CONFIG_FILE}'s max_length {max_length}; the files were changed since prepare: "
+            "prepare the data again"
+        )
     return samples, config
 
 
@@ -178,18 +194,21 @@ def check_prepared_token_ids(folder: str | os.PathLike, samples: list[TokenizedS
         # type(...) is int: a JSON float or bool would be cast by torch.tensor, not refused
         k = next((k for k, t in enumerate(s.input_ids) if type(t) is not int or not 0 <= t < vocab_size), None)
         if k is not None:
-            raise ValueError(f"{path}:{n + 1}: sample {s.sample_id}: token id {s.input_ids[k]!r} (token {k}) is not "
-                             f"in the target's vocabulary of {vocab_size} (ids 0 to {vocab_size - 1}); prepare the "
-                             "data again with this target's tokenizer")
+            raise ValueError(
+                f"{path}:{n + 1}: sample {s.sample_id}: token id {s.input_ids[k]!r} (token {k}) is not "
+                f"in the target's vocabulary of {vocab_size} (ids 0 to {vocab_size - 1}); prepare the "
+                "data again with this target's tokenizer"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
 # Regenerated chats (`eaglet regen`)
 # ---------------------------------------------------------------------------------------------
 
+
 def errors_path(out: str | os.PathLike) -> Path:
     out = Path(out)
-    stem = out.name[:-len(".jsonl")] if out.name.endswith(".jsonl") else out.name
+    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
     return out.with_name(stem + ".errors.jsonl")
 
 
@@ -216,11 +235,14 @@ def claim_errors_report(out: str | os.PathLike) -> Path:
     path = errors_path(out)
     if path.is_symlink() or (path.exists() and not path.is_file()):
         kind = "a symbolic link" if path.is_symlink() else "not a regular file"
-        raise FileExistsError(f"{path}: regen writes its errors report here, and this is {kind}; move it away, or "
-                              "choose another --out")
+        raise FileExistsError(
+            f"{path}: regen writes its errors report here, and this is {kind}; move it away, or choose another --out"
+        )
     if path.exists() and not is_errors_report(path):
-        raise FileExistsError(f"{path}: regen writes its errors report here, and this file holds other records; "
-                              "move or rename it, or choose another --out (eaglet never overwrites data)")
+        raise FileExistsError(
+            f"{path}: regen writes its errors report here, and this file holds other records; "
+            "move or rename it, or choose another --out (eaglet never overwrites data)"
+        )
     return path
 
 
@@ -262,14 +284,20 @@ def refuse_mixed_regen(path: str | os.PathLike, meta: dict[str, Any]) -> None:
             made = json.loads(line)["regen"]
             key = next((k for k in REGEN_IDENTITY if made.get(k) != meta.get(k)), None)
             if key is not None:
-                raise ValueError(f"{path}:{n}: made with {key} {made.get(key)!r}, this run has {meta.get(key)!r}; a "
-                                 "resumed regen continues the same run: give the same options, or another --out")
+                raise ValueError(
+                    f"{path}:{n}: made with {key} {made.get(key)!r}, this run has {meta.get(key)!r}; a "
+                    "resumed regen continues the same run: give the same options, or another --out"
+                )
 
 
 def is_regen_record(record: Any) -> bool:
     """A line regen writes: its id, the chat's messages and how they were made (`regen`)."""
-    return (isinstance(record, dict) and "id" in record and isinstance(record.get("messages"), list)
-            and isinstance(record.get("regen"), dict))
+    return (
+        isinstance(record, dict)
+        and "id" in record
+        and isinstance(record.get("messages"), list)
+        and isinstance(record.get("regen"), dict)
+    )
 
 
 def parses(line: bytes) -> bool:
@@ -281,8 +309,10 @@ def parses(line: bytes) -> bool:
 
 
 def refuse_foreign(path: str | os.PathLike, line: int, why: str) -> NoReturn:
-    raise ValueError(f"{path}:{line}: not a regen record ({why}); the file was not written by `eaglet regen` alone, "
-                     "refusing to append to it (nothing was changed)")
+    raise ValueError(
+        f"{path}:{line}: not a regen record ({why}); the file was not written by `eaglet regen` alone, "
+        "refusing to append to it (nothing was changed)"
+    )
 
 
 class RegenWriter:
@@ -319,8 +349,10 @@ def open_output(out: Path, resume: bool) -> set[str]:
         out.parent.mkdir(parents=True, exist_ok=True)
         return set()
     if not resume:
-        raise ValueError(f"--out {out} exists; pass --resume to continue it, or choose another file "
-                              f"(eaglet never overwrites regenerated data)")
+        raise ValueError(
+            f"--out {out} exists; pass --resume to continue it, or choose another file "
+            f"(eaglet never overwrites regenerated data)"
+        )
     done, good, partial = scan_output(out)
     if partial:
         log.warning("%s: dropping a partial last line (a killed run was writing it)", out)

@@ -67,9 +67,11 @@ def refuse_inside_checkpoints(out: str | os.PathLike, stage: str) -> None:
     step folders there, and a folder named like one would pass for a checkpoint."""
     folder = run_checkpoints_above(out)
     if folder is not None:
-        raise FileExistsError(f"--out {out}: inside {folder}, a train run's checkpoints, which the run prunes as it "
-                              f"goes: nothing was written; `eaglet {stage}` elsewhere, e.g. into "
-                              f"{folder.parent / 'exported'}")
+        raise FileExistsError(
+            f"--out {out}: inside {folder}, a train run's checkpoints, which the run prunes as it "
+            f"goes: nothing was written; `eaglet {stage}` elsewhere, e.g. into "
+            f"{folder.parent / 'exported'}"
+        )
 
 
 def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:
@@ -80,8 +82,10 @@ def read_pointer(ckpt_root: Path, name: str) -> dict[str, Any] | None:
         return None
     pointer = read_json(path)
     if not isinstance(pointer, dict) or not isinstance(pointer.get("path"), str):
-        raise ValueError(f"{path}: expected {{\"step\": N, \"path\": \"step_...\"}}, found {str(pointer)[:80]}; "
-                         "`eaglet train DATA --out RUN --resume` rewrites it, or name a checkpoint folder")
+        raise ValueError(
+            f'{path}: expected {{"step": N, "path": "step_..."}}, found {str(pointer)[:80]}; '
+            "`eaglet train DATA --out RUN --resume` rewrites it, or name a checkpoint folder"
+        )
     inside_folder(ckpt_root, pointer["path"], str(path))
     return pointer
 
@@ -98,8 +102,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
             if read is not None:
                 folder = root / read["path"]
                 if not (folder / DRAFTER_CONFIG_FILE).exists():
-                    raise FileNotFoundError(f"{root / pointer}: names {folder.name}, which is not a complete "
-                                            "checkpoint (deleted or changed by hand); `eaglet train DATA --out "
-                                            f"{p} --resume` rewrites the pointers, or name a checkpoint folder")
+                    raise FileNotFoundError(
+                        f"{root / pointer}: names {folder.name}, which is not a complete "
+                        "checkpoint (deleted or changed by hand); `eaglet train DATA --out "
+                        f"{p} --resume` rewrites the pointers, or name a checkpoint folder"
+                    )
                 return folder
     raise FileNotFoundError(f"{p}: no {DRAFTER_CONFIG_FILE}, and no {CHECKPOINTS_DIR}/{BEST_FILE} pointing at one")

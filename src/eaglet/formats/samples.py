@@ -57,13 +57,16 @@ def read_sample_lengths(path: str | os.PathLike) -> dict[int, int]:
             raise TypeError(f"entries {', '.join(wrong[:3])} are no index: token count")
         return {int(k): v for k, v in raw.items()}
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: expected {{\"sample index\": tokens, ...}} ({e}); `eaglet check` for the full "
-                         "report, or extract the dataset again") from None
+        raise ValueError(
+            f'{path}: expected {{"sample index": tokens, ...}} ({e}); `eaglet check` for the full '
+            "report, or extract the dataset again"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
 # The training view: every layout's reader returns the same fields
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class StoredTeacher:
@@ -85,8 +88,10 @@ class TrainingSample:
 def eagle3_states(path: str | os.PathLike, states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(aux [T, 3H], last [T, H]) from the states in layer-id order."""
     if len(states) != EAGLE3_NUM_STATES:
-        raise ValueError(f"{path}: {len(states)} hidden states; EAGLE-3 training needs {EAGLE3_NUM_STATES} "
-                         "(three aux layers, then the last layer)")
+        raise ValueError(
+            f"{path}: {len(states)} hidden states; EAGLE-3 training needs {EAGLE3_NUM_STATES} "
+            "(three aux layers, then the last layer)"
+        )
     return torch.cat(states[:-1], dim=-1), states[-1]
 
 
@@ -153,16 +158,22 @@ def sparse_tensors(obj: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     return [(k, t) for k, t in tensors if isinstance(t, torch.Tensor) and t.layout != torch.strided]
 
 
-def stored_kind_findings(obj: dict[str, Any], token_names: tuple[str, ...],
-                         allowed: tuple[torch.dtype, ...] = (torch.int64,)) -> list[Finding]:
+def stored_kind_findings(
+    obj: dict[str, Any], token_names: tuple[str, ...], allowed: tuple[torch.dtype, ...] = (torch.int64,)
+) -> list[Finding]:
     """What a file's tensors must be as its layout stores them (docs/formats.md): token ids and
     masks of the `allowed` integer kinds (int64; a narrower one cuts ids above its range), every
     tensor dense (a sparse one is no state any reader takes)."""
     kinds = " or ".join(str(d).removeprefix("torch.") for d in allowed)
-    found = [Finding(WRONG_DTYPE, f"{name} is {str(t.dtype).removeprefix('torch.')}: the layout stores {kinds}")
-             for name in token_names if isinstance(t := obj.get(name), torch.Tensor) and t.dtype not in allowed]
-    return found + [Finding(WRONG_DTYPE, f"{k} is a {t.layout} tensor: the layout stores dense (strided) tensors")
-                    for k, t in sparse_tensors(obj)]
+    found = [
+        Finding(WRONG_DTYPE, f"{name} is {str(t.dtype).removeprefix('torch.')}: the layout stores {kinds}")
+        for name in token_names
+        if isinstance(t := obj.get(name), torch.Tensor) and t.dtype not in allowed
+    ]
+    return found + [
+        Finding(WRONG_DTYPE, f"{k} is a {t.layout} tensor: the layout stores dense (strided) tensors")
+        for k, t in sparse_tensors(obj)
+    ]
 
 
 def stacked_states_finding(hs: torch.Tensor) -> Finding | None:

@@ -23,11 +23,29 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from eaglet.formats.io import (TMP_MARK, failures_named, header_shapes, inside_folder, read_json, read_safetensors,
-                               remove_stale_temp_files, write_safetensors_atomic)
-from eaglet.formats.samples import (HIDDEN_STATES_DIR, TABLE_ROW, FileStates, Finding, StoredTeacher, TrainingSample,
-                                    eagle3_states, keys_findings, lacks_keys, stacked_states_finding,
-                                    stored_kind_findings)
+from eaglet.formats.io import (
+    TMP_MARK,
+    failures_named,
+    header_shapes,
+    inside_folder,
+    read_json,
+    read_safetensors,
+    remove_stale_temp_files,
+    write_safetensors_atomic,
+)
+from eaglet.formats.samples import (
+    HIDDEN_STATES_DIR,
+    TABLE_ROW,
+    FileStates,
+    Finding,
+    StoredTeacher,
+    TrainingSample,
+    eagle3_states,
+    keys_findings,
+    lacks_keys,
+    stacked_states_finding,
+    stored_kind_findings,
+)
 
 HS_SAFETENSORS_KEYS = ("token_ids", "hidden_states")  # plus an optional "loss_mask"
 HS_SAFETENSORS_FILE_RE = re.compile(r"^hs_(\d+)\.safetensors$")
@@ -39,12 +57,18 @@ SPECULATORS_ROW_COLUMNS = ("input_ids", "loss_mask", "seq_len")
 # speculators >= 0.5: hs_{row}.safetensors with their own loss masks
 # ---------------------------------------------------------------------------------------------
 
+
 def hs_relative_path(row: int) -> str:
     return f"hs_{row}.safetensors"
 
 
-def write_hs_safetensors_sample(folder: str | os.PathLike, row: int, token_ids: torch.Tensor,
-                                hidden_states: torch.Tensor, loss_mask: torch.Tensor | None = None) -> Path:
+def write_hs_safetensors_sample(
+    folder: str | os.PathLike,
+    row: int,
+    token_ids: torch.Tensor,
+    hidden_states: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+) -> Path:
     """One speculators >= 0.5 file: `token_ids` [T], `hidden_states` [T, S, H] (S states in id order)."""
     tensors = {"token_ids": token_ids.contiguous(), "hidden_states": hidden_states.contiguous()}
     if loss_mask is not None:
@@ -59,9 +83,11 @@ def read_hs_safetensors_sample(path: str | os.PathLike) -> dict[str, torch.Tenso
 def require_hs_loss_mask(path: str | os.PathLike, names: Any) -> None:
     # Without a mask every user and system token would be trained on, silently: refuse instead.
     if "loss_mask" not in names:
-        raise ValueError(f"{path}: no loss_mask tensor, so the assistant tokens (the only ones trained on) are "
-                         "unknown; write the files with a loss_mask [T] (1 = assistant token), or run `eaglet "
-                         "prepare` + `eaglet extract` (or `eaglet train --online`) on the chats")
+        raise ValueError(
+            f"{path}: no loss_mask tensor, so the assistant tokens (the only ones trained on) are "
+            "unknown; write the files with a loss_mask [T] (1 = assistant token), or run `eaglet "
+            "prepare` + `eaglet extract` (or `eaglet train --online`) on the chats"
+        )
 
 
 def hs_training_sample(path: str | os.PathLike) -> TrainingSample:
@@ -95,12 +121,15 @@ def hs_file_states(obj: Any, where: str) -> tuple[FileStates | None, list[Findin
 # speculators >= 0.6: an Arrow table of rows + hidden_states/hs_{row}.safetensors
 # ---------------------------------------------------------------------------------------------
 
+
 def datasets_module() -> Any:
     try:
         import datasets  # optional (eaglet[speculators]), and slow to import: only this layout needs it
     except ImportError as e:
-        raise ImportError("speculators' dataset layout is an Arrow table read and written with the `datasets` "
-                          "library: pip install 'eaglet[speculators]'") from e
+        raise ImportError(
+            "speculators' dataset layout is an Arrow table read and written with the `datasets` "
+            "library: pip install 'eaglet[speculators]'"
+        ) from e
     return datasets
 
 
@@ -112,14 +141,21 @@ def speculators_hs_path(folder: str | os.PathLike, row: int) -> Path:
     return Path(folder) / speculators_relative_path(row)
 
 
-def write_speculators_sample(folder: str | os.PathLike, row: int, token_ids: torch.Tensor,
-                             states: list[torch.Tensor]) -> Path:
+def write_speculators_sample(
+    folder: str | os.PathLike, row: int, token_ids: torch.Tensor, states: list[torch.Tensor]
+) -> Path:
     """`hidden_states/hs_{row}.safetensors`: the states stacked [T, S, H] in id order, no loss mask."""
     return write_hs_safetensors_sample(Path(folder) / HIDDEN_STATES_DIR, row, token_ids, torch.stack(states, dim=1))
 
 
-def write_speculators_states(out: str | os.PathLike, index: int, input_ids: torch.Tensor, states: list[torch.Tensor],
-                             loss_mask: torch.Tensor, teacher: StoredTeacher | None) -> Path:
+def write_speculators_states(
+    out: str | os.PathLike,
+    index: int,
+    input_ids: torch.Tensor,
+    states: list[torch.Tensor],
+    loss_mask: torch.Tensor,
+    teacher: StoredTeacher | None,
+) -> Path:
     del loss_mask, teacher  # the loss mask lives in the table; the last state is stored itself
     return write_speculators_sample(out, index, input_ids, states)
 
@@ -128,11 +164,17 @@ def write_speculators_rows(folder: str | os.PathLike, rows: list[tuple[Any, Any]
     """The Arrow table of (input_ids, loss_mask) rows, saved as speculators' prepare_data saves it.
     save_to_disk writes into a temp folder beside; its files are renamed in with state.json last."""
     ds = datasets_module()
-    features = ds.Features({"input_ids": ds.List(ds.Value("int64")), "loss_mask": ds.List(ds.Value("int64")),
-                            "seq_len": ds.Value("int64")})
-    table = ds.Dataset.from_dict({"input_ids": [np.asarray(ids, dtype=np.int64) for ids, _ in rows],
-                                  "loss_mask": [np.asarray(mask, dtype=np.int64) for _, mask in rows],
-                                  "seq_len": [len(ids) for ids, _ in rows]}, features=features)
+    features = ds.Features(
+        {"input_ids": ds.List(ds.Value("int64")), "loss_mask": ds.List(ds.Value("int64")), "seq_len": ds.Value("int64")}
+    )
+    table = ds.Dataset.from_dict(
+        {
+            "input_ids": [np.asarray(ids, dtype=np.int64) for ids, _ in rows],
+            "loss_mask": [np.asarray(mask, dtype=np.int64) for _, mask in rows],
+            "seq_len": [len(ids) for ids, _ in rows],
+        },
+        features=features,
+    )
     table.set_format("torch")
     folder = Path(folder)
     with failures_named(folder / ARROW_STATE_FILE):
@@ -188,8 +230,10 @@ def _load_rows(folder: str, stamp: int) -> Any:
     except ImportError:
         raise
     except Exception as e:
-        raise ValueError(f"{folder}: its Arrow table (state.json, dataset_info.json, data-*.arrow) is not readable: "
-                         f"{type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"{folder}: its Arrow table (state.json, dataset_info.json, data-*.arrow) is not readable: "
+            f"{type(e).__name__}: {e}"
+        ) from e
     if not hasattr(table, "column_names"):
         raise ValueError(f"{folder}: holds a DatasetDict; speculators trains from a single Dataset")
     missing = [c for c in SPECULATORS_ROW_COLUMNS if c not in table.column_names]
@@ -213,11 +257,15 @@ def speculators_row(folder: str | os.PathLike, row: int) -> tuple[torch.Tensor, 
     """(input_ids, loss_mask, seq_len) of one row of the table."""
     table = read_speculators_rows(folder)
     if not 0 <= row < len(table):
-        raise ValueError(f"{speculators_hs_path(folder, row)}: no row {row} in the Arrow table of {folder} "
-                         f"({len(table)} rows)")
+        raise ValueError(
+            f"{speculators_hs_path(folder, row)}: no row {row} in the Arrow table of {folder} ({len(table)} rows)"
+        )
     r = table[row]
-    return (torch.tensor(r["input_ids"], dtype=torch.long), torch.tensor(r["loss_mask"], dtype=torch.long),
-            int(r["seq_len"]))
+    return (
+        torch.tensor(r["input_ids"], dtype=torch.long),
+        torch.tensor(r["loss_mask"], dtype=torch.long),
+        int(r["seq_len"]),
+    )
 
 
 def speculators_row_of(path: str | os.PathLike) -> tuple[Path, int]:
@@ -235,11 +283,15 @@ def speculators_training_sample(path: str | os.PathLike) -> TrainingSample:
     obj = read_safetensors(path)
     token_ids, hs = obj.get("token_ids"), obj.get("hidden_states")
     if token_ids is None or hs is None or hs.dim() != 3:
-        raise ValueError(f"{path}: expected token_ids [T] and hidden_states [T, S, H], got "
-                         f"{ {k: tuple(v.shape) for k, v in obj.items()} }")
+        raise ValueError(
+            f"{path}: expected token_ids [T] and hidden_states [T, S, H], got "
+            f"{ {k: tuple(v.shape) for k, v in obj.items()} }"
+        )
     if not torch.equal(token_ids.long(), input_ids):
-        raise ValueError(f"{path}: token_ids differ from row {row}'s input_ids in the Arrow table of {folder} "
-                         "(speculators skips such a row; rerun the extraction of this sample)")
+        raise ValueError(
+            f"{path}: token_ids differ from row {row}'s input_ids in the Arrow table of {folder} "
+            "(speculators skips such a row; rerun the extraction of this sample)"
+        )
     aux, last = eagle3_states(path, list(hs.unbind(1)))
     return TrainingSample(input_ids, aux, last, loss_mask)
 
@@ -253,8 +305,9 @@ def hs_stored_shapes(path: str | os.PathLike) -> tuple[list[tuple[int, ...]], in
     """(the lengths of its per-token tensors, its states), from the header."""
     shapes = header_shapes(path, HS_SAFETENSORS_KEYS)
     stacked = shapes["hidden_states"]
-    return [tuple(shapes["token_ids"]), *(tuple(shape[:1]) for shape in shapes.values())], \
-        stacked[1] if len(stacked) == 3 else -1
+    return [tuple(shapes["token_ids"]), *(tuple(shape[:1]) for shape in shapes.values())], stacked[1] if len(
+        stacked
+    ) == 3 else -1
 
 
 @dataclass
@@ -281,8 +334,13 @@ def table_file_states(t: TableSample, where: str) -> tuple[FileStates | None, li
     if found and lacks_keys(obj, HS_SAFETENSORS_KEYS):
         return None, found
     if t.fields is None:
-        return None, found + [Finding(TABLE_ROW, f"no row {t.row} in the Arrow table ({t.table_rows} rows): a file "
-                                                 "of another dataset, or a table written short")]
+        return None, found + [
+            Finding(
+                TABLE_ROW,
+                f"no row {t.row} in the Arrow table ({t.table_rows} rows): a file "
+                "of another dataset, or a table written short",
+            )
+        ]
     ids, mask, seq_len = t.fields
     hs, token_ids = obj["hidden_states"], obj["token_ids"]
     wrong = stacked_states_finding(hs)
@@ -290,16 +348,30 @@ def table_file_states(t: TableSample, where: str) -> tuple[FileStates | None, li
         return None, found + [wrong]
     found += stored_kind_findings(obj, ("token_ids", "loss_mask"))
     if token_ids.shape != ids.shape or not torch.equal(token_ids.long(), ids):
-        differ = (f"{token_ids.shape[0]} token ids, the row has {ids.shape[0]}" if token_ids.shape != ids.shape else
-                  f"first difference at position {int((token_ids.long() != ids).nonzero()[0])}")
-        found.append(Finding(TABLE_ROW, f"token_ids differ from row {t.row}'s input_ids ({differ}): speculators "
-                                        "skips this sample"))
+        differ = (
+            f"{token_ids.shape[0]} token ids, the row has {ids.shape[0]}"
+            if token_ids.shape != ids.shape
+            else f"first difference at position {int((token_ids.long() != ids).nonzero()[0])}"
+        )
+        found.append(
+            Finding(
+                TABLE_ROW, f"token_ids differ from row {t.row}'s input_ids ({differ}): speculators skips this sample"
+            )
+        )
     if seq_len != ids.shape[0]:
         found.append(Finding(TABLE_ROW, f"row {t.row}: seq_len {seq_len}, its input_ids hold {ids.shape[0]}"))
     own = obj.get("loss_mask")  # speculators' own files carry none; one that does must say what the table says
     if own is not None and (own.shape != mask.shape or not torch.equal(own.long(), mask)):
-        differ = (f"{own.shape[0] if own.dim() else 0} values, the row has {mask.shape[0]}" if own.shape != mask.shape
-                  else f"first difference at position {int((own.long() != mask).nonzero()[0])}")
-        found.append(Finding(TABLE_ROW, f"loss_mask differs from row {t.row}'s loss_mask ({differ}): speculators "
-                                        "trains on the table's, so one of the two is wrong; extract the sample again"))
+        differ = (
+            f"{own.shape[0] if own.dim() else 0} values, the row has {mask.shape[0]}"
+            if own.shape != mask.shape
+            else f"first difference at position {int((own.long() != mask).nonzero()[0])}"
+        )
+        found.append(
+            Finding(
+                TABLE_ROW,
+                f"loss_mask differs from row {t.row}'s loss_mask ({differ}): speculators "
+                "trains on the table's, so one of the two is wrong; extract the sample again",
+            )
+        )
     return FileStates(ids, mask, list(hs.unbind(1))), found

@@ -18,8 +18,9 @@ import torch
 from eaglet.formats.io import read_safetensors
 
 
-def read_vllm_states(path: str | Path, input_ids: list[int], num_states: int, hidden_size: int,
-                     where: str) -> list[torch.Tensor]:
+def read_vllm_states(
+    path: str | Path, input_ids: list[int], num_states: int, hidden_size: int, where: str
+) -> list[torch.Tensor]:
     """The states of one sample as eaglet's writers take them (a list of num_states [T, H]
     tensors); a file that is not the sample's (other tokens, layers or width) is a ValueError
     naming the file and `where` (the sample)."""
@@ -28,11 +29,17 @@ def read_vllm_states(path: str | Path, input_ids: list[int], num_states: int, hi
     if states is None or ids is None:
         raise ValueError(f"{path} ({where}): vLLM's file has {sorted(tensors)}, not hidden_states and token_ids")
     if ids.tolist() != list(input_ids):
-        first = next((n for n, (a, b) in enumerate(zip(ids.tolist(), input_ids)) if a != b), min(len(ids), len(input_ids)))
-        raise ValueError(f"{path} ({where}): vLLM's token_ids ({len(ids)}) differ from the sample's ({len(input_ids)}) "
-                         f"from position {first}: these states are another prompt's")
+        first = next(
+            (n for n, (a, b) in enumerate(zip(ids.tolist(), input_ids)) if a != b), min(len(ids), len(input_ids))
+        )
+        raise ValueError(
+            f"{path} ({where}): vLLM's token_ids ({len(ids)}) differ from the sample's ({len(input_ids)}) "
+            f"from position {first}: these states are another prompt's"
+        )
     expected = (len(input_ids), num_states, hidden_size)
     if tuple(states.shape) != expected:
-        raise ValueError(f"{path} ({where}): vLLM's hidden_states are {tuple(states.shape)}, expected {expected} "
-                         "(tokens, layers asked for, hidden size)")
+        raise ValueError(
+            f"{path} ({where}): vLLM's hidden_states are {tuple(states.shape)}, expected {expected} "
+            "(tokens, layers asked for, hidden size)"
+        )
     return [states[:, j] for j in range(num_states)]

@@ -46,11 +46,15 @@ VLLM_FAMILY_METHODS = {f"vllm-{family}": family for family in DRAFTER_FAMILIES} 
 VLLM_METHODS = (VLLM_BASELINE, "vllm-ngram", *VLLM_FAMILY_METHODS)
 OUTSIDE_METHODS = LLAMA_CPP_METHODS + VLLM_METHODS  # run by an engine of their own, not in eaglet's process
 # each outside engine's speculative methods are compared with that engine's plain decoding
-OUTSIDE_BASELINES = {**{m: LLAMA_CPP_BASELINE for m in LLAMA_CPP_METHODS[1:]},
-                     **{m: VLLM_BASELINE for m in VLLM_METHODS[1:]}}
+OUTSIDE_BASELINES = {
+    **{m: LLAMA_CPP_BASELINE for m in LLAMA_CPP_METHODS[1:]},
+    **{m: VLLM_BASELINE for m in VLLM_METHODS[1:]},
+}
 # an outside engine's drafter method and eaglet's own decoding of the same drafter (first-draft check)
-OWN_COUNTERPART = {"llama.cpp-eagle3": "chain", **{m: f if f in PARALLEL_METHODS else "chain"
-                                                  for m, f in VLLM_FAMILY_METHODS.items()}}
+OWN_COUNTERPART = {
+    "llama.cpp-eagle3": "chain",
+    **{m: f if f in PARALLEL_METHODS else "chain" for m, f in VLLM_FAMILY_METHODS.items()},
+}
 METHODS = ENGINE_METHODS + HF_METHODS + OUTSIDE_METHODS
 DEFAULT_METHODS = ("chain", "tree", "prompt-lookup")
 HYBRID_DRAFTS = ("chain", "tree")
@@ -65,6 +69,8 @@ DEFAULT_PRESET = "cpu"  # the embedded default's device
 def preset_text(stage: str, key: str) -> str:
     """How the presets set an option, for its help: 'cpu 4, cuda 7'."""
     return ", ".join(f"{name} {p[stage][key]}" for name, p in PRESETS.items() if key in p.get(stage, {}))
+
+
 DEMO_OUT = "runs/demo"
 # "1": a model folder's own code (auto_map) may run; `eaglet --trust-remote-code` sets it (eaglet.heads)
 REMOTE_CODE_ENV = "EAGLET_TRUST_REMOTE_CODE"
@@ -76,6 +82,7 @@ PREPARE_MAX_LENGTH = 2048
 # ---------------------------------------------------------------------------------------------
 # Parsers of option values (shared by the command line and `--set` overrides)
 # ---------------------------------------------------------------------------------------------
+
 
 def parse_threads(text: str) -> int | str:
     """--threads: a count, or "auto"."""
@@ -216,8 +223,11 @@ def option_named(f: Field) -> Option:
 
 def defaults_of(cls: type) -> dict[str, Any]:
     """Each field's default (a fresh copy of a list); required fields are left out."""
-    return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
-            for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING}
+    return {
+        f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+        for f in fields(cls)
+        if f.default is not MISSING or f.default_factory is not MISSING
+    }
 
 
 # Fields that several stages declare, each with its own words
@@ -232,24 +242,32 @@ def device_option(what: str = "") -> Any:
 
 def device_map_option(what: str = "") -> Any:
     """--device-map, --max-memory, --offload-folder: a target larger than one device (eaglet.placement)."""
-    return option(f"{what}place the target across devices: {', '.join(DEVICE_MAP_STRATEGIES)} (accelerate: fill the "
-                  "GPUs evenly or in order, then the CPU, then disk) or a JSON file {module: 0 / \"cuda:1\" / \"cpu\" / "
-                  "\"disk\"}; refused with --device, and before loading when the weights do not fit "
-                  "(docs/large-targets.md)", metavar="MAP")
+    return option(
+        f"{what}place the target across devices: {', '.join(DEVICE_MAP_STRATEGIES)} (accelerate: fill the "
+        'GPUs evenly or in order, then the CPU, then disk) or a JSON file {module: 0 / "cuda:1" / "cpu" / '
+        '"disk"}; refused with --device, and before loading when the weights do not fit '
+        "(docs/large-targets.md)",
+        metavar="MAP",
+    )
 
 
 def max_memory_option(what: str = "") -> Any:
-    return option(f"{what}with --device-map, bytes each device may hold, e.g. 0=70GiB,1=70GiB,cpu=200GiB (default: "
-                  "what is free now)", metavar="DEV=SIZE,...")
+    return option(
+        f"{what}with --device-map, bytes each device may hold, e.g. 0=70GiB,1=70GiB,cpu=200GiB (default: "
+        "what is free now)",
+        metavar="DEV=SIZE,...",
+    )
 
 
 def offload_folder_option(what: str = "") -> Any:
-    return option(f"{what}with --device-map, where \"disk\" weights go (default: a temporary folder, removed at exit)")
+    return option(f'{what}with --device-map, where "disk" weights go (default: a temporary folder, removed at exit)')
 
 
 def chats_data_option() -> Any:
-    return option(f"ShareGPT .json/.jsonl, OpenAI-style messages .jsonl, or '{EMBEDDED_SHAREGPT}' for the embedded "
-                  "ShareGPT", default=EMBEDDED_SHAREGPT)
+    return option(
+        f"ShareGPT .json/.jsonl, OpenAI-style messages .jsonl, or '{EMBEDDED_SHAREGPT}' for the embedded ShareGPT",
+        default=EMBEDDED_SHAREGPT,
+    )
 
 
 def skip_option() -> Any:
@@ -261,29 +279,39 @@ def num_samples_option() -> Any:
 
 
 def stored_top_k_option() -> Any:
-    return option("compact: how many of the target's most likely next tokens to store per position (as many as "
-                  "training's --teacher-top-k takes unless told otherwise; training can use up to this many)",
-                  type=int, default=16)
+    return option(
+        "compact: how many of the target's most likely next tokens to store per position (as many as "
+        "training's --teacher-top-k takes unless told otherwise; training can use up to this many)",
+        type=int,
+        default=16,
+    )
 
 
 def last_hidden_state_option() -> Any:
-    return option("a foreign dataset's last state, before or after the target's final norm (default: "
-                  "data_config.json, else post_norm for SpecForge and pre_norm otherwise)", choices=LAST_STATE_CHOICES)
+    return option(
+        "a foreign dataset's last state, before or after the target's final norm (default: "
+        "data_config.json, else post_norm for SpecForge and pre_norm otherwise)",
+        choices=LAST_STATE_CHOICES,
+    )
 
 
-LAYOUT_HELP = ("v1: hidden_states/rows_{a}-{b}/data_{i}.pt (speculators v1, vLLM tooling); speculators: the Arrow "
-               "table (input_ids, loss_mask, seq_len) + hidden_states/hs_{i}.safetensors that speculators >= 0.6 "
-               "trains from; compact: eaglet's own, a third of v1's bytes (6-bit aux states, the target's top-K in "
-               "place of the last state), read by eaglet check and train only")
-AUX_LAYER_IDS_HELP = ("for a foreign dataset without data_config.json, the layers its stored aux states come from "
-                      "(3 hidden_states ids)")
+LAYOUT_HELP = (
+    "v1: hidden_states/rows_{a}-{b}/data_{i}.pt (speculators v1, vLLM tooling); speculators: the Arrow "
+    "table (input_ids, loss_mask, seq_len) + hidden_states/hs_{i}.safetensors that speculators >= 0.6 "
+    "trains from; compact: eaglet's own, a third of v1's bytes (6-bit aux states, the target's top-K in "
+    "place of the last state), read by eaglet check and train only"
+)
+AUX_LAYER_IDS_HELP = (
+    "for a foreign dataset without data_config.json, the layers its stored aux states come from (3 hidden_states ids)"
+)
 # --engine-f32 of eval and regen
-ENGINE_F32_HELP = ("run llama.cpp on the target GGUF dequantized to f32 (written once under $EAGLET_HOME), the weights "
-                   "eaglet's own target has when it is that GGUF (the embedded one is): both then run one model")
+ENGINE_F32_HELP = (
+    "run llama.cpp on the target GGUF dequantized to f32 (written once under $EAGLET_HOME), the weights "
+    "eaglet's own target has when it is that GGUF (the embedded one is): both then run one model"
+)
 # What a Ctrl-C leaves and what picks the work up again (docs/errors.md): true of each stage, since
 # regen and train refuse an existing output without --resume.
 STARTS_OVER = "the same command starts over"
 FILES_KEPT = "finished files are kept; the same command skips them and does the rest"
 STAGES_KEPT = "finished stages are kept; the same command reuses them and resumes the stopped one"
 FOLDER_NOT_WRITTEN = f"no output folder was written (it appears only complete); {STARTS_OVER}"
-

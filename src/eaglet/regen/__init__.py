@@ -45,8 +45,11 @@ from eaglet.vllm_engine import engine_options_from
 
 # options.REGEN_BACKENDS names them; this is what each name makes
 BACKENDS: dict[str, Callable[[Settings], Backend]] = {
-    "local": LocalBackend.open, "openai": OpenAIBackend.open, "llama.cpp": LlamaCppBackend.open,
-    "vllm": VllmBackend.open}
+    "local": LocalBackend.open,
+    "openai": OpenAIBackend.open,
+    "llama.cpp": LlamaCppBackend.open,
+    "vllm": VllmBackend.open,
+}
 assert tuple(BACKENDS) == REGEN_BACKENDS, "a backend declared in eaglet.options without an implementation here"
 
 
@@ -56,18 +59,28 @@ def check_options(s: Settings) -> None:
     if o.backend not in BACKENDS:
         raise ValueError(f"--backend {o.backend!r}: choose one of {', '.join(BACKENDS)}")
     if s.placed is not None and o.backend != "local":
-        raise ValueError(f"--device-map {o.device_map}: places the target of --backend local; the {o.backend} "
-                         "endpoint's server places its own")
+        raise ValueError(
+            f"--device-map {o.device_map}: places the target of --backend local; the {o.backend} "
+            "endpoint's server places its own"
+        )
     ranges.at_least(0, temperature=o.temperature, skip=o.skip, max_retries=o.max_retries)
     ranges.within(0, 1, low_open=True, top_p=o.top_p)
     ranges.seeds(seed=o.seed)
-    ranges.at_least(1, max_new_tokens=o.max_new_tokens, batch_size=o.batch_size, concurrency=o.concurrency,
-                    num_samples=o.num_samples, max_prompt_tokens=o.max_prompt_tokens, max_turns=o.max_turns,
-                    threads=o.threads)
+    ranges.at_least(
+        1,
+        max_new_tokens=o.max_new_tokens,
+        batch_size=o.batch_size,
+        concurrency=o.concurrency,
+        num_samples=o.num_samples,
+        max_prompt_tokens=o.max_prompt_tokens,
+        max_turns=o.max_turns,
+        threads=o.threads,
+    )
     ranges.within(1, ranges.MAX_NEW_TOKENS, "more than any model's positions", max_new_tokens=o.max_new_tokens)
     if o.backend != "llama.cpp" and (o.target_gguf is not None or o.threads is not None or o.engine_f32):
-        raise ValueError(f"--target-gguf, --threads and --engine-f32 are the llama.cpp backend's (this is --backend "
-                         f"{o.backend})")
+        raise ValueError(
+            f"--target-gguf, --threads and --engine-f32 are the llama.cpp backend's (this is --backend {o.backend})"
+        )
     ranges.above(0, timeout=o.timeout)
     ranges.seconds(time_budget=o.time_budget)
 
@@ -76,8 +89,14 @@ def record_meta(o: RegenOptions, own: dict[str, Any]) -> dict[str, Any]:
     """What every output line records about how its answers were made: the target first, then
     the sampling, then the backend's own (the key order lines have always had)."""
     target: dict[str, Any] = {key: own[key] for key in ("target", "target_revision") if key in own}
-    return {**target, "backend": o.backend, "temperature": o.temperature, "top_p": o.top_p,
-            "max_new_tokens": o.max_new_tokens, **own}
+    return {
+        **target,
+        "backend": o.backend,
+        "temperature": o.temperature,
+        "top_p": o.top_p,
+        "max_new_tokens": o.max_new_tokens,
+        **own,
+    }
 
 
 def progress_bar_for(num_samples: int | None, done: set[str], enabled: bool) -> tqdm:
@@ -89,9 +108,11 @@ def progress_bar_for(num_samples: int | None, done: set[str], enabled: bool) -> 
 def refuse_all_failed(summary: RegenSummary, done: set[str]) -> None:
     """A run in which every chat failed, with none written now or before, leaves prepare nothing."""
     if summary.failed and not summary.written and not done:
-        raise AllChatsFailed(f"{summary.errors_file}: all {summary.failed} chats failed and none was written to "
-                             f"{summary.out} (first: {summary.first_failure}); fix the cause, then rerun with "
-                             "--resume to retry them")
+        raise AllChatsFailed(
+            f"{summary.errors_file}: all {summary.failed} chats failed and none was written to "
+            f"{summary.out} (first: {summary.first_failure}); fix the cause, then rerun with "
+            "--resume to retry them"
+        )
 
 
 def regenerate(options: RegenOptions, backoff: float = 1.0, progress_bar: bool = True) -> RegenSummary:

@@ -37,7 +37,7 @@ def assistant_indices(messages: list[Message]) -> list[int]:
 def turn_prompt(messages: list[Message], k: int) -> list[Message]:
     """The messages the target answers for assistant turn k: everything before it. Callers
     store each regenerated answer back into `messages`, so the history is the target's own."""
-    return messages[:assistant_indices(messages)[k]]
+    return messages[: assistant_indices(messages)[k]]
 
 
 def with_answer(messages: list[Message], k: int, text: str) -> list[Message]:
@@ -75,7 +75,7 @@ class Conversation:
 
     def cut(self) -> None:
         """Keep only the turns regenerated so far (a later prompt is too long to answer)."""
-        self.messages = self.messages[:assistant_indices(self.messages)[self.done - 1] + 1]
+        self.messages = self.messages[: assistant_indices(self.messages)[self.done - 1] + 1]
 
 
 def empty_answer(turn: Turn) -> str | None:
@@ -109,15 +109,16 @@ def split_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], str
 def length_batches(items: list[Any], key: Callable[[Any], int], batch_size: int) -> list[list[Any]]:
     """Sort by `key` (prompt length) and cut into batches: little padding per batch."""
     ordered = sorted(items, key=key)
-    return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
 def regen_record(conv: Conversation, meta: dict[str, Any]) -> dict[str, Any]:
     return {"id": conv.id, "messages": conv.messages, "regen": {**meta, "finish_reasons": conv.finish_reasons}}
 
 
-def iter_conversations(data: str, stats: ReadStats, num_samples: int | None, skip: int,
-                       max_turns: int | None = None) -> Iterator[Conversation]:
+def iter_conversations(
+    data: str, stats: ReadStats, num_samples: int | None, skip: int, max_turns: int | None = None
+) -> Iterator[Conversation]:
     """The usable chats of `data`, like `eaglet prepare` selects them: records after `skip`,
     at most `num_samples` usable ones. A repeated id gets a `#n` suffix, because resume keys
     on ids and a duplicate must not pass for done; the suffix is one no earlier chat has (a
@@ -137,7 +138,7 @@ def iter_conversations(data: str, stats: ReadStats, num_samples: int | None, ski
         if max_turns is not None:  # keep the chat up to its max_turns-th assistant answer
             answers = assistant_indices(messages)
             if len(answers) > max_turns:
-                messages = messages[:answers[max_turns - 1] + 1]
+                messages = messages[: answers[max_turns - 1] + 1]
         usable += 1
         cid = sample_id
         while cid in given:

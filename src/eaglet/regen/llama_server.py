@@ -19,8 +19,7 @@ from eaglet.layers import UNBOUNDED_POSITIONS, config_positions
 from eaglet.regen.backend import Settings
 from eaglet.regen.conversations import Conversation, RegenError, Turn, empty_answer, split_at_stop
 from eaglet.regen.run import Run, run_parallel
-from eaglet.target import (TargetRef, f32_target_gguf, find_target_gguf, load_chat_tokenizer, resolve_target,
-                           text_config)
+from eaglet.target import TargetRef, f32_target_gguf, find_target_gguf, load_chat_tokenizer, resolve_target, text_config
 
 
 @dataclass
@@ -111,24 +110,45 @@ class LlamaCppBackend:
         tokenizer = load_chat_tokenizer(ref)
         gguf = find_target_gguf(s.options.target_gguf, ref.name, "the llama.cpp backend runs the target's GGUF")
         gguf = f32_target_gguf(gguf) if s.options.engine_f32 else gguf
-        max_prompt_tokens = prompt_limit(config_positions(text_config(ref)), s.options.max_prompt_tokens,
-                                         s.options.max_new_tokens)
-        meta = {"target": ref.name, "target_revision": ref.revision, "gguf": gguf.name,
-                "server": llama_cpp.server_version(), **({"seed": s.options.seed} if s.options.temperature > 0 else {})}
+        max_prompt_tokens = prompt_limit(
+            config_positions(text_config(ref)), s.options.max_prompt_tokens, s.options.max_new_tokens
+        )
+        meta = {
+            "target": ref.name,
+            "target_revision": ref.revision,
+            "gguf": gguf.name,
+            "server": llama_cpp.server_version(),
+            **({"seed": s.options.seed} if s.options.temperature > 0 else {}),
+        }
         return cls(gguf, tokenizer, end_of_turn_ids(tokenizer, target_generation(ref)), max_prompt_tokens, s, meta)
 
     def server_options(self) -> dict[str, Any]:
         # a context for the longest prompt and its answer in every slot (llama-server splits it among slots)
         o = self.settings.options
-        return {"threads": o.threads or os.cpu_count() or 1, "parallel": o.concurrency,
-                "ctx_size": (self.max_prompt_tokens or UNNAMED_CONTEXT) + o.max_new_tokens}
+        return {
+            "threads": o.threads or os.cpu_count() or 1,
+            "parallel": o.concurrency,
+            "ctx_size": (self.max_prompt_tokens or UNNAMED_CONTEXT) + o.max_new_tokens,
+        }
 
     def run(self, convs: Iterator[Conversation], run: Run, resources: contextlib.ExitStack) -> None:
         s = self.settings
-        server = resources.enter_context(llama_cpp.llama_server(
-            self.gguf, log_dir=s.out.with_name(s.out.name + ".llama-server"), **self.server_options()))
-        turns = LlamaCppTurns(server, self.tokenizer, self.stop_ids, s.options.max_new_tokens, self.max_prompt_tokens,
-                              s.options.temperature, s.options.top_p, s.options.seed)
+        server = resources.enter_context(
+            llama_cpp.llama_server(
+                self.gguf, log_dir=s.out.with_name(s.out.name + ".llama-server"), **self.server_options()
+            )
+        )
+        turns = LlamaCppTurns(
+            server,
+            self.tokenizer,
+            self.stop_ids,
+            s.options.max_new_tokens,
+            self.max_prompt_tokens,
+            s.options.temperature,
+            s.options.top_p,
+            s.options.seed,
+        )
         run.restart_clock()  # the server's start-up is not regeneration time
-        run_parallel(convs, lambda conv: turns.regen(conv, run.progress), s.options.concurrency, run.emit, run.fail,
-                     run.tick)
+        run_parallel(
+            convs, lambda conv: turns.regen(conv, run.progress), s.options.concurrency, run.emit, run.fail, run.tick
+        )

@@ -14,8 +14,17 @@ from eaglet.chat import Message, chat_prompt_ids, stop_token_ids
 from eaglet.regen.backend import Settings
 from eaglet.regen.conversations import Conversation, Turn, empty_answer, length_batches, split_at_stop
 from eaglet.regen.run import Run
-from eaglet.target import (dtype_name, generation_config, input_device, load_chat_tokenizer, load_target,
-                           max_positions, parse_dtype, pick_device, resolve_target)
+from eaglet.target import (
+    dtype_name,
+    generation_config,
+    input_device,
+    load_chat_tokenizer,
+    load_target,
+    max_positions,
+    parse_dtype,
+    pick_device,
+    resolve_target,
+)
 
 
 class LocalGenerator:
@@ -40,11 +49,12 @@ class LocalGenerator:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=self.config)
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=self.config
+            )
         turns = []
         for row in out[:, width:].tolist():
             kept, reason, count = split_at_stop(row, self.stop_ids)
@@ -60,10 +70,17 @@ class Generator(Protocol):
     def generate(self, prompts: list[list[int]]) -> list[Turn]: ...
 
 
-def run_local(convs: Iterator[Conversation], gen: Generator, batch_size: int, max_prompt_tokens: int | None,
-              emit: Callable[[Conversation], None], fail: Callable[[Conversation, str], None],
-              progress: Callable[[int], None], tick: Callable[[], None],
-              out_of_time: Callable[[], bool] = lambda: False) -> None:
+def run_local(
+    convs: Iterator[Conversation],
+    gen: Generator,
+    batch_size: int,
+    max_prompt_tokens: int | None,
+    emit: Callable[[Conversation], None],
+    fail: Callable[[Conversation, str], None],
+    progress: Callable[[int], None],
+    tick: Callable[[], None],
+    out_of_time: Callable[[], bool] = lambda: False,
+) -> None:
     """Regenerate in rounds over a pool of conversations: each round renders every pooled
     conversation's next turn, batches the prompts by length and generates; finished
     conversations leave the pool (and are written) and new ones come in. Out of time, it stops
@@ -103,9 +120,13 @@ def run_local(convs: Iterator[Conversation], gen: Generator, batch_size: int, ma
                 return
 
 
-def next_prompts(pool: list[Conversation], gen: Generator, max_prompt_tokens: int | None,
-                 emit: Callable[[Conversation], None], fail: Callable[[Conversation, str], None]
-                 ) -> list[tuple[Conversation, list[int]]]:
+def next_prompts(
+    pool: list[Conversation],
+    gen: Generator,
+    max_prompt_tokens: int | None,
+    emit: Callable[[Conversation], None],
+    fail: Callable[[Conversation, str], None],
+) -> list[tuple[Conversation, list[int]]]:
     """Each pooled conversation's next prompt, rendered; a conversation whose prompt cannot be
     rendered fails, one whose prompt is too long ends there (written cut short, or failed on turn 0)."""
     pending = []
@@ -153,12 +174,30 @@ class LocalBackend:
         torch.manual_seed(s.options.seed)
         dev = pick_device(s.options.device)
         dtype = parse_dtype(s.options.dtype, dev)
-        gen = LocalGenerator(load_target(ref, dtype, dev, s.placed), tokenizer, s.options.temperature, s.options.top_p,
-                             s.options.max_new_tokens)
-        meta = {"target": ref.name, "target_revision": ref.revision, "dtype": dtype_name(dtype),
-                **({"seed": s.options.seed} if s.options.temperature > 0 else {})}
+        gen = LocalGenerator(
+            load_target(ref, dtype, dev, s.placed),
+            tokenizer,
+            s.options.temperature,
+            s.options.top_p,
+            s.options.max_new_tokens,
+        )
+        meta = {
+            "target": ref.name,
+            "target_revision": ref.revision,
+            "dtype": dtype_name(dtype),
+            **({"seed": s.options.seed} if s.options.temperature > 0 else {}),
+        }
         return cls(gen, s.options.batch_size, s.options.max_prompt_tokens or gen.max_prompt_tokens, meta)
 
     def run(self, convs: Iterator[Conversation], run: Run, resources: contextlib.ExitStack) -> None:
-        run_local(convs, self.gen, self.batch_size, self.max_prompt_tokens, run.emit, run.fail, run.progress,
-                  run.tick, run.out_of_time)
+        run_local(
+            convs,
+            self.gen,
+            self.batch_size,
+            self.max_prompt_tokens,
+            run.emit,
+            run.fail,
+            run.progress,
+            run.tick,
+            run.out_of_time,
+        )

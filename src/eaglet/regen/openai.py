@@ -54,18 +54,25 @@ def backoff_delay(attempt: int, base: float, cap: float, retry_after: str | None
             return min(max(float(retry_after), 0.0), cap)
         except ValueError:
             pass
-    return min(cap, base * 2 ** attempt) * (0.5 + random.random() / 2)
+    return min(cap, base * 2**attempt) * (0.5 + random.random() / 2)
 
 
-def chat_request(ep: Endpoint, messages: list[Message], max_tokens: int, temperature: float, top_p: float
-                 ) -> urllib.request.Request:
-    body = {"model": ep.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p}
+def chat_request(
+    ep: Endpoint, messages: list[Message], max_tokens: int, temperature: float, top_p: float
+) -> urllib.request.Request:
+    body = {
+        "model": ep.model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+    }
     headers = {"Content-Type": "application/json"}
     if ep.api_key:
         headers["Authorization"] = f"Bearer {ep.api_key}"
-    return urllib.request.Request(ep.base_url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
-                                  headers=headers, method="POST")
+    return urllib.request.Request(
+        ep.base_url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(), headers=headers, method="POST"
+    )
 
 
 def parse_chat_response(body: bytes) -> Turn:
@@ -87,8 +94,9 @@ def parse_chat_response(body: bytes) -> Turn:
     return Turn(text, reason, int(tokens) if isinstance(tokens, int) else len(text.split()))
 
 
-def post_with_retries(ep: Endpoint, request: urllib.request.Request, sleep: Callable[[float], None] = time.sleep
-                      ) -> bytes:
+def post_with_retries(
+    ep: Endpoint, request: urllib.request.Request, sleep: Callable[[float], None] = time.sleep
+) -> bytes:
     """POST; retry 429/5xx, timeouts, connection errors and garbled bodies with backoff.
     Other HTTP errors (400 context too long, 401...) will not get better: RegenError at once."""
     last = ""
@@ -117,8 +125,14 @@ def post_with_retries(ep: Endpoint, request: urllib.request.Request, sleep: Call
     raise RegenError(f"gave up after {ep.max_retries + 1} attempts; last: {last}")
 
 
-def regen_conversation_remote(ep: Endpoint, conv: Conversation, max_new_tokens: int, temperature: float,
-                              top_p: float, progress: Callable[[int], None]) -> Conversation:
+def regen_conversation_remote(
+    ep: Endpoint,
+    conv: Conversation,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    progress: Callable[[int], None],
+) -> Conversation:
     """Regenerate every turn of one conversation, in order (turn k needs answer k-1)."""
     while not conv.finished:
         body = post_with_retries(ep, chat_request(ep, conv.prompt(), max_new_tokens, temperature, top_p))
@@ -161,6 +175,13 @@ class OpenAIBackend:
     def run(self, convs: Iterator[Conversation], run: Run, resources: contextlib.ExitStack) -> None:
         o = self.settings.options
         # looked up when called, so a test can stand in for one conversation's requests
-        run_parallel(convs, lambda conv: regen_conversation_remote(self.ep, conv, o.max_new_tokens, o.temperature,
-                                                                   o.top_p, run.progress),
-                     o.concurrency, run.emit, run.fail, run.tick)
+        run_parallel(
+            convs,
+            lambda conv: regen_conversation_remote(
+                self.ep, conv, o.max_new_tokens, o.temperature, o.top_p, run.progress
+            ),
+            o.concurrency,
+            run.emit,
+            run.fail,
+            run.tick,
+        )

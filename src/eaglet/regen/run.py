@@ -45,16 +45,19 @@ class RegenSummary:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def lines(self) -> list[str]:
-        out = [f"regenerated {self.written} conversations ({self.turns} turns, {self.tokens} tokens, "
-               f"{self.tokens_per_s:.1f} tokens/s) -> {self.out}",
-               f"read {self.stats.records} records; {self.already_done} already done (resume)"]
+        out = [
+            f"regenerated {self.written} conversations ({self.turns} turns, {self.tokens} tokens, "
+            f"{self.tokens_per_s:.1f} tokens/s) -> {self.out}",
+            f"read {self.stats.records} records; {self.already_done} already done (resume)",
+        ]
         if self.finish_reasons:
             out.append("  finish reasons: " + ", ".join(f"{k} {v}" for k, v in self.finish_reasons.most_common()))
         if self.out_of_time:
             out.append("  stopped at --time-budget: a rerun with --resume (and more time) continues")
         if self.cut_short:
-            out.append(f"  cut short (a later prompt was too long, or time ran out; earlier turns kept): "
-                       f"{self.cut_short}")
+            out.append(
+                f"  cut short (a later prompt was too long, or time ran out; earlier turns kept): {self.cut_short}"
+            )
         for reason, n in self.stats.skipped.most_common():
             out.append(f"  skipped: {reason}: {n}")
         if self.failed:
@@ -68,8 +71,15 @@ class Run:
     """The state one run's backends report into; `emit` and `fail` are called from the driving
     thread only, `progress` from any worker thread."""
 
-    def __init__(self, summary: RegenSummary, writer: RegenWriter, errors_file: IO[str], meta: dict[str, Any],
-                 bar: tqdm, time_budget: float | None) -> None:
+    def __init__(
+        self,
+        summary: RegenSummary,
+        writer: RegenWriter,
+        errors_file: IO[str],
+        meta: dict[str, Any],
+        bar: tqdm,
+        time_budget: float | None,
+    ) -> None:
         self.summary, self.writer, self.errors_file, self.meta, self.bar = summary, writer, errors_file, meta, bar
         self.time_budget, self.started = time_budget, time.time()
         self.t0 = self.started  # when regeneration began (a server's start-up is not counted)
@@ -80,8 +90,9 @@ class Run:
 
     def out_of_time(self) -> bool:
         spent = time.time() - self.started
-        self.summary.out_of_time = self.summary.out_of_time or (self.time_budget is not None and
-                                                                spent >= self.time_budget)
+        self.summary.out_of_time = self.summary.out_of_time or (
+            self.time_budget is not None and spent >= self.time_budget
+        )
         return self.summary.out_of_time
 
     def todo(self, selected: Iterator[Conversation], done: set[str]) -> Iterator[Conversation]:
@@ -123,9 +134,14 @@ class Run:
         self.summary.first_failure = self.summary.first_failure or f"{conv.id}: {' '.join(reason.split())}"
 
 
-def run_parallel(convs: Iterator[Conversation], regen_one: Callable[[Conversation], Conversation], concurrency: int,
-                 emit: Callable[[Conversation], None], fail: Callable[[Conversation, str], None],
-                 tick: Callable[[], None]) -> None:
+def run_parallel(
+    convs: Iterator[Conversation],
+    regen_one: Callable[[Conversation], Conversation],
+    concurrency: int,
+    emit: Callable[[Conversation], None],
+    fail: Callable[[Conversation, str], None],
+    tick: Callable[[], None],
+) -> None:
     """`regen_one` over conversations in parallel threads (a server's requests in flight); only
     this thread writes, so no file lock is needed. At most 2x `concurrency` conversations are
     read ahead, so memory stays flat. A RegenError fails its conversation; any other error

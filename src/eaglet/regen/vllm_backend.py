@@ -43,8 +43,9 @@ class VllmGenerator:
         # sampled runs: a seed per round, so two rounds never draw the same numbers
         self.rounds += 1
         seed = zlib.crc32(f"{self.seed}:{self.rounds}".encode())
-        done = self.engine.generate(prompts, self.max_new_tokens, sorted(self.stop_ids), self.temperature, self.top_p,
-                                    seed)
+        done = self.engine.generate(
+            prompts, self.max_new_tokens, sorted(self.stop_ids), self.temperature, self.top_p, seed
+        )
         turns = []
         for tokens in done.outputs:
             kept, reason, count = split_at_stop(tokens, self.stop_ids)
@@ -69,22 +70,50 @@ class VllmBackend:
         context = min(s.vllm.max_model_len or positions, positions) if s.vllm else positions
         max_prompt_tokens = s.options.max_prompt_tokens or context - s.options.max_new_tokens
         if max_prompt_tokens < 1:
-            raise ValueError(f"--max-new-tokens {s.options.max_new_tokens} leaves no room for a prompt in the engine's "
-                             f"{context} positions")
+            raise ValueError(
+                f"--max-new-tokens {s.options.max_new_tokens} leaves no room for a prompt in the engine's "
+                f"{context} positions"
+            )
         dtype = dtype_name(parse_dtype(s.options.dtype, s.options.device))
-        meta = {"target": ref.name, "target_revision": ref.revision, "dtype": dtype, "engine": engine_record(),
-                **({"seed": s.options.seed} if s.options.temperature > 0 else {})}
+        meta = {
+            "target": ref.name,
+            "target_revision": ref.revision,
+            "dtype": dtype,
+            "engine": engine_record(),
+            **({"seed": s.options.seed} if s.options.temperature > 0 else {}),
+        }
         return cls(s, ref.path, tokenizer, end_of_turn_ids(tokenizer, target_generation(ref)), max_prompt_tokens, meta)
 
     def run(self, convs: Iterator[Conversation], run: Run, resources: contextlib.ExitStack) -> None:
         s = self.settings
         assert s.vllm is not None
-        options = replace(s.vllm, dtype=self.meta["dtype"], seed=s.options.seed,
-                          max_model_len=s.vllm.max_model_len or self.max_prompt_tokens + s.options.max_new_tokens)
-        engine = resources.enter_context(vllm_engine(self.target, options,
-                                                     log_dir=s.out.with_name(s.out.name + ".vllm")))
+        options = replace(
+            s.vllm,
+            dtype=self.meta["dtype"],
+            seed=s.options.seed,
+            max_model_len=s.vllm.max_model_len or self.max_prompt_tokens + s.options.max_new_tokens,
+        )
+        engine = resources.enter_context(
+            vllm_engine(self.target, options, log_dir=s.out.with_name(s.out.name + ".vllm"))
+        )
         run.restart_clock()  # the engine's start-up is not regeneration time
-        gen = VllmGenerator(engine, self.tokenizer, self.stop_ids, s.options.max_new_tokens, s.options.temperature,
-                            s.options.top_p, s.options.seed)
-        run_local(convs, gen, s.options.batch_size, self.max_prompt_tokens, run.emit, run.fail, run.progress, run.tick,
-                  run.out_of_time)
+        gen = VllmGenerator(
+            engine,
+            self.tokenizer,
+            self.stop_ids,
+            s.options.max_new_tokens,
+            s.options.temperature,
+            s.options.top_p,
+            s.options.seed,
+        )
+        run_local(
+            convs,
+            gen,
+            s.options.batch_size,
+            self.max_prompt_tokens,
+            run.emit,
+            run.fail,
+            run.progress,
+            run.tick,
+            run.out_of_time,
+        )

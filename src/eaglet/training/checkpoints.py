@@ -28,26 +28,40 @@ import torch
 from eaglet import formats
 from eaglet.drafter import DraftModel
 from eaglet.drafter.files import export_config, load_draft_weights
-from eaglet.formats.runs import (BEST_FILE, CHECKPOINT_FILES, CHECKPOINTS_DIR, LATEST_FILE, LOCK_FILE, METRICS_FILE,
-                                 STATE_FILE, TRAIN_CONFIG_FILE, checkpoint_name, is_checkpoint_name, is_own_checkpoint,
-                                 read_pointer)
+from eaglet.formats.runs import (
+    BEST_FILE,
+    CHECKPOINT_FILES,
+    CHECKPOINTS_DIR,
+    LATEST_FILE,
+    LOCK_FILE,
+    METRICS_FILE,
+    STATE_FILE,
+    TRAIN_CONFIG_FILE,
+    checkpoint_name,
+    is_checkpoint_name,
+    is_own_checkpoint,
+    read_pointer,
+)
 from eaglet.training.config import Plan, TrainConfig
 
 log = logging.getLogger(__name__)
-
 
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
 
-def save_checkpoint(ckpt_root: Path, step: int, model: DraftModel, config_json: dict[str, Any],
-                    state: dict[str, Any]) -> Path:
+
+def save_checkpoint(
+    ckpt_root: Path, step: int, model: DraftModel, config_json: dict[str, Any], state: dict[str, Any]
+) -> Path:
     """Write a checkpoint folder under a temp name, then rename: a folder that exists is complete."""
     final = ckpt_root / checkpoint_name(step)
     if final.is_symlink():
-        raise FileExistsError(f"{final}: a symbolic link where the run saves its checkpoint; remove it (a run's "
-                              "checkpoints are folders of its own)")
+        raise FileExistsError(
+            f"{final}: a symbolic link where the run saves its checkpoint; remove it (a run's "
+            "checkpoints are folders of its own)"
+        )
     if final.exists():  # the same step saved twice (an eval right at the end): replace it
         shutil.rmtree(final)
     with formats.atomic_dir(final) as tmp:
@@ -59,17 +73,20 @@ def save_checkpoint(ckpt_root: Path, step: int, model: DraftModel, config_json: 
 def prune_checkpoints(ckpt_root: Path, keep: int, protect: set[str]) -> None:
     # only the folders a run writes, as it wrote them (a user's step_00000004.bak, an export put in a
     # checkpoint folder or named like one stay), and never through a link
-    steps = sorted(p for p in ckpt_root.glob("step_*") if is_checkpoint_name(p.name) and p.is_dir()
-                   and not p.is_symlink())
+    steps = sorted(
+        p for p in ckpt_root.glob("step_*") if is_checkpoint_name(p.name) and p.is_dir() and not p.is_symlink()
+    )
     for p in steps[:-keep] if keep > 0 else steps:
         if p.name in protect:
             continue
         if is_own_checkpoint(p):
             shutil.rmtree(p, ignore_errors=True)
         else:
-            log.warning("%s: not pruned: it holds files a run does not write there (%s); remove it yourself once "
-                        "they are safe", p, ", ".join(sorted(set(os.listdir(p)) - CHECKPOINT_FILES)) or "no state")
-
+            log.warning(
+                "%s: not pruned: it holds files a run does not write there (%s); remove it yourself once they are safe",
+                p,
+                ", ".join(sorted(set(os.listdir(p)) - CHECKPOINT_FILES)) or "no state",
+            )
 
 
 @dataclass
@@ -88,35 +105,61 @@ class Checkpointer:
     def root(self) -> Path:
         return self.out / CHECKPOINTS_DIR
 
-    def restore_latest(self, resume: bool, draft: DraftModel, opt: torch.optim.Optimizer,
-                       sched: Any) -> dict[str, Any] | None:
+    def restore_latest(
+        self, resume: bool, draft: DraftModel, opt: torch.optim.Optimizer, sched: Any
+    ) -> dict[str, Any] | None:
         """With --resume, the training state of the latest checkpoint, its weights, optimizer,
         scheduler and RNG restored; None to start from scratch. Without --resume a folder that
         holds a run is refused."""
         if self.root.is_symlink():  # pruning old checkpoints would delete the folder it links to's
-            raise FileExistsError(f"{self.root}: a symbolic link (to {os.readlink(self.root)}); a run folder keeps its "
-                                  "checkpoints in a folder of its own: remove the link, or use another --out")
+            raise FileExistsError(
+                f"{self.root}: a symbolic link (to {os.readlink(self.root)}); a run folder keeps its "
+                "checkpoints in a folder of its own: remove the link, or use another --out"
+            )
         latest = read_pointer(self.root, LATEST_FILE)
         if latest and not (self.out / TRAIN_CONFIG_FILE).exists():  # written before the first checkpoint
-            raise FileExistsError(f"{self.out}: checkpoints without {TRAIN_CONFIG_FILE}, which every eaglet run writes "
-                                  "before its first: not a run of eaglet train's; use another --out")
+            raise FileExistsError(
+                f"{self.out}: checkpoints without {TRAIN_CONFIG_FILE}, which every eaglet run writes "
+                "before its first: not a run of eaglet train's; use another --out"
+            )
         if resume and latest:
             return restore(self.root / latest["path"], draft, opt, sched, self.trajectory, self.data)[2]
         if resume:
             log.info("--resume: no checkpoint in %s; starting from scratch", self.root)
         elif latest:
-            raise ValueError(f"{self.out} already holds a training run (checkpoint {latest['path']}); pass --resume "
-                             "to continue it, or use another --out")
+            raise ValueError(
+                f"{self.out} already holds a training run (checkpoint {latest['path']}); pass --resume "
+                "to continue it, or use another --out"
+            )
         return None
 
-    def save(self, step: int, micro_position: int, draft: DraftModel, opt: torch.optim.Optimizer, sched: Any,
-             best: dict[str, Any], plan: Plan, done: dict[str, Any], last_eval: dict[str, Any] | None) -> Path:
+    def save(
+        self,
+        step: int,
+        micro_position: int,
+        draft: DraftModel,
+        opt: torch.optim.Optimizer,
+        sched: Any,
+        best: dict[str, Any],
+        plan: Plan,
+        done: dict[str, Any],
+        last_eval: dict[str, Any] | None,
+    ) -> Path:
         """Write the checkpoint at `step` with everything a resume needs, point latest.json (and
         best.json, when `step` is the best) at it, and prune older ones."""
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        state = {"step": step, "micro_position": micro_position, "optimizer": opt.state_dict(),
-                 "scheduler": sched.state_dict(), "rng": rng, "best": best, "trajectory": self.trajectory,
-                 "plan": asdict(plan), "done": dict(done), "data": self.data}
+        state = {
+            "step": step,
+            "micro_position": micro_position,
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "rng": rng,
+            "best": best,
+            "trajectory": self.trajectory,
+            "plan": asdict(plan),
+            "done": dict(done),
+            "data": self.data,
+        }
         extra = {"step": step, **self.record, "eval": last_eval}
         folder = save_checkpoint(self.root, step, draft, export_config(draft.config, extra), state)
         # the pointers only after the folder they name is complete: a kill in between leaves the old ones
@@ -132,15 +175,18 @@ class Checkpointer:
 # Resume
 # ---------------------------------------------------------------------------------------------
 
+
 def other_data_message(folder: Path, then: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
     """Why a resume on `now` would continue on other data than the run's, or None when it is the
     same (a checkpoint from before fingerprints were recorded has nothing to compare)."""
     if then is None or all(then.get(k) == now[k] for k in ("layout", "samples", "digest")):
         return None
-    return (f"--resume: {folder} was trained on {then['path']} ({then['layout']} layout, {then['samples']} samples); "
-            f"{now['path']} is other data ({now['layout']} layout, {now['samples']} samples"
-            f"{', other samples' if then['layout'] == now['layout'] else ''}), and the run's held-out split and best "
-            "step would mix both: resume on the run's own dataset, or train into another --out")
+    return (
+        f"--resume: {folder} was trained on {then['path']} ({then['layout']} layout, {then['samples']} samples); "
+        f"{now['path']} is other data ({now['layout']} layout, {now['samples']} samples"
+        f"{', other samples' if then['layout'] == now['layout'] else ''}), and the run's held-out split and best "
+        "step would mix both: resume on the run's own dataset, or train into another --out"
+    )
 
 
 STATE_KEYS = ("step", "best", "trajectory", "plan", "done", "optimizer", "scheduler", "rng", "data")
@@ -173,18 +219,27 @@ def read_state(folder: Path) -> dict[str, Any]:
     state = formats.torch_load_safe(folder / STATE_FILE)
     problem = state_problem(state)
     if problem:
-        raise ValueError(f"{folder / STATE_FILE}: damaged ({problem}); restore the checkpoint, or train into another "
-                         "--out")
+        raise ValueError(
+            f"{folder / STATE_FILE}: damaged ({problem}); restore the checkpoint, or train into another --out"
+        )
     return state
 
 
-def restore(folder: Path, draft: DraftModel, opt: torch.optim.Optimizer, sched: Any,
-            trajectory: dict[str, Any], data: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
+def restore(
+    folder: Path,
+    draft: DraftModel,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    trajectory: dict[str, Any],
+    data: dict[str, Any],
+) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """Load weights, optimizer, scheduler and RNG from a checkpoint; (step, best, the saved
     training state) to continue from. Refuses other data (`data`: Source.fingerprint) or settings."""
     if not (folder / STATE_FILE).exists():
-        raise FileNotFoundError(f"{folder.parent / LATEST_FILE}: names {folder.name}, which has no {STATE_FILE}; the "
-                                "run folder was changed by hand: restore the checkpoint, or train into another --out")
+        raise FileNotFoundError(
+            f"{folder.parent / LATEST_FILE}: names {folder.name}, which has no {STATE_FILE}; the "
+            "run folder was changed by hand: restore the checkpoint, or train into another --out"
+        )
     state = read_state(folder)
     other = other_data_message(folder, state.get("data"), data)
     if other:
@@ -193,8 +248,10 @@ def restore(folder: Path, draft: DraftModel, opt: torch.optim.Optimizer, sched: 
     # A key an older checkpoint lacks was not recorded then: nothing to compare it with.
     diff = {k: (then[k], v) for k, v in trajectory.items() if k in then and then[k] != v}
     if diff:
-        raise ValueError(f"--resume: {folder} was trained with other settings {{option: (then, now)}}: {diff}; "
-                         "leave these options out (a resume takes the run's own) or train into another --out")
+        raise ValueError(
+            f"--resume: {folder} was trained with other settings {{option: (then, now)}}: {diff}; "
+            "leave these options out (a resume takes the run's own) or train into another --out"
+        )
     load_draft_weights(draft, folder, keep_frozen=True)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
@@ -230,15 +287,19 @@ def truncate_metrics(path: Path, step: int) -> None:
     """Drop metric lines a killed run wrote after the checkpoint we resume from. A link is refused:
     the run appends to this file, and an append follows a link out of the run folder."""
     if path.is_symlink():
-        raise ValueError(f"{path}: a link (to {os.readlink(path)}); a run writes its metrics inside its folder only: "
-                         "remove the link, or train into another --out")
+        raise ValueError(
+            f"{path}: a link (to {os.readlink(path)}); a run writes its metrics inside its folder only: "
+            "remove the link, or train into another --out"
+        )
     if not path.exists():
         return
     records = formats.read_jsonl_log(path)
     for n, r in enumerate(records, 1):
         if not isinstance(r, dict) or type(r.get("step")) is not int or r["step"] < 0:
-            raise ValueError(f"{path}: record {n} ({json.dumps(r)[:80]}) is no metric line of a run (no step "
-                             "number >= 0); restore the file or remove that line, then resume")
+            raise ValueError(
+                f"{path}: record {n} ({json.dumps(r)[:80]}) is no metric line of a run (no step "
+                "number >= 0); restore the file or remove that line, then resume"
+            )
     keep = [r for r in records if r["step"] <= step]
     formats.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
 
@@ -246,6 +307,7 @@ def truncate_metrics(path: Path, step: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Metrics
 # ---------------------------------------------------------------------------------------------
+
 
 class MetricsLog:
     """metrics.jsonl (always) and TensorBoard (only when the `tensorboard` package is present)."""
@@ -300,7 +362,10 @@ def run_lock(out: Path, enabled: bool = True) -> Iterator[None]:
         yield
         return
     formats.claim_output(out, "train")  # before the lock, which lives inside the run folder
-    with formats.output_lock(out, "train", "is writing this run folder; wait for it to end, or train into "
-                             "another --out", lock=out / LOCK_FILE):
+    with formats.output_lock(
+        out,
+        "train",
+        "is writing this run folder; wait for it to end, or train into another --out",
+        lock=out / LOCK_FILE,
+    ):
         yield
-

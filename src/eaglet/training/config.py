@@ -36,16 +36,57 @@ class TrainConfig(TrainSettings):
     their defaults are declared once, in eaglet.options (`TrainSettings`)."""
 
     # Options that define the trajectory: a resumed run must use the same ones.
-    TRAJECTORY = ("drafter", "draft_layers", "block_size", "anchor_stride", "epochs", "total_steps", "lr",
-                  "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "batch_size", "pack_tokens",
-                  "max_length", "ttt_steps", "ttt_ramp", "draft_vocab_size", "teacher_top_k", "loss_on", "objective",
-                  "feature_loss_weight", "lm_head_init", "freeze_lm_head", "fc_norm", "norm_output",
-                  "norm_before_residual", "sliding_window", "bf16", "time_budget", "eval_fraction", "seed")
+    TRAJECTORY = (
+        "drafter",
+        "draft_layers",
+        "block_size",
+        "anchor_stride",
+        "epochs",
+        "total_steps",
+        "lr",
+        "min_lr_ratio",
+        "warmup_steps",
+        "weight_decay",
+        "max_grad_norm",
+        "batch_size",
+        "pack_tokens",
+        "max_length",
+        "ttt_steps",
+        "ttt_ramp",
+        "draft_vocab_size",
+        "teacher_top_k",
+        "loss_on",
+        "objective",
+        "feature_loss_weight",
+        "lm_head_init",
+        "freeze_lm_head",
+        "fc_norm",
+        "norm_output",
+        "norm_before_residual",
+        "sliding_window",
+        "bf16",
+        "time_budget",
+        "eval_fraction",
+        "seed",
+    )
 
     # Numeric options and what they may be (None: the option's default applies).
-    AT_LEAST_ONE = ("draft_layers", "anchor_stride", "total_steps", "stop_after", "batch_size", "grad_accum",
-                    "max_length", "ttt_steps", "draft_vocab_size", "sliding_window", "eval_every", "evals",
-                    "save_every", "log_every")
+    AT_LEAST_ONE = (
+        "draft_layers",
+        "anchor_stride",
+        "total_steps",
+        "stop_after",
+        "batch_size",
+        "grad_accum",
+        "max_length",
+        "ttt_steps",
+        "draft_vocab_size",
+        "sliding_window",
+        "eval_every",
+        "evals",
+        "save_every",
+        "log_every",
+    )
     AT_LEAST_ZERO = ("warmup_steps", "keep_checkpoints", "weight_decay", "feature_loss_weight")
     ABOVE_ZERO = ("epochs", "lr", "max_grad_norm")
 
@@ -71,22 +112,28 @@ class TrainConfig(TrainSettings):
         ranges.check(">= 1 (or 0: one sample per row)", lambda v: v >= 0, pack_tokens=self.pack_tokens)
         ranges.of_annotated_kinds(self)  # after the ranges: an inf count is said to be one
         if self.pack_tokens and self.pack_tokens < min_sample_tokens(self.ttt_steps):
-            raise ValueError(f"--pack-tokens {self.pack_tokens}: a pack must hold a sample of at least "
-                             f"{min_sample_tokens(self.ttt_steps)} tokens (--ttt-steps {self.ttt_steps})")
+            raise ValueError(
+                f"--pack-tokens {self.pack_tokens}: a pack must hold a sample of at least "
+                f"{min_sample_tokens(self.ttt_steps)} tokens (--ttt-steps {self.ttt_steps})"
+            )
         if self.teacher_top_k == 0:
             object.__setattr__(self, "teacher_top_k", None)  # one spelling of "dense" in train_config.json
         if self.time_budget is not None and self.total_steps is not None:
             raise ValueError("--time-budget sizes the schedule itself: give it or --total-steps, not both")
         self.placement()  # a wrong --device-map, --max-memory or pairing with --device: refused now
         if self.device_map is not None and not self.online:
-            raise ValueError(f"--device-map {self.device_map} places the target that --online runs; offline training "
-                             "reads stored hidden states and takes only the target's embeddings and LM head (fp32, "
-                             "on the CPU): add --online, or leave out --device-map")
+            raise ValueError(
+                f"--device-map {self.device_map} places the target that --online runs; offline training "
+                "reads stored hidden states and takes only the target's embeddings and LM head (fp32, "
+                "on the CPU): add --online, or leave out --device-map"
+            )
         if self.max_length is not None and self.max_length < min_sample_tokens(self.ttt_steps):
-            raise ValueError(f"--max-length {self.max_length}: TTT step k at position t predicts token t+k+2, so "
-                             f"with --ttt-steps {self.ttt_steps} a sample needs at least "
-                             f"{min_sample_tokens(self.ttt_steps)} tokens for every step to train on one position; "
-                             f"use --max-length {min_sample_tokens(self.ttt_steps)} or more")
+            raise ValueError(
+                f"--max-length {self.max_length}: TTT step k at position t predicts token t+k+2, so "
+                f"with --ttt-steps {self.ttt_steps} a sample needs at least "
+                f"{min_sample_tokens(self.ttt_steps)} tokens for every step to train on one position; "
+                f"use --max-length {min_sample_tokens(self.ttt_steps)} or more"
+            )
 
     def placement(self) -> Placement | None:
         """Where --online loads the target: a device map, or None for one device."""
@@ -102,12 +149,16 @@ class TrainConfig(TrainSettings):
         if not families.family(family).parallel:
             given = [k for k, v in parallel.items() if v is not None]
             if given:
-                raise ValueError(f"--{given[0].replace('_', '-')} is a p-eagle / dflash option; --drafter eagle3 has "
-                                 "one layer and drafts by training-time test")
+                raise ValueError(
+                    f"--{given[0].replace('_', '-')} is a p-eagle / dflash option; --drafter eagle3 has "
+                    "one layer and drafts by training-time test"
+                )
             return
         unused = [k for k in EAGLE3_ONLY if getattr(self, k)]
         if unused:
-            raise ValueError(f"--{unused[0].replace('_', '-')} is an eagle3 option; --drafter {family} has no use for it")
+            raise ValueError(
+                f"--{unused[0].replace('_', '-')} is an eagle3 option; --drafter {family} has no use for it"
+            )
         for k, default in families.family(family).parallel_defaults().items():
             if getattr(self, k) is None:
                 object.__setattr__(self, k, default)  # frozen: filled once, while it is made
@@ -237,8 +288,10 @@ def micro_batch_sizing(cfg: TrainConfig, longest: int) -> tuple[str, str]:
     if cfg.pack_tokens:
         times = f" x --batch-size {cfg.batch_size}" if cfg.batch_size > 1 else ""
         return f"--pack-tokens {cfg.pack_tokens}{times}", "lower --pack-tokens or --batch-size"
-    return (f"--batch-size {cfg.batch_size} x samples of up to {longest:,} tokens",
-            "lower --batch-size, or --max-length")
+    return (
+        f"--batch-size {cfg.batch_size} x samples of up to {longest:,} tokens",
+        "lower --batch-size, or --max-length",
+    )
 
 
 def refuse_unfit_micro_batch(cfg: TrainConfig, longest: int, hidden_size: int, device: str) -> None:
@@ -252,11 +305,13 @@ def refuse_unfit_micro_batch(cfg: TrainConfig, longest: int, hidden_size: int, d
     if have is None or tokens * per_token <= have[0]:
         return
     sizing, fix = micro_batch_sizing(cfg, longest)
-    raise ValueError(f"{sizing}: one micro-batch of {tokens:,} tokens needs at least {size_text(tokens * per_token)} "
-                     f"for its hidden states alone (the target's {STORED_STATES} states and the drafter's output at "
-                     f"each of {cfg.ttt_steps} TTT steps, {hidden_size:,} values each at {LEAST_VALUE_BYTES} bytes: "
-                     f"{per_token:,} bytes a token), this machine has {size_text(have[0])} available ({have[1]}); "
-                     f"{fix}")
+    raise ValueError(
+        f"{sizing}: one micro-batch of {tokens:,} tokens needs at least {size_text(tokens * per_token)} "
+        f"for its hidden states alone (the target's {STORED_STATES} states and the drafter's output at "
+        f"each of {cfg.ttt_steps} TTT steps, {hidden_size:,} values each at {LEAST_VALUE_BYTES} bytes: "
+        f"{per_token:,} bytes a token), this machine has {size_text(have[0])} available ({have[1]}); "
+        f"{fix}"
+    )
 
 
 def min_sample_tokens(ttt_steps: int) -> int:
@@ -267,6 +322,7 @@ def min_sample_tokens(ttt_steps: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # The schedule
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Plan:
@@ -282,8 +338,11 @@ class Plan:
 
     @classmethod
     def make(cls, cfg: TrainConfig, total_steps: int, calibrated: bool) -> Plan:
-        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else (
-            max(1, total_steps // 50) if cfg.time_budget is None else BUDGET_WARMUP_STEPS)
+        warmup = (
+            cfg.warmup_steps
+            if cfg.warmup_steps is not None
+            else (max(1, total_steps // 50) if cfg.time_budget is None else BUDGET_WARMUP_STEPS)
+        )
         eval_every = cfg.eval_every or max(1, total_steps // max(1, cfg.evals))
         return cls(total_steps, warmup, eval_every, cfg.save_every or eval_every, calibrated)
 
@@ -294,8 +353,10 @@ class Plan:
             total = cfg.total_steps or epoch_steps
             if total > UNSIZED_STEPS:  # finite, and still a run that never ends: a typo, not a plan
                 given = f"--total-steps {cfg.total_steps}" if cfg.total_steps else f"--epochs {cfg.epochs:g}"
-                raise ValueError(f"{given}: a schedule of {total:,} optimizer steps, more than the {UNSIZED_STEPS:,} "
-                                 "eaglet plans; give fewer, or --time-budget")
+                raise ValueError(
+                    f"{given}: a schedule of {total:,} optimizer steps, more than the {UNSIZED_STEPS:,} "
+                    "eaglet plans; give fewer, or --time-budget"
+                )
             return cls.make(cfg, total, calibrated=True)
         return cls.make(cfg, UNSIZED_STEPS, calibrated=False)
 
@@ -314,12 +375,14 @@ def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], floa
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return f
 
 
 # ---------------------------------------------------------------------------------------------
 # --time-budget: the schedule sized from the first steps' tokens/s
 # ---------------------------------------------------------------------------------------------
+
 
 def budget_steps(budget: float, step: int, seconds_done: float, rate: float, tokens_per_step: float) -> int:
     """Total optimizer steps that fit `budget` seconds of training, `seconds_done` of them spent

@@ -44,15 +44,18 @@ PACK_WINDOW = 256  # samples sorted and packed together: little padding, still s
 # What training refuses before its first step
 # ---------------------------------------------------------------------------------------------
 
+
 def check_stored_teacher(ds: Dataset, cfg: TrainConfig) -> None:
     """A compact dataset keeps the target's top-K instead of the last state: what needs the last
     state, or more of the teacher than K, cannot train on it."""
     if ds.stored_top_k is None:
         return
     if cfg.teacher_top_k is None or cfg.teacher_top_k > ds.stored_top_k:
-        raise ValueError(f"--teacher-top-k {cfg.teacher_top_k or 0}: {ds.root} stores the target's top "
-                         f"{ds.stored_top_k} only (compact layout); use --teacher-top-k 1..{ds.stored_top_k}, or "
-                         "train on a v1 copy for the dense teacher")
+        raise ValueError(
+            f"--teacher-top-k {cfg.teacher_top_k or 0}: {ds.root} stores the target's top "
+            f"{ds.stored_top_k} only (compact layout); use --teacher-top-k 1..{ds.stored_top_k}, or "
+            "train on a v1 copy for the dense teacher"
+        )
     if cfg.feature_loss_weight:
         raise ValueError(f"--feature-loss-weight: {ds.root} is compact and keeps no last-layer state to regress")
 
@@ -69,16 +72,20 @@ def refuse_unclean_dataset(root: str | Path) -> None:
 # The split and the micro-batches
 # ---------------------------------------------------------------------------------------------
 
+
 def split_indices(indices: list[int], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic (train, held-out) split: a seeded shuffle of the sorted indices."""
     order = sorted(indices)
     random.Random(seed).shuffle(order)
-    n_eval = min(max(1, round(eval_fraction * len(order))), len(order) - 1) if eval_fraction > 0 and len(order) > 1 else 0
+    n_eval = (
+        min(max(1, round(eval_fraction * len(order))), len(order) - 1) if eval_fraction > 0 and len(order) > 1 else 0
+    )
     return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
-def bucketed_batches(indices: list[int], lengths: dict[int, int], batch_size: int,
-                     rng: random.Random | None) -> list[list[int]]:
+def bucketed_batches(
+    indices: list[int], lengths: dict[int, int], batch_size: int, rng: random.Random | None
+) -> list[list[int]]:
     """Batches of similar length: shuffle, sort within windows of BUCKET_BATCHES batches, shuffle
     the batches. The number of batches depends only on len(indices), never on the shuffle."""
     order = list(indices)
@@ -87,15 +94,16 @@ def bucketed_batches(indices: list[int], lengths: dict[int, int], batch_size: in
     window = batch_size * BUCKET_BATCHES
     batches = []
     for w in range(0, len(order), window):
-        chunk = sorted(order[w:w + window], key=lambda i: (-lengths[i], i))
-        batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
+        chunk = sorted(order[w : w + window], key=lambda i: (-lengths[i], i))
+        batches += [chunk[b : b + batch_size] for b in range(0, len(chunk), batch_size)]
     if rng is not None:
         rng.shuffle(batches)
     return batches
 
 
-def packed_batches(indices: list[int], lengths: dict[int, int], budget: int,
-                   rng: random.Random | None) -> list[list[int]]:
+def packed_batches(
+    indices: list[int], lengths: dict[int, int], budget: int, rng: random.Random | None
+) -> list[list[int]]:
     """Packs of samples whose tokens (each cut to `budget`) add up to at most `budget`: shuffle,
     then first-fit decreasing within windows of PACK_WINDOW samples (a few percent of padding),
     then shuffle the packs. Unlike `bucketed_batches`, how many packs an epoch makes depends on
@@ -107,7 +115,7 @@ def packed_batches(indices: list[int], lengths: dict[int, int], budget: int,
     for w in range(0, len(order), PACK_WINDOW):
         room: list[int] = []
         window_packs: list[list[int]] = []
-        for i in sorted(order[w:w + PACK_WINDOW], key=lambda i: (-lengths[i], i)):
+        for i in sorted(order[w : w + PACK_WINDOW], key=lambda i: (-lengths[i], i)):
             n = min(lengths[i], budget)
             slot = next((j for j, r in enumerate(room) if r >= n), None)
             if slot is None:
@@ -127,8 +135,9 @@ class BatchStream:
     With `pack_tokens`, a micro-batch is `batch_size` packs of samples (`packed_batches`; a list
     of rows of sample indices), else a bucket of `batch_size` samples of similar length."""
 
-    def __init__(self, indices: list[int], lengths: dict[int, int], batch_size: int, seed: int,
-                 pack_tokens: int | None = None):
+    def __init__(
+        self, indices: list[int], lengths: dict[int, int], batch_size: int, seed: int, pack_tokens: int | None = None
+    ):
         self.indices, self.lengths, self.batch_size, self.seed = indices, lengths, batch_size, seed
         self.pack_tokens = pack_tokens
         self._cache: tuple[int, list[Any]] | None = None
@@ -138,7 +147,7 @@ class BatchStream:
     def make(self, rng: random.Random | None) -> list[Any]:
         if self.pack_tokens is not None:
             packs = packed_batches(self.indices, self.lengths, self.pack_tokens, rng)
-            return [packs[b:b + self.batch_size] for b in range(0, len(packs), self.batch_size)]
+            return [packs[b : b + self.batch_size] for b in range(0, len(packs), self.batch_size)]
         return bucketed_batches(self.indices, self.lengths, self.batch_size, rng)
 
     def epoch(self, e: int) -> list[Any]:
@@ -186,16 +195,28 @@ class Batch:
     def real(self) -> torch.Tensor:
         """[B, L] bool: True on real tokens, False on padding."""
         L = self.input_ids.shape[1]
-        return torch.arange(L, device=self.input_ids.device)[None, :] < torch.tensor(self.lengths,
-                                                                                     device=self.input_ids.device)[:, None]
+        return (
+            torch.arange(L, device=self.input_ids.device)[None, :]
+            < torch.tensor(self.lengths, device=self.input_ids.device)[:, None]
+        )
 
     def to(self, device: torch.device) -> Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return Batch(self.input_ids.to(device), self.aux_hidden.to(device), move(self.last_hidden),
-                     self.loss_mask.to(device), self.lengths, self.indices, move(self.teacher_ids),
-                     move(self.teacher_log_probs), self.docs, move(self.documents), move(self.positions))
+        return Batch(
+            self.input_ids.to(device),
+            self.aux_hidden.to(device),
+            move(self.last_hidden),
+            self.loss_mask.to(device),
+            self.lengths,
+            self.indices,
+            move(self.teacher_ids),
+            move(self.teacher_log_probs),
+            self.docs,
+            move(self.documents),
+            move(self.positions),
+        )
 
 
 class Prefetcher:
@@ -221,8 +242,12 @@ class Prefetcher:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def assemble(samples: list[formats.TrainingSample], spans: list[tuple[int, int, int]], shape: tuple[int, int],
-             indices: list[int] | None) -> Batch:
+def assemble(
+    samples: list[formats.TrainingSample],
+    spans: list[tuple[int, int, int]],
+    shape: tuple[int, int],
+    indices: list[int] | None,
+) -> Batch:
     """A [rows, length] batch with sample j's first n tokens at (row, start) for its span
     (row, start, n), zeros elsewhere, on the samples' device."""
     first = samples[0]
@@ -237,7 +262,7 @@ def assemble(samples: list[formats.TrainingSample], spans: list[tuple[int, int, 
         for s, (row, start, n) in zip(samples, spans):
             value = get(s)
             assert value is not None  # the samples of a batch hold the same fields
-            out[row, start:start + n] = value[:n]
+            out[row, start : start + n] = value[:n]
         return out
 
     def required(get: Callable[[formats.TrainingSample], torch.Tensor]) -> torch.Tensor:
@@ -248,10 +273,16 @@ def assemble(samples: list[formats.TrainingSample], spans: list[tuple[int, int, 
     lengths = [0] * rows
     for row, start, n in spans:
         lengths[row] = max(lengths[row], start + n)
-    return Batch(required(lambda s: s.input_ids).long(), required(lambda s: s.aux_hidden),
-                 placed(lambda s: s.last_hidden), required(lambda s: s.loss_mask).long(), lengths,
-                 list(indices or []), placed(lambda s: s.teacher.ids if s.teacher is not None else None),
-                 placed(lambda s: s.teacher.log_probs if s.teacher is not None else None))
+    return Batch(
+        required(lambda s: s.input_ids).long(),
+        required(lambda s: s.aux_hidden),
+        placed(lambda s: s.last_hidden),
+        required(lambda s: s.loss_mask).long(),
+        lengths,
+        list(indices or []),
+        placed(lambda s: s.teacher.ids if s.teacher is not None else None),
+        placed(lambda s: s.teacher.log_probs if s.teacher is not None else None),
+    )
 
 
 def collate(samples: list[formats.TrainingSample], max_length: int | None, indices: list[int] | None = None) -> Batch:
@@ -261,8 +292,12 @@ def collate(samples: list[formats.TrainingSample], max_length: int | None, indic
     return assemble(samples, [(row, 0, n) for row, n in enumerate(lens)], (len(samples), max(lens)), indices)
 
 
-def pack(rows: list[list[formats.TrainingSample]], budget: int, indices: list[int] | None = None,
-         max_length: int | None = None) -> Batch:
+def pack(
+    rows: list[list[formats.TrainingSample]],
+    budget: int,
+    indices: list[int] | None = None,
+    max_length: int | None = None,
+) -> Batch:
     """Rows of exactly `budget` tokens (one shape for every step, which a compiled step needs):
     each row's samples, each cut to `max_length` and `budget`, one after another, zeros after the
     last. `documents` and `positions` keep each sample apart in attention, RoPE and the loss.
@@ -278,19 +313,21 @@ def pack(rows: list[list[formats.TrainingSample]], budget: int, indices: list[in
     batch.positions = torch.zeros(len(rows), budget, dtype=torch.long)
     number = [j for d in docs for j in range(len(d))]
     for (r, a, n), j in zip(spans, number):
-        batch.documents[r, a:a + n] = j
-        batch.positions[r, a:a + n] = torch.arange(n)
+        batch.documents[r, a : a + n] = j
+        batch.positions[r, a : a + n] = torch.arange(n)
     return batch
 
 
-def read_samples(files: dict[int, Path], indices: list[int],
-                 layout: str = formats.FORMAT_V1) -> list[formats.TrainingSample]:
+def read_samples(
+    files: dict[int, Path], indices: list[int], layout: str = formats.FORMAT_V1
+) -> list[formats.TrainingSample]:
     """These samples, read from files of a dataset in `layout`."""
     return [formats.read_training_sample(files[i], layout) for i in indices]
 
 
-def load_batch(files: dict[int, Path], indices: list[int], max_length: int | None,
-               layout: str = formats.FORMAT_V1) -> Batch:
+def load_batch(
+    files: dict[int, Path], indices: list[int], max_length: int | None, layout: str = formats.FORMAT_V1
+) -> Batch:
     """The micro-batch of these samples, read from files of a dataset in `layout`."""
     return collate(read_samples(files, indices, layout), max_length, indices)
 
@@ -298,6 +335,7 @@ def load_batch(files: dict[int, Path], indices: list[int], max_length: int | Non
 # ---------------------------------------------------------------------------------------------
 # Sources of micro-batches: stored hidden states (offline) or the target run in the loop (online)
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Source:
@@ -331,25 +369,43 @@ class Source:
 
     def identity(self) -> dict[str, Any]:
         """What the batches hold; a resumed run must get the same (offline or online alike)."""
-        return {"aux_layer_ids": self.aux_layer_ids, "last_hidden_state": self.last_hidden_state,
-                "hidden_dtype": self.hidden_dtype, "stored_top_k": self.stored_top_k}
+        return {
+            "aux_layer_ids": self.aux_layer_ids,
+            "last_hidden_state": self.last_hidden_state,
+            "hidden_dtype": self.hidden_dtype,
+            "stored_top_k": self.stored_top_k,
+        }
 
     def fingerprint(self) -> dict[str, Any]:
         """Which data this is: its layout, sample count and a digest of every sample's length and
         of the masked-token counts. The path is kept for messages only: a moved copy of the same
         samples is the same data, a compact copy of them is not (other stored values)."""
         h = hashlib.sha256(json.dumps([sorted(self.lengths.items()), sorted(self.token_freq.items())]).encode())
-        return {"path": str(self.path.resolve()), "layout": self.layout, "samples": len(self.lengths),
-                "digest": h.hexdigest()[:16]}
+        return {
+            "path": str(self.path.resolve()),
+            "layout": self.layout,
+            "samples": len(self.lengths),
+            "digest": h.hexdigest()[:16],
+        }
 
 
 PREPARED_LAYOUT = "prepared"  # an online source: an `eaglet prepare` output, the target run in the loop
 
 
 def offline_source(ds: Dataset, max_length: int | None) -> Source:
-    return Source(ds.root, ds.lengths, ds.token_freq, ds.aux_layer_ids, ds.last_hidden_state, ds.hidden_dtype,
-                  lambda indices: read_samples(ds.files, indices, ds.layout), background=True, max_length=max_length,
-                  stored_top_k=ds.stored_top_k, layout=ds.layout)
+    return Source(
+        ds.root,
+        ds.lengths,
+        ds.token_freq,
+        ds.aux_layer_ids,
+        ds.last_hidden_state,
+        ds.hidden_dtype,
+        lambda indices: read_samples(ds.files, indices, ds.layout),
+        background=True,
+        max_length=max_length,
+        stored_top_k=ds.stored_top_k,
+        layout=ds.layout,
+    )
 
 
 @dataclass
@@ -368,13 +424,16 @@ def open_prepared(root: str | Path) -> Prepared:
     if not (root / formats.PREPARE_CONFIG_FILE).exists():
         stored = (root / formats.DATA_CONFIG_FILE).exists() or formats.list_dataset_files(root).format is not None
         hint = "; it holds stored hidden states: train on it without --online" if stored else ""
-        raise FileNotFoundError(f"{root}: no {formats.PREPARE_CONFIG_FILE}; --online trains on a finished "
-                                f"`eaglet prepare` output{hint}")
+        raise FileNotFoundError(
+            f"{root}: no {formats.PREPARE_CONFIG_FILE}; --online trains on a finished `eaglet prepare` output{hint}"
+        )
     samples, pconfig = formats.read_prepared(root)
     freq_path = root / formats.TOKEN_FREQ_FILE
     if not freq_path.exists():
-        raise FileNotFoundError(f"{root}: no {formats.TOKEN_FREQ_FILE} (the draft vocabulary is built from it); "
-                                "rerun `eaglet prepare`, which writes it")
+        raise FileNotFoundError(
+            f"{root}: no {formats.TOKEN_FREQ_FILE} (the draft vocabulary is built from it); "
+            "rerun `eaglet prepare`, which writes it"
+        )
     freq = formats.read_token_freq(freq_path)
     problem = formats.prepared_problem(samples, freq)
     if problem:  # what check finds in an extracted dataset, found here for --online
@@ -401,8 +460,9 @@ def truncate(sample: formats.TokenizedSample, max_length: int | None) -> formats
     return formats.TokenizedSample(sample.sample_id, sample.input_ids[:max_length], sample.loss_mask[:max_length])
 
 
-def online_source(prepared: Prepared, model: PreTrainedModel, layer_ids: list[int], device: torch.device,
-                  max_length: int | None) -> Source:
+def online_source(
+    prepared: Prepared, model: PreTrainedModel, layer_ids: list[int], device: torch.device, max_length: int | None
+) -> Source:
     """Batches whose hidden states the target computes on the fly, with extract.py's own capture
     code (hooks, padding, per-sample cut), so they hold what `eaglet extract` would have stored
     with this compute dtype; only the copy to disk and back is skipped."""
@@ -413,25 +473,44 @@ def online_source(prepared: Prepared, model: PreTrainedModel, layer_ids: list[in
     def read(indices: list[int]) -> list[formats.TrainingSample]:
         batch = [truncate(samples[i], max_length) for i in indices]
         states = run_batch(model, capture, batch, device, dtype, out_device=device)
-        return [formats.TrainingSample(torch.tensor(s.input_ids, device=device), torch.cat(h[:-1], dim=-1), h[-1],
-                                       torch.tensor(s.loss_mask, device=device)) for s, h in zip(batch, states)]
+        return [
+            formats.TrainingSample(
+                torch.tensor(s.input_ids, device=device),
+                torch.cat(h[:-1], dim=-1),
+                h[-1],
+                torch.tensor(s.loss_mask, device=device),
+            )
+            for s, h in zip(batch, states)
+        ]
 
-    return Source(prepared.root, {i: len(s.input_ids) for i, s in enumerate(samples)}, prepared.token_freq,
-                  layer_ids[:-1], formats.LAST_STATE_PRE_NORM, dtype_name(dtype), read, background=False,
-                  max_length=max_length, layout=PREPARED_LAYOUT)
+    return Source(
+        prepared.root,
+        {i: len(s.input_ids) for i, s in enumerate(samples)},
+        prepared.token_freq,
+        layer_ids[:-1],
+        formats.LAST_STATE_PRE_NORM,
+        dtype_name(dtype),
+        read,
+        background=False,
+        max_length=max_length,
+        layout=PREPARED_LAYOUT,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Refusals before the first step
 # ---------------------------------------------------------------------------------------------
 
+
 def refuse_too_short(lengths: dict[int, int], train_idx: list[int], cfg: TrainConfig) -> None:
     """Training samples that give no TTT step a position would train on nothing and log NaN."""
     need = min_sample_tokens(1)
     if not any(min(lengths[i], cfg.max_length or lengths[i]) >= need for i in train_idx):
-        raise ValueError(f"no training sample has {need} tokens or more (after --max-length "
-                         f"{cfg.max_length}): step 0 predicts token t+2 from position t, so there is no position to "
-                         "train on; use longer samples or a larger --max-length")
+        raise ValueError(
+            f"no training sample has {need} tokens or more (after --max-length "
+            f"{cfg.max_length}): step 0 predicts token t+2 from position t, so there is no position to "
+            "train on; use longer samples or a larger --max-length"
+        )
 
 
 def refuse_beyond_positions(source: Source, max_length: int | None, target_config: Any) -> None:
@@ -442,9 +521,11 @@ def refuse_beyond_positions(source: Source, max_length: int | None, target_confi
     n = min(source.lengths[longest], max_length or source.lengths[longest])
     if n > limit:
         over = sum(min(v, max_length or v) > limit for v in source.lengths.values())
-        raise ValueError(f"{source.path}: sample {longest} has {n} tokens and {over} sample(s) in all are longer than the "
-                         f"target's {limit} positions (max_position_embeddings); pass --max-length {limit} or less, "
-                         "or prepare the data again with such a --max-length")
+        raise ValueError(
+            f"{source.path}: sample {longest} has {n} tokens and {over} sample(s) in all are longer than the "
+            f"target's {limit} positions (max_position_embeddings); pass --max-length {limit} or less, "
+            "or prepare the data again with such a --max-length"
+        )
 
 
 def refuse_wrong_layer_ids(ds: Dataset, model: PreTrainedModel) -> None:
@@ -452,14 +533,14 @@ def refuse_wrong_layer_ids(ds: Dataset, model: PreTrainedModel) -> None:
     recorded layer ids that the stored states do not match are refused before any training."""
     n = model.config.num_hidden_layers
     first = ds.files[min(ds.files)]
-    problems = layer_identity_problems(ds.root, ds.layout, first, model, [*ds.aux_layer_ids, n],
-                                       ds.last_hidden_state)
+    problems = layer_identity_problems(ds.root, ds.layout, first, model, [*ds.aux_layer_ids, n], ds.last_hidden_state)
     if problems:
-        raise ValueError(f"{ds.root / formats.DATA_CONFIG_FILE}: layer_ids {[*ds.aux_layer_ids, n]} do not match "
-                         f"the stored states ({'; '.join(p.message for p in problems[:3])}); an edited or wrong "
-                         f"layer_ids trains a drafter that engines feed other layers: `eaglet check {ds.root} "
-                         "--target T` for the full report, then re-extract or restore data_config.json")
-
+        raise ValueError(
+            f"{ds.root / formats.DATA_CONFIG_FILE}: layer_ids {[*ds.aux_layer_ids, n]} do not match "
+            f"the stored states ({'; '.join(p.message for p in problems[:3])}); an edited or wrong "
+            f"layer_ids trains a drafter that engines feed other layers: `eaglet check {ds.root} "
+            "--target T` for the full report, then re-extract or restore data_config.json"
+        )
 
 
 def refuse_wrong_last_state(ds: Dataset, target_heads: TargetHeads) -> None:
@@ -472,8 +553,16 @@ def refuse_wrong_last_state(ds: Dataset, target_heads: TargetHeads) -> None:
     positions, hits = convention_hits(sample.last_hidden, sample.input_ids, sample.loss_mask, target_heads)
     problem = convention_problem(positions, hits, ds.last_hidden_state, str(first))
     if problem:
-        raise ValueError(f"{problem.path}: {problem.message} ({ds.root / formats.DATA_CONFIG_FILE}, or "
-                         "--last-hidden-state for a dataset without one); `eaglet check` for the full report")
-    log.info("%s: the stored last state read %s predicts %d of %d assistant next tokens through the target's head "
-             "(%d read the other way)", first, ds.last_hidden_state, hits[ds.last_hidden_state], positions,
-             sum(hits.values()) - hits[ds.last_hidden_state])
+        raise ValueError(
+            f"{problem.path}: {problem.message} ({ds.root / formats.DATA_CONFIG_FILE}, or "
+            "--last-hidden-state for a dataset without one); `eaglet check` for the full report"
+        )
+    log.info(
+        "%s: the stored last state read %s predicts %d of %d assistant next tokens through the target's head "
+        "(%d read the other way)",
+        first,
+        ds.last_hidden_state,
+        hits[ds.last_hidden_state],
+        positions,
+        sum(hits.values()) - hits[ds.last_hidden_state],
+    )

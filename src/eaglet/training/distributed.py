@@ -60,7 +60,6 @@ def init_distributed(device: torch.device) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
-
 def process_device(name: str | None) -> torch.device:
     """The device of this process: `name` (default: cuda if available); under torchrun on CUDA,
     one device per process, the one LOCAL_RANK names."""
@@ -98,6 +97,9 @@ def host_memory() -> str:
     status = Path("/proc/self/status")
     if not status.exists():
         return "RSS unknown"
-    kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in status.read_text().splitlines())
-           if k in ("VmRSS", "VmHWM")}
+    kib = {
+        k: int(v.split()[0])
+        for k, v in (line.split(":", 1) for line in status.read_text().splitlines())
+        if k in ("VmRSS", "VmHWM")
+    }
     return f"RSS {kib.get('VmRSS', 0) * 1024 / 1e9:.2f} GB (peak {kib.get('VmHWM', 0) * 1024 / 1e9:.2f} GB)"

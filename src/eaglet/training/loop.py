@@ -44,16 +44,59 @@ from eaglet.drafter import STAT_ROWS, DraftModel, make_teacher_head, num_paramet
 from eaglet.dataset import Dataset, check_target_matches, dataset_target, recorded_target_where
 from eaglet.options import EAGLE3, TrainOptions, TrainSettings, defaults_of
 from eaglet.heads import TargetHeads, heads_summary
-from eaglet.target import (LAYER_CHECK_MAX_BYTES, TargetRef, fast_bf16, heads_of_model, load_heads, load_target,
-                           load_tokenizer, parse_dtype, prepared_target, resolve_target, target_source,
-                           whole_target_size)
-from eaglet.training.checkpoints import (CHECKPOINTS_DIR, METRICS_FILE, TRAIN_CONFIG_FILE, Checkpointer, MetricsLog,
-                                         checkpoint_name, resumed_options, run_lock, truncate_metrics)
-from eaglet.training.config import (CALIBRATION_SKIP, RESIZE_SLACK, RESIZE_STEPS, Calibration, Plan, TrainConfig,
-                                    budget_steps, lr_lambda, refuse_unfit_micro_batch, resolve_packing)
-from eaglet.training.data import (Batch, BatchStream, Prefetcher, Prepared, Source, bucketed_batches, offline_source,
-                                  online_source, open_training_data, refuse_beyond_positions, refuse_too_short,
-                                  refuse_wrong_last_state, refuse_wrong_layer_ids, split_indices)
+from eaglet.target import (
+    LAYER_CHECK_MAX_BYTES,
+    TargetRef,
+    fast_bf16,
+    heads_of_model,
+    load_heads,
+    load_target,
+    load_tokenizer,
+    parse_dtype,
+    prepared_target,
+    resolve_target,
+    target_source,
+    whole_target_size,
+)
+from eaglet.training.checkpoints import (
+    CHECKPOINTS_DIR,
+    METRICS_FILE,
+    TRAIN_CONFIG_FILE,
+    Checkpointer,
+    MetricsLog,
+    checkpoint_name,
+    resumed_options,
+    run_lock,
+    truncate_metrics,
+)
+from eaglet.training.config import (
+    CALIBRATION_SKIP,
+    RESIZE_SLACK,
+    RESIZE_STEPS,
+    Calibration,
+    Plan,
+    TrainConfig,
+    budget_steps,
+    lr_lambda,
+    refuse_unfit_micro_batch,
+    resolve_packing,
+)
+from eaglet.training.data import (
+    Batch,
+    BatchStream,
+    Prefetcher,
+    Prepared,
+    Source,
+    bucketed_batches,
+    offline_source,
+    online_source,
+    open_training_data,
+    refuse_beyond_positions,
+    refuse_too_short,
+    refuse_wrong_last_state,
+    refuse_wrong_layer_ids,
+    split_indices,
+)
 from eaglet.training.distributed import Dist, env_rank, host_memory, init_distributed, process_device, teardown, wrap
 from eaglet.training.heldout import evaluate
 from eaglet.training.loss import forward_stats, refuse_non_finite
@@ -78,15 +121,19 @@ class TrainSummary:
 
     def lines(self) -> list[str]:
         rate = self.train_tokens / self.seconds if self.seconds > 0 else 0.0
-        out = [f"trained {self.step}/{self.total_steps} steps ({self.trainable_parameters:,} trainable parameters), "
-               f"{self.train_tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s)"]
+        out = [
+            f"trained {self.step}/{self.total_steps} steps ({self.trainable_parameters:,} trainable parameters), "
+            f"{self.train_tokens:,} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s)"
+        ]
         if self.last_eval:
             acc = " ".join(f"{a:.3f}" for a in self.last_eval["acc"])
             where = families.family(self.drafter).position_name
             out.append(f"held-out: acc per {where} [{acc}], simulated acceptance length {self.last_eval['tau']:.3f}")
         if self.best_step is not None:
-            out.append(f"best checkpoint: step {self.best_step} (tau {self.best_tau:.3f}) in "
-                       f"{self.out / CHECKPOINTS_DIR / checkpoint_name(self.best_step)}")
+            out.append(
+                f"best checkpoint: step {self.best_step} (tau {self.best_tau:.3f}) in "
+                f"{self.out / CHECKPOINTS_DIR / checkpoint_name(self.best_step)}"
+            )
         return out
 
 
@@ -142,8 +189,9 @@ class RunState:
         return min(self.plan.total_steps, self.stop_after) if self.stop_after is not None else self.plan.total_steps
 
 
-def train(options: TrainOptions, show_progress: bool = True, command: str = "",
-          given: Collection[str] | None = None) -> TrainSummary:
+def train(
+    options: TrainOptions, show_progress: bool = True, command: str = "", given: Collection[str] | None = None
+) -> TrainSummary:
     """Train a drafter on `options.dataset_dir` into `options.out_dir`: stored hidden states, or
     with `online` an `eaglet prepare` output. With `resume` the run's own settings apply, and those
     named in `given` (by default every setting that is not its declared default) are compared
@@ -153,15 +201,15 @@ def train(options: TrainOptions, show_progress: bool = True, command: str = "",
         return train_locked(options, show_progress, command, given)
 
 
-def train_locked(options: TrainOptions, show_progress: bool, command: str,
-                 given: Collection[str] | None) -> TrainSummary:
+def train_locked(
+    options: TrainOptions, show_progress: bool, command: str, given: Collection[str] | None
+) -> TrainSummary:
     """`train` with the run folder's lock held."""
     dataset_dir, target, resume = options.dataset_dir, options.target, options.resume
     settings = options.settings()
     if resume:
         defaults = defaults_of(TrainSettings)
-        settings = {k: v for k, v in settings.items()
-                    if (k in given if given is not None else v != defaults[k])}
+        settings = {k: v for k, v in settings.items() if (k in given if given is not None else v != defaults[k])}
     out = Path(options.out_dir)
     cfg, from_run = options_of_run(out, resume, settings)
     if env_rank() == 0:
@@ -180,10 +228,15 @@ def train_locked(options: TrainOptions, show_progress: bool, command: str,
     split = setup_data(source, cfg, dist)
     state = RunState(Plan.first(cfg, split.epoch_steps), cfg.stop_after)
     params, opt, sched = setup_optimizer(draft, cfg, state)
-    record = {"dataset": str(source.path.resolve()), "online": cfg.online, "target": ref.name,
-              "target_revision": ref.revision}
-    saver = Checkpointer(out, cfg.keep_checkpoints, {**cfg.trajectory(dist.world), **source.identity()},
-                         source.fingerprint(), record)
+    record = {
+        "dataset": str(source.path.resolve()),
+        "online": cfg.online,
+        "target": ref.name,
+        "target_revision": ref.revision,
+    }
+    saver = Checkpointer(
+        out, cfg.keep_checkpoints, {**cfg.trajectory(dist.world), **source.identity()}, source.fingerprint(), record
+    )
     refuse_too_short(source.lengths, split.train_idx, cfg)
     restore_or_start(saver, resume, state, draft, opt, sched)
     if dist.main:  # drop lines a killed run wrote after the checkpoint we start from (all, when from scratch)
@@ -192,13 +245,39 @@ def train_locked(options: TrainOptions, show_progress: bool, command: str,
 
     model, compilation = compiled(wrap(draft, device, dist), cfg.compiles)
     if dist.main:
-        write_run_config(out, {**asdict(cfg), "world_size": dist.world, "total_steps": state.plan.total_steps,
-                               "warmup_steps": state.plan.warmup, "dataset": record["dataset"], "target": ref.name,
-                               "target_revision": ref.revision, "train_samples": len(split.train_idx),
-                               "eval_samples": len(split.eval_idx), "command": command, **compilation.record()})
-    run = Run(cfg=cfg, out=out, dist=dist, device=device, source=source, draft=draft, model=model, teachers=teachers,
-              split=split, params=params, opt=opt, sched=sched, saver=saver, metrics=MetricsLog(out, dist.main),
-              compilation=compilation)
+        write_run_config(
+            out,
+            {
+                **asdict(cfg),
+                "world_size": dist.world,
+                "total_steps": state.plan.total_steps,
+                "warmup_steps": state.plan.warmup,
+                "dataset": record["dataset"],
+                "target": ref.name,
+                "target_revision": ref.revision,
+                "train_samples": len(split.train_idx),
+                "eval_samples": len(split.eval_idx),
+                "command": command,
+                **compilation.record(),
+            },
+        )
+    run = Run(
+        cfg=cfg,
+        out=out,
+        dist=dist,
+        device=device,
+        source=source,
+        draft=draft,
+        model=model,
+        teachers=teachers,
+        split=split,
+        params=params,
+        opt=opt,
+        sched=sched,
+        saver=saver,
+        metrics=MetricsLog(out, dist.main),
+        compilation=compilation,
+    )
     log_start(run, state)
     run_steps(run, state, show_progress)
     summary = finish(run, state)
@@ -211,6 +290,7 @@ def train_locked(options: TrainOptions, show_progress: bool, command: str,
 # Setup: options, target and drafter, data, optimizer, resume
 # ---------------------------------------------------------------------------------------------
 
+
 def options_of_run(out: Path, resume: bool, options: dict[str, Any]) -> tuple[TrainConfig, set[str]]:
     """The options of this invocation, checked; with --resume the run's own, then those given now.
     Also the names of those taken from the run (none without --resume)."""
@@ -219,14 +299,20 @@ def options_of_run(out: Path, resume: bool, options: dict[str, Any]) -> tuple[Tr
     # the run's own settings, then the options given now (a differing trajectory one is refused at restore)
     resumed = resumed_options(out)
     if not resumed:
-        log.warning("%s: no run recorded here yet (no %s: a run killed before it wrote one, or none); --resume "
-                    "starts a new run with the options given now", out, TRAIN_CONFIG_FILE)
+        log.warning(
+            "%s: no run recorded here yet (no %s: a run killed before it wrote one, or none); --resume "
+            "starts a new run with the options given now",
+            out,
+            TRAIN_CONFIG_FILE,
+        )
     try:
         TrainConfig(**resumed)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{out / TRAIN_CONFIG_FILE}: the run's settings do not make a training config ({e}; "
-                         "read from this file and, for the options a resume must match, from the latest "
-                         "checkpoint's training_state.pt); fix the file that holds it or train into a new --out") from e
+        raise ValueError(
+            f"{out / TRAIN_CONFIG_FILE}: the run's settings do not make a training config ({e}; "
+            "read from this file and, for the options a resume must match, from the latest "
+            "checkpoint's training_state.pt); fix the file that holds it or train into a new --out"
+        ) from e
     return TrainConfig(**{**resumed, **options}), set(resumed) - set(options)
 
 
@@ -239,16 +325,20 @@ def run_settings_named(out: Path, from_run: set[str]) -> Iterator[None]:
     except ValueError as e:
         text = str(e)
         # the option's flag, or a field name of two words or more (one-word names occur in prose)
-        named = sorted(k for k in from_run if f"--{k.replace('_', '-')}" in text
-                       or ("_" in k and re.search(rf"\b{k}\b", text)))
+        named = sorted(
+            k for k in from_run if f"--{k.replace('_', '-')}" in text or ("_" in k and re.search(rf"\b{k}\b", text))
+        )
         if not named:
             raise
-        raise ValueError(f"{text} ({', '.join(named)}: this run's own setting, which --resume read from "
-                         f"{out / TRAIN_CONFIG_FILE}; fix the file or train into a new --out)") from e
+        raise ValueError(
+            f"{text} ({', '.join(named)}: this run's own setting, which --resume read from "
+            f"{out / TRAIN_CONFIG_FILE}; fix the file or train into a new --out)"
+        ) from e
 
 
-def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str | None, cfg: TrainConfig,
-                device: torch.device) -> tuple[Source, TargetRef, DraftModel, TeacherSource]:
+def setup_model(
+    dataset_dir: str | Path, data: Dataset | Prepared, target: str | None, cfg: TrainConfig, device: torch.device
+) -> tuple[Source, TargetRef, DraftModel, TeacherSource]:
     """The source of batches, the target it was checked against, the drafter built from the target's
     heads and the teacher. Offline only the heads are read; online the source holds the target."""
     if isinstance(data, Prepared):
@@ -259,13 +349,15 @@ def setup_model(dataset_dir: str | Path, data: Dataset | Prepared, target: str |
     draft = build_drafter(target_heads, source.aux_layer_ids, source.token_freq, cfg, device)
     # the head as read: TeacherSource makes the one copy it computes with, in its compute dtype
     teacher_head = make_teacher_head(target_heads, source.last_hidden_state, head_dtype=None).to(device)
-    teachers = TeacherSource(teacher_head, draft.d2t, draft.t2d, cfg.teacher_top_k, cfg.feature_loss_weight > 0,
-                             cfg.computes_bf16)
+    teachers = TeacherSource(
+        teacher_head, draft.d2t, draft.t2d, cfg.teacher_top_k, cfg.feature_loss_weight > 0, cfg.computes_bf16
+    )
     return source, ref, draft, teachers
 
 
-def online_target(dataset_dir: str | Path, prepared: Prepared, target: str | None, cfg: TrainConfig,
-                  device: torch.device) -> tuple[Source, TargetRef, TargetHeads]:
+def online_target(
+    dataset_dir: str | Path, prepared: Prepared, target: str | None, cfg: TrainConfig, device: torch.device
+) -> tuple[Source, TargetRef, TargetHeads]:
     """The target `eaglet prepare` used, on this process's device (under torchrun every process
     runs its own copy), and the source that runs it on the prepared samples."""
     ref = prepared_target(dataset_dir, prepared.config, target)
@@ -275,23 +367,31 @@ def online_target(dataset_dir: str | Path, prepared: Prepared, target: str | Non
     # no stored file for `eaglet check` to read: the masks are compared with the template here
     problem = prepared_mask_problem(prepared.samples, prepared.config, load_tokenizer(ref))
     if problem:
-        raise ValueError(f"{dataset_dir}/{problem}; prepare the data again with this target (`eaglet prepare` "
-                         "masks the assistant turns its chat template renders)")
+        raise ValueError(
+            f"{dataset_dir}/{problem}; prepare the data again with this target (`eaglet prepare` "
+            "masks the assistant turns its chat template renders)"
+        )
     n = tmodel.config.num_hidden_layers
     aux_ids = cfg.aux_layer_ids or layers.default_aux_ids(n)
     layers.check_aux_ids(aux_ids, n)
     return online_source(prepared, tmodel, [*aux_ids, n], device, cfg.max_length), ref, heads_of_model(tmodel)
 
 
-def offline_target(ds: Dataset, target: str | None, cfg: TrainConfig,
-                   device: torch.device) -> tuple[Source, TargetRef, TargetHeads]:
+def offline_target(
+    ds: Dataset, target: str | None, cfg: TrainConfig, device: torch.device
+) -> tuple[Source, TargetRef, TargetHeads]:
     """The heads of the target the dataset came from (embeddings for the drafter, final norm and LM
     head for the teacher), read alone as stored onto the training device; refused unless the target
     matches what the dataset records and its heads read the stored last states as recorded."""
     ref = resolve_target(dataset_target(ds, target), target_source(target, recorded_target_where(ds)))
     target_heads = load_heads(ref, None, device)
-    log.info("rank %d: host memory %s after reading the target's heads (%s); %s", env_rank(),
-             host_memory(), heads_summary(target_heads), ref.name)
+    log.info(
+        "rank %d: host memory %s after reading the target's heads (%s); %s",
+        env_rank(),
+        host_memory(),
+        heads_summary(target_heads),
+        ref.name,
+    )
     check_target_matches(ds.config, target_heads.config, ref)
     layers.check_aux_ids(ds.aux_layer_ids, target_heads.config.num_hidden_layers)
     refuse_wrong_last_state(ds, target_heads)
@@ -305,9 +405,12 @@ def check_layer_ids(ds: Dataset, ref: TargetRef) -> None:
     size = whole_target_size(ref)
     if size is None or size > LAYER_CHECK_MAX_BYTES:
         why = "the folder holds only the heads" if size is None else f"the target's weights are {size:,} bytes"
-        log.warning("layer identity not checked by train (%s; train reads only the target's heads): run `eaglet check "
-                    "%s --target FULL_TARGET [--device-map auto] --identity-samples 2` once, with the whole target",
-                    why, ds.root)
+        log.warning(
+            "layer identity not checked by train (%s; train reads only the target's heads): run `eaglet check "
+            "%s --target FULL_TARGET [--device-map auto] --identity-samples 2` once, with the whole target",
+            why,
+            ds.root,
+        )
         return
     tmodel = load_target(ref, torch.float32, torch.device("cpu"))
     refuse_wrong_layer_ids(ds, tmodel)
@@ -323,8 +426,15 @@ def setup_data(source: Source, cfg: TrainConfig, dist: Dist) -> Split:
     epoch_steps = max(1, int(cfg.epochs * stream.per_epoch) // micro_per_step)
     tokens_per_step = micro_per_step * sum(cut[i] for i in train_idx) / max(1, stream.per_epoch)
     # held-out batches stay one sample per row, packed or not: comparable across runs
-    return Split(train_idx, eval_idx, stream, bucketed_batches(eval_idx, source.lengths, cfg.batch_size, None),
-                 micro_per_step, epoch_steps, tokens_per_step)
+    return Split(
+        train_idx,
+        eval_idx,
+        stream,
+        bucketed_batches(eval_idx, source.lengths, cfg.batch_size, None),
+        micro_per_step,
+        epoch_steps,
+        tokens_per_step,
+    )
 
 
 @dataclass
@@ -360,8 +470,9 @@ def compiled(model: nn.Module, enabled: bool) -> tuple[nn.Module, Compilation]:
     if not enabled:
         return model, compilation
     if next(model.parameters()).device.type == "cpu" and not cpp_compiler():
-        log.warning("--compile: no C++ compiler (%s) for torch.compile on the CPU; training eager",
-                    os.environ.get("CXX", "c++"))
+        log.warning(
+            "--compile: no C++ compiler (%s) for torch.compile on the CPU; training eager", os.environ.get("CXX", "c++")
+        )
         return model, compilation
     compilation.wrapped = True
     # a compiled Module is a Module (torch's OptimizedModule); its stubs say only Callable
@@ -399,8 +510,9 @@ def cpp_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
-def setup_optimizer(draft: DraftModel, cfg: TrainConfig,
-                    state: RunState) -> tuple[list[nn.Parameter], torch.optim.Optimizer, LambdaLR]:
+def setup_optimizer(
+    draft: DraftModel, cfg: TrainConfig, state: RunState
+) -> tuple[list[nn.Parameter], torch.optim.Optimizer, LambdaLR]:
     """AdamW over the trainable parameters, warmup + cosine over the plan."""
     params = [p for p in draft.parameters() if p.requires_grad]
     # The fused kernel updates every parameter in one pass (CPU and CUDA): 11 vs 30 ms a step for
@@ -413,8 +525,9 @@ def setup_optimizer(draft: DraftModel, cfg: TrainConfig,
     return params, opt, sched
 
 
-def restore_or_start(saver: Checkpointer, resume: bool, state: RunState, draft: DraftModel,
-                     opt: torch.optim.Optimizer, sched: LambdaLR) -> None:
+def restore_or_start(
+    saver: Checkpointer, resume: bool, state: RunState, draft: DraftModel, opt: torch.optim.Optimizer, sched: LambdaLR
+) -> None:
     """With --resume, continue from the latest checkpoint: its step, best, plan and time done."""
     saved = saver.restore_latest(resume, draft, opt, sched)
     if saved is None:
@@ -433,15 +546,21 @@ def write_run_config(out: Path, config: dict[str, Any]) -> None:
 
 def log_start(run: Run, state: RunState) -> None:
     cfg, plan = run.cfg, state.plan
-    log.info("drafter: %s trainable parameters; %d train / %d held-out samples; %s (%d micro-batches of %d "
-             "per step)", f"{num_parameters(run.draft):,}", len(run.split.train_idx), len(run.split.eval_idx),
-             f"{plan.total_steps} steps" if plan.calibrated else f"steps sized to a {cfg.time_budget:.0f} s budget",
-             run.split.micro_per_step, cfg.batch_size)
+    log.info(
+        "drafter: %s trainable parameters; %d train / %d held-out samples; %s (%d micro-batches of %d per step)",
+        f"{num_parameters(run.draft):,}",
+        len(run.split.train_idx),
+        len(run.split.eval_idx),
+        f"{plan.total_steps} steps" if plan.calibrated else f"steps sized to a {cfg.time_budget:.0f} s budget",
+        run.split.micro_per_step,
+        cfg.batch_size,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class StepResult:
@@ -473,8 +592,15 @@ def start_progress(run: Run, state: RunState, show_progress: bool) -> Progress:
     sums = torch.zeros(STAT_ROWS, run.cfg.stat_positions, device=run.device)
     t0 = time.time()
     calibration = Calibration(state.step + CALIBRATION_SKIP)  # --time-budget: timing starts here
-    bar = tqdm(total=state.stop if state.plan.calibrated else None, initial=state.step, desc="train", unit="step",
-               file=sys.stderr, dynamic_ncols=True, disable=not (show_progress and run.dist.main))
+    bar = tqdm(
+        total=state.stop if state.plan.calibrated else None,
+        initial=state.step,
+        desc="train",
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=not (show_progress and run.dist.main),
+    )
     return Progress(sums, t0, calibration, bar)
 
 
@@ -520,14 +646,15 @@ def train_step(run: Run, state: RunState, prefetch: Prefetcher) -> StepResult:
     step_sums = torch.zeros(STAT_ROWS, cfg.stat_positions, device=run.device)
     step_tokens = 0
     for a in range(cfg.grad_accum):
-        m = state.step * run.split.micro_per_step + a * dist.world + dist.rank  # every W-th micro-batch of the global order
+        m = (
+            state.step * run.split.micro_per_step + a * dist.world + dist.rank
+        )  # every W-th micro-batch of the global order
         last_micro = state.step + 1 == state.stop and a == cfg.grad_accum - 1
         batch = prefetch.get(m, None if last_micro else m + dist.world).to(run.device)
         sync = a == cfg.grad_accum - 1 or dist.world == 1
         # DDP's no_sync (reached through a compiled wrapper too); one process has nothing to skip
-        with (contextlib.nullcontext() if sync else getattr(run.model, "no_sync")()):
-            loss, sums = forward_stats(run.model, run.teachers, batch, cfg, run.device, steps, cfg.loss_on,
-                                       state.step)
+        with contextlib.nullcontext() if sync else getattr(run.model, "no_sync")():
+            loss, sums = forward_stats(run.model, run.teachers, batch, cfg, run.device, steps, cfg.loss_on, state.step)
             refuse_non_finite(loss, state.step + 1, batch)
             (loss / cfg.grad_accum).backward()
         step_sums += sums
@@ -552,10 +679,16 @@ def calibrate_budget(run: Run, state: RunState, progress: Progress) -> None:
     if not run.dist.from_main(int(measured is not None)):
         return
     rate, timed = measured or (0.0, 0)  # another rank's figures: only rank 0's are broadcast
-    total = run.dist.from_main(budget_steps(cfg.budget, state.step, state.done["seconds"], rate,
-                                         run.split.tokens_per_step))
-    adopt_plan(run, state, progress, Plan.sized(cfg, total, state.step),  # the same schedule on every rank
-               f"{rate:.0f} tok/s over {timed} steps")
+    total = run.dist.from_main(
+        budget_steps(cfg.budget, state.step, state.done["seconds"], rate, run.split.tokens_per_step)
+    )
+    adopt_plan(
+        run,
+        state,
+        progress,
+        Plan.sized(cfg, total, state.step),  # the same schedule on every rank
+        f"{rate:.0f} tok/s over {timed} steps",
+    )
     progress.resize_from = (state.step, state.done["tokens"], state.done["seconds"])
 
 
@@ -573,8 +706,9 @@ def resize_budget(run: Run, state: RunState, progress: Progress) -> None:
     timing_on = run.dist.from_main(int(state.done["seconds"] < 0.5 * cfg.budget))
     progress.resize_from = (state.step, state.done["tokens"], state.done["seconds"]) if timing_on else None
     rate = (state.done["tokens"] - tokens0) / max(state.done["seconds"] - seconds0, 1e-9)
-    total = run.dist.from_main(budget_steps(cfg.budget, state.step, state.done["seconds"], rate,
-                                            run.split.tokens_per_step))
+    total = run.dist.from_main(
+        budget_steps(cfg.budget, state.step, state.done["seconds"], rate, run.split.tokens_per_step)
+    )
     if abs(total - plan.total_steps) <= RESIZE_SLACK * plan.total_steps:
         return
     resized = Plan.make(cfg, total, calibrated=True)
@@ -601,12 +735,26 @@ def maybe_log(run: Run, state: RunState, progress: Progress, result: StepResult)
     dist, done = run.dist, state.done
     tokens = int(dist.all_sum(torch.tensor([progress.tokens], device=run.device)).item())
     summary = stats_summary(dist.all_sum(progress.sums).cpu())
-    run.metrics.write({"step": state.step, "split": "train", "lr": run.sched.get_last_lr()[0],
-                       "grad_norm": float(result.grad_norm), "tokens": tokens, "elapsed": time.time() - progress.t0,
-                       "train_tokens": done["tokens"], "train_seconds": round(done["seconds"], 3),
-                       "ttt_steps": result.ttt_steps, **summary})
-    progress.bar.set_postfix(loss=f"{summary['loss'][0] or 0:.3f}", acc=f"{summary['acc'][0]:.3f}",
-                             tau=f"{summary['tau']:.2f}", tok_s=f"{done['tokens'] / max(done['seconds'], 1e-9):.0f}")
+    run.metrics.write(
+        {
+            "step": state.step,
+            "split": "train",
+            "lr": run.sched.get_last_lr()[0],
+            "grad_norm": float(result.grad_norm),
+            "tokens": tokens,
+            "elapsed": time.time() - progress.t0,
+            "train_tokens": done["tokens"],
+            "train_seconds": round(done["seconds"], 3),
+            "ttt_steps": result.ttt_steps,
+            **summary,
+        }
+    )
+    progress.bar.set_postfix(
+        loss=f"{summary['loss'][0] or 0:.3f}",
+        acc=f"{summary['acc'][0]:.3f}",
+        tau=f"{summary['tau']:.2f}",
+        tok_s=f"{done['tokens'] / max(done['seconds'], 1e-9):.0f}",
+    )
     progress.sums.zero_()
     progress.tokens = 0
 
@@ -620,8 +768,15 @@ def maybe_evaluate(run: Run, state: RunState) -> bool:
     result = evaluate(run.draft, run.teachers, run.source.load, run.split.eval_batches, run.cfg, run.device, run.dist)
     if result is None:
         return False
-    run.metrics.write({"step": state.step, "split": "eval", "train_tokens": state.done["tokens"],
-                       "train_seconds": round(state.done["seconds"], 3), **result})
+    run.metrics.write(
+        {
+            "step": state.step,
+            "split": "eval",
+            "train_tokens": state.done["tokens"],
+            "train_seconds": round(state.done["seconds"], 3),
+            **result,
+        }
+    )
     state.last_eval = result
     # an evaluation over no position measures nothing: it can never be the best
     improved = result["positions"][0] > 0 and (state.best["tau"] is None or result["tau"] > state.best["tau"])
@@ -636,16 +791,35 @@ def maybe_save(run: Run, state: RunState, new_best: bool) -> None:
     if not (plan.calibrated and (state.step % plan.save_every == 0 or state.step == state.stop or new_best)):
         return
     if run.dist.main:
-        run.saver.save(state.step, state.step * run.split.micro_per_step, run.draft, run.opt, run.sched, state.best,
-                       plan, state.done, state.last_eval)
+        run.saver.save(
+            state.step,
+            state.step * run.split.micro_per_step,
+            run.draft,
+            run.opt,
+            run.sched,
+            state.best,
+            plan,
+            state.done,
+            state.last_eval,
+        )
     run.dist.barrier()
 
 
 def finish(run: Run, state: RunState) -> TrainSummary:
     """The summary, with a held-out evaluation of the last weights if the loop made none."""
     if state.last_eval is None and run.split.eval_batches:
-        state.last_eval = evaluate(run.draft, run.teachers, run.source.load, run.split.eval_batches, run.cfg,
-                                   run.device, run.dist)
-    return TrainSummary(run.out, state.step, state.plan.total_steps, state.best["step"], state.best["tau"],
-                        state.last_eval, state.done["tokens"], state.done["seconds"], num_parameters(run.draft),
-                        drafter=run.cfg.drafter)
+        state.last_eval = evaluate(
+            run.draft, run.teachers, run.source.load, run.split.eval_batches, run.cfg, run.device, run.dist
+        )
+    return TrainSummary(
+        run.out,
+        state.step,
+        state.plan.total_steps,
+        state.best["step"],
+        state.best["tau"],
+        state.last_eval,
+        state.done["tokens"],
+        state.done["seconds"],
+        num_parameters(run.draft),
+        drafter=run.cfg.drafter,
+    )

@@ -8,8 +8,18 @@ from __future__ import annotations
 import torch
 
 from eaglet import families
-from eaglet.drafter import (DraftConfig, DraftFirstHead, DraftModel, Teacher, TeacherHead, build_draft_vocab, build_model,
-                            load_embeddings_from, make_teacher, teacher_from_top_k)
+from eaglet.drafter import (
+    DraftConfig,
+    DraftFirstHead,
+    DraftModel,
+    Teacher,
+    TeacherHead,
+    build_draft_vocab,
+    build_model,
+    load_embeddings_from,
+    make_teacher,
+    teacher_from_top_k,
+)
 from eaglet.heads import TargetHeads
 from eaglet.training.config import TrainConfig
 from eaglet.training.data import Batch
@@ -32,8 +42,9 @@ class TeacherSource:
     target's full-vocabulary head (vocab x H multiply-adds per token). Both run in the drafter's
     compute dtype (bf16 autocast where it is fast), the softmax in fp32."""
 
-    def __init__(self, head: TeacherHead, d2t: torch.Tensor, t2d: torch.Tensor, top_k: int | None,
-                 features: bool, bf16: bool):
+    def __init__(
+        self, head: TeacherHead, d2t: torch.Tensor, t2d: torch.Tensor, top_k: int | None, features: bool, bf16: bool
+    ):
         self.head, self.d2t, self.t2d, self.top_k, self.features, self.bf16 = head, d2t, t2d, top_k, features, bf16
         self._lm_head: DraftFirstHead | None = None
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -47,8 +58,9 @@ class TeacherSource:
         copy is 2.35 GB in bf16, so the head it was made from (as the target stores it) is let go."""
         if self._lm_head is None:
             assert self.head.lm_head is not None  # let go only once the reordered copy is made
-            self._lm_head = DraftFirstHead(self.head.lm_head, self.d2t, self.t2d,
-                                           torch.bfloat16 if self.bf16 else torch.float32)
+            self._lm_head = DraftFirstHead(
+                self.head.lm_head, self.d2t, self.t2d, torch.bfloat16 if self.bf16 else torch.float32
+            )
             self.head = TeacherHead(self.head.final_norm, None)  # the reordered copy is all that is used now
         return self._lm_head
 
@@ -56,14 +68,20 @@ class TeacherSource:
         device = batch.input_ids.device
         if batch.teacher_ids is not None:  # a compact dataset stores the target's top-K: nothing to compute
             assert batch.teacher_log_probs is not None  # stored with the ids
-            return teacher_from_top_k(batch.teacher_ids, batch.teacher_log_probs, self.d2t, self.t2d,
-                                      self.top_k or batch.teacher_ids.shape[-1])
+            return teacher_from_top_k(
+                batch.teacher_ids,
+                batch.teacher_log_probs,
+                self.d2t,
+                self.t2d,
+                self.top_k or batch.teacher_ids.shape[-1],
+            )
         last = batch.last_hidden
         assert last is not None  # a batch carries its stored teacher or its last states
         if self.top_k is None:
             with autocast(device, self.bf16):  # the dense teacher runs in the drafter's compute dtype
-                return make_teacher(last, self.head.final_norm, self.lm_head, self.d2t, self.t2d,
-                                    features=self.features)
+                return make_teacher(
+                    last, self.head.final_norm, self.lm_head, self.d2t, self.t2d, features=self.features
+                )
         B, L = batch.input_ids.shape
         log_probs = torch.zeros(B, L, self.top_k, device=device)
         ids = torch.zeros(B, L, self.top_k, dtype=torch.long, device=device)
@@ -72,9 +90,12 @@ class TeacherSource:
         # a token, the largest part of a first-epoch step beside the drafter's own (docs/design.md)
         with autocast(device, self.bf16):
             for row, start, n, index in batch.segments():  # one sample at a time, packed or not
-                lp, top_ids, drafted = self.sample(last[row:row + 1, start:start + n], index)
-                log_probs[row, start:start + n], ids[row, start:start + n], in_draft[row, start:start + n] = (
-                    lp, top_ids, drafted)
+                lp, top_ids, drafted = self.sample(last[row : row + 1, start : start + n], index)
+                log_probs[row, start : start + n], ids[row, start : start + n], in_draft[row, start : start + n] = (
+                    lp,
+                    top_ids,
+                    drafted,
+                )
         feats = self.head.final_norm(last.float()) if self.features else None
         return Teacher(log_probs, ids[..., 0], in_draft, ids, feats)
 
@@ -99,8 +120,10 @@ def init_lm_head_from_target(draft: DraftModel, head: TargetHeads | TeacherHead,
     drafter starts out speaking the target's output space."""
     norm_weight = getattr(head.final_norm, "weight", None)
     if norm_weight is None or tuple(norm_weight.shape) != tuple(draft.norm.weight.shape):
-        raise ValueError(f"--lm-head-init target: the target's final norm ({type(head.final_norm).__name__}) has no "
-                         f"weight of shape {tuple(draft.norm.weight.shape)} to copy")
+        raise ValueError(
+            f"--lm-head-init target: the target's final norm ({type(head.final_norm).__name__}) has no "
+            f"weight of shape {tuple(draft.norm.weight.shape)} to copy"
+        )
     lm_head = head.head() if isinstance(head, TargetHeads) else head.lm_head
     assert lm_head is not None  # a teacher head is made with one
     with torch.no_grad():
@@ -119,19 +142,37 @@ def mask_token(token_freq: dict[int, int], vocab_size: int) -> int:
     return next((t for t in range(vocab_size - 1, -1, -1) if t not in used), vocab_size - 1)
 
 
-def build_drafter(heads: TargetHeads, aux_layer_ids: list[int], token_freq: dict[int, int],
-                  cfg: TrainConfig, device: torch.device | str = "cpu") -> DraftModel:
+def build_drafter(
+    heads: TargetHeads,
+    aux_layer_ids: list[int],
+    token_freq: dict[int, int],
+    cfg: TrainConfig,
+    device: torch.device | str = "cpu",
+) -> DraftModel:
     """A drafter shaped like the target's layers, with its embeddings (frozen), a draft vocab from
     the data and, with --lm-head-init target, the target's LM head rows and final norm. Built on
     `device` (a real target's vocabulary makes its embeddings gigabytes: not a second host copy)."""
     torch.manual_seed(cfg.seed)
-    family = {} if not families.family(cfg.drafter).parallel else dict(
-        family=cfg.drafter, num_layers=cfg.draft_layers, block_size=cfg.block_size,
-        mask_token_id=mask_token(token_freq, heads.config.vocab_size))
-    dcfg = DraftConfig.from_target(heads.config, aux_layer_ids, cfg.draft_vocab_size,
-                                   fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
-                                   norm_before_residual=cfg.norm_before_residual, sliding_window=cfg.sliding_window,
-                                   **family)
+    family = (
+        {}
+        if not families.family(cfg.drafter).parallel
+        else dict(
+            family=cfg.drafter,
+            num_layers=cfg.draft_layers,
+            block_size=cfg.block_size,
+            mask_token_id=mask_token(token_freq, heads.config.vocab_size),
+        )
+    )
+    dcfg = DraftConfig.from_target(
+        heads.config,
+        aux_layer_ids,
+        cfg.draft_vocab_size,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
+        norm_before_residual=cfg.norm_before_residual,
+        sliding_window=cfg.sliding_window,
+        **family,
+    )
     with torch.device(device):
         draft = build_model(dcfg)
     load_embeddings_from(draft, heads.embedding_table())
@@ -139,4 +180,3 @@ def build_drafter(heads: TargetHeads, aux_layer_ids: list[int], token_freq: dict
     if cfg.lm_head_init == "target":
         init_lm_head_from_target(draft, heads, cfg.freeze_lm_head)
     return draft
-

@@ -21,7 +21,10 @@ import os
 import torch
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    ExampleHiddenStatesConnector, PendingSave, extract_from_kv_cache)
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
 
 
 class WrittenEvent:

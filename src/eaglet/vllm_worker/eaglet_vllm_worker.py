@@ -30,8 +30,7 @@ from vllm.inputs import TokensPrompt
 from vllm.v1.metrics.reader import Counter, Vector
 
 # What eaglet reads back of vLLM's counters (vllm/v1/metrics/reader.py names them without _total)
-COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-            "vllm:spec_decode_num_accepted_tokens")
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # vLLM's switch (vllm/envs.py) for an engine in this process rather than an engine process of its own
 IN_PROCESS = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -46,11 +45,16 @@ def engine_arguments(start: dict[str, Any]) -> dict[str, Any]:
     extract = start.get("extract")
     if extract:
         args["speculative_config"] = {
-            "method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": extract["layer_ids"]}}}
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": extract["layer_ids"]}},
+        }
         args["kv_transfer_config"] = {
-            "kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": extract["folder"]}}
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": extract["folder"]},
+        }
     elif start.get("speculative_config"):
         args["speculative_config"] = start["speculative_config"]
     # counters (drafts, accepted per position) are read back after each request
@@ -73,11 +77,15 @@ def counters(llm: Any) -> dict[str, Any]:
 
 def sampling(request: dict[str, Any]) -> Any:
     temperature = float(request.get("temperature", 0.0))
-    return SamplingParams(max_tokens=int(request["max_tokens"]), temperature=temperature,
-                          top_p=float(request.get("top_p", 1.0)) if temperature > 0 else 1.0,
-                          seed=request.get("seed") if temperature > 0 else None,
-                          stop_token_ids=list(request.get("stop_token_ids", [])),
-                          ignore_eos=bool(request.get("ignore_eos", False)), detokenize=False)
+    return SamplingParams(
+        max_tokens=int(request["max_tokens"]),
+        temperature=temperature,
+        top_p=float(request.get("top_p", 1.0)) if temperature > 0 else 1.0,
+        seed=request.get("seed") if temperature > 0 else None,
+        stop_token_ids=list(request.get("stop_token_ids", [])),
+        ignore_eos=bool(request.get("ignore_eos", False)),
+        detokenize=False,
+    )
 
 
 def prompts_of(token_lists: list[list[int]]) -> list[Any]:
@@ -92,15 +100,21 @@ def generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     outputs = llm.generate(prompts_of(request["prompts"]), sampling(request), use_tqdm=False)
     seconds = time.perf_counter() - t0
     after = counters(llm)
-    return {"outputs": [{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
-                        for o in outputs],
-            "seconds": seconds, "counters": difference(after, before)}
+    return {
+        "outputs": [
+            {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason} for o in outputs
+        ],
+        "seconds": seconds,
+        "counters": difference(after, before),
+    }
 
 
 def difference(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     old = before[PER_POSITION]
-    return {**{name: after[name] - before[name] for name in COUNTERS},
-            PER_POSITION: [a - (old[i] if i < len(old) else 0) for i, a in enumerate(after[PER_POSITION])]}
+    return {
+        **{name: after[name] - before[name] for name in COUNTERS},
+        PER_POSITION: [a - (old[i] if i < len(old) else 0) for i, a in enumerate(after[PER_POSITION])],
+    }
 
 
 def written(path: str) -> bool:
@@ -173,11 +187,15 @@ def pass_costs(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
         return [filler[(r * 7 + i) % len(filler)] for i in range(q)]
 
     many = sampling({"max_tokens": steps + 1, "ignore_eos": True})
-    decode = (median(lambda r: timed(llm, prefix + tail(r, 1), many))
-              - median(lambda r: timed(llm, prefix + tail(r, 1), one))) / steps
+    decode = (
+        median(lambda r: timed(llm, prefix + tail(r, 1), many)) - median(lambda r: timed(llm, prefix + tail(r, 1), one))
+    ) / steps
     prefill = {q: median(lambda r, q=q: timed(llm, prefix + tail(r, q), one)) for q in request["sizes"]}
-    return {"decode_step": decode, "step": {str(q): decode + prefill[q] - prefill[1] for q in prefill},
-            "request": {str(q): t for q, t in prefill.items()}}
+    return {
+        "decode_step": decode,
+        "step": {str(q): decode + prefill[q] - prefill[1] for q in prefill},
+        "request": {str(q): t for q, t in prefill.items()},
+    }
 
 
 def start_engine(request: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -186,8 +204,12 @@ def start_engine(request: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     return llm, {"vllm_version": vllm.__version__, "start_seconds": time.perf_counter() - t0}
 
 
-HANDLERS = {"generate": generate, "extract": extract, "pass_costs": pass_costs,
-            "counters": lambda llm, _request: {"counters": counters(llm)}}
+HANDLERS = {
+    "generate": generate,
+    "extract": extract,
+    "pass_costs": pass_costs,
+    "counters": lambda llm, _request: {"counters": counters(llm)},
+}
 
 
 def serve(reply: Any) -> None:
