@@ -307,6 +307,15 @@ def target_source(given: str | None, recorded_where: str) -> str:
     return "--target" if given is not None else recorded_where
 
 
+def refuse_shards_elsewhere(folder: Path) -> None:
+    """A target folder's weight index names shards inside the folder only: one that leads out
+    (`../x.safetensors`, an absolute path) would have the target's weights read from elsewhere."""
+    index = folder / heads.INDEX_FILE
+    if index.is_file():
+        for shard in set(formats.read_weight_index(index).values()):
+            formats.inside_folder(folder, shard, f"{index}: a shard")
+
+
 def resolve_target(spec: str | None, source: str = "--target") -> TargetRef:
     """The target `spec` names (None: the embedded default); `source` says where the spec was given
     or read, for messages."""
@@ -322,6 +331,7 @@ def resolve_target(spec: str | None, source: str = "--target") -> TargetRef:
         config = formats.read_json(folder / "config.json")  # a damaged one is named here, not deep in transformers
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f'{folder / "config.json"}: no "model_type"; not a Hugging Face model config')
+        refuse_shards_elsewhere(folder)
         return TargetRef(str(folder), str(folder), folder_fingerprint(folder))
     from transformers import AutoConfig  # seconds to import: only where a target is read
 

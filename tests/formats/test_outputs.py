@@ -198,6 +198,22 @@ def test_paths_read_from_files_stay_inside_their_folder(tmp_path, monkeypatch):
             formats.weight_files(folder)
 
 
+def test_a_targets_weight_index_stays_inside_its_folder(tiny_target, tmp_path):
+    """A target's model.safetensors.index.json naming ../outside/w.safetensors (or an absolute path)
+    had extract run on weights from outside the target's folder."""
+    from eaglet.target import resolve_target
+
+    for shard in ("../outside/w.safetensors", str(tmp_path / "outside" / "w.safetensors")):
+        target = Path(shutil.copytree(tiny_target, tmp_path / "t", dirs_exist_ok=True))
+        (target / "model.safetensors.index.json").write_text(
+            '{"metadata": {}, "weight_map": {"lm_head.weight": "%s"}}' % shard
+        )
+        with pytest.raises(
+            ValueError, match=r"model\.safetensors\.index\.json: a shard: .* (leads out of|is not a path)"
+        ):
+            resolve_target(str(target))
+
+
 def test_written_files_honour_the_umask(outputs):
     """Files appear by rename from temp files (0600 as made); what a stage leaves is as the umask says."""
     for path in (
