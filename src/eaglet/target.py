@@ -431,7 +431,16 @@ def damaged_json(folder: Path) -> Path | None:
 def load_tokenizer(ref: TargetRef):
     from transformers import AutoTokenizer  # seconds to import: only where a target is read
 
-    tokenizer = from_pretrained(AutoTokenizer, ref)
+    try:
+        tokenizer = from_pretrained(AutoTokenizer, ref)
+    except ValueError as e:
+        if "backend tokenizer" not in str(e):
+            raise
+        # transformers names neither the folder nor the file it looked for
+        raise ValueError(
+            f"target {ref.name}: its tokenizer cannot be built (no readable tokenizer.json in {ref.path}, nor the "
+            "files a tokenizer is converted from); copy the target's tokenizer files into the folder"
+        ) from e
     if not tokenizer.is_fast:
         raise ValueError(f"target {ref.name}: eaglet needs a fast tokenizer (character offsets for the loss mask)")
     return tokenizer

@@ -214,6 +214,16 @@ def test_a_targets_weight_index_stays_inside_its_folder(tiny_target, tmp_path):
             resolve_target(str(target))
 
 
+def test_a_target_without_its_tokenizer_is_named(tiny_target, tmp_path):
+    """transformers said only "Couldn't instantiate the backend tokenizer", naming no folder."""
+    from eaglet.target import load_tokenizer, resolve_target
+
+    target = Path(shutil.copytree(tiny_target, tmp_path / "t"))
+    (target / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"target .*t: its tokenizer cannot be built \(no readable tokenizer.json"):
+        load_tokenizer(resolve_target(str(target)))
+
+
 def test_written_files_honour_the_umask(outputs):
     """Files appear by rename from temp files (0600 as made); what a stage leaves is as the umask says."""
     for path in (
