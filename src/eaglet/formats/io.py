@@ -466,7 +466,9 @@ def refuse_other_kind(out: Path, stage: str, kind: str) -> None:
             f"folder of its own)"
         )
     written = present_names(out, WRITTEN_NAMES.get(kind, ()))
-    for name in (n for n in written if (out / n).is_symlink()):
+    linked = [n for n in written if (out / n).is_symlink()]
+    if linked:
+        name = linked[0]
         raise FileExistsError(
             f"{out / name}: a symbolic link (to {os.readlink(out / name)}) where `eaglet {stage}` "
             f"writes its own {name}; eaglet writes inside its output folder only: nothing was "
