@@ -3,13 +3,16 @@
     python bench/check_throughput.py [--dir DIR] [--gb 1.1] [--hidden-size 576] [--workers N]
 
 Generates (or reuses, in --dir) a synthetic v1 dataset of random bf16 states, H=576 (SmolLM2),
-4 states per token, lengths 256..2048, with consistent side files; then times
-(a) a plain loop `torch.load(f, weights_only=True)` over every file, and
-(b) `check_dataset(dir, use_target=False)`: schema + values + side files on every file.
-Page cache: it cannot be dropped without root, so every file is read once first and both
+4 states per token, lengths 256..2048, with consistent side files and each file's state
+signatures recorded as extraction records them; then times
+(a) a plain loop `torch.load(f, weights_only=True)` over every file,
+(b) `check_dataset(dir, use_target=False)`: schema + values + side files + every file's states
+    against their recorded signatures, and
+(c) the same check with the signatures moved aside (what it costs without them).
+Page cache: it cannot be dropped without root, so every file is read once first and all
 runs read from memory; that measures the CPU cost of the check, which is what differs
-between (a) and (b) (a cold disk is the same for both). Each is run twice, in the orders
-plain-check and check-plain, and MB/s is printed side by side with the ratio.
+between them (a cold disk is the same for all). Each is run twice, in two orders, and MB/s is
+printed side by side with the ratios.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def generate(
     lengths: dict[int, int] = {}
     freq: dict[int, int] = {}
     total = masked_total = i = 0
+    signatures = formats.SignatureLog(out)
     while total < target_tokens:
         T = int(torch.randint(256, 2049, (1,), generator=g))
         ids = torch.randint(0, vocab, (T,), generator=g)
@@ -46,6 +50,7 @@ def generate(
         states = [
             torch.randn(T, hidden, generator=g).mul_(0.5 * (k + 1)).to(torch.bfloat16) for k in range(len(layer_ids))
         ]
+        signatures.record(i, formats.state_signature(states))
         formats.write_v1_sample(out, i, V1Sample(ids, states, mask), fsync=False)
         u, c = torch.unique(ids[mask == 1], return_counts=True)
         for t, n in zip(u.tolist(), c.tolist()):
@@ -82,7 +87,19 @@ def plain_loop(files: list[Path]) -> float:
     return time.perf_counter() - t0
 
 
-def timed_check(folder: Path, workers: int | None) -> float:
+def timed_check(folder: Path, workers: int | None, signed: bool = True) -> float:
+    """Seconds of a whole check; `signed` False: with the recorded signatures moved aside."""
+    aside = folder.with_name(folder.name + "-signatures")
+    if not signed:
+        (folder / formats.SIGNATURES_DIR).rename(aside)
+    try:
+        return checked_seconds(folder, workers)
+    finally:
+        if not signed:
+            aside.rename(folder / formats.SIGNATURES_DIR)
+
+
+def checked_seconds(folder: Path, workers: int | None) -> float:
     t0 = time.perf_counter()
     report = check_dataset(CheckOptions(path=folder, use_target=False, workers=workers))
     seconds = time.perf_counter() - t0
@@ -115,14 +132,22 @@ def main() -> None:
             f"{len(files)} files, {mb:,.0f} MB, {os.cpu_count()} CPUs, torch {torch.__version__}, "
             f"{torch.get_num_threads()} intra-op threads"
         )
+        runs = {
+            "plain": lambda: plain_loop(files),
+            "check": lambda: timed_check(folder, args.workers),
+            "unsigned": lambda: timed_check(folder, args.workers, signed=False),
+        }
         rows = []
-        for order in (("plain", "check"), ("check", "plain")):
-            t = {name: plain_loop(files) if name == "plain" else timed_check(folder, args.workers) for name in order}
-            rows.append((order, t))
-        print(f"{'order':<14}{'plain torch.load MB/s':>24}{'eaglet check MB/s':>20}{'check/plain':>14}")
+        for order in (("plain", "check", "unsigned"), ("unsigned", "check", "plain")):
+            rows.append((order, {name: runs[name]() for name in order}))
+        print(
+            f"{'order':<24}{'torch.load MB/s':>16}{'check MB/s':>12}{'unsigned MB/s':>15}"
+            f"{'check/load':>12}{'signed/unsigned':>17}"
+        )
         for order, t in rows:
             print(
-                f"{'-'.join(order):<14}{mb / t['plain']:>24,.0f}{mb / t['check']:>20,.0f}{t['plain'] / t['check']:>14.2f}"
+                f"{'-'.join(order):<24}{mb / t['plain']:>16,.0f}{mb / t['check']:>12,.0f}{mb / t['unsigned']:>15,.0f}"
+                f"{t['plain'] / t['check']:>12.2f}{t['unsigned'] / t['check']:>17.2f}"
             )
     finally:
         if not args.dir:

@@ -5,6 +5,8 @@ target, a stand-in GGUF. Fixtures live in conftest.py; the engines' replayed loa
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -38,6 +40,20 @@ AUX = [2, 4, 5]
 
 
 TOKENS = [f"tok{i}" for i in range(50)]  # tiny_config's target vocabulary
+
+
+def run_with_peak_memory(code: str, timeout: float = 300) -> tuple[list[str], float]:
+    """Run `code` in a fresh Python; its output lines and its peak memory in MiB. The peak is the
+    child's own VmHWM, read at its end: getrusage's ru_maxrss keeps the peak of the (vforked)
+    pytest before exec."""
+    peak = (
+        "\nimport re, pathlib\n"
+        "print(re.search(r'VmHWM:\\s+(\\d+) kB', pathlib.Path('/proc/self/status').read_text()).group(1))"
+    )
+    done = subprocess.run([sys.executable, "-c", code + peak], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *lines, peak_kib = done.stdout.strip().splitlines()
+    return lines, int(peak_kib) / 1024
 
 
 def chat_records(count: int = 20) -> list[dict]:

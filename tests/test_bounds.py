@@ -55,6 +55,7 @@ def argv_of(stage: str, tmp_path: Path) -> list[str]:
         "demo": ["demo", "--out", str(tmp_path / "run")],
         "regen": ["regen", "--data", f"{missing}.jsonl", "--out", str(tmp_path / "out.jsonl")],
         "eval": ["eval", missing, "--no-plot"],
+        "check": ["check", missing],
     }[stage]
 
 
@@ -95,6 +96,7 @@ def test_the_parser_refuses_non_finite_numbers(stage, option, value, tmp_path, c
         ("run", "--scale", "0", "--scale 0.0: must be in (0, 1000000.0]: data sizes no run reaches beyond"),
         ("regen", "--top-p", "1.5", "--top-p 1.5: must be in (0, 1]"),
         ("eval", "--min-draft-prob", "2", "--min-draft-prob 2.0: must be in [0, 1]"),
+        ("check", "--max-per-kind", "-1", "--max-per-kind -1: must be >= 0"),
     ],
 )
 def test_the_command_line_refuses_numbers_out_of_range(stage, option, value, message, tmp_path, capsys):
@@ -192,14 +194,19 @@ def test_entry_functions_refuse_non_finite_numbers(call, message, tmp_path):
         ("train", "epochs = -1", r"\[train\]: --epochs -1: must be > 0$"),
         ("train", "ttt_ramp = 1.5", r"\[train\]: --ttt-ramp 1\.5: must be in \[0, 1\): a fraction of the schedule$"),
         ("eval", "min_draft_prob = 2.0", r"\[eval\]: --min-draft-prob 2\.0: must be in \[0, 1\]$"),
+        ("prepare", "max_length = -5", r"\[prepare\]: --max-length -5: must be >= 1$"),
+        ("extract", "batch_tokens = 0", r"\[extract\]: --batch-tokens 0: must be >= 1$"),
+        ("check", "identity_samples = -1", r"\[check\]: --identity-samples -1: must be >= 0$"),
+        ("regen", "max_turns = 0", r"\[regen\]: --max-turns 0: must be >= 1$"),
     ],
 )
 def test_recipes_refuse_numbers_before_any_stage(table, line, error, tmp_path):
-    """TOML has inf and nan, and a number out of range in [train] or [eval] would otherwise stop the
-    recipe only after every stage before them ran: both refused before the first stage."""
+    """TOML has inf and nan, and a number out of range in any stage's table would otherwise stop the
+    recipe only when that stage starts, after every stage before it ran: both refused before the
+    first stage, naming the recipe, the table and the option."""
     recipe = tmp_path / "bad.toml"
     recipe.write_text(
-        '[regen]\ndata = "chats.jsonl"\n\n[prepare]\n\n[extract]\n\n[train]\n\n[eval]\n'.replace(
+        '[regen]\ndata = "chats.jsonl"\n\n[prepare]\n\n[extract]\n\n[check]\n\n[train]\n\n[eval]\n'.replace(
             f"[{table}]\n", f"[{table}]\n{line}\n"
         )
     )
@@ -306,6 +313,20 @@ def test_a_recipe_that_is_not_utf8_is_named(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         f"eaglet run: error: {recipe}: not UTF-8 text (byte 0xff at offset 0); TOML is UTF-8: save the recipe as UTF-8"
     )
+
+
+def test_a_recipe_with_a_bom_is_read_and_one_without_stages_is_refused(tmp_path, capsys):
+    recipe = tmp_path / "bom.toml"
+    recipe.write_bytes(b"\xef\xbb\xbf[prepare]\nmax_length = 64\n")  # as many Windows editors save UTF-8
+    assert load_recipe(recipe)["prepare"] == {"max_length": 64}
+    recipe.write_bytes(b"\xef\xbb\xbf# nothing to run yet\n")
+    assert main(["run", str(recipe), "--out", str(tmp_path / "run")]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith(f"eaglet run: error: {recipe}: names no stage; add a table for each stage to run: regen, prepare")
+    )
+    assert not (tmp_path / "run").exists()
 
 
 MARKER = {

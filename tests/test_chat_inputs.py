@@ -1,16 +1,16 @@
 """Chat files as users write them: a leading UTF-8 BOM, OpenAI's multi-part content, tool-call
-turns; and one record far beyond --max-length, which must cost memory by what is kept."""
+turns, developer messages, reasoning; and one record far beyond --max-length, which must cost
+memory by what is kept."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import write_jsonl
+from helpers import run_with_peak_memory
 from eaglet.chat import ReadStats, iter_records, to_messages
 from eaglet.formats import read_prepared
 from eaglet.prepare import prepare
@@ -74,6 +74,29 @@ def test_tool_call_turns_are_skipped_and_counted_and_the_chat_kept(tmp_path):
     assert stats.dropped_roles["tool"] == 1
 
 
+def test_developer_messages_mixed_keys_and_reasoning_are_read_or_counted(tmp_path):
+    """OpenAI's `developer` role is the system message; a `messages` list written with ShareGPT's
+    from/value keys is read as such; an assistant's reasoning_content is dropped and counted."""
+    chat = {
+        "id": "d",
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"from": "human", "value": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "The user greets me."},
+        ],
+    }
+    records, stats = read_all(write_jsonl(tmp_path / "c.jsonl", [chat]))
+    assert records == [
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+        ]
+    ]
+    assert stats.trimmed == {"assistant reasoning_content dropped, the answer kept (counted per turn)": 1}
+    assert not stats.dropped_roles and not stats.skipped
+
+
 def test_a_record_far_beyond_max_length_costs_memory_by_what_is_kept(tiny_target, tmp_path):
     """A 40 MB answer with --max-length 64: cut to its first 64 x 64 characters before it is
     rendered and tokenized, so prepare's peak memory stays near its baseline (the whole text once
@@ -86,16 +109,11 @@ def test_a_record_far_beyond_max_length_costs_memory_by_what_is_kept(tiny_target
         ],
     }
     data = write_jsonl(tmp_path / "chats.jsonl", [CHAT, huge])
-    # VmHWM is this process's own peak: getrusage's ru_maxrss keeps the peak of the (vforked) pytest before exec
-    code = (
-        f"import re\nfrom pathlib import Path\nfrom eaglet.options import PrepareOptions\n"
+    _, peak_mib = run_with_peak_memory(
+        f"from eaglet.options import PrepareOptions\n"
         f"from eaglet.prepare import prepare\nprepare(PrepareOptions(target={str(tiny_target)!r}, "
-        f"data={str(data)!r}, out={str(tmp_path / 'out')!r}, max_length=64))\n"
-        "print(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1))"
+        f"data={str(data)!r}, out={str(tmp_path / 'out')!r}, max_length=64))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    peak_mib = int(done.stdout.split()[-1]) / 1024
     assert peak_mib < 1500, f"peak {peak_mib:.0f} MiB"
     samples, _ = read_prepared(tmp_path / "out")
     assert len(samples) == 2 and len(samples[1].input_ids) == 64 and sum(samples[1].loss_mask) > 20
@@ -122,18 +140,14 @@ def test_a_record_nested_absurdly_deep_is_refused_by_index_in_bounded_memory(tmp
     array = tmp_path / "chats.json"
     depth = 40_000
     array.write_text(f"[{json.dumps(CHAT)}, {'[' * depth}{']' * depth}, {json.dumps(CHAT)}]")
-    code = (
-        "import re\nfrom pathlib import Path\nfrom eaglet.chat import ReadStats, iter_records\n"
+    (first,), peak_mib = run_with_peak_memory(
+        "from eaglet.chat import ReadStats, iter_records\n"
         "read = []\ntry:\n"
         f"    for _, rec in iter_records({str(array)!r}, ReadStats()):\n        read.append(rec)\n"
-        "except ValueError as e:\n    print(len(read), e)\n"
-        "print(re.search(r'VmHWM:\\s+(\\d+) kB', Path('/proc/self/status').read_text()).group(1))"
+        "except ValueError as e:\n    print(len(read), e)"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    first, peak_kib = done.stdout.strip().splitlines()
     assert first.startswith(f"1 {array}[1]: nested deeper than 64 levels"), first
-    assert int(peak_kib) / 1024 < 600, f"peak {int(peak_kib) / 1024:.0f} MiB"
+    assert peak_mib < 600, f"peak {peak_mib:.0f} MiB"
 
 
 def test_a_chat_of_many_turns_costs_what_max_length_keeps(tiny_target, monkeypatch):
@@ -143,7 +157,7 @@ def test_a_chat_of_many_turns_costs_what_max_length_keeps(tiny_target, monkeypat
     from transformers import AutoTokenizer
 
     from eaglet import chat
-    from eaglet.prepare import MAX_CHARS_PER_TOKEN
+    from eaglet.chat import MAX_CHARS_PER_TOKEN
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
     turns = [{"role": r, "content": t} for _ in range(3000) for r, t in (("user", "hi"), ("assistant", "ok"))]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -318,6 +319,13 @@ def test_prepare_mix_follows_data_with_its_own_skip_and_count(tiny_target, chats
         prepare(
             PrepareOptions(
                 target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "p3", mix=str(tmp_path / "folder")
+            )
+        )
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match=r"--mix .*fifo: not a regular file; save the chats to a .json or .jsonl"):
+        prepare(
+            PrepareOptions(
+                target=str(tiny_target), data=str(chats_jsonl), out=tmp_path / "p4", mix=str(tmp_path / "fifo")
             )
         )
     (tmp_path / "empty.jsonl").write_text("")

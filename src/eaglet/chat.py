@@ -42,7 +42,10 @@ ROLE_ALIASES = {
     "bing": ASSISTANT,
     "model": ASSISTANT,
     "system": SYSTEM,
+    "developer": SYSTEM,  # OpenAI's newer name for the system message
 }
+# A message's (role, text) keys: ShareGPT's and OpenAI's; a list may mix them, message by message
+MESSAGE_KEYS = (("from", "value"), ("role", "content"))
 
 Message = dict[str, str]
 BOM = "\ufeff"
@@ -202,8 +205,10 @@ def iter_records(source: str, stats: ReadStats, option: str = "--data") -> Itera
     path = embedded.sharegpt_json() if source == EMBEDDED_SHAREGPT else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"{option} {source}: no such file")
-    if not path.is_file():
+    if path.is_dir():
         raise IsADirectoryError(f"{option} {source}: a folder, not a chat file (.json or .jsonl)")
+    if not path.is_file():  # a FIFO or a device: read twice here (its type, then its records), so refused
+        raise ValueError(f"{option} {source}: not a regular file; save the chats to a .json or .jsonl file")
     with open(path, "rb") as f:
         magic = f.read(6)
     packed = next((kind for kind, start in COMPRESSED.items() if magic.startswith(start)), None)
@@ -239,6 +244,27 @@ def message_text(turn: dict[str, Any], key: str, stats: ReadStats) -> str | None
     return "\n".join(text_parts) if text_parts else None
 
 
+# Characters a chat keeps before it is tokenized, per token it may keep: far more than any
+# tokenizer's tokens span (~4 characters on average), so what the token budget keeps is never cut,
+# and a record of any size costs the memory of its first budget x 64 characters.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def cut_to_chars(messages: list[Message], budget: int) -> tuple[list[Message], bool]:
+    """The messages cut to `budget` characters of content (the message that crosses the budget is
+    cut there, later ones are dropped), and whether anything was cut."""
+    kept: list[Message] = []
+    used = 0
+    for m in messages:
+        if used + len(m["content"]) > budget:
+            if budget - used > 0:
+                kept.append({"role": m["role"], "content": m["content"][: budget - used]})
+            return kept, True
+        kept.append(m)
+        used += len(m["content"])
+    return kept, False
+
+
 def within_chars(
     messages: list[Message], budget: int, stats: ReadStats, max_messages: int | None = None
 ) -> list[Message]:
@@ -246,19 +272,12 @@ def within_chars(
     token) before it is rendered and tokenized, so that one huge record costs memory and time by
     the tokens kept, not by its size: the message that crosses the budget is cut there, later ones
     are dropped, and the chat ends at its last assistant message."""
-    kept: list[Message] = []
-    used = 0
-    for m in messages:
-        if max_messages is not None and len(kept) == max_messages:
-            stats.trim("messages far beyond --max-length dropped before tokenizing")
-            break
-        if used + len(m["content"]) > budget:
-            stats.trim("text far beyond --max-length cut before tokenizing")
-            if budget - used > 0:
-                kept.append({"role": m["role"], "content": m["content"][: budget - used]})
-            break
-        kept.append(m)
-        used += len(m["content"])
+    head = messages if max_messages is None else messages[:max_messages]
+    kept, cut = cut_to_chars(head, budget)
+    if cut:
+        stats.trim("text far beyond --max-length cut before tokenizing")
+    elif len(head) < len(messages):
+        stats.trim("messages far beyond --max-length dropped before tokenizing")
     while kept and kept[-1]["role"] != ASSISTANT:
         kept.pop()
     return kept
@@ -273,13 +292,14 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
     if not isinstance(record, dict):
         return "record is not an object"
     if isinstance(record.get("conversations"), list):
-        raw, role_key, text_key = record["conversations"], "from", "value"
+        raw, keys = record["conversations"], MESSAGE_KEYS
     elif isinstance(record.get("messages"), list):
-        raw, role_key, text_key = record["messages"], "role", "content"
+        raw, keys = record["messages"], MESSAGE_KEYS[::-1]
     else:
         return "no 'conversations' or 'messages' list"
     messages: list[Message] = []
     for turn in raw:
+        role_key, text_key = next((k for k in keys if isinstance(turn, dict) and k[0] in turn), keys[0])
         if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str):
             return f"message without a string '{role_key}'"
         role = ROLE_ALIASES.get(turn[role_key].strip().lower())
@@ -287,6 +307,8 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
             stats.dropped_roles.add(turn[role_key], stats.where)
             continue
         text = message_text(turn, text_key, stats)
+        if role == ASSISTANT and turn.get("reasoning_content"):
+            stats.trim("assistant reasoning_content dropped, the answer kept (counted per turn)")
         if text is None:
             if role == ASSISTANT and turn.get("tool_calls"):
                 stats.trim("assistant tool-call turns skipped (counted per turn)")

@@ -121,10 +121,16 @@ def read_rows(ds: Dataset, show_progress: bool) -> list[tuple[torch.Tensor, torc
 
 
 def copy_sample(
-    ds: Dataset, out: Path, layout: formats.Layout, index: int, teacher: StoredTeacherMaker | None = None
+    ds: Dataset,
+    out: Path,
+    layout: formats.Layout,
+    index: int,
+    teacher: StoredTeacherMaker | None,
+    signatures: formats.SignatureLog | None,
 ) -> int:
     """Read one sample from the source and write it in `layout` (the compact one with the stored
-    teacher `teacher` makes from the last state); returns its token count."""
+    teacher `teacher` makes from the last state; the others with its signature recorded in
+    `signatures`); returns its token count."""
     s = formats.read_training_sample(ds.files[index], ds.layout)
     if s.last_hidden is None:  # a compact file: convert refuses compact sources before reading any
         raise ValueError(f"{ds.files[index]}: no last state to convert (a compact file stores the target's top-K)")
@@ -132,7 +138,7 @@ def copy_sample(
     # other two aux states into every v1 file.
     states = [h.contiguous().clone() for h in s.aux_hidden.chunk(3, dim=-1)] + [s.last_hidden.contiguous()]
     formats.write_sample(
-        out, layout, index, s.input_ids, states, s.loss_mask, teacher(s.last_hidden) if teacher else None
+        out, layout, index, s.input_ids, states, s.loss_mask, teacher(s.last_hidden) if teacher else None, signatures
     )
     return int(s.input_ids.shape[0])
 
@@ -200,6 +206,7 @@ def convert(options: ConvertOptions, command: str = "", workers: int = 2, show_p
         ]
         formats.refuse_other_samples([(formats.sample_path(out, written, i), why) for i, why in found])
         todo = [i for i, _ in found]
+        signatures = None if written.dequantized else formats.SignatureLog(out)
         t0 = time.time()
         tokens = 0
         with (
@@ -214,7 +221,7 @@ def convert(options: ConvertOptions, command: str = "", workers: int = 2, show_p
                 disable=not show_progress,
             ) as bar,
         ):
-            for n in pool.map(lambda i: copy_sample(ds, out, written, i, teacher), todo):
+            for n in pool.map(lambda i: copy_sample(ds, out, written, i, teacher, signatures), todo):
                 tokens += n
                 bar.update(n)
         bytes_in = sum(p.stat().st_size for p in ds.files.values())

@@ -87,23 +87,26 @@ def length_batches(indices: list[int], lengths: list[int], batch_tokens: int, ma
     return batches
 
 
-def write_one(
-    out: Path,
-    layout: formats.Layout,
-    index: int,
-    sample: TokenizedSample,
-    states: list[torch.Tensor],
-    teacher: StoredTeacherMaker | None,
-) -> Path:
-    return formats.write_sample(
-        out,
-        layout,
-        index,
-        torch.tensor(sample.input_ids, dtype=torch.long),
-        states,
-        torch.tensor(sample.loss_mask, dtype=torch.long),
-        teacher(states[-1]) if teacher else None,
-    )
+@dataclass
+class SampleFiles:
+    """Where and how this run writes each sample's file."""
+
+    out: Path
+    layout: formats.Layout
+    teacher: StoredTeacherMaker | None  # the compact layout's stored teacher, from the last state
+    signatures: formats.SignatureLog | None  # each file's signature, recorded before the file appears
+
+    def write(self, index: int, sample: TokenizedSample, states: list[torch.Tensor]) -> Path:
+        return formats.write_sample(
+            self.out,
+            self.layout,
+            index,
+            torch.tensor(sample.input_ids, dtype=torch.long),
+            states,
+            torch.tensor(sample.loss_mask, dtype=torch.long),
+            self.teacher(states[-1]) if self.teacher else None,
+            self.signatures,
+        )
 
 
 def prepared_sha256(samples: list[TokenizedSample]) -> str:
@@ -317,10 +320,8 @@ def run_and_write(
     layer_ids: list[int],
     dev: torch.device,
     save_dtype: torch.dtype,
-    out: Path,
-    written: formats.Layout,
+    files: SampleFiles,
     config: DataConfig,
-    teacher: StoredTeacherMaker | None,
     write_threads: int,
     bar: tqdm,
 ) -> None:
@@ -333,11 +334,11 @@ def run_and_write(
                 per_sample = run_batch(model, capture, batch_samples, dev, save_dtype)
                 # Another run may have replaced a config that had no sample file yet (see
                 # formats.ensure_data_config): then this run's files would join another dataset.
-                formats.refuse_other_dataset(out, config)
+                formats.refuse_other_dataset(files.out, config)
                 for i, s, states in zip(batch, batch_samples, per_sample):
                     # The compact layout's teacher (the target's LM head) is computed by the writer,
                     # overlapping the next batch's forward.
-                    writes.submit(write_one, out, written, i, s, states, teacher)
+                    writes.submit(files.write, i, s, states)
                 bar.update(sum(len(s.input_ids) for s in batch_samples))
     finally:
         bar.close()
@@ -387,17 +388,16 @@ def extract_with_vllm(
     layer_ids: list[int],
     options: EngineOptions,
     save_dtype: torch.dtype,
-    out: Path,
-    written: formats.Layout,
+    files: SampleFiles,
     config: DataConfig,
-    teacher: StoredTeacherMaker | None,
     write_threads: int,
     shard: tuple[int, int],
     bar: tqdm,
 ) -> float:
     """vLLM's extraction over every batch: each request's file read back, checked against its
-    sample (tokens, layers, width), written in the `written` layout, and deleted. Returns the engine's start-up
-    seconds."""
+    sample (tokens, layers, width), written as `files` writes them, and deleted. Returns the
+    engine's start-up seconds."""
+    out = files.out
     scratch = engine_scratch(out, *shard)
     hidden = config.hidden_size or 0
     try:
@@ -417,7 +417,7 @@ def extract_with_vllm(
                         for x in formats.read_vllm_states(path, samples[i].input_ids, len(layer_ids), hidden, where)
                     ]
                     path.unlink()
-                    writes.submit(write_one, out, written, i, samples[i], states, teacher)
+                    writes.submit(files.write, i, samples[i], states)
                 bar.update(sum(len(samples[i].input_ids) for i in batch))
     finally:
         bar.close()
@@ -503,14 +503,8 @@ def extract(
         options.batch_tokens,
         options.max_batch_size,
     )
-    ranges.at_least(
-        1,
-        num_shards=num_shards,
-        batch_tokens=batch_tokens,
-        max_batch_size=max_batch_size,
-        write_threads=write_threads,
-        stored_top_k=stored_top_k,
-    )
+    options.check_numbers()
+    ranges.at_least(1, write_threads=write_threads)
     check_shard(num_shards, shard_id)
     written = formats.written_layout(options.layout)
     engine = engine_choice(options)
@@ -560,10 +554,10 @@ def extract(
             dynamic_ncols=True,
             disable=not show_progress,
         )
+        signatures = None if written.dequantized else formats.SignatureLog(out, shard_id, num_shards)
+        files = SampleFiles(out, written, teacher, signatures)
         if model is not None:
-            run_and_write(
-                model, samples, batches, layer_ids, dev, save_dtype, out, written, config, teacher, write_threads, bar
-            )
+            run_and_write(model, samples, batches, layer_ids, dev, save_dtype, files, config, write_threads, bar)
         elif engine is not None and shard.todo:
             started = extract_with_vllm(
                 ref,
@@ -573,10 +567,8 @@ def extract(
                 layer_ids,
                 vllm_options(engine, compute_dtype, samples, shard.todo),
                 save_dtype,
-                out,
-                written,
+                files,
                 config,
-                teacher,
                 write_threads,
                 (shard_id, num_shards),
                 bar,

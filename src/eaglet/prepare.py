@@ -11,7 +11,7 @@ from pathlib import Path
 from jinja2 import TemplateSyntaxError
 from tqdm import tqdm
 
-from eaglet import __version__, formats, ranges
+from eaglet import __version__, formats
 from eaglet.chat import (
     ReadStats,
     Tally,
@@ -22,6 +22,7 @@ from eaglet.chat import (
     tokenize_chat,
     to_messages,
     within_chars,
+    MAX_CHARS_PER_TOKEN,
 )
 from eaglet.formats import PREPARE_CONFIG_FILE, PREPARED_FILE, PreparedWriter, TokenizedSample
 from eaglet.options import PREPARE_MAX_LENGTH, PrepareOptions
@@ -29,10 +30,6 @@ from eaglet.target import TargetRef, config_positions, config_where, load_chat_t
 
 TRUNCATED_AWAY = "no assistant token left after truncation to --max-length"
 FAILED_START = 20  # the first this many chats all failing the template: the template, not the data, is wrong
-# Characters a chat keeps before it is tokenized, per token of --max-length: far more than any
-# tokenizer's tokens span (~4 characters on average), so what --max-length keeps is never cut, and
-# a record of any size costs the memory of its first max_length x 64 characters.
-MAX_CHARS_PER_TOKEN = 64
 
 
 def checked_max_length(max_length: int | None, limit: int, ref: TargetRef) -> int:
@@ -294,8 +291,7 @@ def prepare(options: PrepareOptions, command: str = "") -> PrepareSummary:
     regenerated ones, more unique tokens for the price of extraction rather than of generation."""
     target, data, out, max_length, skip = options.target, options.data, options.out, options.max_length, options.skip
     num_samples, mix, mix_samples, mix_skip = options.num_samples, options.mix, options.mix_samples, options.mix_skip
-    ranges.at_least(1, max_length=max_length, num_samples=num_samples, mix_samples=mix_samples)
-    ranges.at_least(0, skip=skip, mix_skip=mix_skip)
+    options.check_numbers()
     sources = sources_of(data, skip, num_samples, mix, mix_skip, mix_samples)
     formats.refuse_overlap(out, "prepare", {"--data": data, "--mix": mix})
     with formats.output_lock(out, "prepare"):  # one writer per output: a second is refused, naming the first

@@ -29,7 +29,7 @@ import textwrap
 import time
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -269,6 +269,8 @@ def validate(recipe: dict[str, Any], source: str | Path = "recipe", set_by: dict
     of the type it takes: fail before hours of work, not in the middle. `set_by` ("stage.key" ->
     --set text) names the --set that gave a value rather than the file."""
     set_by = set_by or {}
+    if not any(stage in recipe for stage in STAGES):  # it would run nothing, and say it succeeded
+        raise ValueError(f"{source}: names no stage; add a table for each stage to run: {', '.join(STAGES)}")
     check_table(source, "recipe", recipe.get("recipe", {}), RECIPE_KEYS, set_by)
     check_table(source, "scale", recipe.get("scale", {}), SCALE_KEYS, set_by)
     check_scale_paths(source, recipe.get("scale", {}).get("multiply", []))
@@ -308,17 +310,23 @@ def refuse_what_a_file_may_not_set(recipe: dict[str, Any], source: str | Path, s
 
 
 def check_ranges(recipe: dict[str, Any], source: str | Path) -> None:
-    """The options of each stage that checks them in a config dataclass (train's TrainConfig,
-    eval's DecodeSettings: eaglet.options `Stage.checked_by`), checked now: those stages run last, and
-    an out-of-range number would otherwise stop the recipe only after the stages before them."""
+    """Every stage's numbers, checked now, before the first stage runs: by the config dataclass
+    that checks them (train's TrainConfig, eval's DecodeSettings: eaglet.options `Stage.checked_by`),
+    else by the stage options' own `check_numbers`. An out-of-range number would otherwise stop the
+    recipe only when its stage starts, after the stages before it."""
     for stage in STAGES:
-        checked_by = STAGE_OPTIONS[stage].checked_by
-        if stage not in recipe or checked_by is None:
+        if stage not in recipe:
             continue
-        cls = resolve(checked_by)
-        names = {f.name for f in dataclasses.fields(cls)}
+        checked_by = STAGE_OPTIONS[stage].checked_by
+        cls = resolve(checked_by) if checked_by else STAGE_OPTIONS[stage].config
+        fields = dataclasses.fields(cls)
+        # what a recipe table never sets (the stage's paths) is left empty: only numbers are checked here
+        unset = {f.name: None for f in fields if f.default is MISSING and f.default_factory is MISSING}
+        given = {k: v for k, v in recipe[stage].items() if k in {f.name for f in fields}}
         try:
-            cls(**{k: v for k, v in recipe[stage].items() if k in names})
+            made = cls(**{**unset, **given})
+            if not checked_by and hasattr(made, "check_numbers"):
+                made.check_numbers()
         except ValueError as e:
             raise ValueError(f"{source} [{stage}]: {e}") from None
 

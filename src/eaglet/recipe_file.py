@@ -44,8 +44,8 @@ def recipe_path(spec: str | Path) -> Path:
 def load_recipe(spec: str | Path) -> dict[str, Any]:
     path = recipe_path(spec)
     try:
-        with open(path, "rb") as f:
-            recipe = tomllib.load(f)
+        # a leading UTF-8 BOM, as many editors write one: TOML forbids it, the user never sees it
+        recipe = tomllib.loads(path.read_bytes().removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML ({e})") from None
     except UnicodeDecodeError as e:  # tomllib names neither the file nor what to do

@@ -428,6 +428,72 @@ def test_swapped_layers_are_named(copy):
     assert_found(report, C.LAYER_IDENTITY, None, "slot 1 matches layer 4, not 3", "slot 2 matches layer 3, not 4")
 
 
+# ---------------------------------------------------------------------------------------------
+# Every file's states against the signatures extraction recorded (no target needed)
+# ---------------------------------------------------------------------------------------------
+
+
+def neighbour_states(tiny_target: Path, ds: Path, i: int, layer: int) -> torch.Tensor:
+    """Sample i's states at `layer` as extraction computes them (fp32, stored in bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    ids = torch.load(sample_path(ds, i), weights_only=True)["input_ids"]
+    with torch.no_grad():
+        return model(ids[None], output_hidden_states=True).hidden_states[layer][0].to(torch.bfloat16)
+
+
+def test_a_neighbouring_layer_in_one_slot_of_one_file_is_named(copy, tiny_target, LAYER_IDS):
+    """Slot 1 of one file holds layer 4 in place of layer 3 (the ninth probe's case): every
+    per-slot scale stays in range, and without the target only the recorded signature tells."""
+    ds = copy()
+    rel = edit(ds, 5, lambda o: o["hidden_states"].__setitem__(1, neighbour_states(tiny_target, ds, 5, 4)))
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    assert_found(
+        report, C.LAYER_IDENTITY, rel, "slot 1 (layer 3) holds the states extraction wrote in slot 2 (layer 4)"
+    )
+    assert {p.path for p in report.errors} == {rel}
+    shutil.rmtree(ds / formats.SIGNATURES_DIR)  # what the scales alone say: nothing
+    assert C.check_dataset(CheckOptions(path=ds, use_target=False)).clean
+
+
+@pytest.mark.parametrize(
+    "change, kind, words",
+    [
+        (
+            lambda h: [h[0], h[2], h[1], h[3]],
+            C.LAYER_IDENTITY,
+            "slot 2 (layer 4) holds the states extraction wrote in slot 1",
+        ),
+        (lambda h: [h[0], h[1], h[2] * 1.01, h[3]], C.STATE_SIGNATURE, "slot 2 (layer 4) is not what extraction wrote"),
+        (lambda h: [h[0], h[1].roll(1, 0), h[2], h[3]], C.STATE_SIGNATURE, "slot 1 (layer 3) is not what"),
+    ],
+)
+def test_a_slot_other_than_extraction_wrote_is_named_in_any_file(copy, change, kind, words):
+    ds = copy()
+    rel = edit(ds, 7, lambda o: o.update(hidden_states=change(o["hidden_states"])))
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), kind, rel, words)
+
+
+def test_a_file_extraction_did_not_write_or_an_unreadable_record_is_named(copy):
+    ds = copy()
+    log = next((ds / formats.SIGNATURES_DIR).glob("*.jsonl"))
+    lines = log.read_text().splitlines(keepends=True)
+    index_of = [json.loads(line)["index"] for line in lines]
+    log.write_text("".join(line for line, i in zip(lines, index_of) if i != 4))
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    assert report.clean and [p.path for p in report.problems if p.kind == C.STATE_SIGNATURE] == [
+        formats.v1_relative_path(4)
+    ]
+    log.write_text("".join(lines[:2]) + "{not json\n" + "".join(lines[2:]))
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds, use_target=False)),
+        C.STATE_SIGNATURE,
+        f"{formats.SIGNATURES_DIR}/{log.name}:3",
+        "unreadable line",
+    )
+
+
 def test_layer_ids_off_by_one(copy, LAYER_IDS):
     ds = copy()
     cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -21,7 +22,7 @@ from eaglet.drafter.files import export_config
 from eaglet.training.checkpoints import save_checkpoint
 
 from conftest import LLAMA_STAND_IN_PREAMBLE, llama_server_stand_in, write_jsonl
-from helpers import target_gguf
+from helpers import run_with_peak_memory, target_gguf
 from eaglet.options import EvalOptions
 
 
@@ -256,6 +257,28 @@ def test_prompts_longer_than_the_target_are_skipped_and_counted(drafter_ckpt, ti
             ),
             progress=False,
         )
+
+
+def test_a_prompt_far_beyond_the_positions_costs_memory_by_what_they_hold(drafter_ckpt, tiny_target, tmp_path):
+    """A 40 MB prompt, first in its set (the pass-cost prompt and the warm-up read it too): tokenized
+    only up to what the target's 1,024 positions could span, then skipped as too long, with the
+    process's peak near its baseline (a 60 MB prompt once took 13.4 GB and three minutes)."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "huge", "prompt": "The quick brown fox. " * 2_000_000}])
+    with open(prompts, "a") as f:
+        f.write(json.dumps({"id": "short", "prompt": "hi"}) + "\n")
+    options = (
+        f"EvalOptions(drafter_path={str(drafter_ckpt)!r}, target={str(tiny_target)!r}, "
+        f"prompt_sets=[{str(prompts)!r}], methods=['chain'], max_new_tokens=4, dtype='fp32', device='cpu', "
+        f"out={str(tmp_path / 'eval')!r}, plot=False)"
+    )
+    (skipped,), peak_mib = run_with_peak_memory(
+        "import torch\ntorch.set_num_threads(1)\n"
+        "from eaglet.evaluate import evaluate\nfrom eaglet.options import EvalOptions\n"
+        f"result = evaluate({options}, progress=False)\n"
+        "print('|'.join(r.get('skipped', '-') for r in result.prompts))"
+    )
+    assert re.fullmatch(r"prompt of over \d+ tokens leaves no room in the target's 1024 positions\|-", skipped), skipped
+    assert peak_mib < 1500, f"peak {peak_mib:.0f} MiB"
 
 
 def test_cost_admission_needs_measured_pass_costs(tiny_target):

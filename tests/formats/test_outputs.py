@@ -63,6 +63,25 @@ def test_an_unmarked_folder_is_known_by_its_files(outputs, tiny_target, chats_js
         prepare(PrepareOptions(target=str(tiny_target), data=str(chats_jsonl), out=outputs / "data"))
 
 
+@pytest.mark.parametrize("stage", ["prepare", "extract", "convert", "train", "eval", "run", "export"])
+def test_no_stage_writes_inside_a_dataset(outputs, tiny_target, chats_jsonl, stage):
+    """An output inside a dataset's folder (an export into its rows folder, say) would leave files
+    there that `eaglet check` then refuses as strays: refused, the dataset left whole and clean."""
+    from eaglet.check import check_dataset
+    from eaglet.export import export_drafter
+    from eaglet.options import ExportOptions
+
+    out = outputs / "data" / "hidden_states" / "rows_0-2000" / "out"
+    before = snapshot(outputs / "data")
+    with pytest.raises(FileExistsError, match=r"inside the (hidden-state dataset|dataset|source) .*data(,|:)"):
+        if stage == "export":
+            export_drafter(ExportOptions(ckpt=outputs / "nothing", out=out.with_suffix(".gguf"), fmt="gguf"))
+        else:
+            stage_run(stage, outputs, tiny_target, chats_jsonl, out)()
+    assert snapshot(outputs / "data") == before
+    assert check_dataset(CheckOptions(path=outputs / "data", use_target=False)).clean
+
+
 # What a user's folder may hold under a name a stage writes, by stage (a speculators dataset whose
 # hidden_states/ is elsewhere lost its Arrow table to extract; a tool's own train_config.json was
 # replaced by train's; an eval's vllm-drafter/ of the user's own was deleted)

@@ -21,6 +21,7 @@ from eaglet.training.checkpoints import iter_metrics
 from eaglet.training.config import lr_lambda
 from eaglet.dataset import open_dataset
 from eaglet.training.data import BatchStream, bucketed_batches, pack, read_samples, split_indices
+from eaglet.training import loop
 from eaglet.training.loop import train
 from helpers import FAST, run_weights
 from eaglet.options import TrainOptions
@@ -39,7 +40,7 @@ def test_split_and_batches_are_deterministic():
     assert f(0) == 0.5 and f(1) == 1.0 and f(2) == 1.0 and f(10) == pytest.approx(0.0)
 
 
-def test_train_writes_metrics_and_checkpoints(dataset, tmp_path):
+def test_train_writes_metrics_and_checkpoints(dataset, tmp_path, monkeypatch):
     run = tmp_path / "run"
     summary = train(TrainOptions(dataset_dir=dataset, out_dir=run, total_steps=8, **FAST), show_progress=False)
     assert summary.step == 8 and summary.best_step is not None
@@ -64,7 +65,9 @@ def test_train_writes_metrics_and_checkpoints(dataset, tmp_path):
     assert not any(p.name.startswith(".") for p in ckpt.iterdir())  # no temp folders left
     draft = load_checkpoint(ckpt / "step_00000008")
     assert draft.config.aux_layer_ids == [2, 4, 5] and torch.equal(draft.fc.weight, w["fc.weight"])
-    with pytest.raises(ValueError, match="--resume"):
+    # a run already there is refused before the data (and so the target) is read
+    monkeypatch.setattr(loop, "open_training_data", lambda *a: pytest.fail("read the data before refusing"))
+    with pytest.raises(ValueError, match=r"already holds a training run \(checkpoint step_00000008\); pass --resume"):
         train(TrainOptions(dataset_dir=dataset, out_dir=run, total_steps=8, **FAST), show_progress=False)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from eaglet import formats, layers, ranges
+from eaglet import formats, layers
 from eaglet.check.files import Expect, FileResult, check_file, is_unsafe_pickle_error, load_problem
 from eaglet.check.identity import (
     generation_prompt,
@@ -48,6 +48,7 @@ from eaglet.check.report import (
     NOT_CHECKED,
     RMS_BOUNDS,
     SAMPLE_LENGTHS,
+    STATE_SIGNATURE,
     STRAY_FILE,
     TOKEN_FREQ,
     UNREADABLE,
@@ -157,12 +158,18 @@ def expect_from_file(first: FileResult, layout: formats.Layout, vocab_size: int 
 def expectations(
     root: Path, files: list[tuple[int, Path]], cfg: formats.DataConfig | None, layout: formats.Layout, vocab: int | None
 ) -> Expect:
-    """From data_config.json; without one, the first readable file sets the bar for all others."""
+    """From data_config.json; without one, the first readable file sets the bar for all others.
+    With them, each file's state signatures as extraction recorded them."""
     if cfg is not None:
-        return expect_from_config(cfg, layout)
-    probe = Expect(layout, vocab_size=vocab)
-    first = next((r for r in (check_file(i, p, root, probe) for i, p in files[:20]) if r.num_states), None)
-    return expect_from_file(first, layout, vocab) if first else probe
+        exp = expect_from_config(cfg, layout)
+    else:
+        probe = Expect(layout, vocab_size=vocab)
+        first = next((r for r in (check_file(i, p, root, probe) for i, p in files[:20]) if r.num_states), None)
+        exp = expect_from_file(first, layout, vocab) if first else probe
+    if not layout.dequantized:  # the compact layout's files carry checksums instead
+        exp.signatures, unreadable = formats.read_signatures(root)
+        exp.problems += [Problem(STATE_SIGNATURE, where, why) for where, why in unreadable]
+    return exp
 
 
 def rows_per_folder(root: Path) -> int:
@@ -668,8 +675,7 @@ def check_dataset(options: CheckOptions) -> CheckReport:
         options.identity_samples,
         options.workers,
     )
-    ranges.at_least(0, identity_samples=identity_samples)
-    ranges.at_least(1, workers=workers)
+    options.check_numbers()
     placed = placement_from_options(options.device_map, options.max_memory, options.offload_folder)
     if target is not None and not use_target:
         raise ValueError(f"--target {target} asks for the checks with the target, and --no-target skips them: give one")
@@ -701,7 +707,7 @@ def check_dataset(options: CheckOptions) -> CheckReport:
     report.workers = workers or min(8, os.cpu_count() or 1)
     results, recorded_freq, freq_problems = scan_files(root, files, exp, report.workers, layout.side_files)
     report.seconds = time.time() - t0
-    report.problems += [p for r in results for p in r.problems] + freq_problems
+    report.problems += exp.problems + [p for r in results for p in r.problems] + freq_problems
     report.template_checked_files = sum(r.template_checked for r in results)
     unique = list({r.index: r for r in results}.values())
     report.problems += dataset_problems(

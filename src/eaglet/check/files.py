@@ -2,7 +2,8 @@
 `torch.load(weights_only=True)` or safetensors, so a file that needs arbitrary pickled objects is
 reported, never executed), its layout's schema, dtypes and shapes against the dataset's
 expectations, and its values (mask 0/1 and not empty, token ids in range, no NaN/Inf, no
-all-zero rows, sane RMS, a stored teacher's log-probabilities)."""
+all-zero rows, sane RMS, a stored teacher's log-probabilities), and its states against the
+signatures extraction recorded for it (a slot swapped, another layer's states, values changed)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from eaglet.check.report import (
     ALL_ZERO,
     CHECKSUM,
     HIDDEN_SIZE,
+    LAYER_IDENTITY,
     LENGTH_MISMATCH,
     MASK_EMPTY,
     MASK_TEMPLATE,
@@ -26,10 +28,12 @@ from eaglet.check.report import (
     NON_FINITE,
     RMS_BOUNDS,
     STATE_COUNT,
+    STATE_SIGNATURE,
     STORED_TEACHER,
     TOKEN_RANGE,
     UNREADABLE,
     UNSAFE_PICKLE,
+    WARNING,
     WRONG_DTYPE,
     WRONG_SHAPE,
     Problem,
@@ -56,6 +60,9 @@ class Expect:
     config: dict | None = None  # data_config.json, for the layout's own checks (compact version 1 has no checksums)
     gen_prompt_ids: list[int] | None = None  # the chat template's generation prompt, tokenized
     eot_ids: frozenset[int] = frozenset()  # special tokens that can end an assistant turn
+    # each file's state signatures as extraction recorded them (None: the dataset records none)
+    signatures: dict[int, list[formats.Signature]] | None = None
+    problems: list[Problem] = field(default_factory=list)  # found reading these expectations
 
 
 @dataclass
@@ -398,6 +405,52 @@ def check_states(res: FileResult, states: formats.FileStates, exp: Expect, found
     if states.teacher is not None:
         res.problems += teacher_problems(states.teacher, exp, rel)
     check_slot_values(res, states.states, usable)
+    if exp.signatures is not None and all(usable) and len(usable) == exp.num_states:
+        res.problems += signature_problems(states.states, exp.signatures.get(res.index), exp, rel)
+
+
+def slot_name(exp: Expect, j: int) -> str:
+    ids = (exp.config or {}).get("layer_ids")
+    return f"slot {j} (layer {ids[j]})" if isinstance(ids, list) and j < len(ids) else f"slot {j}"
+
+
+def signature_problems(
+    states: list[torch.Tensor], recorded: list[formats.Signature] | None, exp: Expect, rel: str
+) -> list[Problem]:
+    """A file's states against the signatures extraction recorded for its index: every slot of
+    every file, in one more read of each (`formats.signatures`)."""
+    if recorded is None:
+        return [
+            Problem(
+                STATE_SIGNATURE,
+                rel,
+                f"no signature recorded for this file in {formats.SIGNATURES_DIR}/: this dataset's extraction "
+                "did not write it (or an older eaglet did); its slots are checked by their scale only",
+                WARNING,
+            )
+        ]
+    out = []
+    for m in formats.signature_mismatches(formats.state_signature(states), recorded):
+        if m.holds is not None:
+            out.append(
+                Problem(
+                    LAYER_IDENTITY,
+                    rel,
+                    f"{slot_name(exp, m.slot)} holds the states extraction wrote in {slot_name(exp, m.holds)} "
+                    "(slots swapped or filled from the wrong layer): re-extract this file",
+                )
+            )
+        else:
+            out.append(
+                Problem(
+                    STATE_SIGNATURE,
+                    rel,
+                    f"{slot_name(exp, m.slot)} is not what extraction wrote there (its signature is "
+                    f"{m.distance:.2g} off, relative; {formats.SIGNATURE_TOLERANCE:g} allowed): another layer's "
+                    "states, another file's, or values changed since: re-extract this file",
+                )
+            )
+    return out
 
 
 def token_range_problems(ids: torch.Tensor, vocab_size: int | None, rel: str) -> list[Problem]:

@@ -37,6 +37,7 @@ STORED_TEACHER = "stored teacher"  # the compact layout's top-K of the target
 CHECKSUM = "checksum mismatch"  # the compact layout's tensors against the checksums written with them
 NO_FILES = "no hidden-state files"
 LAYER_IDENTITY = "layer identity"
+STATE_SIGNATURE = "state signature"  # a file's states against the signatures extraction recorded
 MASK_TEMPLATE = "mask vs chat template"
 TOO_LONG = "longer than the target"  # more tokens than the target has positions
 NOT_CHECKED = "not checked"

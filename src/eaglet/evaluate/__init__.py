@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from eaglet import formats, ranges
-from eaglet.chat import chat_prompt_ids, stop_token_ids
+from eaglet.chat import MAX_CHARS_PER_TOKEN, chat_prompt_ids, cut_to_chars, stop_token_ids
 from eaglet.drafter import DraftModel
 from eaglet.drafter.files import load_drafter_for_target
 from eaglet.evaluate.engines import FIRST_DRAFT_GAP, engine_run, engine_servers, first_draft_check, warn_on_gap
@@ -150,7 +150,7 @@ def evaluate(options: EvalOptions, progress: bool = True) -> EvalResult:
             settings,
             options.engine_f32,
             vllm_options,
-            first_prompt_ids(models.tokenizer, sets),
+            first_turn_ids(models.tokenizer, first_prompt(sets), max_positions(models.target)),
         ) as (runners, engines):
             variants, lanes, tuned = tuned_lanes(variants_for(methods, settings), configs, loaded)
             tuned["costs"] = pass_costs_record(lanes[BASELINE], variants)
@@ -313,9 +313,9 @@ def outside_engines(
         yield {**runners, **vllm_runners}, {k: v for k, v in (("llama_cpp", llama), ("vllm", vllm)) if v}
 
 
-def first_prompt_ids(tokenizer: Any, sets: dict[str, list[Prompt]]) -> list[int]:
-    p = first_prompt(sets)
-    return chat_prompt_ids(tokenizer, [*p.context, {"role": "user", "content": p.turns[0]}])
+def first_turn_ids(tokenizer: Any, prompt: Prompt, positions: int) -> list[int]:
+    """The prompt's first turn as the target reads it, cut as `turn_prompt_ids` cuts it."""
+    return turn_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}], positions)[0]
 
 
 @dataclass
@@ -442,8 +442,8 @@ def warm_up(
     lanes: dict[str, Lane] | None = None,
 ) -> None:
     """One short untimed run per variant: first calls pay for allocations and kernel selection."""
-    ids = chat_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}])
-    ids = ids[-(max_positions(target) // 2) :]  # untimed: any prompt that fits will do
+    positions = max_positions(target)
+    ids = first_turn_ids(tokenizer, prompt, positions)[-(positions // 2) :]  # untimed: any prompt that fits will do
     for label, (method, s) in variants.items():
         run_in_lane(
             label,
@@ -480,6 +480,15 @@ def rotated(labels: list[str], k: int) -> list[str]:
     return labels[k:] + labels[:k]
 
 
+def turn_prompt_ids(tokenizer, history: list[dict[str, str]], positions: int) -> tuple[list[int], bool]:
+    """The turn's prompt ids, and whether the prompt was longer still. A history of more characters
+    than `positions` tokens could span (`MAX_CHARS_PER_TOKEN` each) is tokenized only up to that
+    many characters: one huge prompt costs memory and time by what the target could hold, not by
+    its size, and is skipped as too long."""
+    cut, beyond = cut_to_chars(history, positions * MAX_CHARS_PER_TOKEN)
+    return chat_prompt_ids(tokenizer, cut), beyond
+
+
 def evaluate_set(
     prompts: list[Prompt],
     variants: Variants,
@@ -506,8 +515,8 @@ def evaluate_set(
         history = list(p.context)
         for turn_no, user_text in enumerate(p.turns):
             history.append({"role": "user", "content": user_text})
-            ids = chat_prompt_ids(tokenizer, history)
-            if len(ids) >= positions:  # no room to answer; later turns only grow
+            ids, beyond = turn_prompt_ids(tokenizer, history, positions)
+            if beyond or len(ids) >= positions:  # no room to answer; later turns only grow
                 for t in range(turn_no, len(p.turns)):
                     records.append(
                         {
@@ -515,8 +524,8 @@ def evaluate_set(
                             "id": p.id,
                             "turn": t,
                             "prompt_tokens": len(ids),
-                            "skipped": f"prompt of {len(ids)} tokens leaves no room in the target's "
-                            f"{positions} positions",
+                            "skipped": f"prompt of {'over ' if beyond else ''}{len(ids)} tokens leaves no room "
+                            f"in the target's {positions} positions",
                         }
                     )
                     on_turn(totals)

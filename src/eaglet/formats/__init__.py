@@ -14,6 +14,7 @@ nowhere else:
   compact one (`compact`: 6-bit aux states and the target's top-K in place of the last state);
   speculators' own two (`hs_*.safetensors`, the Arrow table) are read and written in
   `speculators_files`; `samples` holds what they share, `listing` how their files are found;
+  `signatures` each written file's per-slot signature, recorded beside the files;
 - `drafters`: drafter folders for the serving engines (`eaglet export` / `eaglet import`): the
   speculators (vLLM) and EAGLE-3 / SGLang `config.json` layouts and their weight names;
   `gguf_drafter`: the one-file GGUF drafter llama.cpp's eagle3 loader reads; `gguf_target`: the
@@ -89,6 +90,15 @@ from eaglet.formats.samples import (
     write_sample_lengths,
 )
 from eaglet.formats.listing import DatasetFiles
+from eaglet.formats.signatures import (
+    SIGNATURES_DIR,
+    TOLERANCE as SIGNATURE_TOLERANCE,
+    Signature,
+    SignatureLog,
+    read_signatures,
+    signature_mismatches,
+    state_signature,
+)
 from eaglet.formats.data_config import (
     DataConfig,
     data_config_from,

@@ -350,6 +350,7 @@ WRITTEN_NAMES = {
     "hidden-state dataset": (
         "data_config.json",
         "hidden_states",
+        "signatures",
         "sample_lengths.json",
         "token_freq.pt",
         "rows_*",
@@ -373,6 +374,7 @@ def claim_output(out: str | os.PathLike, stage: str) -> None:
     files, named), and one no stage marked that holds files of the names this stage writes."""
     refuse_blocked_path(out)
     out = Path(out)
+    refuse_inside_dataset(out, stage)
     if not marked(stage):
         return
     kind = OUTPUT_KINDS[stage]
@@ -406,6 +408,23 @@ def refuse_overlap(
                 f"--out {out} {where} {name} {given}: `eaglet {stage}` writes a folder of its own, "
                 "apart from its inputs; nothing was written: choose another --out"
             )
+
+
+DATASET_KINDS = ("prepared dataset", "hidden-state dataset")
+
+
+def refuse_inside_dataset(out: Path, stage: str) -> None:
+    """An output inside a dataset a stage made: its files would be the dataset's stray files, which
+    `eaglet check` refuses (and train with it), or be taken for its samples."""
+    for folder in Path(os.path.realpath(out)).parents:
+        marker = folder / OUTPUT_MARKER
+        if marker.is_file() and not marker.is_symlink():
+            kind = marker.read_text(encoding="utf-8", errors="replace").strip()
+            if kind in DATASET_KINDS:
+                raise FileExistsError(
+                    f"--out {out}: inside the {kind} {folder}, whose folder holds its own files only; "
+                    f"`eaglet {stage}` wrote nothing: choose an --out outside it"
+                )
 
 
 def marked(stage: str) -> bool:

@@ -75,6 +75,7 @@ from eaglet.formats.samples import (
     sparse_tensors,
     stored_kind_findings,
 )
+from eaglet.formats.signatures import SignatureLog, state_signature
 from eaglet.formats.speculators_files import (
     ARROW_STATE_FILE,
     hs_file_states,
@@ -603,12 +604,17 @@ def write_sample(
     states: list[torch.Tensor],
     loss_mask: torch.Tensor,
     teacher: StoredTeacher | None = None,
+    signatures: SignatureLog | None = None,
 ) -> Path:
     """One sample's file in layout `fmt` (speculators' keeps the loss mask in its table, not here; the
-    compact layout keeps the aux states and, in place of the last state, `teacher`)."""
-    write = writable_layout(fmt).write
-    assert write is not None  # writable_layout refuses a layout without one
-    return write(Path(out), index, input_ids, states, loss_mask, teacher)
+    compact layout keeps the aux states and, in place of the last state, `teacher`), its states'
+    signature first recorded in `signatures` where the layout stores them as given (the compact
+    layout's quantized states have their checksums in the file instead)."""
+    lay = writable_layout(fmt)
+    assert lay.write is not None  # writable_layout refuses a layout without one
+    if signatures is not None and not lay.dequantized:
+        signatures.record(index, state_signature(states))
+    return lay.write(Path(out), index, input_ids, states, loss_mask, teacher)
 
 
 def start_dataset(out: str | os.PathLike, fmt: str | Layout, rows: list[tuple[Any, Any]]) -> None:

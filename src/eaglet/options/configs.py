@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from eaglet import families
+from eaglet import families, ranges
 
 from eaglet.options.declare import (
     ADMISSIONS,
@@ -107,6 +107,11 @@ class PrepareOptions:
     mix_samples: int | None = option("keep at most this many chats of --mix", type=int)
     mix_skip: int = option("skip the first N records of --mix (past those --data drew from)", type=int, default=0)
 
+    def check_numbers(self) -> None:
+        """Each number in its range: by the stage, and by a recipe before its first stage runs."""
+        ranges.at_least(1, max_length=self.max_length, num_samples=self.num_samples, mix_samples=self.mix_samples)
+        ranges.at_least(0, skip=self.skip, mix_skip=self.mix_skip)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ExtractOptions(VllmEngineOptions):
@@ -141,6 +146,16 @@ class ExtractOptions(VllmEngineOptions):
         default=HF_ENGINE,
         choices=EXTRACT_ENGINES,
     )
+
+    def check_numbers(self) -> None:
+        """Each number in its range: by the stage, and by a recipe before its first stage runs."""
+        ranges.at_least(
+            1,
+            num_shards=self.num_shards,
+            batch_tokens=self.batch_tokens,
+            max_batch_size=self.max_batch_size,
+            stored_top_k=self.stored_top_k,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +217,11 @@ class CheckOptions:
     max_memory: str | None = max_memory_option()
     offload_folder: str | None = offload_folder_option()
     workers: int | None = option("reader threads (default: one per core, at most 8)", type=int)
+
+    def check_numbers(self) -> None:
+        """Each number in its range: by the stage, and by a recipe before its first stage runs."""
+        ranges.at_least(0, identity_samples=self.identity_samples)
+        ranges.at_least(1, workers=self.workers)
 
 
 # how the command line shows check's report, not inputs of the check
@@ -413,6 +433,25 @@ class RegenOptions(VllmEngineOptions):
     max_memory: str | None = max_memory_option("local: ")
     offload_folder: str | None = offload_folder_option("local: ")
     seed: int = option("local and vllm sampling seed", type=int, default=0)
+
+    def check_numbers(self) -> None:
+        """Each number in its range: by the stage, and by a recipe before its first stage runs."""
+        ranges.at_least(0, temperature=self.temperature, skip=self.skip, max_retries=self.max_retries)
+        ranges.within(0, 1, low_open=True, top_p=self.top_p)
+        ranges.seeds(seed=self.seed)
+        ranges.at_least(
+            1,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            concurrency=self.concurrency,
+            num_samples=self.num_samples,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_turns=self.max_turns,
+            threads=self.threads,
+        )
+        ranges.within(1, ranges.MAX_NEW_TOKENS, "more than any model's positions", max_new_tokens=self.max_new_tokens)
+        ranges.above(0, timeout=self.timeout)
+        ranges.seconds(time_budget=self.time_budget)
 
 
 @dataclass(frozen=True, kw_only=True)

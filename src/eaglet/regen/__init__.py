@@ -30,7 +30,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from eaglet import formats, ranges
+from eaglet import formats
 from eaglet.formats import RegenWriter, errors_path, open_output
 from eaglet.options import REGEN_BACKENDS, RegenOptions
 from eaglet.placement import placement_from_options
@@ -63,26 +63,11 @@ def check_options(s: Settings) -> None:
             f"--device-map {o.device_map}: places the target of --backend local; the {o.backend} "
             "endpoint's server places its own"
         )
-    ranges.at_least(0, temperature=o.temperature, skip=o.skip, max_retries=o.max_retries)
-    ranges.within(0, 1, low_open=True, top_p=o.top_p)
-    ranges.seeds(seed=o.seed)
-    ranges.at_least(
-        1,
-        max_new_tokens=o.max_new_tokens,
-        batch_size=o.batch_size,
-        concurrency=o.concurrency,
-        num_samples=o.num_samples,
-        max_prompt_tokens=o.max_prompt_tokens,
-        max_turns=o.max_turns,
-        threads=o.threads,
-    )
-    ranges.within(1, ranges.MAX_NEW_TOKENS, "more than any model's positions", max_new_tokens=o.max_new_tokens)
+    o.check_numbers()
     if o.backend != "llama.cpp" and (o.target_gguf is not None or o.threads is not None or o.engine_f32):
         raise ValueError(
             f"--target-gguf, --threads and --engine-f32 are the llama.cpp backend's (this is --backend {o.backend})"
         )
-    ranges.above(0, timeout=o.timeout)
-    ranges.seconds(time_budget=o.time_budget)
 
 
 def record_meta(o: RegenOptions, own: dict[str, Any]) -> dict[str, Any]:

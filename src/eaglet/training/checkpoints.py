@@ -89,6 +89,17 @@ def prune_checkpoints(ckpt_root: Path, keep: int, protect: set[str]) -> None:
             )
 
 
+def refuse_existing_run(out: Path, resume: bool) -> None:
+    """Without --resume, a folder that holds a run is refused: first thing, before the data and the
+    target load, and again where the run would start."""
+    latest = None if resume else read_pointer(out / CHECKPOINTS_DIR, LATEST_FILE)
+    if latest:
+        raise ValueError(
+            f"{out} already holds a training run (checkpoint {latest['path']}); pass --resume "
+            "to continue it, or use another --out"
+        )
+
+
 @dataclass
 class Checkpointer:
     """Saves the run's checkpoints and moves its pointers, and restores the latest one on --resume.
@@ -126,11 +137,7 @@ class Checkpointer:
             return restore(self.root / latest["path"], draft, opt, sched, self.trajectory, self.data)[2]
         if resume:
             log.info("--resume: no checkpoint in %s; starting from scratch", self.root)
-        elif latest:
-            raise ValueError(
-                f"{self.out} already holds a training run (checkpoint {latest['path']}); pass --resume "
-                "to continue it, or use another --out"
-            )
+        refuse_existing_run(self.out, resume)
         return None
 
     def save(

@@ -65,6 +65,7 @@ from eaglet.training.checkpoints import (
     Checkpointer,
     MetricsLog,
     checkpoint_name,
+    refuse_existing_run,
     resumed_options,
     run_lock,
     truncate_metrics,
@@ -211,6 +212,7 @@ def train_locked(
         defaults = defaults_of(TrainSettings)
         settings = {k: v for k, v in settings.items() if (k in given if given is not None else v != defaults[k])}
     out = Path(options.out_dir)
+    refuse_existing_run(out, resume)
     cfg, from_run = options_of_run(out, resume, settings)
     if env_rank() == 0:
         # checkpoint folders and pointers a kill left half-written: all beside the checkpoints, never
