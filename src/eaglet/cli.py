@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from eaglet import ranges
 from eaglet.options import APPEND, BOOL, FLAG, REMOTE_CODE_ENV, STAGES, Option, Stage
 
 
@@ -100,7 +99,8 @@ def run_default(stage: Stage, args: argparse.Namespace) -> None:
 
 def run_check(stage: Stage, args: argparse.Namespace) -> None:
     """Print the report (or JSON); exit 1 when the dataset is not clean, so scripts can gate on it."""
-    ranges.at_least(0, max_per_kind=args.max_per_kind)  # before the check's minutes, not after
+    if args.max_per_kind < 0:  # refused before the check's minutes, not after them
+        raise ValueError(f"--max-per-kind {args.max_per_kind}: must be >= 0")
     report = call_entry(stage, args)
     print(
         json.dumps(report.to_json(), indent=2, default=str) if args.json else "\n".join(report.lines(args.max_per_kind))
