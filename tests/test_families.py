@@ -14,6 +14,7 @@ import eaglet
 from eaglet import families
 from eaglet.decode import speculative_generate
 from eaglet.drafter.files import load_checkpoint
+from eaglet.drafter.p_eagle import PEagleDraft
 from eaglet.export import export_drafter
 from eaglet.options import DRAFTER_FAMILIES, PARALLEL_METHODS, VLLM_FAMILY_METHODS
 from eaglet.training.checkpoints import iter_metrics
@@ -73,7 +74,9 @@ def test_traits_of_the_three_families():
 
 def test_a_family_is_registered_once_and_an_unknown_one_is_named():
     with pytest.raises(ValueError, match="drafter family 'dflash' is registered twice"):
-        families.register(families.Family("dflash", "DFlash again", parallel=True))
+        families.register(
+            families.Family("dflash", "DFlash again", parallel=True, model="eaglet.drafter.dflash:DFlashDraft")
+        )
     with pytest.raises(ValueError, match=r"drafter family 'dspark': one of \['eagle3', 'p-eagle', 'dflash'\]"):
         families.family("dspark")
 
@@ -111,3 +114,43 @@ def test_a_family_registered_alone_trains_decodes_exactly_and_exports(variant, d
     export_drafter(ExportOptions(ckpt=tmp_path / "run", out=tmp_path / "vllm", fmt="speculators"))
     exported = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert exported["speculators_model_type"] == "dflash" and exported["block_size"] == 6
+
+
+class EvenPEagle(PEagleDraft):
+    """A family's own model code, as its package would hold it: P-EAGLE's drafter whose block
+    positions all weigh alike in the loss."""
+
+    used: list[int] = []
+
+    @staticmethod
+    def position_weights(block_size: int) -> list[float]:
+        EvenPEagle.used.append(block_size)
+        return [1.0] * block_size
+
+
+@pytest.fixture
+def own_model():
+    """A family with a model of its own: its class and a `Family` naming it, nothing else edited."""
+    added = families.register(
+        dataclasses.replace(
+            families.P_EAGLE, name="p-eagle-even", title="P-EAGLE, even", model=f"{__name__}:EvenPEagle"
+        )
+    )
+    yield added
+    del families.FAMILIES[added.name]
+
+
+def test_a_family_with_a_model_of_its_own_trains_and_decodes_with_it(own_model, dataset, target, tmp_path):
+    opts = {**FAST, "anchor_stride": 2}
+    opts.pop("ttt_steps")
+    summary = train(
+        TrainOptions(dataset_dir=dataset, out_dir=tmp_path / "run", drafter=own_model.name, total_steps=2, **opts),
+        show_progress=False,
+    )
+    assert EvenPEagle.used and set(EvenPEagle.used) == {8}  # its loss weights, at its family's block
+    drafter = load_checkpoint(tmp_path / "run" / "checkpoints" / f"step_{summary.step:08d}")
+    assert type(drafter) is EvenPEagle and drafter.config.family == "p-eagle-even"
+    for prompt in PROMPTS:
+        assert speculative_generate(target, drafter, prompt, 12, mode="chain", depth=8)[0] == plain_greedy(
+            target, prompt, 12
+        )

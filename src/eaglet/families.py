@@ -2,7 +2,10 @@
 of a family (training, decoding, eval, export, recipes) is a field here, never a comparison with
 its name. Light on purpose (no torch): the command line reads it to list `--drafter` choices.
 
-A new family is a `Family(...)` passed to `register` (and its model in `eaglet.drafter`).
+A family's code is a package of its own under `eaglet.drafter` (`eagle3`, `p_eagle`, `dflash`): its
+model, the layout of its training blocks, their loss weights and its decoding pass. A new family is
+such a package and a `Family(...)` naming its model, passed to `register` (from its own package, or
+here for the built-ins, which the command line lists without importing torch).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ class Family:
     name: str  # the --drafter word, and the `family` a drafter's config.json records
     title: str  # how prose names it
     parallel: bool  # a block of drafts from one pass (else EAGLE-3's chain: one draft a pass, TTT in training)
+    model: str  # "module:Class" of the model in its package (eaglet.drafter.build imports it when first built)
     default_block_size: int | None = None  # a parallel family's block when --block-size is not given
     # a parallel family's decoder layers when --draft-layers is not given: the first multi-layer
     # size (a CPU pays for every layer at every pass)
@@ -106,6 +110,7 @@ EAGLE3 = register(
         "eagle3",
         "EAGLE-3",
         parallel=False,
+        model="eaglet.drafter.eagle3:Eagle3Draft",
         speculators_type="eagle3",
         speculators_architecture="Eagle3Speculator",
         vllm_method="eagle3",
@@ -121,6 +126,7 @@ P_EAGLE = register(
         "p-eagle",
         "P-EAGLE",
         parallel=True,
+        model="eaglet.drafter.p_eagle:PEagleDraft",
         default_block_size=8,
         speculators_type="peagle",
         speculators_architecture="PEagleSpeculator",
@@ -134,6 +140,7 @@ DFLASH = register(
         "dflash",
         "DFlash",
         parallel=True,
+        model="eaglet.drafter.dflash:DFlashDraft",
         default_block_size=16,
         anchor_in_block=True,
         injects_context=True,

@@ -22,7 +22,7 @@ from eaglet.drafter import (
     ttt_loss,
 )
 from eaglet.drafter.attention import CHUNKED, FLASH, TTT_KERNELS, CausalLogSumExp, default_kernel
-from eaglet.drafter.model import shift_left
+from eaglet.drafter.eagle3 import shift_left
 from eaglet.drafter.objectives import objective_loss
 
 # Every kernel, named, so the CPU suite runs each (the CPU's default is "flash", a GPU's "chunked").

@@ -20,6 +20,7 @@ from eaglet.drafter import (
     PARALLEL_FAMILIES,
     DraftConfig,
     ParallelDraft,
+    build_model,
     Teacher,
     anchor_grid,
     block_loss,
@@ -34,7 +35,7 @@ from eaglet.training.config import TrainConfig
 from eaglet.training.loop import train
 from references import plain_greedy  # tests/references.py
 from helpers import AUX_IDS, FAST, PROMPTS, run_weights
-from replays import sglang_load_dflash, vllm_load_parallel
+from replays import sglang_load, vllm_load
 from eaglet.options import EvalOptions, ExportOptions, ImportOptions, TrainOptions
 
 
@@ -70,7 +71,9 @@ def make_parallel(
             block_size=block,
             mask_token_id=vocab - 1,
         )
-    return ParallelDraft(cfg).eval()
+    model = build_model(cfg)
+    assert isinstance(model, ParallelDraft)
+    return model.eval()
 
 
 def anchor_of(family: str, root: int) -> int:
@@ -319,7 +322,7 @@ def parallel_checkpoint(tmp_path, family: str, tiny_target, **overrides) -> Path
 def test_speculators_export_is_what_vllm_loads_and_imports_back_exactly(tmp_path, tiny_target, family):
     ckpt = parallel_checkpoint(tmp_path, family, tiny_target)
     summary = export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="speculators", dtype="fp32"))
-    hf, loaded = vllm_load_parallel(tmp_path / "out")
+    hf, loaded = vllm_load(tmp_path / "out")
     w = weights_of(ckpt)
     assert hf["aux"] == AUX_IDS and hf["tokens"] == predicted_positions(load_checkpoint(ckpt).config)
     assert torch.equal(loaded["draft_id_to_target_id"], w["d2t"])
@@ -338,9 +341,10 @@ def test_speculators_export_is_what_vllm_loads_and_imports_back_exactly(tmp_path
 def test_sglang_dflash_export_loads_and_needs_the_targets_head(tmp_path, tiny_target):
     ckpt = parallel_checkpoint(tmp_path, DFLASH, tiny_target)
     export_drafter(ExportOptions(ckpt=ckpt, out=tmp_path / "out", fmt="eagle", dtype="fp32"))
-    captured, loaded = sglang_load_dflash(tmp_path / "out")
+    captured, vocabulary_map, loaded = sglang_load(tmp_path / "out")
     w = weights_of(ckpt)
     assert captured == AUX_IDS and torch.equal(loaded["hidden_norm.weight"], w["hidden_norm.weight"])
+    assert vocabulary_map is None  # SGLang drafts DFlash over the target's vocabulary
     back = import_drafter(ImportOptions(src=tmp_path / "out", out=tmp_path / "back"))
     assert back.config.family == DFLASH and back.config.block_size == 5
     # a head of its own would be ignored by SGLang, which drafts with the target's: refused

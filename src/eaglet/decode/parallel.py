@@ -5,8 +5,9 @@ layers' own at every committed position; DFlash: the injected context, the targe
 states) and runs ONE drafter pass per cycle: the positions committed since the last pass (their
 keys/values are kept) together with the block, whose keys/values are scratch. The block is
 proposed as a chain, cut where the product of the drafts' probabilities under the drafter falls
-below `min_prob`. The training forward (`eaglet.drafter.ParallelDraft`) is the reference these
-incremental passes are tested against.
+below `min_prob`. The pass itself is the family's (`decode_pass` of `eaglet.drafter.p_eagle` and
+`eaglet.drafter.dflash`); its training forward is the reference these incremental passes are
+tested against.
 """
 
 from __future__ import annotations
@@ -15,19 +16,8 @@ import math
 
 import torch
 
-from eaglet import families
 from eaglet.decode.core import DraftTree
 from eaglet.drafter import ParallelDraft, predicted_positions
-from eaglet.drafter.parallel import Layer
-
-
-def drafter_layers(drafter: ParallelDraft) -> list[Layer]:
-    """The drafter's decoder layers as what they are (nn.ModuleList types its items as any nn.Module)."""
-    layers = []
-    for layer in drafter.layers:
-        assert isinstance(layer, Layer)
-        layers.append(layer)
-    return layers
 
 
 class ParallelProposer:
@@ -38,7 +28,7 @@ class ParallelProposer:
         if not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_prob {min_prob}: a probability in [0, 1]")
         self.drafter, self.cfg = drafter, drafter.config
-        self.layers = drafter_layers(drafter)
+        self.layers = drafter.decoder_layers()
         self.name = self.cfg.family
         self.min_log_prob = math.log(min_prob) if min_prob > 0 else -math.inf
         self.aux_layer_ids = list(self.cfg.aux_layer_ids)
@@ -99,78 +89,10 @@ class ParallelProposer:
         self.pending = []
         start = self.context_len
         m = 0 if new is None else new.shape[0]
-        if families.family(self.cfg.family).anchor_in_block:  # DFlash: the context enters as keys/values
-            out = self.dflash_pass(new, start, m)
-        else:
-            out = self.p_eagle_pass(new, start, m)
+        out = self.drafter.decode_pass(self, new, start, m)
         self.context_len = start + m
         self.draft_forwards += 1
         return out
-
-    def dflash_pass(self, new: torch.Tensor | None, start: int, m: int) -> torch.Tensor:
-        d, B = self.drafter, self.cfg.block_size
-        device = d.fc.weight.device
-        n = start + m  # the block's anchor position: the root, committed but not yet fed to the target
-        block_pos = torch.arange(n, n + B, device=device)
-        cos_q, sin_q = d.rope(block_pos)
-        if m:
-            assert new is not None  # m counts its rows
-            ctx = d.fuse(new.to(device)[None])
-            cos_c, sin_c = d.rope(torch.arange(start, n, device=device))
-        assert self.cfg.mask_token_id is not None  # DraftConfig requires one of a parallel drafter
-        tokens = torch.full((1, B), self.cfg.mask_token_id, device=device)
-        tokens[0, 0] = self.seq[-1]
-        x = d.embed_tokens(tokens).to(d.dtype)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            if m:
-                self.store(i, *attn.keys_values(ctx, cos_c, sin_c), start)
-            k_ctx, v_ctx = self.cached(i, n)
-            h = layer.input_layernorm(x)
-            k_blk, v_blk = attn.keys_values(h, cos_q, sin_q)
-            allowed = torch.ones(1, 1, B, n + B, dtype=torch.bool, device=device)
-            x = layer.finish(
-                x,
-                attn.attend(
-                    attn.query(h, cos_q, sin_q), torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), allowed
-                ),
-            )
-        return d.norm(x)[0, 1:]
-
-    def p_eagle_pass(self, new: torch.Tensor | None, start: int, m: int) -> torch.Tensor:
-        d, K = self.drafter, self.cfg.block_size
-        device = d.fc.weight.device
-        last = start + m - 1  # the last committed position with aux states: depth 0 predicts 2 ahead of it
-        real_tokens = torch.tensor(self.seq[start + 1 : start + m + 1], dtype=torch.long, device=device)
-        g = d.fuse(new.to(device)) if new is not None else d.fc.weight.new_zeros(0, self.cfg.hidden_size)
-        hidden = torch.cat([g, d.parallel_hidden()[0].expand(K - 1, -1)])[None]
-        x = torch.cat([d.embed_tokens(real_tokens), d.mask_embedding((K - 1,), device)]).to(d.dtype)[None]
-        q_pos = torch.cat(
-            [torch.arange(start, start + m, device=device), torch.arange(last + 1, last + K, device=device)]
-        )
-        cos, sin = d.rope(q_pos)
-        q = m + K - 1
-        # queries see every kept position, the new real ones causally, the parallel ones causally after all real
-        keys = torch.arange(start + q, device=device)
-        queries = torch.arange(start, start + q, device=device)
-        allowed = (keys[None, :] <= queries[:, None])[None, None]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            inp = layer.layer_input(hidden, x if i == 0 else None)
-            k, v = attn.keys_values(inp, cos, sin)
-            if m:
-                self.store(i, k[:, :, :m], v[:, :, :m], start)
-            k_old, v_old = self.cached(i, start)
-            hidden = layer.finish(
-                hidden,
-                attn.attend(attn.query(inp, cos, sin), torch.cat([k_old, k], 2), torch.cat([v_old, v], 2), allowed),
-            )
-        normed = d.norm(hidden)[0]
-        if m:
-            self.last_out = normed[m - 1]
-        if self.last_out is None:
-            raise ValueError("P-EAGLE proposes after the target's aux states of at least one position")
-        return torch.cat([self.last_out[None], normed[m:]])
 
     # -- Proposer interface --------------------------------------------------------------------
 

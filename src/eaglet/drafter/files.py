@@ -22,7 +22,7 @@ import torch
 
 from eaglet import __version__, families, formats, heads, layers, vllm_engine
 from eaglet.drafter.config import DraftConfig
-from eaglet.drafter.parallel import DraftModel, build_model
+from eaglet.drafter.build import DraftModel, build_model
 from eaglet.formats.drafters import SECTION, plain_rope_theta, read_field
 from eaglet.formats.runs import MODEL_FILE, resolve_checkpoint
 from eaglet.target import find_target_gguf, load_heads, resolve_target, serving_name, target_vocabulary, text_config

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eaglet.drafter.model import DraftOutput
+from eaglet.drafter.eagle3 import DraftOutput
 from eaglet.drafter.parallel import BlockOutput
 from eaglet.drafter.teacher import Teacher
 

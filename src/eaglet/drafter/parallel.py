@@ -1,31 +1,25 @@
-"""The parallel drafters: a whole block of draft tokens from one forward pass.
+"""What the parallel drafters share: a whole block of draft tokens from one forward pass, through
+Llama-style layers (`Layer`, with `Attention` whose keys/values may begin with an injected
+context). Each family's package says what enters the layers and how a block is laid out:
 
-Two families share the Llama-style layers below and differ in what enters them:
-
-    P-EAGLE   EAGLE-3's input at every committed position t, concat(norm(embed(x_{t+1})),
-              hidden_norm(g_t)) with g = fc(three aux states), through `num_layers` causal layers
-              (the first takes the 2H concat, as EAGLE-3's layer does). Position t predicts
-              x_{t+2} ("depth 0"). Behind the last committed position sit K-1 parallel positions
-              fed the embedding of `mask_token_id` and fc(`mask_hidden`), a learned stand-in for the
-              three aux states [1, 1, 3H] (speculators' and vLLM's name and shape), at RoPE positions
-              t+1 .. t+K-1: depth k predicts x_{t+2+k}. They see every committed position and the
-              parallel positions before them (causal), so K drafts come from one pass.
-    DFlash    block diffusion: the target's aux states, fused and normalised (hidden_norm(fc(.))),
-              are the context every layer attends to, through its own k/v projections ("KV
-              injection"); they never pass through the layers. The block is [anchor, mask x B-1]:
-              the anchor is the last committed token (the target's own choice, not yet fed to it)
-              at RoPE position a, the masks at a+1 .. a+B-1, attending to each other both ways and
-              to the context before a. Block position i predicts x_{a+i}: B-1 drafts per pass.
+    P-EAGLE   (`eaglet.drafter.p_eagle`) EAGLE-3's input at every committed position, and K-1
+              parallel positions behind the last, fed a mask token and a learned stand-in for the
+              aux states: K drafts a pass.
+    DFlash    (`eaglet.drafter.dflash`) block diffusion: the fused aux states are a context every
+              layer attends to through its own k/v projections; the block [anchor, mask x B-1]
+              attends to it and to itself both ways: B-1 drafts a pass.
 
 Training runs many blocks per sequence at once: anchors on a grid of the positions that count
 (`anchor_grid`, its offset turning with the optimizer step so every position is an anchor in
-turn), each block a group of queries with its own mask, all in one batched attention.
+turn), each block a group of queries with its own mask, all in one batched attention (the family's
+`blocks`). Decoding runs one block after the committed positions (the family's `decode_pass`),
+with the committed positions' keys and values kept by the proposer (`PassCache`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,33 +28,7 @@ from torch import nn
 from eaglet import families
 from eaglet.drafter.attention import apply_rope, rope_cos_sin
 from eaglet.drafter.config import DraftConfig
-from eaglet.drafter.model import MLP, Drafter, Eagle3Draft, RMSNorm
-
-# The built-in parallel families, by name. The code below reads a family's traits (`families`),
-# so a family registered with the traits of one of them runs here unchanged.
-P_EAGLE, DFLASH = families.P_EAGLE.name, families.DFLASH.name
-PARALLEL_FAMILIES = (P_EAGLE, DFLASH)
-
-
-P_EAGLE_KEEP, P_EAGLE_KEEP_MIN = 0.7, 0.2  # P-EAGLE's sampling: depth d keeps max(0.7^d, 0.2) of the positions
-
-
-def position_weights(family: str, block_size: int) -> list[float]:
-    """The loss weight of each predicted block position. DFlash: exp(-(k-1)/gamma) over block
-    positions k = 1..B-1, gamma 7 for blocks of 16 (5 for 10, 4 for 8; the paper's), since a
-    later position counts only when every earlier one was accepted. P-EAGLE: its paper averages
-    the loss over sampled elements alike, and samples depth d at max(0.7^d, 0.2) of the positions
-    depth 0 trains at, so depth d weighs that much against depth 0 (eaglet trains every depth on
-    the same anchor grid and weights them instead of sampling)."""
-    if families.family(family).injects_context:
-        gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
-        return [math.exp(-k / gamma) for k in range(block_size - 1)]
-    return [max(P_EAGLE_KEEP**d, P_EAGLE_KEEP_MIN) for d in range(block_size)]
-
-
-def predicted_positions(cfg: DraftConfig) -> int:
-    """Draft tokens one pass proposes: K for P-EAGLE, B-1 for DFlash."""
-    return families.family(cfg.family).drafts_per_pass(cfg.block_size)
+from eaglet.drafter.layers import MLP, Drafter, RMSNorm
 
 
 class Attention(nn.Module):
@@ -141,11 +109,25 @@ class BlockOutput:
     everywhere: torch.Tensor | None = None
 
 
-class ParallelDraft(Drafter):
-    """A P-EAGLE or DFlash drafter (`cfg.family`); names are those eaglet stores and exports."""
+class PassCache(Protocol):
+    """What a decoding pass keeps between passes (eaglet.decode's `ParallelProposer`): the committed
+    sequence and, per layer, the committed positions' keys and values."""
 
-    hidden_norm: RMSNorm  # DFlash's
-    mask_hidden: nn.Parameter  # P-EAGLE's
+    seq: list[int]
+    last_out: torch.Tensor | None  # P-EAGLE: the normed output at the last committed position
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None: ...
+
+    def cached(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class ParallelDraft(Drafter):
+    """What a parallel drafter of any family has (`cfg.family`); names are those eaglet stores and
+    exports. A family's class adds what enters the layers (`add_inputs`), says whether the first
+    layer takes EAGLE-3's input (`EAGLE_INPUT`), and lays out its blocks (`blocks`, training;
+    `decode_pass`, decoding) and their loss weights (`position_weights`)."""
+
+    EAGLE_INPUT = False  # the first layer takes concat(norm(embedding), hidden_norm(hidden)), as EAGLE-3's
 
     def __init__(self, cfg: DraftConfig):
         traits = families.family(cfg.family)
@@ -153,22 +135,20 @@ class ParallelDraft(Drafter):
             raise ValueError(f"family {cfg.family!r}: not a parallel drafter")
         super().__init__(cfg)
         self.traits = traits
-        H = cfg.hidden_size
-        self.fc = nn.Linear(3 * cfg.aux_width, H, bias=False)
-        if traits.injects_context:
-            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)  # of the injected context
-        else:
-            # the parallel positions' stand-in for the aux states, through fc like them
-            self.mask_hidden = nn.Parameter(torch.zeros(1, 1, 3 * cfg.aux_width))
-        # without injected context, the first layer takes EAGLE-3's input (P-EAGLE)
-        self.layers = nn.ModuleList(Layer(cfg, not traits.injects_context and i == 0) for i in range(cfg.num_layers))
+        self.fc = nn.Linear(3 * cfg.aux_width, cfg.hidden_size, bias=False)
+        self.add_inputs(cfg)
+        self.layers = nn.ModuleList(Layer(cfg, self.EAGLE_INPUT and i == 0) for i in range(cfg.num_layers))
         self.add_head()
         self.reset_parameters()
 
-    def reset_parameters(self, std: float = 0.02) -> None:
-        super().reset_parameters(std)
-        if hasattr(self, "mask_hidden"):
-            nn.init.normal_(self.mask_hidden)  # a unit-scale state, as speculators initialises it
+    def add_inputs(self, cfg: DraftConfig) -> None:
+        """The family's own modules between fc and the layers (registered, so initialised and
+        written, in this order)."""
+
+    @staticmethod
+    def position_weights(block_size: int) -> list[float]:
+        """The loss weight of each predicted block position."""
+        raise NotImplementedError
 
     def decoder_layers(self) -> list[Layer]:
         """The layers, typed (an nn.ModuleList yields plain Modules)."""
@@ -179,18 +159,13 @@ class ParallelDraft(Drafter):
         return self.fc.weight.dtype
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """The fused aux states: P-EAGLE's g (its layers' hidden input), DFlash's normalised context."""
-        g = self.fc(aux_hidden.to(self.dtype))
-        return self.hidden_norm(g) if self.traits.injects_context else g
+        """The fused aux states fc(concat aux)."""
+        return self.fc(aux_hidden.to(self.dtype))
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin broadcastable over heads for positions [B, n] or [n]."""
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         return (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos, sin)
-
-    def parallel_hidden(self) -> torch.Tensor:
-        """P-EAGLE's hidden input at a parallel position, [1, 1, H]: fc(mask_hidden)."""
-        return self.fc(self.mask_hidden.to(self.dtype))
 
     def mask_embedding(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         ids = torch.full(shape, self.config.mask_token, dtype=torch.long, device=device)
@@ -215,9 +190,18 @@ class ParallelDraft(Drafter):
             positions = torch.arange(L, device=device).expand(B, L)
         if documents is None:
             documents = torch.zeros(B, L, dtype=torch.long, device=device)
-        if self.traits.injects_context:
-            return self.dflash_blocks(input_ids, aux_hidden, anchors, documents, positions)
-        return self.p_eagle_blocks(input_ids, aux_hidden, anchors, documents, positions)
+        return self.blocks(input_ids, aux_hidden, anchors, documents, positions)
+
+    def blocks(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        documents: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> BlockOutput:
+        """The family's training forward: `forward`'s blocks, documents and positions given."""
+        raise NotImplementedError
 
     @staticmethod
     def block_layout(
@@ -235,95 +219,19 @@ class ParallelDraft(Drafter):
         block = torch.arange(A, device=anchors.device)[:, None].expand(A, n).reshape(A * n)
         return query_anchor, rope_pos, doc, block
 
-    def dflash_blocks(
-        self,
-        input_ids: torch.Tensor,
-        aux_hidden: torch.Tensor,
-        anchors: torch.Tensor,
-        documents: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> BlockOutput:
-        B, L = input_ids.shape
-        A, n = anchors.shape[1], self.config.block_size
-        ctx = self.fuse(aux_hidden)  # [B, L, H]
-        q_anchor, q_pos, q_doc, q_block = self.block_layout(anchors, documents, positions, 0, n)
-        tokens = input_ids.gather(1, anchors.clamp(min=0))  # the anchor token of each block
-        x = self.mask_embedding((B, A, n), input_ids.device)
-        x[:, :, 0] = self.embed_tokens(tokens)
-        x = x.reshape(B, A * n, -1).to(ctx.dtype)
-        # a block query sees the context before its anchor, in its sample, and its whole block
-        keys = torch.arange(L, device=input_ids.device)
-        sees_ctx = (keys[None, None, :] < q_anchor[:, :, None]) & (documents[:, None, :] == q_doc[:, :, None])
-        sees_block = (q_block[:, None] == q_block[None, :])[None] & (q_doc[:, :, None] >= -1)
-        allowed = torch.cat([sees_ctx, sees_block.expand(B, -1, -1)], dim=2)[:, None]
-        allowed = allowed | ~allowed.any(-1, keepdim=True)  # padding blocks: any row, never used
-        cos_c, sin_c = self.rope(positions)
-        cos_q, sin_q = self.rope(q_pos)
-        for layer in self.decoder_layers():
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            k_ctx, v_ctx = attn.keys_values(ctx, cos_c, sin_c)
-            k_blk, v_blk = attn.keys_values(h, cos_q, sin_q)
-            out = attn.attend(
-                attn.query(h, cos_q, sin_q), torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), allowed
-            )
-            x = layer.finish(x, out)
-        normed = self.norm(x).view(B, A, n, -1)
-        return self.block_output(normed, anchors, range(1, n), 1)
-
-    def p_eagle_blocks(
-        self,
-        input_ids: torch.Tensor,
-        aux_hidden: torch.Tensor,
-        anchors: torch.Tensor,
-        documents: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> BlockOutput:
-        B, L = input_ids.shape
-        A, K = anchors.shape[1], self.config.block_size
-        device = input_ids.device
-        g = self.fuse(aux_hidden)
-        next_tokens = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, 1)], dim=1)
-        embeds = self.embed_tokens(next_tokens).to(g.dtype)
-        n = K - 1
-        q_anchor, q_pos, q_doc, _ = self.block_layout(anchors, documents, positions, 1, n)
-        par_embeds = self.mask_embedding((B, A * n), device).to(g.dtype)
-        par_hidden = self.parallel_hidden().expand(B, A * n, -1)
-        # one stream: the L committed positions, then the parallel ones; real positions are
-        # causal within their sample, parallel (anchor a, depth d) sees real positions <= a of
-        # its sample and the same anchor's depths <= d
-        keys = torch.arange(L, device=device)
-        real = (keys[None, :] <= keys[:, None])[None] & (documents[:, :, None] == documents[:, None, :])
-        par_real = (keys[None, None, :] <= q_anchor[:, :, None]) & (documents[:, None, :] == q_doc[:, :, None])
-        depth = torch.arange(n, device=device).repeat(A)
-        block = torch.arange(A, device=device).repeat_interleave(n)
-        par_par = ((block[:, None] == block[None, :]) & (depth[None, :] <= depth[:, None]))[None].expand(B, -1, -1)
-        allowed = torch.cat([torch.cat([real, real.new_zeros(B, L, A * n)], 2), torch.cat([par_real, par_par], 2)], 1)[
-            :, None
-        ]
-        allowed = allowed | ~allowed.any(-1, keepdim=True)
-        hidden = torch.cat([g, par_hidden], 1)
-        cos, sin = self.rope(torch.cat([positions, q_pos], 1))
-        x = torch.cat([embeds, par_embeds], 1)
-        for i, layer in enumerate(self.decoder_layers()):
-            inp = layer.layer_input(hidden, x if i == 0 else None)
-            attn = layer.self_attn
-            k, v = attn.keys_values(inp, cos, sin)
-            hidden = layer.finish(hidden, attn.attend(attn.query(inp, cos, sin), k, v, allowed))
-        normed = self.norm(hidden)
-        depth0 = normed[:, :L]
-        parallel = normed[:, L:].view(B, A, n, -1)
-        at_anchor = depth0.gather(1, anchors.clamp(min=0)[:, :, None].expand(-1, -1, depth0.shape[-1]))[:, :, None]
-        out = self.block_output(torch.cat([at_anchor, parallel], 2), anchors, range(K), 2)
-        out.everywhere = depth0
-        return out
-
     def block_output(self, normed: torch.Tensor, anchors: torch.Tensor, columns: range, shift: int) -> BlockOutput:
         """Per predicted position k (column c of the block), the outputs [B, A, H] and the row
         position they predict: anchor + shift + k."""
         hidden = [normed[:, :, c] for c in columns]
         predicts = [torch.where(anchors >= 0, anchors + shift + k, -1) for k in range(len(columns))]
         return BlockOutput(hidden, predicts, anchors, self.lm_head)
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    def decode_pass(self, cache: PassCache, new: torch.Tensor | None, start: int, m: int) -> torch.Tensor:
+        """One block after the committed positions: the normed outputs [n, H] of its predicting
+        positions, taking in `new` aux states [m, 3H] of committed positions start .. start+m-1."""
+        raise NotImplementedError
 
 
 def anchor_grid(
@@ -350,11 +258,3 @@ def anchor_grid(
     for b, r in enumerate(rows):
         out[b, : len(r)] = r
     return out
-
-
-DraftModel = Eagle3Draft | ParallelDraft  # a drafter of any family
-
-
-def build_model(cfg: DraftConfig) -> DraftModel:
-    """The drafter `cfg` describes, of its family."""
-    return ParallelDraft(cfg) if families.family(cfg.family).parallel else Eagle3Draft(cfg)

@@ -20,24 +20,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eaglet.drafter.attention import DiagonalTTTAttention, TTTAttentionCore, apply_rope, rope_cos_sin
-from eaglet.drafter.config import DEFAULT_TTT_STEPS, DraftConfig, build_draft_vocab
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as Llama does): bf16 variance loses too much.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+from eaglet.drafter.config import DEFAULT_TTT_STEPS, DraftConfig
+from eaglet.drafter.layers import MLP, Drafter, RMSNorm
 
 
 class Attention(nn.Module):
@@ -57,17 +44,6 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
         out = core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MidLayer(nn.Module):
@@ -116,44 +92,6 @@ class DraftOutput:
     @property
     def logits(self) -> list[torch.Tensor]:
         return [self.head(h) for h in self.hidden]
-
-
-class Drafter(nn.Module):
-    """What every drafter family has: the target's embeddings (frozen) first; last, a final norm, an
-    LM head over the draft vocabulary and its d2t / t2d maps (`add_head`). A family's class adds
-    its fc and layers between the two: modules are registered, and so initialised from the seed
-    and written, in this order."""
-
-    d2t: torch.Tensor  # buffers: draft id -> offset to its target id; target id -> in the draft vocabulary
-    t2d: torch.Tensor
-
-    def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
-
-    def add_head(self) -> None:
-        cfg = self.config
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        d2t, t2d = build_draft_vocab({}, cfg.target_vocab_size, cfg.draft_vocab_size)
-        self.register_buffer("d2t", d2t)
-        self.register_buffer("t2d", t2d)
-
-    def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
-
-    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_to_target_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
 
 class Eagle3Draft(Drafter):
@@ -210,12 +148,3 @@ class Eagle3Draft(Drafter):
             outputs.append(normed)
             hidden = normed if self.config.norm_output else out
         return DraftOutput(outputs, self.lm_head)
-
-
-def load_embeddings_from(draft: Drafter, target_embeddings: torch.Tensor) -> None:
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(target_embeddings)  # casts as it copies: no temporary of vocab x H
-
-
-def num_parameters(model: nn.Module, trainable_only: bool = True) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
