@@ -41,7 +41,7 @@ def generate(
     lengths: dict[int, int] = {}
     freq: dict[int, int] = {}
     total = masked_total = i = 0
-    signatures = formats.SignatureLog(out)
+    signatures = formats.SignatureLog(out, "shard_0_of_1")
     while total < target_tokens:
         T = int(torch.randint(256, 2049, (1,), generator=g))
         ids = torch.randint(0, vocab, (T,), generator=g)

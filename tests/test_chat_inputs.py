@@ -95,6 +95,18 @@ def test_developer_messages_mixed_keys_and_reasoning_are_read_or_counted(tmp_pat
     ]
     assert stats.trimmed == {"assistant reasoning_content dropped, the answer kept (counted per turn)": 1}
     assert not stats.dropped_roles and not stats.skipped
+    late = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "developer", "content": "Be brief."},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": "", "reasoning_content": "No answer follows."},
+        ]
+    }
+    records, stats = read_all(write_jsonl(tmp_path / "late.jsonl", [late]))
+    assert records == [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]]
+    assert stats.dropped_roles["developer"] == 1 and not any("reasoning" in k for k in stats.trimmed)
 
 
 def test_a_record_far_beyond_max_length_costs_memory_by_what_is_kept(tiny_target, tmp_path):

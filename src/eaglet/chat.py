@@ -44,6 +44,9 @@ ROLE_ALIASES = {
     "system": SYSTEM,
     "developer": SYSTEM,  # OpenAI's newer name for the system message
 }
+# roles read only as a chat's first message, dropped (and counted) after it, as roles eaglet does
+# not know are: a developer message mid-chat once was, and kept the chat whole
+LATE_ROLES_DROPPED = ("developer",)
 # A message's (role, text) keys: ShareGPT's and OpenAI's; a list may mix them, message by message
 MESSAGE_KEYS = (("from", "value"), ("role", "content"))
 
@@ -298,17 +301,17 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
     else:
         return "no 'conversations' or 'messages' list"
     messages: list[Message] = []
+    reasoned: list[int] = []  # the assistant messages whose reasoning_content is dropped
     for turn in raw:
         role_key, text_key = next((k for k in keys if isinstance(turn, dict) and k[0] in turn), keys[0])
         if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str):
             return f"message without a string '{role_key}'"
-        role = ROLE_ALIASES.get(turn[role_key].strip().lower())
-        if role is None:
+        named = turn[role_key].strip().lower()
+        role = ROLE_ALIASES.get(named)
+        if role is None or (named in LATE_ROLES_DROPPED and messages):
             stats.dropped_roles.add(turn[role_key], stats.where)
             continue
         text = message_text(turn, text_key, stats)
-        if role == ASSISTANT and turn.get("reasoning_content"):
-            stats.trim("assistant reasoning_content dropped, the answer kept (counted per turn)")
         if text is None:
             if role == ASSISTANT and turn.get("tool_calls"):
                 stats.trim("assistant tool-call turns skipped (counted per turn)")
@@ -327,11 +330,15 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
         if not text.strip():
             stats.trim("empty message: cut there")
             break
+        if role == ASSISTANT and turn.get("reasoning_content"):
+            reasoned.append(len(messages))
         messages.append({"role": role, "content": text})
     while messages and messages[-1]["role"] != ASSISTANT:
         messages.pop()
     if not any(m["role"] == ASSISTANT for m in messages):
         return "no assistant turn"
+    for _ in (i for i in reasoned if i < len(messages)):
+        stats.trim("assistant reasoning_content dropped, the answer kept (counted per turn)")
     return messages
 
 

@@ -206,7 +206,7 @@ def convert(options: ConvertOptions, command: str = "", workers: int = 2, show_p
         ]
         formats.refuse_other_samples([(formats.sample_path(out, written, i), why) for i, why in found])
         todo = [i for i, _ in found]
-        signatures = None if written.dequantized else formats.SignatureLog(out)
+        signatures = None if written.dequantized else formats.SignatureLog(out, "convert")
         t0 = time.time()
         tokens = 0
         with (

@@ -554,7 +554,7 @@ def extract(
             dynamic_ncols=True,
             disable=not show_progress,
         )
-        signatures = None if written.dequantized else formats.SignatureLog(out, shard_id, num_shards)
+        signatures = None if written.dequantized else formats.SignatureLog(out, f"shard_{shard_id}_of_{num_shards}")
         files = SampleFiles(out, written, teacher, signatures)
         if model is not None:
             run_and_write(model, samples, batches, layer_ids, dev, save_dtype, files, config, write_threads, bar)

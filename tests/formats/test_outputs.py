@@ -71,14 +71,14 @@ def test_no_stage_writes_inside_a_dataset(outputs, tiny_target, chats_jsonl, sta
     from eaglet.export import export_drafter
     from eaglet.options import ExportOptions
 
-    out = outputs / "data" / "hidden_states" / "rows_0-2000" / "out"
+    out = outputs / "data" / "hidden_states" / "rows_0-2000" / "new" / "out"
     before = snapshot(outputs / "data")
     with pytest.raises(FileExistsError, match=r"inside the (hidden-state dataset|dataset|source) .*data(,|:)"):
         if stage == "export":
             export_drafter(ExportOptions(ckpt=outputs / "nothing", out=out.with_suffix(".gguf"), fmt="gguf"))
         else:
             stage_run(stage, outputs, tiny_target, chats_jsonl, out)()
-    assert snapshot(outputs / "data") == before
+    assert snapshot(outputs / "data") == before and not out.parent.exists()  # no folder made either
     assert check_dataset(CheckOptions(path=outputs / "data", use_target=False)).clean
 
 

@@ -1,7 +1,11 @@
 """Each written file's per-slot signature (formats.signatures): the same however it is computed,
-the log whole whatever moment a writer is killed at, a file redone matching its newest record."""
+another layer's or shifted rows far from it, the log whole whatever moment a writer is killed at,
+a file redone matching its newest record, a line of another scheme not compared."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import torch
 
@@ -14,32 +18,55 @@ def states(seed: int, rows: int = 3000, width: int = 96) -> list[torch.Tensor]:
     return [(torch.randn(rows, width, generator=g) * (k + 1)).to(torch.bfloat16) for k in range(4)]
 
 
-def test_a_signature_is_the_same_however_it_is_computed(monkeypatch):
-    """Chunking and threads change float32 rounding only: far inside the tolerance, while the
-    smallest real change (one row of one slot) is far outside it."""
+def flat(signature: formats.Signature) -> signatures.array:
+    return signatures.array("d", (v for slot in signature for v in slot))
+
+
+def test_a_signature_is_the_same_however_it_is_computed_and_tells_whole_slot_changes(monkeypatch):
+    """Chunking and threads change float32 rounding only: far inside the tolerance. A slot swapped,
+    rows shifted by one, or another file's states are far outside it."""
     h = states(0)
     recorded = formats.state_signature(h)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         monkeypatch.setattr(signatures, "CHUNK_VALUES", 7 * 96)
         again = formats.state_signature(h)
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
     assert max(signatures.slot_distance(a, b) for a, b in zip(again, recorded)) < formats.SIGNATURE_TOLERANCE / 100
-    changed = [x.clone() for x in h]
-    changed[2][100] = changed[2][101]
-    assert [m.slot for m in formats.signature_mismatches(formats.state_signature(changed), [recorded])] == [2]
+    shifted = [h[0], h[1].roll(1, 0), h[3], h[2]]
+    found = formats.signature_mismatches(formats.state_signature(shifted), [flat(recorded)])
+    assert [(m.slot, m.holds) for m in found] == [(1, None), (2, 3), (3, 2)]
+    assert min(m.distance for m in found) > 100 * formats.SIGNATURE_TOLERANCE
+    other = formats.state_signature(states(1))
+    assert len(formats.signature_mismatches(other, [flat(recorded)])) == 4
+
+
+def test_an_empty_or_non_finite_slot_is_left_to_the_value_checks():
+    h = states(0, rows=16)
+    recorded = flat(formats.state_signature(h))
+    h[2][3, 5] = math.nan  # the value checks name it; the signature does not blame extraction for it
+    assert formats.signature_mismatches(formats.state_signature(h), [recorded]) == []
+    empty = [x[:0] for x in h]
+    assert formats.signature_mismatches(formats.state_signature(empty), [flat(formats.state_signature(empty))]) == []
 
 
 def test_the_log_stays_readable_after_a_kill_mid_append_and_a_redone_file_matches(tmp_path):
-    log = formats.SignatureLog(tmp_path, 0, 2)
+    log = formats.SignatureLog(tmp_path, "shard_0_of_2")
+    assert not (tmp_path / formats.SIGNATURES_DIR).exists()  # made at its first line, not before
     log.record(0, formats.state_signature(states(0, rows=10)))
     with open(log.path, "a") as f:  # a run killed mid-append: its file was never renamed into place
-        f.write('{"index": 2, "slots": [[1.0, ')
-    again = formats.SignatureLog(tmp_path, 0, 2)
+        f.write('{"v": 1, "index": 2, "slots": [[1.0, ')
+    assert sorted(formats.read_signatures(tmp_path)[0] or {}) == [0]
+    again = formats.SignatureLog(tmp_path, "shard_0_of_2")
     redone = formats.state_signature(states(1, rows=10))
     again.record(0, redone)
+    with open(log.path, "a") as f:  # a line of a later scheme: not compared
+        f.write(json.dumps({"v": 2, "index": 1, "slots": []}) + "\n")
     recorded, problems = formats.read_signatures(tmp_path)
-    assert problems == [] and sorted(recorded) == [0] and len(recorded[0]) == 2
-    assert formats.signature_mismatches(redone, recorded[0]) == []
+    assert problems == [] and sorted(recorded or {}) == [0] and len((recorded or {})[0]) == 2
+    assert formats.signature_mismatches(redone, (recorded or {})[0]) == []
     assert formats.read_signatures(tmp_path / "elsewhere") == (None, [])
+    (tmp_path / formats.SIGNATURES_DIR / "odd.jsonl").mkdir()
+    assert formats.read_signatures(tmp_path)[1][0][0] == f"{formats.SIGNATURES_DIR}/odd.jsonl"

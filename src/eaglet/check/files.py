@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ class Expect:
     gen_prompt_ids: list[int] | None = None  # the chat template's generation prompt, tokenized
     eot_ids: frozenset[int] = frozenset()  # special tokens that can end an assistant turn
     # each file's state signatures as extraction recorded them (None: the dataset records none)
-    signatures: dict[int, list[formats.Signature]] | None = None
+    signatures: dict[int, list[array]] | None = None
     problems: list[Problem] = field(default_factory=list)  # found reading these expectations
 
 
@@ -415,7 +416,7 @@ def slot_name(exp: Expect, j: int) -> str:
 
 
 def signature_problems(
-    states: list[torch.Tensor], recorded: list[formats.Signature] | None, exp: Expect, rel: str
+    states: list[torch.Tensor], recorded: list[array] | None, exp: Expect, rel: str
 ) -> list[Problem]:
     """A file's states against the signatures extraction recorded for its index: every slot of
     every file, in one more read of each (`formats.signatures`)."""

@@ -314,8 +314,10 @@ def outside_engines(
 
 
 def first_turn_ids(tokenizer: Any, prompt: Prompt, positions: int) -> list[int]:
-    """The prompt's first turn as the target reads it, cut as `turn_prompt_ids` cuts it."""
-    return turn_prompt_ids(tokenizer, [*prompt.context, {"role": "user", "content": prompt.turns[0]}], positions)[0]
+    """The prompt's first turn as the target reads it (cut as `turn_prompt_ids` cuts it), its last
+    half of the positions at most: an untimed warm-up or a pass-cost prompt, whatever its length."""
+    history = [*prompt.context, {"role": "user", "content": prompt.turns[0]}]
+    return turn_prompt_ids(tokenizer, history, positions)[0][-(positions // 2) :]
 
 
 @dataclass
@@ -443,7 +445,7 @@ def warm_up(
 ) -> None:
     """One short untimed run per variant: first calls pay for allocations and kernel selection."""
     positions = max_positions(target)
-    ids = first_turn_ids(tokenizer, prompt, positions)[-(positions // 2) :]  # untimed: any prompt that fits will do
+    ids = first_turn_ids(tokenizer, prompt, positions)  # untimed: any prompt that fits will do
     for label, (method, s) in variants.items():
         run_in_lane(
             label,

@@ -250,6 +250,7 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
     the file. It records its holder for the next one's message, which ends with `busy`, e.g. "is
     writing this run folder; wait for it to end, or train into another --out"."""
     refuse_blocked_path(out)
+    refuse_inside_dataset(Path(out), stage)  # before the lock's folder is made
     lock = lock or lock_path(out)
     refuse_odd_lock(lock)
     out, ours = Path(out), {OUTPUT_MARKER, lock.name}  # as it was before this run (the lock may live inside)
@@ -374,7 +375,7 @@ def claim_output(out: str | os.PathLike, stage: str) -> None:
     files, named), and one no stage marked that holds files of the names this stage writes."""
     refuse_blocked_path(out)
     out = Path(out)
-    refuse_inside_dataset(out, stage)
+    refuse_inside_dataset(out, stage)  # output_lock refused it first: here for a caller without the lock
     if not marked(stage):
         return
     kind = OUTPUT_KINDS[stage]

@@ -1,18 +1,22 @@
 """Per-file state signatures: what extraction wrote in each slot of each sample file, recorded
 beside the files, so that `eaglet check` (and so `eaglet train`, which runs it) can tell in every
 file a slot that holds other states than extraction wrote there: two slots swapped, a
-neighbouring layer's states, a file copied in from another dataset. Per-slot scales cannot tell
-neighbouring layers apart, and the target's recomputation samples a few files only.
+neighbouring layer's states, another file's, rows shifted. Per-slot scales cannot tell
+neighbouring layers apart, and the target's recomputation samples a few files only. A signature
+sums over a slot's rows, so it tells whole-slot changes, not one edited row of a long file.
 
 A slot's signature: the sum over its rows of the states projected on `PROBES` fixed +-1 vectors,
 the same sum with each row's projections signed by a fixed +-1 per position (rows shifted or
 reordered change it), then the sum of the projections' magnitudes (the scale the comparison's
 tolerance is relative to). One read of the slot, recomputed the same on any machine up to float32
-rounding.
+rounding. The +-1 come from integer hashing (murmur3's finaliser), not from a random generator
+whose stream a torch release may change.
 
 Writer and reader: extraction appends one JSON line per file (and syncs it) to its shard's log
-under `signatures/`, before the file is renamed into place, so every file has its line. A file
-written again later gets a line again: a file matches when it matches any line of its index.
+under `signatures/`, before the file is renamed into place, so every file has its line; convert
+keeps a log of its own. A file written again later gets a line again: a file matches when it
+matches any line of its index. Each line names its scheme (`v`): a line of another scheme is
+not compared (its file is then one with no signature).
 """
 
 from __future__ import annotations
@@ -22,27 +26,39 @@ import json
 import math
 import os
 import threading
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 SIGNATURES_DIR = "signatures"
+SCHEME = 1  # the `v` of each line: PROBES, the hashing and the numbers' order below
 PROBES = 2
 # float32 projections summed in float64 differ between machines by ~1e-7 of the magnitudes; a
-# neighbouring layer's states by 0.028 at the least (SmolLM2's layer 14 for 15, 0.15 for layer 16;
+# neighbouring layer's states by 0.048 at the least (SmolLM2's layer 14 for 15, 0.087 for layer 16;
 # bench/state_signatures.py, docs/results/signatures.md)
 TOLERANCE = 1e-4
 CHUNK_VALUES = 1 << 22  # values converted to float32 at once (16 MB): memory bounded by the chunk, not the file
+PER_SLOT = 3 * PROBES
 
 Signature = list[list[float]]  # per slot: PROBES sums of projections, PROBES position-signed sums, PROBES magnitudes
+MASK32 = 0xFFFFFFFF
+
+
+def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x, c < 2^32, in int64 without overflow: by 16-bit halves of x."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & MASK32
 
 
 def hashed_signs(n: int, salt: int) -> torch.Tensor:
-    """n values of +-1 from integer hashing (no random generator, whose stream a torch release may
-    change): the same on every machine and version."""
-    j = torch.arange(n, dtype=torch.int64)
-    return (1 - 2 * ((((j * 2654435761 + salt * 2246822519) % 2**32) >> 13) & 1)).to(torch.float32)
+    """n values of +-1: the top bit of murmur3's 32-bit finaliser of (index, salt)."""
+    x = (torch.arange(n, dtype=torch.int64) + salt * 0x9E3779B9) & MASK32
+    x = mul32(x ^ (x >> 16), 0x85EBCA6B)
+    x = mul32(x ^ (x >> 13), 0xC2B2AE35)
+    x = x ^ (x >> 16)
+    return (1 - 2 * (x >> 31)).to(torch.float32)
 
 
 @functools.cache
@@ -54,10 +70,16 @@ def probe_vectors(hidden_size: int) -> torch.Tensor:
 def state_signature(states: list[torch.Tensor]) -> Signature:
     """Each [T, H] slot's signature, as stored (a file's states read back give the same)."""
     out = []
+    weights_of: dict[int, torch.Tensor] = {}  # [rows, 2]: a file's slots share their rows
     for h in states:
         rows, width = (int(n) for n in h.shape)
+        if rows == 0:
+            out.append([0.0] * PER_SLOT)
+            continue
         probes = probe_vectors(width)
-        weights = torch.stack([torch.ones(rows), hashed_signs(rows, 0)], dim=1).double()  # [rows, 2]
+        if rows not in weights_of:
+            weights_of[rows] = torch.stack([torch.ones(rows), hashed_signs(rows, 0)], dim=1).double()
+        weights = weights_of[rows]
         chunk = max(1, CHUNK_VALUES // max(width, 1))
         # [PROBES, rows]: a product this way round runs ~8x faster than [rows, PROBES] on CPU
         proj = torch.cat([probes @ h[a : a + chunk].to(torch.float32).T for a in range(0, rows, chunk)], dim=1)
@@ -70,7 +92,7 @@ def state_signature(states: list[torch.Tensor]) -> Signature:
 def slot_distance(computed: list[float], recorded: list[float]) -> float:
     """How far a slot's signature is from a recorded one, relative to the recorded magnitudes
     (0: the same states; above `TOLERANCE`: other states)."""
-    if len(computed) != len(recorded) or not all(map(math.isfinite, computed)):
+    if len(computed) != len(recorded):
         return math.inf
     scale = max(recorded[2 * PROBES :], default=0.0)
     diff = max((abs(a - b) for a, b in zip(computed, recorded)), default=0.0)
@@ -84,72 +106,114 @@ class SlotMismatch:
     holds: int | None  # the recorded slot whose states it holds, where it holds one
 
 
-def signature_mismatches(computed: Signature, recorded: list[Signature]) -> list[SlotMismatch]:
-    """The slots whose states differ from what extraction recorded (none: the file matches one
-    of its index's records), judged against the latest record."""
-    if any(
-        len(r) == len(computed) and all(slot_distance(c, s) <= TOLERANCE for c, s in zip(computed, r)) for r in recorded
-    ):
+def recorded_slots(flat: array) -> Signature:
+    return [list(flat[i : i + PER_SLOT]) for i in range(0, len(flat), PER_SLOT)]
+
+
+def signature_mismatches(computed: Signature, recorded: list[array]) -> list[SlotMismatch]:
+    """The slots whose states differ from what extraction recorded (none: the file matches one of
+    its index's records), judged against the last record read. A slot of non-finite values is
+    not compared: the value checks name it, whatever extraction wrote."""
+    compared = [j for j, c in enumerate(computed) if all(map(math.isfinite, c))]
+    records = [recorded_slots(r) for r in recorded]
+
+    def matches(record: Signature) -> bool:
+        return len(record) == len(computed) and all(
+            slot_distance(computed[j], record[j]) <= TOLERANCE for j in compared
+        )
+
+    if any(matches(r) for r in records):
         return []
-    latest = recorded[-1]
+    latest = records[-1]
     out = []
-    for j, c in enumerate(computed):
-        distance = slot_distance(c, latest[j]) if j < len(latest) else math.inf
+    for j in compared:
+        distance = slot_distance(computed[j], latest[j]) if j < len(latest) else math.inf
         if distance <= TOLERANCE:
             continue
-        holds = next((k for k, s in enumerate(latest) if k != j and slot_distance(c, s) <= TOLERANCE), None)
+        holds = next((k for k, s in enumerate(latest) if k != j and slot_distance(computed[j], s) <= TOLERANCE), None)
         out.append(SlotMismatch(j, distance, holds))
     return out
 
 
 class SignatureLog:
-    """One extraction shard's log of its files' signatures (shards write their own: no two
-    processes append to one file). Thread-safe: extraction's writers record from a pool."""
+    """One writer's log of its files' signatures, `signatures/NAME.jsonl` (each extraction shard
+    and convert write their own: no two processes append to one file), made at its first line.
+    Thread-safe: extraction's writers record from a pool."""
 
-    def __init__(self, root: str | os.PathLike, shard_id: int = 0, num_shards: int = 1):
-        folder = Path(root) / SIGNATURES_DIR
-        folder.mkdir(exist_ok=True)
-        self.path = folder / f"shard_{shard_id}_of_{num_shards}.jsonl"
+    def __init__(self, root: str | os.PathLike, name: str):
+        self.path = Path(root) / SIGNATURES_DIR / f"{name}.jsonl"
         self.lock = threading.Lock()
-        drop_partial_line(self.path)
+        self.opened = False
 
     def record(self, index: int, signature: Signature) -> None:
         """Appended and synced before the file it describes is renamed into place."""
-        line = json.dumps({"index": index, "slots": signature}) + "\n"
-        with self.lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        line = json.dumps({"v": SCHEME, "index": index, "slots": signature}) + "\n"
+        with self.lock:
+            if not self.opened:
+                self.path.parent.mkdir(exist_ok=True)
+                drop_partial_line(self.path)
+                self.opened = True
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
 
 
 def drop_partial_line(path: Path) -> None:
     """A run killed mid-append leaves a line without its newline: cut it, so the next line
     starts on its own (its file was never renamed into place, and is written again)."""
-    if not path.exists():
+    if not path.is_file():
         return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        start = max(0, size - (1 << 20))
+        f.seek(start)
+        tail = f.read()
+        cut = tail.rfind(b"\n")
+        if cut < 0 and start > 0:  # a line longer than a MiB: no line of ours
+            raise ValueError(f"{path}: its last line is longer than any signature line: not a signature log")
+        f.truncate(start + cut + 1)
 
 
-def read_signatures(root: str | os.PathLike) -> tuple[dict[int, list[Signature]] | None, list[tuple[str, str]]]:
-    """Every recorded signature by sample index (None: the dataset records none, as other tools'
-    datasets and older eaglet's do), and each line that cannot be read: (where, why)."""
+def parse_line(raw: bytes) -> tuple[int, array] | None:
+    """(index, its slots flattened) of one line; None for a line of another scheme."""
+    entry = json.loads(raw)
+    if entry.get("v") != SCHEME:
+        return None
+    slots = entry["slots"]
+    if not all(isinstance(s, list) and len(s) == PER_SLOT for s in slots):
+        raise ValueError(f"slots of {PER_SLOT} numbers each expected")
+    return int(entry["index"]), array("d", (float(v) for s in slots for v in s))
+
+
+def read_signatures(root: str | os.PathLike) -> tuple[dict[int, list[array]] | None, list[tuple[str, str]]]:
+    """Every recorded signature by sample index, each slot's numbers in one flat array (None: the
+    dataset records none, as other tools' datasets and older eaglet's do), and each log or line
+    that cannot be read: (where, why). Read line by line: memory by the records, not the logs."""
     folder = Path(root) / SIGNATURES_DIR
     if not folder.is_dir():
         return None, []
-    found: dict[int, list[Signature]] = {}
+    found: dict[int, list[array]] = {}
     problems = []
     for path in sorted(folder.glob("*.jsonl")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        lines = text.split("\n")
-        for n, line in enumerate(lines[:-1], 1):  # a last line without its newline: a killed append
-            try:
-                entry = json.loads(line)
-                index, slots = int(entry["index"]), [[float(v) for v in slot] for slot in entry["slots"]]
-            except (ValueError, KeyError, TypeError) as e:
-                problems.append((f"{SIGNATURES_DIR}/{path.name}:{n}", f"unreadable line ({type(e).__name__}: {e})"))
-                continue
-            found.setdefault(index, []).append(slots)
+        rel = f"{SIGNATURES_DIR}/{path.name}"
+        try:
+            with open(path, "rb") as f:
+                for n, raw in enumerate(f, 1):
+                    if not raw.endswith(b"\n"):  # a killed append: its file was never renamed into place
+                        break
+                    try:
+                        parsed = parse_line(raw)
+                    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+                        problems.append((f"{rel}:{n}", f"unreadable line ({type(e).__name__}: {e})"))
+                        continue
+                    if parsed is not None:
+                        found.setdefault(parsed[0], []).append(parsed[1])
+        except OSError as e:  # a folder, a dangling link, no permission
+            problems.append((rel, f"cannot be read ({e.strerror or e})"))
     return found, problems

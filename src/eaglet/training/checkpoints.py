@@ -90,10 +90,22 @@ def prune_checkpoints(ckpt_root: Path, keep: int, protect: set[str]) -> None:
 
 
 def refuse_existing_run(out: Path, resume: bool) -> None:
-    """Without --resume, a folder that holds a run is refused: first thing, before the data and the
-    target load, and again where the run would start."""
-    latest = None if resume else read_pointer(out / CHECKPOINTS_DIR, LATEST_FILE)
-    if latest:
+    """A run folder train cannot write: checkpoints/ a link, checkpoints without the
+    train_config.json every run writes first, or (without --resume) a run already there. First
+    thing, before the data and the target load, and again where the run would start."""
+    root = out / CHECKPOINTS_DIR
+    if root.is_symlink():  # pruning old checkpoints would delete the folder it links to's
+        raise FileExistsError(
+            f"{root}: a symbolic link (to {os.readlink(root)}); a run folder keeps its "
+            "checkpoints in a folder of its own: remove the link, or use another --out"
+        )
+    latest = read_pointer(root, LATEST_FILE)
+    if latest and not (out / TRAIN_CONFIG_FILE).exists():  # written before the first checkpoint
+        raise FileExistsError(
+            f"{out}: checkpoints without {TRAIN_CONFIG_FILE}, which every eaglet run writes "
+            "before its first: not a run of eaglet train's; use another --out"
+        )
+    if latest and not resume:
         raise ValueError(
             f"{out} already holds a training run (checkpoint {latest['path']}); pass --resume "
             "to continue it, or use another --out"
@@ -122,22 +134,12 @@ class Checkpointer:
         """With --resume, the training state of the latest checkpoint, its weights, optimizer,
         scheduler and RNG restored; None to start from scratch. Without --resume a folder that
         holds a run is refused."""
-        if self.root.is_symlink():  # pruning old checkpoints would delete the folder it links to's
-            raise FileExistsError(
-                f"{self.root}: a symbolic link (to {os.readlink(self.root)}); a run folder keeps its "
-                "checkpoints in a folder of its own: remove the link, or use another --out"
-            )
+        refuse_existing_run(self.out, resume)
         latest = read_pointer(self.root, LATEST_FILE)
-        if latest and not (self.out / TRAIN_CONFIG_FILE).exists():  # written before the first checkpoint
-            raise FileExistsError(
-                f"{self.out}: checkpoints without {TRAIN_CONFIG_FILE}, which every eaglet run writes "
-                "before its first: not a run of eaglet train's; use another --out"
-            )
         if resume and latest:
             return restore(self.root / latest["path"], draft, opt, sched, self.trajectory, self.data)[2]
         if resume:
             log.info("--resume: no checkpoint in %s; starting from scratch", self.root)
-        refuse_existing_run(self.out, resume)
         return None
 
     def save(
