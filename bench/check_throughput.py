@@ -50,7 +50,7 @@ def generate(
         states = [
             torch.randn(T, hidden, generator=g).mul_(0.5 * (k + 1)).to(torch.bfloat16) for k in range(len(layer_ids))
         ]
-        signatures.record(i, formats.state_signature(states))
+        signatures.record(i, formats.state_signature(states), formats.token_digest(ids, mask))
         formats.write_v1_sample(out, i, V1Sample(ids, states, mask), fsync=False)
         u, c = torch.unique(ids[mask == 1], return_counts=True)
         for t, n in zip(u.tolist(), c.tolist()):

@@ -69,6 +69,14 @@ def all_layers(model, ids: torch.Tensor, dtype: torch.dtype) -> list[torch.Tenso
         return [h[0].to(dtype) for h in model(ids[None], output_hidden_states=True).hidden_states]
 
 
+def unsign(folder: Path) -> None:
+    """The dataset as one without signatures: its log and data_config.json's record of it gone."""
+    shutil.rmtree(folder / formats.SIGNATURES_DIR)
+    config = formats.read_json(folder / formats.DATA_CONFIG_FILE)
+    config.pop("state_signatures")
+    formats.write_json_atomic(folder / formats.DATA_CONFIG_FILE, config)
+
+
 def refused(folder: Path) -> bool:
     return not check_dataset(CheckOptions(path=folder, use_target=False)).clean
 
@@ -100,7 +108,7 @@ def measure(target: Path, work: Path, samples: int, max_length: int) -> list[tup
                 recorded_slot = signatures.recorded_slots(recorded[i][-1])[j]
                 distances.append(signatures.slot_distance(formats.state_signature([states[j]])[0], recorded_slot))
                 signed += refused(copy)
-                shutil.rmtree(copy / formats.SIGNATURES_DIR)
+                unsign(copy)
                 unsigned += refused(copy)
                 shutil.rmtree(copy)
             rows.append(

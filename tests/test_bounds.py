@@ -5,6 +5,7 @@ OverflowError, an allocator failure, a UnicodeDecodeError or a KeyError."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -327,6 +328,9 @@ def test_a_recipe_with_a_bom_is_read_and_one_without_stages_is_refused(tmp_path,
         .startswith(f"eaglet run: error: {recipe}: names no stage; add a table for each stage to run: regen, prepare")
     )
     assert not (tmp_path / "run").exists()
+    os.mkfifo(tmp_path / "fifo")
+    assert main(["run", str(tmp_path / "fifo"), "--out", str(tmp_path / "run")]) == 2
+    assert "fifo': not a regular file; give a .toml file" in capsys.readouterr().err
 
 
 MARKER = {

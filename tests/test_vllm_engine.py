@@ -13,6 +13,7 @@ leaves it out on purpose), on the embedded SmolLM2:
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -255,7 +256,8 @@ def test_vllm_serves_the_drafter_as_eaglet_runs_it(memorised, tmp_path):
     assert rows["vllm"]["identical_share"] >= 0.75  # vLLM plain vs eaglet plain, both fp32
     record = json.loads((out / "eval.json").read_text())["config"]["vllm"]
     assert record["speculative_configs"]["vllm-eagle3"]["num_speculative_tokens"] == 3
-    assert record["pass_costs"]["step_s"][str(4)] > 0 and (out / "vllm-drafter" / "config.json").is_file()
+    # a measured cost: a difference of timed medians, whose sign a loaded machine may flip (no timing asserted)
+    assert math.isfinite(record["pass_costs"]["step_s"][str(4)]) and (out / "vllm-drafter" / "config.json").is_file()
     assert "vllm-eagle3 first-draft acceptance" in result.table()
 
 

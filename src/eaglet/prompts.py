@@ -91,6 +91,8 @@ def jsonl_prompts(path: Path) -> Iterator[Prompt]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{where}: not UTF-8 ({e})") from None
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")  # a UTF-8 BOM, as many editors start a file with
             if not line.strip():
                 continue
             try:

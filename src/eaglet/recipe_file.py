@@ -36,6 +36,8 @@ def recipe_path(spec: str | Path) -> Path:
     builtin = BUILTIN_DIR / f"{spec}.toml"
     if builtin.is_file():
         return builtin
+    if path.exists():  # a folder, a FIFO, a device
+        raise ValueError(f"recipe {str(spec)!r}: not a regular file; give a .toml file or a built-in recipe")
     raise FileNotFoundError(
         f"recipe {str(spec)!r}: no such file and not a built-in recipe ({', '.join(builtin_recipes())})"
     )

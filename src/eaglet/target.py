@@ -309,11 +309,12 @@ def target_source(given: str | None, recorded_where: str) -> str:
 
 def refuse_shards_elsewhere(folder: Path) -> None:
     """A target folder's weight index names shards inside the folder only: one that leads out
-    (`../x.safetensors`, an absolute path) would have the target's weights read from elsewhere."""
+    (`../x.safetensors`, an absolute path) would have the target's weights read from elsewhere. A
+    shard that is a link is the folder owner's (a Hugging Face cache snapshot links its files)."""
     index = folder / heads.INDEX_FILE
     if index.is_file():
         for shard in set(formats.read_weight_index(index).values()):
-            formats.inside_folder(folder, shard, f"{index}: a shard")
+            formats.inside_folder(folder, shard, f"{index}: a shard", follow_links=False)
 
 
 def resolve_target(spec: str | None, source: str = "--target") -> TargetRef:

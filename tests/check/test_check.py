@@ -453,7 +453,11 @@ def test_a_neighbouring_layer_in_one_slot_of_one_file_is_named(copy, tiny_target
         report, C.LAYER_IDENTITY, rel, "slot 1 (layer 3) holds the states extraction wrote in slot 2 (layer 4)"
     )
     assert {p.path for p in report.errors} == {rel}
-    shutil.rmtree(ds / formats.SIGNATURES_DIR)  # what the scales alone say: nothing
+    shutil.rmtree(ds / formats.SIGNATURES_DIR)  # switching the check off is not silent
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.STATE_SIGNATURE, "signatures", "missing")
+    cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
+    del cfg["state_signatures"]  # a dataset made without them: what the scales alone say is nothing
+    formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
     assert C.check_dataset(CheckOptions(path=ds, use_target=False)).clean
 
 
@@ -475,6 +479,13 @@ def test_a_slot_other_than_extraction_wrote_is_named_in_any_file(copy, change, k
     assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), kind, rel, words)
 
 
+def test_tokens_shifted_against_their_states_are_named(copy):
+    ds = copy()
+    rel = edit(ds, 3, lambda o: o.update(input_ids=o["input_ids"].roll(1), loss_mask=o["loss_mask"].roll(1)))
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    assert_found(report, C.STATE_SIGNATURE, rel, "input_ids or loss_mask are not what extraction wrote")
+
+
 def test_a_file_extraction_did_not_write_or_an_unreadable_record_is_named(copy):
     ds = copy()
     log = next((ds / formats.SIGNATURES_DIR).glob("*.jsonl"))
@@ -485,6 +496,8 @@ def test_a_file_extraction_did_not_write_or_an_unreadable_record_is_named(copy):
     assert report.clean and [p.path for p in report.problems if p.kind == C.STATE_SIGNATURE] == [
         formats.v1_relative_path(4)
     ]
+    log.write_text("".join(lines) + json.dumps({"v": 1, "index": 9999, "tokens": "", "slots": []}) + "\n")
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.STATE_SIGNATURE, "signatures", "9999")
     log.write_text("".join(lines[:2]) + "{not json\n" + "".join(lines[2:]))
     assert_found(
         C.check_dataset(CheckOptions(path=ds, use_target=False)),

@@ -501,6 +501,12 @@ def test_eval_auto_runs_each_method_at_a_measured_configuration(tiny_target, dra
     assert "config" in result.table().splitlines()[0]
 
 
+def test_a_prompts_file_with_a_bom_is_read(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "hello"}\n')
+    assert [p.turns for p in load_prompt_set(str(path), None)] == [["hello"]]
+
+
 def test_prompt_files_are_checked_before_any_model_loads(tmp_path):
     """Two files both named p.jsonl had their results merged under one set; a turn of null was
     decoded as the text "None"; a content that was no string failed after the target loaded."""

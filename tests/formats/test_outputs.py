@@ -4,6 +4,7 @@ file given as --out; a stage's folder says which kind of output it is."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -231,6 +232,17 @@ def test_a_targets_weight_index_stays_inside_its_folder(tiny_target, tmp_path):
             ValueError, match=r"model\.safetensors\.index\.json: a shard: .* (leads out of|is not a path)"
         ):
             resolve_target(str(target))
+    # a Hugging Face cache snapshot: every file a link into the cache's blobs, the index naming the links
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in Path(tiny_target).iterdir():
+        shutil.copy(f, blobs / f.name)
+        (snapshot / f.name).symlink_to(os.path.relpath(blobs / f.name, snapshot))
+    (snapshot / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"lm_head.weight": "model.safetensors"}}'
+    )
+    assert resolve_target(str(snapshot)).path == str(snapshot.resolve())
 
 
 def test_a_target_without_its_tokenizer_is_named(tiny_target, tmp_path):

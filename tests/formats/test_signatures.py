@@ -18,8 +18,8 @@ def states(seed: int, rows: int = 3000, width: int = 96) -> list[torch.Tensor]:
     return [(torch.randn(rows, width, generator=g) * (k + 1)).to(torch.bfloat16) for k in range(4)]
 
 
-def flat(signature: formats.Signature) -> signatures.array:
-    return signatures.array("d", (v for slot in signature for v in slot))
+def flat(signature: formats.Signature) -> formats.Recorded:
+    return formats.Recorded(signatures.array("d", (v for slot in signature for v in slot)), "")
 
 
 def test_a_signature_is_the_same_however_it_is_computed_and_tells_whole_slot_changes(monkeypatch):
@@ -55,13 +55,13 @@ def test_an_empty_or_non_finite_slot_is_left_to_the_value_checks():
 def test_the_log_stays_readable_after_a_kill_mid_append_and_a_redone_file_matches(tmp_path):
     log = formats.SignatureLog(tmp_path, "shard_0_of_2")
     assert not (tmp_path / formats.SIGNATURES_DIR).exists()  # made at its first line, not before
-    log.record(0, formats.state_signature(states(0, rows=10)))
+    log.record(0, formats.state_signature(states(0, rows=10)), "t0")
     with open(log.path, "a") as f:  # a run killed mid-append: its file was never renamed into place
-        f.write('{"v": 1, "index": 2, "slots": [[1.0, ')
+        f.write('{"v": 1, "index": 2, "tokens": "t2", "slots": [[1.0, ')
     assert sorted(formats.read_signatures(tmp_path)[0] or {}) == [0]
     again = formats.SignatureLog(tmp_path, "shard_0_of_2")
     redone = formats.state_signature(states(1, rows=10))
-    again.record(0, redone)
+    again.record(0, redone, "t0")
     with open(log.path, "a") as f:  # a line of a later scheme: not compared
         f.write(json.dumps({"v": 2, "index": 1, "slots": []}) + "\n")
     recorded, problems = formats.read_signatures(tmp_path)

@@ -169,7 +169,39 @@ def expectations(
     if not layout.dequantized:  # the compact layout's files carry checksums instead
         exp.signatures, unreadable = formats.read_signatures(root)
         exp.problems += [Problem(STATE_SIGNATURE, where, why) for where, why in unreadable]
+        exp.problems += signature_log_problems(cfg, exp.signatures, layout)
     return exp
+
+
+def signature_log_problems(
+    cfg: formats.DataConfig | None, recorded: dict[int, Any] | None, layout: formats.Layout
+) -> list[Problem]:
+    """The log itself against data_config.json: gone where the dataset, still in the layout it was
+    written in, records keeping one (every file's state check would be switched off without a
+    word), or naming samples it has not."""
+    if cfg is None or cfg.state_signatures is None or cfg.format != layout.name:
+        return []
+    where = cfg.state_signatures
+    if recorded is None:
+        return [
+            Problem(
+                STATE_SIGNATURE,
+                where,
+                f"missing: {formats.DATA_CONFIG_FILE} records that extraction kept every file's signature there, "
+                "so no file's states can be checked against it: restore the folder, or extract again",
+            )
+        ]
+    beyond = sorted(i for i in recorded if cfg.num_samples is not None and not 0 <= i < cfg.num_samples)
+    if beyond:
+        return [
+            Problem(
+                STATE_SIGNATURE,
+                where,
+                f"lines for sample(s) {fmt_rows(beyond)}, which this dataset has not ({cfg.num_samples} "
+                "samples): the log was edited or is another dataset's: restore it, or extract again",
+            )
+        ]
+    return []
 
 
 def rows_per_folder(root: Path) -> int:

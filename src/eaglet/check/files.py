@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import pickle
-from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ class Expect:
     gen_prompt_ids: list[int] | None = None  # the chat template's generation prompt, tokenized
     eot_ids: frozenset[int] = frozenset()  # special tokens that can end an assistant turn
     # each file's state signatures as extraction recorded them (None: the dataset records none)
-    signatures: dict[int, list[array]] | None = None
+    signatures: dict[int, list[formats.Recorded]] | None = None
     problems: list[Problem] = field(default_factory=list)  # found reading these expectations
 
 
@@ -407,7 +406,7 @@ def check_states(res: FileResult, states: formats.FileStates, exp: Expect, found
         res.problems += teacher_problems(states.teacher, exp, rel)
     check_slot_values(res, states.states, usable)
     if exp.signatures is not None and all(usable) and len(usable) == exp.num_states:
-        res.problems += signature_problems(states.states, exp.signatures.get(res.index), exp, rel)
+        res.problems += signature_problems(states, exp.signatures.get(res.index), exp, rel)
 
 
 def slot_name(exp: Expect, j: int) -> str:
@@ -416,7 +415,7 @@ def slot_name(exp: Expect, j: int) -> str:
 
 
 def signature_problems(
-    states: list[torch.Tensor], recorded: list[array] | None, exp: Expect, rel: str
+    states: formats.FileStates, recorded: list[formats.Recorded] | None, exp: Expect, rel: str
 ) -> list[Problem]:
     """A file's states against the signatures extraction recorded for its index: every slot of
     every file, in one more read of each (`formats.signatures`)."""
@@ -431,7 +430,16 @@ def signature_problems(
             )
         ]
     out = []
-    for m in formats.signature_mismatches(formats.state_signature(states), recorded):
+    if all(r.tokens != formats.token_digest(states.input_ids, states.loss_mask) for r in recorded):
+        out.append(
+            Problem(
+                STATE_SIGNATURE,
+                rel,
+                "input_ids or loss_mask are not what extraction wrote beside these states (shifted against "
+                "them, edited, or another sample's): re-extract this file",
+            )
+        )
+    for m in formats.signature_mismatches(formats.state_signature(states.states), recorded):
         if m.holds is not None:
             out.append(
                 Problem(

@@ -93,11 +93,13 @@ from eaglet.formats.listing import DatasetFiles
 from eaglet.formats.signatures import (
     SIGNATURES_DIR,
     TOLERANCE as SIGNATURE_TOLERANCE,
+    Recorded,
     Signature,
     SignatureLog,
     read_signatures,
     signature_mismatches,
     state_signature,
+    token_digest,
 )
 from eaglet.formats.data_config import (
     DataConfig,

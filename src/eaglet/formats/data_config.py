@@ -73,6 +73,7 @@ class DataConfig:
     prepared_data: str | None = None
     prepared_sha256: str | None = None
     eaglet_version: str | None = None
+    state_signatures: str | None = None  # where extraction recorded each file's signatures (formats.signatures)
     command: str | None = None
     converted_from: dict[str, Any] | None = None  # convert: {"path", "format"} of the source
     compact: dict[str, Any] | None = None  # the compact layout's scheme (formats.compact_config)
@@ -108,6 +109,7 @@ FIELD_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
             "prepared_data",
             "prepared_sha256",
             "eaglet_version",
+            "state_signatures",
             "command",
         )
     },

@@ -289,16 +289,19 @@ def unmake_output(out: Path, existed: bool) -> None:
             out.rmdir()
 
 
-def inside_folder(folder: str | os.PathLike, relative: str, where: str) -> Path:
+def inside_folder(folder: str | os.PathLike, relative: str, where: str, follow_links: bool = True) -> Path:
     """`folder / relative` for a path read from a file (a weight index's shard, a recipe's folder):
     refused unless it is a plain relative path that stays inside `folder`, links resolved, so a
-    file can never lead eaglet to read or write elsewhere."""
+    file can never lead eaglet to read or write elsewhere. `follow_links` False: the path itself
+    must stay inside, whatever its links lead to (a Hugging Face cache snapshot links every file to
+    the cache's blobs: the folder's owner made those links, the index only names them)."""
     folder = Path(folder)
     if not isinstance(relative, str) or not relative or Path(relative).is_absolute():
         raise ValueError(f"{where}: {relative!r} is not a path relative to {folder}")
     path = folder / relative
-    base = os.path.realpath(folder)
-    if os.path.commonpath([base, os.path.realpath(path)]) != base:
+    base = os.path.realpath(folder) if follow_links else os.path.normpath(os.path.abspath(folder))
+    named = os.path.realpath(path) if follow_links else os.path.normpath(os.path.abspath(path))
+    if os.path.commonpath([base, named]) != base:
         raise ValueError(f"{where}: {relative!r} leads out of {folder}; it must name a file inside that folder")
     return path
 
@@ -546,7 +549,16 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     if final.is_symlink():  # the rename would replace the link, not fill the folder it names
         raise FileExistsError(f"{final}: a symbolic link (to {os.readlink(final)}); give the folder's own path")
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
-        raise ValueError(f"{final} exists and is not empty; remove it or choose another folder")
+        held = sorted(os.listdir(final)) if final.is_dir() else []
+        what = (
+            f"a folder that is not empty ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
+            if held
+            else "a file"
+        )
+        raise ValueError(
+            f"{final}: {what}; eaglet writes this output as a new folder and wrote nothing: choose another "
+            "folder (an empty one, or one that does not exist yet)"
+        )
     with failures_named(final):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{TMP_MARK}", dir=final.parent))

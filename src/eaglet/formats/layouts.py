@@ -75,7 +75,7 @@ from eaglet.formats.samples import (
     sparse_tensors,
     stored_kind_findings,
 )
-from eaglet.formats.signatures import SignatureLog, state_signature
+from eaglet.formats.signatures import SIGNATURES_DIR, SignatureLog, state_signature, token_digest
 from eaglet.formats.speculators_files import (
     ARROW_STATE_FILE,
     hs_file_states,
@@ -364,6 +364,11 @@ def _no_damage(raw: Any, cfg: dict[str, Any] | None) -> list[str]:
     return []
 
 
+def _signed(top_k: int) -> dict[str, Any]:
+    """data_config.json's record that each file's signature is kept (formats.signatures)."""
+    return {"state_signatures": SIGNATURES_DIR}
+
+
 def _any_hidden_size(hidden_size: int, where: str) -> None:
     del hidden_size, where  # a layout that stores states as they are takes any size
 
@@ -436,6 +441,7 @@ V1_LAYOUT = Layout(
     write=write_v1_states,
     stored_shapes=v1_stored_shapes,
     side_files=True,
+    config_fields=_signed,
 )
 V1_FLAT_LAYOUT = Layout(
     FORMAT_V1_FLAT,
@@ -485,6 +491,7 @@ SPECULATORS_LAYOUT = Layout(
     option="speculators",
     write=write_speculators_states,
     stored_shapes=hs_stored_shapes,
+    config_fields=_signed,
     fixed_last_state=True,  # speculators applies the target's final norm to the stored last state itself
     table=RowsTable(ARROW_STATE_FILE, speculators_table_rows, start_speculators_table, speculators_table_files),
 )
@@ -613,7 +620,7 @@ def write_sample(
     lay = writable_layout(fmt)
     assert lay.write is not None  # writable_layout refuses a layout without one
     if signatures is not None and not lay.dequantized:
-        signatures.record(index, state_signature(states))
+        signatures.record(index, state_signature(states), token_digest(input_ids, loss_mask))
     return lay.write(Path(out), index, input_ids, states, loss_mask, teacher)
 
 

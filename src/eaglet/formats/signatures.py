@@ -9,8 +9,10 @@ A slot's signature: the sum over its rows of the states projected on `PROBES` fi
 the same sum with each row's projections signed by a fixed +-1 per position (rows shifted or
 reordered change it), then the sum of the projections' magnitudes (the scale the comparison's
 tolerance is relative to). One read of the slot, recomputed the same on any machine up to float32
-rounding. The +-1 come from integer hashing (murmur3's finaliser), not from a random generator
-whose stream a torch release may change.
+rounding. Each line also holds a digest of the file's token ids and loss mask (`token_digest`):
+tokens shifted against their states, or another sample's, do not match it. The +-1 come from
+integer hashing (murmur3's finaliser), not from a random generator whose stream a torch release
+may change.
 
 Writer and reader: extraction appends one JSON line per file (and syncs it) to its shard's log
 under `signatures/`, before the file is renamed into place, so every file has its line; convert
@@ -22,6 +24,7 @@ not compared (its file is then one with no signature).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -89,6 +92,25 @@ def state_signature(states: list[torch.Tensor]) -> Signature:
     return out
 
 
+def token_digest(input_ids: torch.Tensor, loss_mask: torch.Tensor | None) -> str:
+    """A digest of a file's token ids and loss mask (as int64): states recorded beside other
+    tokens (ids and mask shifted against them, another sample's) do not match it."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in (input_ids, loss_mask):
+        if t is not None:
+            h.update(t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One line of a log: a file's slots' signatures, flattened, and its tokens' digest."""
+
+    slots: array
+    tokens: str
+
+
 def slot_distance(computed: list[float], recorded: list[float]) -> float:
     """How far a slot's signature is from a recorded one, relative to the recorded magnitudes
     (0: the same states; above `TOLERANCE`: other states)."""
@@ -110,12 +132,12 @@ def recorded_slots(flat: array) -> Signature:
     return [list(flat[i : i + PER_SLOT]) for i in range(0, len(flat), PER_SLOT)]
 
 
-def signature_mismatches(computed: Signature, recorded: list[array]) -> list[SlotMismatch]:
+def signature_mismatches(computed: Signature, recorded: list[Recorded]) -> list[SlotMismatch]:
     """The slots whose states differ from what extraction recorded (none: the file matches one of
     its index's records), judged against the last record read. A slot of non-finite values is
     not compared: the value checks name it, whatever extraction wrote."""
     compared = [j for j, c in enumerate(computed) if all(map(math.isfinite, c))]
-    records = [recorded_slots(r) for r in recorded]
+    records = [recorded_slots(r.slots) for r in recorded]
 
     def matches(record: Signature) -> bool:
         return len(record) == len(computed) and all(
@@ -145,9 +167,9 @@ class SignatureLog:
         self.lock = threading.Lock()
         self.opened = False
 
-    def record(self, index: int, signature: Signature) -> None:
+    def record(self, index: int, signature: Signature, tokens: str) -> None:
         """Appended and synced before the file it describes is renamed into place."""
-        line = json.dumps({"v": SCHEME, "index": index, "slots": signature}) + "\n"
+        line = json.dumps({"v": SCHEME, "index": index, "tokens": tokens, "slots": signature}) + "\n"
         with self.lock:
             if not self.opened:
                 self.path.parent.mkdir(exist_ok=True)
@@ -180,25 +202,25 @@ def drop_partial_line(path: Path) -> None:
         f.truncate(start + cut + 1)
 
 
-def parse_line(raw: bytes) -> tuple[int, array] | None:
-    """(index, its slots flattened) of one line; None for a line of another scheme."""
+def parse_line(raw: bytes) -> tuple[int, Recorded] | None:
+    """(index, what it records) of one line; None for a line of another scheme."""
     entry = json.loads(raw)
     if entry.get("v") != SCHEME:
         return None
-    slots = entry["slots"]
-    if not all(isinstance(s, list) and len(s) == PER_SLOT for s in slots):
-        raise ValueError(f"slots of {PER_SLOT} numbers each expected")
-    return int(entry["index"]), array("d", (float(v) for s in slots for v in s))
+    slots, tokens = entry["slots"], entry["tokens"]
+    if not all(isinstance(s, list) and len(s) == PER_SLOT for s in slots) or not isinstance(tokens, str):
+        raise ValueError(f"slots of {PER_SLOT} numbers each and a tokens digest expected")
+    return int(entry["index"]), Recorded(array("d", (float(v) for s in slots for v in s)), tokens)
 
 
-def read_signatures(root: str | os.PathLike) -> tuple[dict[int, list[array]] | None, list[tuple[str, str]]]:
+def read_signatures(root: str | os.PathLike) -> tuple[dict[int, list[Recorded]] | None, list[tuple[str, str]]]:
     """Every recorded signature by sample index, each slot's numbers in one flat array (None: the
     dataset records none, as other tools' datasets and older eaglet's do), and each log or line
     that cannot be read: (where, why). Read line by line: memory by the records, not the logs."""
     folder = Path(root) / SIGNATURES_DIR
     if not folder.is_dir():
         return None, []
-    found: dict[int, list[array]] = {}
+    found: dict[int, list[Recorded]] = {}
     problems = []
     for path in sorted(folder.glob("*.jsonl")):
         rel = f"{SIGNATURES_DIR}/{path.name}"
