@@ -105,7 +105,7 @@ def measure(target: Path, work: Path, samples: int, max_length: int) -> list[tup
                 states[j] = all_layers(model, sample["input_ids"], states[j].dtype)[neighbour]
                 sample["hidden_states"] = states
                 torch.save(sample, copy / path.relative_to(data))
-                recorded_slot = signatures.recorded_slots(recorded[i][-1])[j]
+                recorded_slot = signatures.recorded_slots(recorded[i][-1].slots)[j]
                 distances.append(signatures.slot_distance(formats.state_signature([states[j]])[0], recorded_slot))
                 signed += refused(copy)
                 unsign(copy)
