@@ -107,6 +107,7 @@ def test_refuses_bad_dataset_and_other_target(dataset, tiny_target, tmp_path):
         if f.is_file():
             (bad / f.name).write_bytes(f.read_bytes())
     os.symlink(dataset / formats.HIDDEN_STATES_DIR, bad / formats.HIDDEN_STATES_DIR)
+    os.symlink(dataset / formats.SIGNATURES_DIR, bad / formats.SIGNATURES_DIR)
     cfg = formats.read_json(dataset / formats.DATA_CONFIG_FILE)
     for change, msg in (
         ({"num_hidden_layers": 9}, "num_hidden_layers"),
