@@ -337,8 +337,9 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
         messages.pop()
     if not any(m["role"] == ASSISTANT for m in messages):
         return "no assistant turn"
-    for _ in (i for i in reasoned if i < len(messages)):
-        stats.trim("assistant reasoning_content dropped, the answer kept (counted per turn)")
+    for i in reasoned:
+        if i < len(messages):  # the answer it came with is kept
+            stats.trim("assistant reasoning_content dropped, the answer kept (counted per turn)")
     return messages
 
 

@@ -126,7 +126,7 @@ def copy_sample(
     layout: formats.Layout,
     index: int,
     teacher: StoredTeacherMaker | None,
-    signatures: formats.SignatureLog | None,
+    signatures: formats.SignatureLog,
 ) -> int:
     """Read one sample from the source and write it in `layout` (the compact one with the stored
     teacher `teacher` makes from the last state; the others with its signature recorded in
@@ -206,7 +206,7 @@ def convert(options: ConvertOptions, command: str = "", workers: int = 2, show_p
         ]
         formats.refuse_other_samples([(formats.sample_path(out, written, i), why) for i, why in found])
         todo = [i for i, _ in found]
-        signatures = None if written.dequantized else formats.SignatureLog(out, "convert")
+        signatures = formats.SignatureLog(out, "convert")  # made at its first line: never, for the compact layout
         t0 = time.time()
         tokens = 0
         with (

@@ -94,7 +94,7 @@ class SampleFiles:
     out: Path
     layout: formats.Layout
     teacher: StoredTeacherMaker | None  # the compact layout's stored teacher, from the last state
-    signatures: formats.SignatureLog | None  # each file's signature, recorded before the file appears
+    signatures: formats.SignatureLog  # each file's signature, recorded before the file appears
 
     def write(self, index: int, sample: TokenizedSample, states: list[torch.Tensor]) -> Path:
         return formats.write_sample(
@@ -554,8 +554,7 @@ def extract(
             dynamic_ncols=True,
             disable=not show_progress,
         )
-        signatures = None if written.dequantized else formats.SignatureLog(out, f"shard_{shard_id}_of_{num_shards}")
-        files = SampleFiles(out, written, teacher, signatures)
+        files = SampleFiles(out, written, teacher, formats.SignatureLog(out, f"shard_{shard_id}_of_{num_shards}"))
         if model is not None:
             run_and_write(model, samples, batches, layer_ids, dev, save_dtype, files, config, write_threads, bar)
         elif engine is not None and shard.todo:

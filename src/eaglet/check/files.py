@@ -430,7 +430,8 @@ def signature_problems(
             )
         ]
     out = []
-    if all(r.tokens != formats.token_digest(states.input_ids, states.loss_mask) for r in recorded):
+    tokens = formats.token_digest(states.input_ids, states.loss_mask)
+    if all(r.tokens != tokens for r in recorded):
         out.append(
             Problem(
                 STATE_SIGNATURE,

@@ -130,11 +130,9 @@ class ParallelDraft(Drafter):
     EAGLE_INPUT = False  # the first layer takes concat(norm(embedding), hidden_norm(hidden)), as EAGLE-3's
 
     def __init__(self, cfg: DraftConfig):
-        traits = families.family(cfg.family)
-        if not traits.parallel:  # DraftConfig checked the rest
+        if not families.family(cfg.family).parallel:  # DraftConfig checked the rest
             raise ValueError(f"family {cfg.family!r}: not a parallel drafter")
         super().__init__(cfg)
-        self.traits = traits
         self.fc = nn.Linear(3 * cfg.aux_width, cfg.hidden_size, bias=False)
         self.add_inputs(cfg)
         self.layers = nn.ModuleList(Layer(cfg, self.EAGLE_INPUT and i == 0) for i in range(cfg.num_layers))
