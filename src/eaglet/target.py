@@ -307,14 +307,18 @@ def target_source(given: str | None, recorded_where: str) -> str:
     return "--target" if given is not None else recorded_where
 
 
-def refuse_shards_elsewhere(folder: Path) -> None:
+def refuse_shards_elsewhere(folder: Path, named: str) -> None:
     """A target folder's weight index names shards inside the folder only: one that leads out
     (`../x.safetensors`, an absolute path) would have the target's weights read from elsewhere. A
-    shard that is a link is the folder owner's (a Hugging Face cache snapshot links its files)."""
+    shard that is a link is the folder owner's (a Hugging Face cache snapshot links its files).
+    `named`: how the command named the target ("--target org/model"), for the message."""
     index = folder / heads.INDEX_FILE
     if index.is_file():
         for shard in set(formats.read_weight_index(index).values()):
-            formats.inside_folder(folder, shard, f"{index}: a shard", follow_links=False)
+            try:
+                formats.inside_folder(folder, shard, f"{index}: a shard", follow_links=False)
+            except ValueError as e:
+                raise ValueError(f"{named}: {e}") from e
 
 
 def resolve_target(spec: str | None, source: str = "--target") -> TargetRef:
@@ -332,7 +336,7 @@ def resolve_target(spec: str | None, source: str = "--target") -> TargetRef:
         config = formats.read_json(folder / "config.json")  # a damaged one is named here, not deep in transformers
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f'{folder / "config.json"}: no "model_type"; not a Hugging Face model config')
-        refuse_shards_elsewhere(folder)
+        refuse_shards_elsewhere(folder, f"{source} {spec}")
         return TargetRef(str(folder), str(folder), folder_fingerprint(folder))
     from transformers import AutoConfig  # seconds to import: only where a target is read
 
@@ -342,7 +346,24 @@ def resolve_target(spec: str | None, source: str = "--target") -> TargetRef:
         raise FileNotFoundError(
             f"{source} {spec}: not a local folder, and the hub id could not be resolved: {e}"
         ) from e
+    refuse_hub_shards_elsewhere(spec, source)
     return TargetRef(spec, spec, getattr(config, "_commit_hash", None) or "unknown")
+
+
+def refuse_hub_shards_elsewhere(spec: str, source: str) -> None:
+    """`refuse_shards_elsewhere` for a hub id, on its snapshot in the Hugging Face cache (where the
+    weights will be read from): huggingface_hub would refuse a `../` shard later, in its own words,
+    naming neither the index nor the option."""
+    from transformers.utils import cached_file
+
+    index = cached_file(
+        spec,
+        heads.INDEX_FILE,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+    )
+    if index is not None:  # None: a single-file model, or an index not fetched yet
+        refuse_shards_elsewhere(Path(index).parent, f"{source} {spec}")
 
 
 # ---------------------------------------------------------------------------------------------

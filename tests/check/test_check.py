@@ -360,7 +360,30 @@ def test_sample_lengths_and_token_freq_edited(copy):
     formats.write_token_freq(ds / formats.TOKEN_FREQ_FILE, freq)
     report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.SAMPLE_LENGTHS, formats.SAMPLE_LENGTHS_FILE, "sample 2: recorded length")
-    assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE, "1 token ids")
+    assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE, "1 token ids", "so this file is what changed")
+
+
+def test_token_freq_disagreement_names_the_files_holding_the_token(copy):
+    """A file's mask edited: token_freq.pt's disagreement names the files that hold the token, and
+    the edited file is named by its own token digest."""
+    ds = copy()
+    path = sample_path(ds, 4)
+    obj = torch.load(path, weights_only=True)
+    masked = obj["loss_mask"].nonzero().flatten()
+    token = int(obj["input_ids"][masked[0]])
+    obj["loss_mask"][obj["input_ids"] == token] = 0
+    torch.save(obj, path)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    rel = str(path.relative_to(ds))
+    assert_found(report, C.STATE_SIGNATURE, rel, "input_ids or loss_mask are not what extraction wrote")
+    hit = assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE, "changed since the counts were made")
+    holders = []
+    for p in sorted((ds / formats.HIDDEN_STATES_DIR).rglob("data_*.pt")):
+        o = torch.load(p, weights_only=True)
+        if token in o["input_ids"][o["loss_mask"] == 1].tolist():
+            holders.append(str(p.relative_to(ds)))
+    assert f"1 token ids (e.g. id {token}:" in hit.message  # only that token's count moved
+    assert (f"in {holders[0]}" if holders else "in no file") in hit.message
 
 
 @pytest.mark.parametrize(

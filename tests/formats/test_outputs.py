@@ -245,6 +245,30 @@ def test_a_targets_weight_index_stays_inside_its_folder(tiny_target, tmp_path):
     assert resolve_target(str(snapshot)).path == str(snapshot.resolve())
 
 
+def test_a_hub_targets_cached_index_stays_inside_its_snapshot(tiny_target, tmp_path, monkeypatch):
+    """A hub id whose cached index names ../ was refused by huggingface_hub in its own words,
+    naming neither the index nor --target."""
+    from eaglet.target import resolve_target
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_target, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert resolve_target("org/tiny").path == "org/tiny"  # the cached snapshot, as it came
+    (snapshot / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"lm_head.weight": "../../../../outside.safetensors"}}'
+    )
+    with pytest.raises(
+        ValueError, match=r"--target org/tiny: .*model\.safetensors\.index\.json: a shard: .* leads out of"
+    ):
+        resolve_target("org/tiny")
+
+
 def test_a_target_without_its_tokenizer_is_named(tiny_target, tmp_path):
     """transformers said only "Couldn't instantiate the backend tokenizer", naming no folder."""
     from eaglet.target import load_tokenizer, resolve_target

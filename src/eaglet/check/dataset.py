@@ -336,24 +336,49 @@ def load_token_freq(root: Path, required: bool) -> tuple[dict[int, int] | None, 
         ]
 
 
-def token_freq_problems(recorded: dict[int, int], results: list[FileResult]) -> list[Problem]:
+def token_freq_problems(
+    recorded: dict[int, int], results: list[FileResult], prepared: str | None = None
+) -> list[Problem]:
     actual: Counter = Counter()
+    holders: dict[int, list[str]] = {}
     for r in results:
         for t, c in zip(*r.masked_tokens):
             actual[t] += c
+            holders.setdefault(t, []).append(r.path)
     diff = sorted(t for t in set(recorded) | set(actual) if recorded.get(t, 0) != actual.get(t, 0))
     if not diff:
         return []
     t = diff[0]
+    held = holders.get(t, [])
+    where = f"in {fmt_paths(held)}" if held else "in no file"
+    if results and all(r.tokens_signed for r in results):
+        # every file's ids and mask are what extraction wrote beside its states: the counts changed
+        cause = (
+            "every file's input_ids and loss_mask match the digest extraction recorded, so this file is what "
+            "changed: copy token_freq.pt from the prepared folder the dataset was extracted from"
+            + (f" ({prepared})" if prepared else "")
+            + ", or extract again"
+        )
+    else:
+        cause = (
+            "token_freq.pt or a file's input_ids or loss_mask changed since the counts were made (a file "
+            "whose tokens differ from the digest extraction recorded is named above, by its state signature); "
+            "if none is, copy token_freq.pt from the prepared folder again, or prepare and extract again"
+        )
     return [
         Problem(
             TOKEN_FREQ,
             formats.TOKEN_FREQ_FILE,
             f"disagrees with the files' masked tokens on {len(diff)} token ids "
-            f"(e.g. id {t}: recorded {recorded.get(t, 0)}, files have {actual.get(t, 0)}; "
-            f"recorded total {sum(recorded.values())}, files {sum(actual.values())})",
+            f"(e.g. id {t}: recorded {recorded.get(t, 0)}, files have {actual.get(t, 0)} {where}; "
+            f"recorded total {sum(recorded.values())}, files {sum(actual.values())}): {cause}",
         )
     ]
+
+
+def fmt_paths(paths: list[str], shown: int = 3) -> str:
+    more = f" and {len(paths) - shown} more files" if len(paths) > shown else ""
+    return ", ".join(sorted(paths)[:shown]) + more
 
 
 def rms_outlier_problems(results: list[FileResult]) -> list[Problem]:
@@ -689,7 +714,7 @@ def dataset_problems(
     """What only the whole dataset shows: side files, token counts, totals, lengths, RMS outliers."""
     out = side_file_problems(root, listing, cfg, table_rows, unique, required)
     if recorded_freq is not None:
-        out += token_freq_problems(recorded_freq, unique)
+        out += token_freq_problems(recorded_freq, unique, cfg.prepared_data if cfg else None)
     if cfg is not None:
         out += config_totals_problems(cfg, unique)
     if model is not None:

@@ -83,6 +83,7 @@ class FileResult:
     slot_median_row_rms: list[float] = field(default_factory=list)
     slot_max_row_rms: list[float] = field(default_factory=list)
     masked_tokens: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (ids, counts) masked
+    tokens_signed: bool = False  # input_ids and loss_mask match the digest extraction recorded for this file
     template_checked: bool = False  # the mask was compared with the chat template's assistant spans
 
 
@@ -406,7 +407,11 @@ def check_states(res: FileResult, states: formats.FileStates, exp: Expect, found
         res.problems += teacher_problems(states.teacher, exp, rel)
     check_slot_values(res, states.states, usable)
     if exp.signatures is not None and all(usable) and len(usable) == exp.num_states:
-        res.problems += signature_problems(states, exp.signatures.get(res.index), exp, rel)
+        recorded = exp.signatures.get(res.index)
+        if recorded is not None:
+            tokens = formats.token_digest(states.input_ids, states.loss_mask)
+            res.tokens_signed = any(r.tokens == tokens for r in recorded)
+        res.problems += signature_problems(states, recorded, res.tokens_signed, exp, rel)
 
 
 def slot_name(exp: Expect, j: int) -> str:
@@ -415,10 +420,10 @@ def slot_name(exp: Expect, j: int) -> str:
 
 
 def signature_problems(
-    states: formats.FileStates, recorded: list[formats.Recorded] | None, exp: Expect, rel: str
+    states: formats.FileStates, recorded: list[formats.Recorded] | None, tokens_signed: bool, exp: Expect, rel: str
 ) -> list[Problem]:
-    """A file's states against the signatures extraction recorded for its index: every slot of
-    every file, in one more read of each (`formats.signatures`)."""
+    """A file's states (and, by `tokens_signed`, its tokens) against the signatures extraction
+    recorded for its index: every slot of every file, in one more read of each (`formats.signatures`)."""
     if recorded is None:
         return [
             Problem(
@@ -430,8 +435,7 @@ def signature_problems(
             )
         ]
     out = []
-    tokens = formats.token_digest(states.input_ids, states.loss_mask)
-    if all(r.tokens != tokens for r in recorded):
+    if not tokens_signed:
         out.append(
             Problem(
                 STATE_SIGNATURE,
