@@ -336,9 +336,7 @@ def load_token_freq(root: Path, required: bool) -> tuple[dict[int, int] | None, 
         ]
 
 
-def token_freq_problems(
-    recorded: dict[int, int], results: list[FileResult], prepared: str | None = None
-) -> list[Problem]:
+def token_freq_problems(recorded: dict[int, int], results: list[FileResult]) -> list[Problem]:
     actual: Counter = Counter()
     holders: dict[int, list[str]] = {}
     for r in results:
@@ -355,9 +353,8 @@ def token_freq_problems(
         # every file's ids and mask are what extraction wrote beside its states: the counts changed
         cause = (
             "every file's input_ids and loss_mask match the digest extraction recorded, so this file is what "
-            "changed: copy token_freq.pt from the prepared folder the dataset was extracted from"
-            + (f" ({prepared})" if prepared else "")
-            + ", or extract again"
+            "changed: copy token_freq.pt from the prepared folder the dataset was extracted from (its "
+            "extract command is in data_config.json's command), or extract again"
         )
     else:
         cause = (
@@ -714,7 +711,7 @@ def dataset_problems(
     """What only the whole dataset shows: side files, token counts, totals, lengths, RMS outliers."""
     out = side_file_problems(root, listing, cfg, table_rows, unique, required)
     if recorded_freq is not None:
-        out += token_freq_problems(recorded_freq, unique, cfg.prepared_data if cfg else None)
+        out += token_freq_problems(recorded_freq, unique)
     if cfg is not None:
         out += config_totals_problems(cfg, unique)
     if model is not None:
