@@ -354,7 +354,7 @@ def refuse_hub_shards_elsewhere(spec: str, source: str) -> None:
     """`refuse_shards_elsewhere` for a hub id, on its snapshot in the Hugging Face cache (where the
     weights will be read from): huggingface_hub would refuse a `../` shard later, in its own words,
     naming neither the index nor the option."""
-    from transformers.utils import cached_file
+    from transformers.utils import cached_file  # seconds to import: only where a hub id is resolved
 
     index = cached_file(
         spec,
