@@ -41,7 +41,7 @@ def generate(
     lengths: dict[int, int] = {}
     freq: dict[int, int] = {}
     total = masked_total = i = 0
-    signatures = formats.SignatureLog(out, "shard_0_of_1")
+    signed = []  # recorded once data_config.json, which keys the log, is written
     while total < target_tokens:
         T = int(torch.randint(256, 2049, (1,), generator=g))
         ids = torch.randint(0, vocab, (T,), generator=g)
@@ -50,7 +50,7 @@ def generate(
         states = [
             torch.randn(T, hidden, generator=g).mul_(0.5 * (k + 1)).to(torch.bfloat16) for k in range(len(layer_ids))
         ]
-        signatures.record(i, formats.state_signature(states), formats.token_digest(ids, mask))
+        signed.append((i, formats.state_signature(states), formats.token_digest(ids, mask)))
         formats.write_v1_sample(out, i, V1Sample(ids, states, mask), fsync=False)
         u, c = torch.unique(ids[mask == 1], return_counts=True)
         for t, n in zip(u.tolist(), c.tolist()):
@@ -78,6 +78,9 @@ def generate(
             "rows_per_folder": formats.ROWS_PER_FOLDER,
         },
     )
+    log = formats.signature_log(out, "shard_0_of_1")
+    for i, signature, tokens in signed:
+        log.record(i, signature, tokens)
 
 
 def plain_loop(files: list[Path]) -> float:

@@ -206,3 +206,13 @@ def test_a_chat_template_that_does_not_parse_is_the_targets_fault(tiny_target, t
     data = write_jsonl(tmp_path / "c.jsonl", [CHAT])
     with pytest.raises(ValueError, match=r"^the target's chat template does not parse \(.*fix chat_template.jinja"):
         prepare(PrepareOptions(target=str(target), data=str(data), out=tmp_path / "out"))
+
+
+def test_an_integer_of_over_4300_digits_is_a_bad_line_not_the_end_of_the_run(tmp_path):
+    """Python refuses to parse such an integer with a ValueError that is not a JSONDecodeError:
+    prepare stopped on it, naming no file or line."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(CHAT) + "\n" + '{"messages": [], "n": ' + "9" * 5000 + "}\n" + json.dumps(CHAT) + "\n")
+    records, stats = read_all(path)
+    assert records == [CHAT["messages"]] * 2
+    assert stats.skipped["invalid JSON line"] == 1

@@ -63,3 +63,28 @@ def test_an_unknown_model_type_says_what_is_missing(tiny_target, tmp_path, monke
     ref = resolve_target(str(custom_folder(tiny_target, tmp_path, auto_map=False)))
     with pytest.raises(ValueError, match=r"model_type 'custom_llama' is not one transformers knows"):
         load_target(ref, torch.float32, torch.device("cpu"))
+
+
+class RunsOnLoad:
+    """A pickled object that would run a command when unpickled without weights_only."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("true",))
+
+
+def test_a_pickled_weight_file_with_code_is_refused_naming_it(tiny_target, tmp_path):
+    """The probe's pytorch_model.bin holding an os.system call: refused (never run) in torch's
+    words, which named no file and suggested turning weights_only off."""
+    folder = Path(shutil.copytree(tiny_target, tmp_path / "bin_target"))
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save({**state, "payload": RunsOnLoad()}, folder / "pytorch_model.bin")
+    with pytest.raises(
+        ValueError, match=r"target .*bin_target: pytorch_model\.bin: holds Python objects beyond tensors"
+    ) as e:
+        load_target(resolve_target(str(folder)), torch.float32, torch.device("cpu"))
+    assert "weights_only=False" not in str(e.value) and "weights_only set to False" not in str(e.value)

@@ -76,7 +76,11 @@ def converted_config(
 ) -> formats.DataConfig:
     """The output's data_config.json: the source's (or, for a source without one, --target's
     fields), with the output layout and the totals of the samples."""
-    cfg = {k: v for k, v in ds.config.to_json().items() if k not in ("format", "command", "converted_from", "compact")}
+    cfg = {
+        k: v
+        for k, v in ds.config.to_json().items()
+        if k not in ("format", "command", "converted_from", "compact", "state_signatures", "signature_key")
+    }
     if ds.config.target_revision is None or ds.config.layer_ids is None:
         if target is None:
             raise ValueError(
@@ -206,7 +210,8 @@ def convert(options: ConvertOptions, command: str = "", workers: int = 2, show_p
         ]
         formats.refuse_other_samples([(formats.sample_path(out, written, i), why) for i, why in found])
         todo = [i for i, _ in found]
-        signatures = formats.SignatureLog(out, "convert")  # made at its first line: never, for the compact layout
+        # made at its first line: never, for the compact layout
+        signatures = formats.signature_log(out, "convert")
         t0 = time.time()
         tokens = 0
         with (

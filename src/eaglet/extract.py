@@ -510,7 +510,7 @@ def extract(
     engine = engine_choice(options)
     placed = placement_from_options(options.device_map, options.max_memory, options.offload_folder, options.device)
     out = Path(options.out)
-    formats.refuse_overlap(out, "extract", {"--prepared": prepared})
+    formats.refuse_overlap(out, "extract", {"--prepared": prepared, "--target": options.target})
     # one writer per shard of the output; the shards of one run (--shard-id) write side by side
     with formats.output_lock(out, "extract", lock=formats.lock_path(out, f"shard-{shard_id}-of-{num_shards}")):
         samples, pconfig = formats.read_prepared(prepared)
@@ -554,7 +554,7 @@ def extract(
             dynamic_ncols=True,
             disable=not show_progress,
         )
-        files = SampleFiles(out, written, teacher, formats.SignatureLog(out, f"shard_{shard_id}_of_{num_shards}"))
+        files = SampleFiles(out, written, teacher, formats.signature_log(out, f"shard_{shard_id}_of_{num_shards}"))
         if model is not None:
             run_and_write(model, samples, batches, layer_ids, dev, save_dtype, files, config, write_threads, bar)
         elif engine is not None and shard.todo:

@@ -84,7 +84,7 @@ def stored_ids_problem(ids: object, num_layers: int | None = None) -> str | None
         )
     problem = aux_ids_problem(list(ids[:NUM_AUX]), num_layers)
     if problem:
-        return problem
+        return f"the first {NUM_AUX} (the aux ids {list(ids[:NUM_AUX])}): {problem}"
     if ids[-1] <= ids[NUM_AUX - 1]:
         return "not strictly increasing: the last id N comes after the aux ids"
     if num_layers is not None and ids[-1] != num_layers:

@@ -156,7 +156,7 @@ def read_device_map(path: str) -> dict[str, Device]:
         raise FileNotFoundError(f"--device-map {path}: not {', '.join(DEVICE_MAP_STRATEGIES)} and no such file")
     try:
         raw = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"--device-map {path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict) or not raw:
         raise ValueError(

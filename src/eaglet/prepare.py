@@ -293,7 +293,7 @@ def prepare(options: PrepareOptions, command: str = "") -> PrepareSummary:
     num_samples, mix, mix_samples, mix_skip = options.num_samples, options.mix, options.mix_samples, options.mix_skip
     options.check_numbers()
     sources = sources_of(data, skip, num_samples, mix, mix_skip, mix_samples)
-    formats.refuse_overlap(out, "prepare", {"--data": data, "--mix": mix})
+    formats.refuse_overlap(out, "prepare", {"--data": data, "--mix": mix, "--target": target})
     with formats.output_lock(out, "prepare"):  # one writer per output: a second is refused, naming the first
         refuse_existing(out, options.overwrite)
         ref = resolve_target(target)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import platform
 import shutil
 import tempfile
@@ -413,6 +414,11 @@ def from_pretrained(kind: Any, ref: TargetRef, **kwargs: Any) -> Any:
         return kind.from_pretrained(ref.path, trust_remote_code=heads.trust_remote_code(), **kwargs)
     except SafetensorError as e:  # a truncated or damaged weight file: name it, not the Rust reader's words
         raise heads.damaged_weights(Path(ref.path), e) from e
+    except pickle.UnpicklingError as e:  # a .bin transformers loaded weights-only: torch's words name no file
+        if "Weights only load failed" not in str(e):
+            raise
+        bins = sorted(p.name for p in Path(ref.path).glob("*.bin")) if Path(ref.path).is_dir() else []
+        raise formats.weights_only_refusal(f"target {ref.name}: {', '.join(bins) or 'a .bin weight file'}", e) from None
     except (ValueError, KeyError, TypeError) as e:
         text = str(e)
         if isinstance(e, json.JSONDecodeError):  # its message names neither the file nor the folder

@@ -301,7 +301,7 @@ def test_missing_file_and_side_files_disagree(copy):
     report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.MISSING_INDEX, None, "10")
     assert_found(report, C.SAMPLE_LENGTHS, formats.SAMPLE_LENGTHS_FILE, "no file")
-    assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE)
+    assert_found(report, C.TOKEN_FREQ, formats.TOKEN_FREQ_FILE, "samples have no file (named above)")
     assert_found(report, C.DATA_CONFIG, formats.DATA_CONFIG_FILE, "num_samples is 12, the files hold 11")
 
 
@@ -509,17 +509,18 @@ def test_tokens_shifted_against_their_states_are_named(copy):
     assert_found(report, C.STATE_SIGNATURE, rel, "input_ids or loss_mask are not what extraction wrote")
 
 
-def test_a_file_extraction_did_not_write_or_an_unreadable_record_is_named(copy):
+def test_a_file_no_line_vouches_for_or_an_unreadable_record_is_named(copy):
+    """Where data_config.json records the log, a file without its line is damage, not a warning:
+    the probe removed one file's line and put another layer in that file, which check called CLEAN."""
     ds = copy()
     log = next((ds / formats.SIGNATURES_DIR).glob("*.jsonl"))
     lines = log.read_text().splitlines(keepends=True)
     index_of = [json.loads(line)["index"] for line in lines]
     log.write_text("".join(line for line, i in zip(lines, index_of) if i != 4))
+    edit(ds, 4, lambda o: o["hidden_states"].__setitem__(1, o["hidden_states"][2].clone()))
     report = C.check_dataset(CheckOptions(path=ds, use_target=False))
-    assert report.clean and [p.path for p in report.problems if p.kind == C.STATE_SIGNATURE] == [
-        formats.v1_relative_path(4)
-    ]
-    log.write_text("".join(lines) + json.dumps({"v": 1, "index": 9999, "tokens": "", "slots": []}) + "\n")
+    assert_found(report, C.STATE_SIGNATURE, formats.v1_relative_path(4), "no signature line vouches for this file")
+    log.write_text("".join(lines) + lines[0].replace(f'"index": {index_of[0]},', '"index": 9999,'))
     assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.STATE_SIGNATURE, "signatures", "9999")
     log.write_text("".join(lines[:2]) + "{not json\n" + "".join(lines[2:]))
     assert_found(
@@ -528,6 +529,26 @@ def test_a_file_extraction_did_not_write_or_an_unreadable_record_is_named(copy):
         f"{formats.SIGNATURES_DIR}/{log.name}:3",
         "unreadable line",
     )
+    log.write_text("")  # an emptied log vouches for no file
+    assert_found(
+        C.check_dataset(CheckOptions(path=ds, use_target=False)), C.STATE_SIGNATURE, formats.v1_relative_path(7)
+    )
+
+
+def test_another_extractions_files_and_lines_copied_in_are_named(copy):
+    """The probe copied five files of a dataset made from another target, with their lines put in
+    a log of their own: check and train took them. A line carries its extraction's key."""
+    ds = copy()
+    rel = edit(ds, 6, lambda o: o.update(hidden_states=[h * 1.5 for h in o["hidden_states"]]))
+    obj = torch.load(ds / rel, weights_only=True)
+    other = formats.SignatureLog(ds, "shard_0_of_9", "0000000000000000")  # another dataset's key
+    other.record(
+        6, formats.state_signature(obj["hidden_states"]), formats.token_digest(obj["input_ids"], obj["loss_mask"])
+    )
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    assert_found(report, C.STATE_SIGNATURE, f"{formats.SIGNATURES_DIR}/shard_0_of_9.jsonl", "another extraction")
+    assert_found(report, C.STATE_SIGNATURE, rel, "is not what extraction wrote")
+    assert not [p for p in report.problems if p.path == rel and p.severity == C.WARNING]
 
 
 def test_layer_ids_off_by_one(copy, LAYER_IDS):

@@ -319,6 +319,25 @@ def test_extract_shards_of_another_count_exclude_each_other(outputs):
         )
 
 
+def test_convert_and_an_extract_shard_exclude_each_other(tmp_path):
+    """convert (the whole output's lock) and extract (a shard's lock) both wrote one --out: convert
+    deleted extract's temp files as a killed run's leftovers."""
+    out = tmp_path / "data"
+    with formats.output_lock(out, "extract", lock=formats.lock_path(out, "shard-0-of-1")):
+        with pytest.raises(formats.OutputBusy, match=r"another `eaglet extract` .* \(\.data\.shard-0-of-1\.lock\)"):
+            with formats.output_lock(out, "convert"):
+                pass
+        with formats.output_lock(out, "extract", lock=formats.lock_path(out, "shard-1-of-2")):
+            pass  # the shards of one extraction write side by side
+    with formats.output_lock(out, "convert"):
+        with pytest.raises(formats.OutputBusy, match=r"another `eaglet convert` .* \(\.data\.lock\)"):
+            with formats.output_lock(out, "extract", lock=formats.lock_path(out, "shard-0-of-1")):
+                pass
+    with formats.output_lock(tmp_path / "data2", "convert"):  # another output whose name starts alike
+        with formats.output_lock(out, "extract", lock=formats.lock_path(out, "shard-0-of-1")):
+            pass
+
+
 @pytest.mark.parametrize("kind", ["dangling link", "under a file", "under /proc"])
 def test_an_offload_folder_that_cannot_be_one_is_said_plainly(tmp_path, kind):
     from eaglet.placement import placement_from_options
@@ -354,6 +373,36 @@ def test_a_refused_stage_leaves_no_marker_behind(outputs, tiny_target, chats_jso
         with pytest.raises(FileExistsError, match="holds another stage's output"):
             extract(ExtractOptions(prepared=outputs / "prepared", out=copied), show_progress=False)
         assert not (copied / formats.OUTPUT_MARKER).exists()
+
+
+def test_a_marker_copied_in_does_not_hide_another_stages_files(outputs, tmp_path):
+    """The probe copied a dataset's marker into a prepared folder: extract then wrote its states
+    beside the prepared files and kept their token_freq.pt as the dataset's."""
+    forged = Path(shutil.copytree(outputs / "prepared", tmp_path / "forged"))
+    shutil.copy(outputs / "data" / formats.OUTPUT_MARKER, forged / formats.OUTPUT_MARKER)
+    before = snapshot(forged)
+    with pytest.raises(FileExistsError, match=r"holds another stage's output \(prepared.jsonl, prepare_config.json\)"):
+        extract(ExtractOptions(prepared=outputs / "prepared", out=forged), show_progress=False)
+    assert snapshot(forged) == before
+
+
+@pytest.mark.parametrize("stage", ["prepare", "extract", "train", "eval"])
+def test_no_stage_writes_inside_a_runs_checkpoints(outputs, tiny_target, chats_jsonl, stage):
+    """eval --out RUN/checkpoints put its results among the checkpoints a run prunes and resumes from."""
+    run = outputs / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / formats.OUTPUT_MARKER).write_text("train run\n")
+    before = snapshot(run)
+    for out in (run / "checkpoints", run / "checkpoints" / "step_00000002" / "x"):
+        with pytest.raises(FileExistsError, match=r"inside the train run .*run \(its checkpoints/\)"):
+            stage_run(stage, outputs, tiny_target, chats_jsonl, out)()
+    assert snapshot(run) == before
+
+
+def test_an_output_that_holds_the_target_is_refused(tiny_target, chats_jsonl, tmp_path):
+    target = Path(shutil.copytree(tiny_target, tmp_path / "w" / "target"))
+    with pytest.raises(FileExistsError, match=r"--out .*w holds --target .*target: `eaglet prepare` writes"):
+        prepare(PrepareOptions(target=str(target), data=str(chats_jsonl), out=tmp_path / "w"))
 
 
 def test_an_output_that_is_holds_or_lies_inside_an_input_is_refused(outputs, tiny_target, tmp_path):

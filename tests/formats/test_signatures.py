@@ -5,6 +5,7 @@ a file redone matching its newest record, a line of another scheme not compared.
 from __future__ import annotations
 
 import json
+import os
 import math
 
 import torch
@@ -53,20 +54,47 @@ def test_an_empty_or_non_finite_slot_is_left_to_the_value_checks():
 
 
 def test_the_log_stays_readable_after_a_kill_mid_append_and_a_redone_file_matches(tmp_path):
-    log = formats.SignatureLog(tmp_path, "shard_0_of_2")
+    log = formats.SignatureLog(tmp_path, "shard_0_of_2", "k0")
     assert not (tmp_path / formats.SIGNATURES_DIR).exists()  # made at its first line, not before
-    log.record(0, formats.state_signature(states(0, rows=10)), "t0")
+    log.record(0, formats.state_signature(states(0, rows=10)), "0123456789abcdef")
     with open(log.path, "a") as f:  # a run killed mid-append: its file was never renamed into place
-        f.write('{"v": 1, "index": 2, "tokens": "t2", "slots": [[1.0, ')
+        f.write('{"v": 2, "of": "k0", "index": 2, "tokens": "t2", "slots": [[1.0, ')
     assert sorted(formats.read_signatures(tmp_path)[0] or {}) == [0]
-    again = formats.SignatureLog(tmp_path, "shard_0_of_2")
+    again = formats.SignatureLog(tmp_path, "shard_0_of_2", "k0")
     redone = formats.state_signature(states(1, rows=10))
-    again.record(0, redone, "t0")
-    with open(log.path, "a") as f:  # a line of a later scheme: not compared
-        f.write(json.dumps({"v": 2, "index": 1, "slots": []}) + "\n")
-    recorded, problems = formats.read_signatures(tmp_path)
+    again.record(0, redone, "0123456789abcdef")
+    recorded, problems = formats.read_signatures(tmp_path, "k0")
     assert problems == [] and sorted(recorded or {}) == [0] and len((recorded or {})[0]) == 2
     assert formats.signature_mismatches(redone, (recorded or {})[0]) == []
     assert formats.read_signatures(tmp_path / "elsewhere") == (None, [])
     (tmp_path / formats.SIGNATURES_DIR / "odd.jsonl").mkdir()
     assert formats.read_signatures(tmp_path)[1][0][0] == f"{formats.SIGNATURES_DIR}/odd.jsonl"
+
+
+def test_lines_that_vouch_for_nothing_are_named_per_log_and_not_kept(tmp_path):
+    """Another extraction's lines copied in, lines of another scheme, a line of no slots or an
+    odd digest, a line far longer than any of ours, and a pipe named like a log: each named,
+    none kept, and no read blocks or takes the whole line into memory."""
+    sig = formats.state_signature(states(0, rows=10))
+    formats.SignatureLog(tmp_path, "shard_0_of_1", "ours").record(0, sig, "0123456789abcdef")
+    formats.SignatureLog(tmp_path, "shard_0_of_9", "theirs").record(1, sig, "0123456789abcdef")
+    folder = tmp_path / formats.SIGNATURES_DIR
+    with open(folder / "shard_0_of_1.jsonl", "a") as f:
+        f.write(json.dumps({"v": 3, "of": "ours", "index": 2, "tokens": "0123456789abcdef", "slots": sig}) + "\n")
+        f.write(json.dumps({"v": 2, "of": "ours", "index": 3, "tokens": "x", "slots": sig}) + "\n")
+        f.write(json.dumps({"v": 2, "of": "ours", "index": 4, "tokens": "0123456789abcdef", "slots": []}) + "\n")
+        f.write(json.dumps({"v": 2, "of": "ours", "index": 5, "pad": "x" * (1 << 20), "slots": sig}) + "\n")
+        f.write(json.dumps({"v": 2, "of": "ours", "index": 6, "tokens": "0123456789abcdef", "slots": sig}) + "\n")
+    os.mkfifo(folder / "zz.jsonl")
+    recorded, problems = formats.read_signatures(tmp_path, "ours")
+    assert sorted(recorded or {}) == [0, 6]  # the line after the long one is read as its own
+    said = dict(problems)
+    assert "scheme v=3" in said[f"{formats.SIGNATURES_DIR}/shard_0_of_1.jsonl"]
+    assert "another extraction" in said[f"{formats.SIGNATURES_DIR}/shard_0_of_9.jsonl"]
+    assert "a pipe or device" in said[f"{formats.SIGNATURES_DIR}/zz.jsonl"]
+    for n in (3, 4):
+        assert (
+            "a tokens digest and an extraction key expected" in said[f"{formats.SIGNATURES_DIR}/shard_0_of_1.jsonl:{n}"]
+        )
+    assert "longer than" in said[f"{formats.SIGNATURES_DIR}/shard_0_of_1.jsonl:5"]
+    assert sorted(formats.read_signatures(tmp_path)[0] or {}) == [0, 1, 6]  # no dataset key: any extraction's

@@ -370,6 +370,17 @@ def test_a_pipe_where_a_side_file_should_be_is_named_not_read(tmp_path):
         formats.read_json(fifo)
     with pytest.raises(ValueError, match="a pipe or device where eaglet expects a torch file"):
         formats.torch_load_safe(fifo)
+    # the probe's three hangs: metrics.jsonl on resume, prepared.jsonl in extract (a signature log: test_signatures)
+    metrics = tmp_path / "metrics.jsonl"
+    os.mkfifo(metrics)
+    with pytest.raises(ValueError, match="metrics.jsonl: a pipe or device where eaglet expects a JSON-lines log"):
+        formats.read_jsonl_log(metrics)
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    formats.write_json_atomic(prepared / formats.PREPARE_CONFIG_FILE, {"max_length": 8})
+    os.mkfifo(prepared / formats.PREPARED_FILE)
+    with pytest.raises(ValueError, match="prepared.jsonl: a pipe or device where eaglet expects the prepared samples"):
+        formats.read_prepared(prepared)
 
 
 def test_pruning_removes_only_the_checkpoints_a_run_writes(tmp_path):

@@ -167,10 +167,17 @@ def expectations(
         first = next((r for r in (check_file(i, p, root, probe) for i, p in files[:20]) if r.num_states), None)
         exp = expect_from_file(first, layout, vocab) if first else probe
     if not layout.dequantized:  # the compact layout's files carry checksums instead
-        exp.signatures, unreadable = formats.read_signatures(root)
+        exp.signatures, unreadable = formats.read_signatures(root, cfg.signature_key if cfg else None)
         exp.problems += [Problem(STATE_SIGNATURE, where, why) for where, why in unreadable]
         exp.problems += signature_log_problems(cfg, exp.signatures, layout)
+        exp.signatures_required = signatures_recorded(cfg, layout)
     return exp
+
+
+def signatures_recorded(cfg: formats.DataConfig | None, layout: formats.Layout) -> bool:
+    """Whether data_config.json records that extraction kept every file's signature (and the files
+    are still in the layout they were written in): a file without its line is then damage."""
+    return cfg is not None and cfg.state_signatures is not None and cfg.format == layout.name
 
 
 def signature_log_problems(
@@ -179,9 +186,9 @@ def signature_log_problems(
     """The log itself against data_config.json: gone where the dataset, still in the layout it was
     written in, records keeping one (every file's state check would be switched off without a
     word), or naming samples it has not."""
-    if cfg is None or cfg.state_signatures is None or cfg.format != layout.name:
+    if cfg is None or not signatures_recorded(cfg, layout):
         return []
-    where = cfg.state_signatures
+    where = str(cfg.state_signatures)
     if recorded is None:
         return [
             Problem(
@@ -336,7 +343,9 @@ def load_token_freq(root: Path, required: bool) -> tuple[dict[int, int] | None, 
         ]
 
 
-def token_freq_problems(recorded: dict[int, int], results: list[FileResult]) -> list[Problem]:
+def token_freq_problems(recorded: dict[int, int], results: list[FileResult], complete: bool = True) -> list[Problem]:
+    """token_freq.pt against the files' masked tokens; `complete`: every sample has its file (a
+    missing one's tokens are counted in token_freq.pt: the files, not the counts, are short)."""
     actual: Counter = Counter()
     holders: dict[int, list[str]] = {}
     for r in results:
@@ -349,7 +358,9 @@ def token_freq_problems(recorded: dict[int, int], results: list[FileResult]) -> 
     t = diff[0]
     held = holders.get(t, [])
     where = f"in {fmt_paths(held)}" if held else "in no file"
-    if results and all(r.tokens_signed for r in results):
+    if not complete:
+        cause = "samples have no file (named above), and their tokens are counted here: extract those files again"
+    elif results and all(r.tokens_signed for r in results):
         # every file's ids and mask are what extraction wrote beside its states: the counts changed
         cause = (
             "every file's input_ids and loss_mask match the digest extraction recorded, so this file is what "
@@ -711,7 +722,8 @@ def dataset_problems(
     """What only the whole dataset shows: side files, token counts, totals, lengths, RMS outliers."""
     out = side_file_problems(root, listing, cfg, table_rows, unique, required)
     if recorded_freq is not None:
-        out += token_freq_problems(recorded_freq, unique)
+        complete = not any(p.kind == MISSING_INDEX for p in out)
+        out += token_freq_problems(recorded_freq, unique, complete)
     if cfg is not None:
         out += config_totals_problems(cfg, unique)
     if model is not None:

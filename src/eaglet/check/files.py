@@ -62,6 +62,7 @@ class Expect:
     eot_ids: frozenset[int] = frozenset()  # special tokens that can end an assistant turn
     # each file's state signatures as extraction recorded them (None: the dataset records none)
     signatures: dict[int, list[formats.Recorded]] | None = None
+    signatures_required: bool = False  # data_config.json records the log: a file without a line is damage
     problems: list[Problem] = field(default_factory=list)  # found reading these expectations
 
 
@@ -424,6 +425,17 @@ def signature_problems(
 ) -> list[Problem]:
     """A file's states (and, by `tokens_signed`, its tokens) against the signatures extraction
     recorded for its index: every slot of every file, in one more read of each (`formats.signatures`)."""
+    if recorded is None and exp.signatures_required:
+        return [
+            Problem(
+                STATE_SIGNATURE,
+                rel,
+                f"no signature line vouches for this file in {formats.SIGNATURES_DIR}/, though "
+                f"{formats.DATA_CONFIG_FILE} records that extraction kept one for every file (its line was "
+                "removed, or the file was copied in from another dataset): its states cannot be told from "
+                "another layer's: re-extract this file",
+            )
+        ]
     if recorded is None:
         return [
             Problem(

@@ -27,6 +27,7 @@ code outside the package uses, no more; anything else is reached through its mod
 from eaglet.formats.io import (
     OUTPUT_MARKER,
     PICKLED_CODE_MARKERS,
+    weights_only_refusal,
     TMP_MARK,
     OutputBusy,
     WriteFailed,
@@ -105,6 +106,7 @@ from eaglet.formats.data_config import (
     DataConfig,
     data_config_from,
     ensure_data_config,
+    signature_log,
     parse_data_config,
     read_data_config,
     refuse_other_dataset,

@@ -10,6 +10,7 @@ but the layout's name may be missing (None). Keys this eaglet does not know are 
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
@@ -17,6 +18,7 @@ from typing import Any, Callable
 from eaglet.formats.io import read_json, write_json_atomic
 from eaglet.formats.layouts import find_layout, list_dataset_files
 from eaglet.formats.prepared import TOKEN_FREQ_FILE
+from eaglet.formats.signatures import SIGNATURES_DIR, SignatureLog
 from eaglet.formats.samples import DATA_CONFIG_FILE, HIDDEN_STATES_DIR, ROWS_PER_FOLDER, SAMPLE_LENGTHS_FILE
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ class DataConfig:
     prepared_sha256: str | None = None
     eaglet_version: str | None = None
     state_signatures: str | None = None  # where extraction recorded each file's signatures (formats.signatures)
+    signature_key: str | None = None  # the key each of this extraction's signature lines carries
     command: str | None = None
     converted_from: dict[str, Any] | None = None  # convert: {"path", "format"} of the source
     compact: dict[str, Any] | None = None  # the compact layout's scheme (formats.compact_config)
@@ -110,6 +113,7 @@ FIELD_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
             "prepared_sha256",
             "eaglet_version",
             "state_signatures",
+            "signature_key",
             "command",
         )
     },
@@ -181,6 +185,15 @@ def write_data_config(root: str | Path, cfg: DataConfig) -> None:
     write_json_atomic(Path(root) / DATA_CONFIG_FILE, cfg.to_json())
 
 
+def signature_log(out: Path, name: str) -> SignatureLog:
+    """The log a writer of the dataset at `out` records its files' signatures in, its lines
+    keyed by the data_config.json written there (by this run, or by the first shard)."""
+    config = read_data_config(out)
+    if config is None:
+        raise FileNotFoundError(f"{out / DATA_CONFIG_FILE}: missing; a dataset's config is written before its files")
+    return SignatureLog(out, name, config.signature_key or "")
+
+
 def first_difference(old: DataConfig, new: DataConfig) -> str | None:
     """The first identity field two configs disagree on (None: the same dataset)."""
     return next((k for k in IDENTITY_FIELDS if getattr(old, k) != getattr(new, k)), None)
@@ -202,6 +215,9 @@ def discard_side_files(out: Path, old: DataConfig) -> None:
     """The side files of a run that wrote no sample file: written again from this run's data."""
     for name in (DATA_CONFIG_FILE, SAMPLE_LENGTHS_FILE, TOKEN_FREQ_FILE):
         (out / name).unlink(missing_ok=True)
+    if (out / SIGNATURES_DIR).is_dir() and not (out / SIGNATURES_DIR).is_symlink():
+        # lines of files never renamed into place, keyed to the config replaced here
+        shutil.rmtree(out / SIGNATURES_DIR)
     old_layout = find_layout(old.format)
     if old_layout is not None and old_layout.table is not None:  # its table of the old samples' tokens
         for p in old_layout.table.files(out):

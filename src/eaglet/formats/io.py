@@ -242,6 +242,30 @@ def refuse_other_sharding(out: str | os.PathLike, num_shards: int) -> None:
             )
 
 
+SHARD_LOCK = ".shard-*-of-*.lock"  # after `.NAME`: an extract shard's lock (`lock_path(out, part)`)
+
+
+def holder_of(lock: Path) -> str:
+    """Who holds `lock`, as its holder wrote it."""
+    try:
+        holder = lock.read_text(encoding="utf-8", errors="replace").strip().split("\n")
+    except OSError:
+        holder = []
+    return f"`eaglet {holder[0]}` ({holder[1]})" if len(holder) == 2 else "eaglet process"
+
+
+def refuse_other_writers(out: Path, lock: Path, busy: str) -> None:
+    """A stage holding the other kind of lock of the same output (`convert`'s whole-output lock, an
+    `extract` shard's lock) would write it at once and clean up the other's temp files: refused,
+    naming the holder. Shards of one extraction write side by side (`refuse_other_sharding`)."""
+    name = Path(os.path.realpath(out)).name
+    whole = lock.parent / f".{name}.lock"
+    others = [whole] if lock != whole else sorted(lock.parent.glob(f".{glob.escape(name)}{SHARD_LOCK}"))
+    for other in others:
+        if lock_is_held(other):
+            raise OutputBusy(f"{out}: another {holder_of(other)} {busy} ({other.name})")
+
+
 @contextlib.contextmanager
 def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: Path | None = None) -> Iterator[None]:
     """Hold an exclusive flock on `out`'s lock file (`lock_path(out)` unless given) for the block: one
@@ -257,12 +281,7 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
     existed, before, marked_before = out.is_dir(), entries(out) - ours, (out / OUTPUT_MARKER).exists()
     fd = held_lock(lock)
     if fd is None:
-        try:
-            holder = lock.read_text(encoding="utf-8", errors="replace").strip().split("\n")
-        except OSError:
-            holder = []
-        who = f"`eaglet {holder[0]}` ({holder[1]})" if len(holder) == 2 else "eaglet process"
-        raise OutputBusy(f"{out}: another {who} {busy}")
+        raise OutputBusy(f"{out}: another {holder_of(lock)} {busy}")
     with os.fdopen(fd, "r+", encoding="utf-8") as f:
         with failures_named(lock):  # a full disk fails here first: named, with what to do
             f.truncate()
@@ -270,6 +289,7 @@ def output_lock(out: str | os.PathLike, stage: str, busy: str = WRITING, lock: P
             f.flush()
         claimed = False
         try:
+            refuse_other_writers(out, lock, busy)
             claim_output(out, stage)
             claimed = True
             if marked(stage):  # marked before the first write: a killed run's folder is its rerun's
@@ -409,24 +429,36 @@ def refuse_overlap(
         )
         if where is not None:
             raise FileExistsError(
-                f"--out {out} {where} {name} {given}: `eaglet {stage}` writes a folder of its own, "
-                "apart from its inputs; nothing was written: choose another --out"
+                f"{out_named(stage)} {out} {where} {name} {given}: `eaglet {stage}` writes a folder of its own, "
+                f"apart from its inputs; nothing was written: choose another {out_named(stage)}"
             )
 
 
 DATASET_KINDS = ("prepared dataset", "hidden-state dataset")
 
 
+RUN_OWN_FOLDERS = ("checkpoints",)
+OUT_ARGUMENT = {"export": "OUT"}  # how a stage's command line names its output, where not --out
+
+
+def out_named(stage: str) -> str:
+    return OUT_ARGUMENT.get(stage, "--out")  # a train run's folders that hold its own files only
+
+
 def refuse_inside_dataset(out: Path, stage: str) -> None:
-    """An output inside a dataset a stage made: its files would be the dataset's stray files, which
-    `eaglet check` refuses (and train with it), or be taken for its samples."""
-    for folder in Path(os.path.realpath(out)).parents:
+    """An output inside a dataset a stage made, or inside a train run's checkpoints: its files
+    would be the dataset's stray files, which `eaglet check` refuses (and train with it), be taken
+    for its samples, or sit among the checkpoints a run prunes and resumes from."""
+    path = Path(os.path.realpath(out))
+    for folder in path.parents:
         marker = folder / OUTPUT_MARKER
         if marker.is_file() and not marker.is_symlink():
             kind = marker.read_text(encoding="utf-8", errors="replace").strip()
-            if kind in DATASET_KINDS:
+            inside = path.relative_to(folder).parts[0]
+            if kind in DATASET_KINDS or (kind == OUTPUT_KINDS["train"] and inside in RUN_OWN_FOLDERS):
+                where = f"the {kind} {folder}" + (f" (its {inside}/)" if kind not in DATASET_KINDS else "")
                 raise FileExistsError(
-                    f"--out {out}: inside the {kind} {folder}, whose folder holds its own files only; "
+                    f"{out_named(stage)} {out}: inside {where}, whose folder holds its own files only; "
                     f"`eaglet {stage}` wrote nothing: choose an --out outside it"
                 )
 
@@ -471,17 +503,17 @@ def refuse_other_kind(out: Path, stage: str, kind: str) -> None:
             f"--out {out}: {OUTPUT_MARKER} is not eaglet's marker file (a folder or a link); "
             "nothing was written: remove it, or choose another --out"
         )
-    if marker.is_file():
-        recorded = marker.read_text(encoding="utf-8", errors="replace").strip()
-        found = [f"{OUTPUT_MARKER} says {recorded!r}"] if recorded != kind else []
-    else:
-        found = [
-            name
-            for other, names in KIND_FILES.items()
-            if other != kind
-            for name in names
-            if os.path.lexists(out / name)
-        ]
+    recorded = marker.read_text(encoding="utf-8", errors="replace").strip() if marker.is_file() else kind
+    own = WRITTEN_NAMES.get(kind, ())
+    # another kind's own files count whatever the marker says: a marker copied in says nothing of them
+    found = [f"{OUTPUT_MARKER} says {recorded!r}"] if recorded != kind else []
+    found += [
+        name
+        for other, names in KIND_FILES.items()
+        if other != kind
+        for name in names
+        if os.path.lexists(out / name) and not any(fnmatch.fnmatchcase(name, p) for p in own)
+    ]
     if found:
         raise FileExistsError(
             f"--out {out}: holds another stage's output ({', '.join(found)}), and `eaglet {stage}` "
@@ -631,7 +663,7 @@ def read_json(path: str | os.PathLike) -> Any:
     with open(path, encoding="utf-8") as f:
         try:
             return json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
             raise ValueError(f"{path}: not valid JSON ({e}); the file is damaged or cut off") from e
 
 
@@ -645,6 +677,7 @@ def read_jsonl_log(path: str | os.PathLike) -> list[Any]:
     newline is what a kill mid-write leaves: dropped, with a warning. Any other line that is not
     JSON is damage nobody explains: an error naming the file and line."""
     path = Path(path)
+    refuse_non_file(path, "a JSON-lines log")
     records = []
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
@@ -655,7 +688,7 @@ def read_jsonl_log(path: str | os.PathLike) -> list[Any]:
                 continue
             try:
                 records.append(json.loads(line))
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            except (ValueError, RecursionError) as e:
                 raise ValueError(
                     f"{path}:{n}: not a JSON line ({e}); the file is damaged: restore it or remove the line"
                 ) from None
@@ -693,6 +726,22 @@ def weights_only_detail(message: str) -> str:
     return detail[0].split(". Please", 1)[0].strip().rstrip(".")
 
 
+def weights_only_refusal(where: str, e: pickle.UnpicklingError) -> TorchFileRefused:
+    """The weights-only loader's refusal of the file(s) `where`, in one line without torch's advice
+    to turn weights_only off."""
+    text, detail = str(e), weights_only_detail(str(e))
+    if any(m in text for m in PICKLED_CODE_MARKERS):
+        return TorchFileRefused(
+            f"{where}: holds Python objects beyond tensors ({detail}), which eaglet will not execute (it loads "
+            ".pt/.bin files with weights_only=True); in an environment you trust, load it and re-save its "
+            "tensors as safetensors, or torch.save them as a plain dict of tensors"
+        )
+    return TorchFileRefused(
+        f"{where}: not a readable torch file ({detail}); it is damaged or was not written "
+        "by torch.save: restore it or write it again"
+    )
+
+
 def torch_load_safe(path: str | os.PathLike) -> Any:
     """Load a `.pt` / `.bin` file without executing pickled code (the only way eaglet loads them).
 
@@ -701,20 +750,9 @@ def torch_load_safe(path: str | os.PathLike) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        text = str(e)
-        if "Weights only load failed" not in text:
+        if "Weights only load failed" not in str(e):
             raise
-        detail = weights_only_detail(text)
-        if any(m in text for m in PICKLED_CODE_MARKERS):
-            raise TorchFileRefused(
-                f"{path}: holds Python objects beyond tensors ({detail}), which eaglet will not execute (it loads "
-                ".pt/.bin files with weights_only=True); in an environment you trust, load it and re-save its "
-                "tensors as safetensors, or torch.save them as a plain dict of tensors"
-            ) from e
-        raise TorchFileRefused(
-            f"{path}: not a readable torch file ({detail}); it is damaged or was not written "
-            "by torch.save: restore it or write it again"
-        ) from e
+        raise weights_only_refusal(str(path), e) from e
     except RuntimeError as e:  # torch.save writes a zip: a cut-off one fails in its zip reader, naming no file
         if "PytorchStreamReader" not in str(e):
             raise

@@ -26,6 +26,7 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -365,8 +366,10 @@ def _no_damage(raw: Any, cfg: dict[str, Any] | None) -> list[str]:
 
 
 def _signed(top_k: int) -> dict[str, Any]:
-    """data_config.json's record that each file's signature is kept (formats.signatures)."""
-    return {"state_signatures": SIGNATURES_DIR}
+    """data_config.json's record that each file's signature is kept (formats.signatures), and the
+    key this extraction's lines carry: random, kept by every shard and resume (the first run's
+    data_config.json stays), so a line copied in from another dataset vouches for nothing."""
+    return {"state_signatures": SIGNATURES_DIR, "signature_key": secrets.token_hex(8)}
 
 
 def _any_hidden_size(hidden_size: int, where: str) -> None:

@@ -21,6 +21,7 @@ from eaglet.formats.io import (
     atomic_path,
     failures_named,
     read_json,
+    refuse_non_file,
     remove_stale_temp_files,
     torch_load_safe,
     torch_save_atomic,
@@ -78,7 +79,12 @@ class TokenizedSample:
         try:
             rec = json.loads(line)
             sample = cls(str(rec["id"]), list(rec["input_ids"]), list(rec["loss_mask"]))
-        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            RecursionError,
+        ) as e:  # ValueError: bad JSON, or an integer of over 4,300 digits
             raise ValueError(f"{where}: not a prepared sample ({type(e).__name__}: {e})") from e
         if len(sample.input_ids) != len(sample.loss_mask):
             raise ValueError(
@@ -172,6 +178,7 @@ def read_prepared(folder: str | os.PathLike) -> tuple[list[TokenizedSample], dic
             "writes it); prepare the data again, or restore the file"
         )
     path = folder / PREPARED_FILE
+    refuse_non_file(path, "the prepared samples")
     with open(path, encoding="utf-8") as f:
         samples = [TokenizedSample.from_json(line, f"{path}:{n + 1}") for n, line in enumerate(f)]
     longest = max(range(len(samples)), key=lambda n: len(samples[n].input_ids), default=None)
@@ -221,7 +228,7 @@ def is_errors_report(path: Path) -> bool:
         for line in f:
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            except (ValueError, RecursionError):
                 return False
             if not isinstance(record, dict) or set(record) != ERROR_RECORD_KEYS:
                 return False
@@ -261,7 +268,7 @@ def scan_output(path: str | os.PathLike) -> tuple[set[str], int, bool]:
             if line.strip():
                 try:
                     record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                except (ValueError, RecursionError) as e:
                     refuse_foreign(path, n, f"{type(e).__name__}: {e}")
                 if not is_regen_record(record):
                     refuse_foreign(path, n, "no id, messages and regen fields")

@@ -17,8 +17,9 @@ may change.
 Writer and reader: extraction appends one JSON line per file (and syncs it) to its shard's log
 under `signatures/`, before the file is renamed into place, so every file has its line; convert
 keeps a log of its own. A file written again later gets a line again: a file matches when it
-matches any line of its index. Each line names its scheme (`v`): a line of another scheme is
-not compared (its file is then one with no signature).
+matches any line of its index. Each line names its scheme (`v`) and the extraction that wrote it
+(`of`, the random key data_config.json's `signature_key` holds): a line of another scheme, or another
+dataset's line copied in beside its file, vouches for nothing, and its file is one with no line.
 """
 
 from __future__ import annotations
@@ -30,18 +31,23 @@ import math
 import os
 import threading
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from eaglet.formats.io import refuse_non_file
+
 SIGNATURES_DIR = "signatures"
-SCHEME = 1  # the `v` of each line: PROBES, the hashing and the numbers' order below
+SCHEME = 2  # the `v` of each line: PROBES, the hashing, the numbers' order below, `of`
 PROBES = 2
 # float32 projections summed in float64 differ between machines by ~1e-7 of the magnitudes; a
 # neighbouring layer's states by 0.048 at the least (SmolLM2's layer 14 for 15, 0.087 for layer 16;
 # bench/state_signatures.py, docs/results/signatures.md)
 TOLERANCE = 1e-4
+MAX_LINE = 1 << 16  # bytes; a line holds 6 numbers per slot: a longer one is no line of ours
 CHUNK_VALUES = 1 << 22  # values converted to float32 at once (16 MB): memory bounded by the chunk, not the file
 PER_SLOT = 3 * PROBES
 
@@ -162,14 +168,15 @@ class SignatureLog:
     and convert write their own: no two processes append to one file), made at its first line.
     Thread-safe: extraction's writers record from a pool."""
 
-    def __init__(self, root: str | os.PathLike, name: str):
+    def __init__(self, root: str | os.PathLike, name: str, of: str):
         self.path = Path(root) / SIGNATURES_DIR / f"{name}.jsonl"
+        self.of = of  # the extraction's key: its data_config.json's signature_key
         self.lock = threading.Lock()
         self.opened = False
 
     def record(self, index: int, signature: Signature, tokens: str) -> None:
         """Appended and synced before the file it describes is renamed into place."""
-        line = json.dumps({"v": SCHEME, "index": index, "tokens": tokens, "slots": signature}) + "\n"
+        line = json.dumps({"v": SCHEME, "of": self.of, "index": index, "tokens": tokens, "slots": signature}) + "\n"
         with self.lock:
             if not self.opened:
                 self.path.parent.mkdir(exist_ok=True)
@@ -202,21 +209,59 @@ def drop_partial_line(path: Path) -> None:
         f.truncate(start + cut + 1)
 
 
-def parse_line(raw: bytes) -> tuple[int, Recorded] | None:
-    """(index, what it records) of one line; None for a line of another scheme."""
+TOKEN_DIGEST_CHARS = 16
+
+
+def parse_line(raw: bytes) -> tuple[int, Recorded, str, Any]:
+    """(index, what it records, the extraction it names, its scheme) of one line; only the
+    scheme is read from a line of another scheme."""
     entry = json.loads(raw)
+    if not isinstance(entry, dict):
+        raise ValueError("a JSON object expected")
     if entry.get("v") != SCHEME:
-        return None
-    slots, tokens = entry["slots"], entry["tokens"]
-    if not all(isinstance(s, list) and len(s) == PER_SLOT for s in slots) or not isinstance(tokens, str):
-        raise ValueError(f"slots of {PER_SLOT} numbers each and a tokens digest expected")
-    return int(entry["index"]), Recorded(array("d", (float(v) for s in slots for v in s)), tokens)
+        return -1, Recorded(array("d"), ""), "", entry.get("v")
+    slots, tokens, of = entry["slots"], entry["tokens"], entry["of"]
+    if (
+        not isinstance(slots, list)
+        or not slots
+        or not all(isinstance(s, list) and len(s) == PER_SLOT for s in slots)
+        or not isinstance(tokens, str)
+        or len(tokens) != TOKEN_DIGEST_CHARS
+        or not isinstance(of, str)
+    ):
+        raise ValueError(f"slots of {PER_SLOT} numbers each, a tokens digest and an extraction key expected")
+    index = entry["index"]
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise ValueError(f"index {index!r} is not a sample index")
+    return index, Recorded(array("d", (float(v) for s in slots for v in s)), tokens), of, SCHEME
 
 
-def read_signatures(root: str | os.PathLike) -> tuple[dict[int, list[Recorded]] | None, list[tuple[str, str]]]:
+def read_lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of a log; None for a line longer than `MAX_LINE` (skipped, not read
+    whole); a last line without its newline is a killed append, whose file never appeared."""
+    refuse_non_file(path, "a signature log")  # a pipe would block the read forever
+    with open(path, "rb") as f:
+        n = 0
+        while raw := f.readline(MAX_LINE + 1):
+            n += 1
+            if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
+                while (more := f.readline(MAX_LINE + 1)) and not more.endswith(b"\n"):
+                    pass
+                yield n, None
+                continue
+            if not raw.endswith(b"\n"):
+                return
+            yield n, raw
+
+
+def read_signatures(
+    root: str | os.PathLike, of: str | None = None
+) -> tuple[dict[int, list[Recorded]] | None, list[tuple[str, str]]]:
     """Every recorded signature by sample index, each slot's numbers in one flat array (None: the
     dataset records none, as other tools' datasets and older eaglet's do), and each log or line
-    that cannot be read: (where, why). Read line by line: memory by the records, not the logs."""
+    that cannot be read or vouches for nothing: (where, why). With `of` (the dataset's
+    signature_key), a line another extraction wrote is named, per log, and not kept. Read line by
+    line: memory by the records, not the logs."""
     folder = Path(root) / SIGNATURES_DIR
     if not folder.is_dir():
         return None, []
@@ -224,18 +269,42 @@ def read_signatures(root: str | os.PathLike) -> tuple[dict[int, list[Recorded]] 
     problems = []
     for path in sorted(folder.glob("*.jsonl")):
         rel = f"{SIGNATURES_DIR}/{path.name}"
+        foreign: list[int] = []  # line numbers of another extraction's lines
+        schemes: dict[Any, int] = {}  # other schemes' line counts
         try:
-            with open(path, "rb") as f:
-                for n, raw in enumerate(f, 1):
-                    if not raw.endswith(b"\n"):  # a killed append: its file was never renamed into place
-                        break
-                    try:
-                        parsed = parse_line(raw)
-                    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-                        problems.append((f"{rel}:{n}", f"unreadable line ({type(e).__name__}: {e})"))
-                        continue
-                    if parsed is not None:
-                        found.setdefault(parsed[0], []).append(parsed[1])
+            for n, raw in read_lines(path):
+                try:
+                    if raw is None:
+                        raise ValueError(f"longer than {MAX_LINE} bytes: no signature line")
+                    index, recorded, line_of, scheme = parse_line(raw)
+                except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+                    problems.append((f"{rel}:{n}", f"unreadable line ({type(e).__name__}: {str(e)[:200]})"))
+                    continue
+                if scheme != SCHEME:
+                    schemes[scheme] = schemes.get(scheme, 0) + 1
+                elif of is not None and line_of != of:
+                    foreign.append(n)
+                else:
+                    found.setdefault(index, []).append(recorded)
         except OSError as e:  # a folder, a dangling link, no permission
             problems.append((rel, f"cannot be read ({e.strerror or e})"))
+        except ValueError:  # refuse_non_file: a pipe or device
+            problems.append((rel, "a pipe or device, not a log: remove it, and restore the log or extract again"))
+        for scheme, count in schemes.items():
+            problems.append(
+                (
+                    rel,
+                    f"{count} line(s) of signature scheme v={scheme!r}, this eaglet writes and reads v={SCHEME}: "
+                    "made by another eaglet version, or edited; their files are not vouched for: extract again",
+                )
+            )
+        if foreign:
+            problems.append(
+                (
+                    rel,
+                    f"{len(foreign)} line(s) (line {', '.join(map(str, foreign[:5]))}{' ...' if len(foreign) > 5 else ''}) "
+                    "were written by another extraction (their key is not data_config.json's): copied in from another "
+                    "dataset; the files they describe are not vouched for: extract those again",
+                )
+            )
     return found, problems

@@ -197,7 +197,7 @@ def train(
     with `online` an `eaglet prepare` output. With `resume` the run's own settings apply, and those
     named in `given` (by default every setting that is not its declared default) are compared
     with them. The run folder has one writer at a time (`run_lock`)."""
-    formats.refuse_overlap(options.out_dir, "train", {"the dataset": options.dataset_dir})
+    formats.refuse_overlap(options.out_dir, "train", {"the dataset": options.dataset_dir, "--target": options.target})
     with run_lock(Path(options.out_dir), env_rank() == 0):
         return train_locked(options, show_progress, command, given)
 
