@@ -174,8 +174,10 @@ def test_a_chat_of_many_turns_costs_what_max_length_keeps(tiny_target, monkeypat
     tok = AutoTokenizer.from_pretrained(tiny_target)
     turns = [{"role": r, "content": t} for _ in range(3000) for r, t in (("user", "hi"), ("assistant", "ok"))]
     stats = ReadStats()
-    kept = chat.within_chars(turns, 64 * MAX_CHARS_PER_TOKEN, stats, max_messages=64)
-    assert len(kept) == 64 and stats.trimmed["messages far beyond --max-length dropped before tokenizing"] == 1
+    read = chat.to_messages({"messages": turns}, stats, max_messages=64)
+    assert isinstance(read, list) and len(read) == 65  # not the 6,000: read one past what is kept
+    kept = chat.within_chars(read, 64 * MAX_CHARS_PER_TOKEN, stats, max_messages=64)
+    assert kept == turns[:64] and stats.trimmed["messages far beyond --max-length dropped before tokenizing"] == 1
     whole_ids, whole_mask, _ = chat.tokenize_chat(tok, kept)
     renders = []
     real_render = chat.render

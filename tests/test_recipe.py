@@ -268,6 +268,20 @@ def test_a_changed_target_is_refused_before_any_stage(tiny_target, tmp_path, cap
     assert "target" not in formats.read_json(marker)
 
 
+def test_a_chat_file_changed_since_prepare_is_not_reused(tiny_target, tmp_path):
+    """The probe reversed the chat file between two runs of a recipe: every stage was reused,
+    the drafter still trained on the old chats, and nothing was said."""
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"id": f"c{i}", "messages": CHATS[i % 3]} for i in range(3)])
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[recipe]\ntarget = "{tiny_target}"\n\n[prepare]\ndata = "{chats}"\nmax_length = 256\n')
+    out = tmp_path / "run"
+    run_recipe(RunOptions(spec=recipe, out=out))
+    assert run_recipe(RunOptions(spec=recipe, out=out)).stages["prepare"]["reused"]  # the same file: reused
+    chats.write_text("".join(reversed(chats.read_text().splitlines(keepends=True))))
+    with pytest.raises(ValueError, match=rf"prepare: {chats} changed since {out} ran this stage .* remove {out}"):
+        run_recipe(RunOptions(spec=recipe, out=out))
+
+
 def test_pipeline_on_tiny_target_resumes_and_refuses_changed_options(tiny_target, tmp_path, capsys):
     chats = write_jsonl(tmp_path / "chats.jsonl", [{"id": f"c{i}", "messages": CHATS[i % 3]} for i in range(8)])
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Hello there"}])

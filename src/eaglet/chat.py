@@ -289,11 +289,13 @@ def within_chars(
     return kept
 
 
-def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
+def to_messages(record: Any, stats: ReadStats, max_messages: int | None = None) -> list[Message] | str:
     """Normalize one record to alternating `[system?] user assistant ...` messages.
 
     Returns the messages, or the reason the record is skipped. Roles eaglet does not know are
     dropped and counted; a chat that stops alternating or has an empty message is cut there.
+    With `max_messages`, normalizing stops one message past it (`within_chars` keeps that many
+    and counts the drop): a record of a million messages costs memory by those kept.
     """
     if not isinstance(record, dict):
         return "record is not an object"
@@ -306,6 +308,8 @@ def to_messages(record: Any, stats: ReadStats) -> list[Message] | str:
     messages: list[Message] = []
     reasoned: list[int] = []  # the assistant messages whose reasoning_content is dropped
     for turn in raw:
+        if max_messages is not None and len(messages) > max_messages:
+            return messages  # within_chars keeps max_messages and ends them at an assistant message
         role_key, text_key = next((k for k in keys if isinstance(turn, dict) and k[0] in turn), keys[0])
         if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str):
             return f"message without a string '{role_key}'"

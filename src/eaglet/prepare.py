@@ -185,7 +185,7 @@ def tokenized(
 ) -> TokenizedSample | None:
     """One record as a sample, or None when it is skipped (counted in `seen` with its reason)."""
     stats = seen.stats
-    messages = to_messages(record, stats)
+    messages = to_messages(record, stats, max_messages=max_length)
     if isinstance(messages, str):
         stats.skip(messages)
         return None

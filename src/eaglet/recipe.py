@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import hashlib
 import json
 import logging
 import os
@@ -36,7 +37,6 @@ from typing import Any, Callable
 from eaglet import families, formats, ranges
 from eaglet.check import check_dataset
 from eaglet.cli import resolve
-from eaglet.prepare import prepare
 from eaglet.evaluate import evaluate
 from eaglet.extract import extract
 from eaglet.options import (
@@ -64,9 +64,7 @@ from eaglet.options import (
     parse_threads,
 )
 from eaglet.options import STAGES as STAGE_OPTIONS
-from eaglet.regen import regenerate
-from eaglet.target import TargetRef, resolve_target
-from eaglet.training.loop import train
+from eaglet.prepare import prepare
 from eaglet.recipe_file import (
     apply_overrides,
     apply_scale,
@@ -76,6 +74,9 @@ from eaglet.recipe_file import (
     recipe_path,
     toml_value,
 )
+from eaglet.regen import regenerate
+from eaglet.target import TargetRef, resolve_target
+from eaglet.training.loop import train
 
 log = logging.getLogger(__name__)
 
@@ -587,6 +588,7 @@ def run_recipe(options: RunOptions, command: str = "") -> RecipeSummary:
             result = runners[stage](options, paths, target, command)
             record = {
                 "options": recorded,
+                "inputs": input_digests(recipe[stage]),
                 "target": ran_with,
                 "result": jsonable(result),
                 "seconds": time.perf_counter() - t0,
@@ -703,8 +705,39 @@ def finished_stages(recipe: dict[str, Any], paths: Paths, ref: TargetRef) -> dic
                 f"{option_diff(record['options'], now)}; use another output folder "
                 f"or remove {paths.output_of(stage)} and {marker}"
             )
+        changed = changed_inputs(record.get("inputs"), now)
+        if changed:
+            raise ValueError(
+                f"{stage}: {', '.join(changed)} changed since {paths.root} ran this stage (its content "
+                f"differs from what {marker} records), so its output is not reused; remove "
+                f"{paths.output_of(stage)} and {marker} to run it again on the file as it is now, or "
+                "use another output folder"
+            )
         done[stage] = record
     return done
+
+
+def input_digests(options: dict[str, Any]) -> dict[str, str]:
+    """The sha256 of each file a stage's options name (a chat file, a prompts file): a rerun
+    compares them, so a file changed since is not taken as read already."""
+    digests = {}
+    for value in options.values():
+        if isinstance(value, str) and value and Path(value).is_file():
+            h = hashlib.sha256()
+            with open(value, "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+            digests[value] = h.hexdigest()
+    return digests
+
+
+def changed_inputs(recorded: Any, options: dict[str, Any] | None) -> list[str]:
+    """The files whose content differs from what a marker recorded (none where it recorded none:
+    markers from before they did)."""
+    if not isinstance(recorded, dict) or options is None:
+        return []
+    now = input_digests(options)
+    return [path for path, digest in recorded.items() if path in now and now[path] != digest]
 
 
 def marker_problem(record: Any) -> str | None:
