@@ -218,3 +218,27 @@ def test_an_integer_of_over_4300_digits_is_a_bad_line_not_the_end_of_the_run(tmp
     records, stats = read_all(path)
     assert records == [CHAT["messages"]] * 2
     assert stats.skipped["invalid JSON line"] == 1
+
+
+def test_a_json_array_pretty_printed_into_a_jsonl_file_is_read_whole(tmp_path):
+    """Read line by line, the records of `json.dump(chats, f, indent=2)` saved as .jsonl ended in
+    commas: all but the last were skipped as invalid lines."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps([CHAT, CHAT, CHAT], indent=2))
+    records, stats = read_all(path)
+    assert records == [CHAT["messages"]] * 3 and not stats.skipped
+
+
+def test_an_assistant_turn_of_weight_0_is_never_trained_on(tmp_path):
+    """OpenAI's fine-tuning format marks a turn not to train on with "weight": 0; it was trained on."""
+    turns = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "weight": 1},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d", "weight": 0},
+        {"role": "user", "content": "e"},
+        {"role": "assistant", "content": "f"},
+    ]
+    records, stats = read_all(write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns}]))
+    assert records == [[{"role": t["role"], "content": t["content"]} for t in turns[:2]]]
+    assert stats.trimmed["assistant turn of weight 0: chat cut there"] == 1

@@ -222,11 +222,11 @@ def iter_records(source: str, stats: ReadStats, option: str = "--data") -> Itera
         raise ValueError(
             f"{option} {source}: a {packed} file; decompress it first (eaglet reads .json and .jsonl text)"
         )
-    is_array = path.suffix == ".json"
-    if is_array:
-        with open(path, "rb") as f:
-            head = f.read(4096).removeprefix(BOM_BYTES).lstrip()
-        is_array = head.startswith(b"[")
+    # by content, whatever the name: a .json of JSON lines, or a JSON array pretty-printed into a
+    # .jsonl (read line by line, its records ending in commas were skipped as invalid lines)
+    with open(path, "rb") as f:
+        head = f.read(4096).removeprefix(BOM_BYTES).lstrip()
+    is_array = head.startswith(b"[")
     items = iter_json_array(path, stats) if is_array else iter_jsonl(path, stats)
     for n, (where, rec) in enumerate(items):
         stats.records += 1
@@ -336,6 +336,11 @@ def to_messages(record: Any, stats: ReadStats, max_messages: int | None = None) 
             break
         if not text.strip():
             stats.trim("empty message: cut there")
+            break
+        if role == ASSISTANT and turn.get("weight") == 0 and not isinstance(turn.get("weight"), bool):
+            # OpenAI's fine-tuning format: not to be trained on; eaglet trains every assistant turn
+            # it keeps (and `check` holds a turn left out of the mask for a fault), so the chat ends here
+            stats.trim("assistant turn of weight 0: chat cut there")
             break
         if role == ASSISTANT and turn.get("reasoning_content"):
             reasoned.append(len(messages))
