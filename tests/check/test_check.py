@@ -850,3 +850,15 @@ def test_two_records_of_the_layers_must_agree(copy):
         formats.DATA_CONFIG_FILE,
         "aux_layer_ids [0, 1, 2] are not layer_ids",
     )
+
+
+def test_a_pipe_named_like_a_sample_file_is_named_not_opened(copy):
+    """A FIFO named data_5.pt was only a missing index 5; opening it would block forever."""
+    import os
+
+    ds = copy()
+    path = sample_path(ds, 5)
+    path.unlink()
+    os.mkfifo(path)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    assert_found(report, C.BROKEN_LINK, str(path), "a pipe, socket or device, not a file")

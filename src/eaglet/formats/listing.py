@@ -57,6 +57,8 @@ def files_in(folder: Path, out: DatasetFiles, recursive: bool) -> list[Path]:
             out.broken_links.append((p, why))
         elif p.is_file():
             found.append(p)
+        elif p.exists() and not p.is_dir():  # a pipe, socket or device: never opened (a pipe blocks)
+            out.broken_links.append((p, "a pipe, socket or device, not a file"))
         elif recursive and p.is_symlink():
             out.unfollowed_links.append(
                 (
