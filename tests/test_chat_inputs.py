@@ -242,3 +242,18 @@ def test_an_assistant_turn_of_weight_0_is_never_trained_on(tmp_path):
     records, stats = read_all(write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns}]))
     assert records == [[{"role": t["role"], "content": t["content"]} for t in turns[:2]]]
     assert stats.trimmed["assistant turn of weight 0: chat cut there"] == 1
+
+
+def test_utf16_and_carriage_return_line_endings_are_named(tmp_path):
+    line = json.dumps(CHAT)
+    utf16 = tmp_path / "u16.jsonl"
+    utf16.write_bytes((line + "\n").encode("utf-16"))
+    with pytest.raises(ValueError, match=r"u16.jsonl: a UTF-16 text file; save it as UTF-8"):
+        read_all(utf16)
+    cr = tmp_path / "cr.jsonl"
+    cr.write_bytes(((line + "\r") * 2).encode())
+    with pytest.raises(ValueError, match=r"cr.jsonl: its lines end in a carriage return alone"):
+        read_all(cr)
+    crlf = tmp_path / "crlf.jsonl"
+    crlf.write_bytes(((line + "\r\n") * 2).encode())
+    assert read_all(crlf)[0] == [CHAT["messages"]] * 2

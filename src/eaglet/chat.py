@@ -225,7 +225,15 @@ def iter_records(source: str, stats: ReadStats, option: str = "--data") -> Itera
     # by content, whatever the name: a .json of JSON lines, or a JSON array pretty-printed into a
     # .jsonl (read line by line, its records ending in commas were skipped as invalid lines)
     with open(path, "rb") as f:
-        head = f.read(4096).removeprefix(BOM_BYTES).lstrip()
+        start = f.read(1 << 16)
+    if start.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ValueError(f"{option} {source}: a UTF-16 text file; save it as UTF-8 (eaglet reads UTF-8 JSON)")
+    if b"\r" in start and b"\n" not in start and len(start) > start.find(b"\r") + 1:
+        raise ValueError(
+            f"{option} {source}: its lines end in a carriage return alone (old Mac line endings); "
+            "save it with \\n line endings"
+        )
+    head = start.removeprefix(BOM_BYTES).lstrip()
     is_array = head.startswith(b"[")
     items = iter_json_array(path, stats) if is_array else iter_jsonl(path, stats)
     for n, (where, rec) in enumerate(items):
