@@ -479,9 +479,29 @@ def test_a_neighbouring_layer_in_one_slot_of_one_file_is_named(copy, tiny_target
     shutil.rmtree(ds / formats.SIGNATURES_DIR)  # switching the check off is not silent
     assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.STATE_SIGNATURE, "signatures", "missing")
     cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
-    del cfg["state_signatures"]  # a dataset made without them: what the scales alone say is nothing
+    del cfg["state_signatures"]  # one of the two fields deleted by hand: the other still records the log
+    formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
+    assert_found(C.check_dataset(CheckOptions(path=ds, use_target=False)), C.STATE_SIGNATURE, "signatures", "missing")
+    del cfg["signature_key"]  # a dataset made without them: what the scales alone say is nothing
     formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, cfg)
     assert C.check_dataset(CheckOptions(path=ds, use_target=False)).clean
+
+
+def test_a_log_kept_without_its_key_or_its_format_still_vouches_for_nothing_copied_in(copy):
+    """The twelfth probe: with signature_key deleted, lines copied from another dataset vouched for
+    their files; with format (or state_signatures) deleted, a file without a line was a warning."""
+    ds = copy()
+    log = next((ds / formats.SIGNATURES_DIR).glob("*.jsonl"))
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(line for line in lines if json.loads(line)["index"] != 5))
+    cfg = formats.read_json(ds / formats.DATA_CONFIG_FILE)
+    for field in ("format", "state_signatures"):
+        formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, {k: v for k, v in cfg.items() if k != field})
+        report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+        assert_found(report, C.STATE_SIGNATURE, formats.v1_relative_path(5), "no signature line vouches")
+    formats.write_json_atomic(ds / formats.DATA_CONFIG_FILE, {k: v for k, v in cfg.items() if k != "signature_key"})
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    assert_found(report, C.STATE_SIGNATURE, formats.DATA_CONFIG_FILE, "no signature_key")
 
 
 @pytest.mark.parametrize(
@@ -862,3 +882,40 @@ def test_a_pipe_named_like_a_sample_file_is_named_not_opened(copy):
     os.mkfifo(path)
     report = C.check_dataset(CheckOptions(path=ds, use_target=False))
     assert_found(report, C.BROKEN_LINK, str(path), "a pipe, socket or device, not a file")
+
+
+def test_a_file_its_signature_vouches_for_is_not_refused_for_an_unusual_scale(copy):
+    """A fresh extraction was refused: one short sample's slot 1 had about slot 2's scale, so the
+    per-file scale test called it swapped, though its signature (and the target) said it was right."""
+    ds = copy()
+    rms = lambda x: float(x.float().pow(2).mean(1).sqrt().median())  # noqa: E731
+    scales = [
+        [rms(x) for x in torch.load(p, weights_only=True)["hidden_states"]] for p in sorted(ds.rglob("data_*.pt"))
+    ]
+    typical = [sorted(col)[len(col) // 2] for col in zip(*scales)]
+    j, k = 0, max(range(1, len(typical)), key=lambda k: typical[k] / typical[0])  # the slots most apart
+
+    def at_the_other_slots_scale(o):
+        h = o["hidden_states"]
+        h[j] = (h[j].float() * (typical[k] / rms(h[j]))).to(h[j].dtype)
+
+    rel = edit(ds, 6, at_the_other_slots_scale)
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    assert_found(report, C.LAYER_IDENTITY, rel, f"slot {j} (layer 2) has the scale of slot {k}")
+    # as if extraction had written these very states (a sample whose slot is that loud)
+    obj = torch.load(ds / rel, weights_only=True)
+    key = formats.read_json(ds / formats.DATA_CONFIG_FILE)["signature_key"]
+    formats.SignatureLog(ds, "shard_0_of_1", key).record(
+        6, formats.state_signature(obj["hidden_states"]), formats.token_digest(obj["input_ids"], obj["loss_mask"])
+    )
+    report = C.check_dataset(CheckOptions(path=ds, use_target=False))
+    assert report.clean, [(p.kind, p.path, p.message) for p in report.errors]
+
+
+def test_low_next_token_agreement_names_the_file_that_agrees_least(copy):
+    """It named the last file sampled, whatever file was wrong."""
+    ds = copy()
+    rel = edit(ds, 0, lambda o: o["hidden_states"].__setitem__(3, -o["hidden_states"][3]))
+    report = C.check_dataset(CheckOptions(path=ds, identity_samples=2))
+    hits = [p for p in report.errors if "next-token argmax agrees" in p.message]
+    assert hits and hits[0].path == rel and "this file agrees least" in hits[0].message, report.problems

@@ -391,12 +391,16 @@ def test_no_stage_writes_inside_a_runs_checkpoints(outputs, tiny_target, chats_j
     """eval --out RUN/checkpoints put its results among the checkpoints a run prunes and resumes from."""
     run = outputs / "run"
     (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "train_config.json").write_text("{}")
     (run / formats.OUTPUT_MARKER).write_text("train run\n")
-    before = snapshot(run)
-    for out in (run / "checkpoints", run / "checkpoints" / "step_00000002" / "x"):
-        with pytest.raises(FileExistsError, match=r"inside the train run .*run \(its checkpoints/\)"):
-            stage_run(stage, outputs, tiny_target, chats_jsonl, out)()
-    assert snapshot(run) == before
+    for marked in (True, False):  # a run from before markers is known by its own files
+        if not marked:
+            (run / formats.OUTPUT_MARKER).unlink()
+        before = snapshot(run)
+        for out in (run / "checkpoints", run / "checkpoints" / "step_00000002" / "x"):
+            with pytest.raises(FileExistsError, match=r"inside the train run .*run \(its checkpoints/\)"):
+                stage_run(stage, outputs, tiny_target, chats_jsonl, out)()
+        assert snapshot(run) == before
 
 
 def test_an_output_that_holds_the_target_is_refused(tiny_target, chats_jsonl, tmp_path):

@@ -182,6 +182,16 @@ def test_train_refuses_layer_ids_the_states_do_not_match(data, tmp_path):
     assert not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
 
 
+def test_train_refuses_a_dataset_of_another_chat_template(data, tmp_path):
+    """check with the target refused it; train trained on it."""
+    edited = Path(shutil.copytree(data / "v1", tmp_path / "edited"))
+    cfg = formats.read_json(edited / formats.DATA_CONFIG_FILE)
+    formats.write_json_atomic(edited / formats.DATA_CONFIG_FILE, {**cfg, "chat_template_sha256": "ffffffffffffffff"})
+    with pytest.raises(ValueError, match=r"data_config.json: chat_template_sha256 ffffffffffffffff is not the target"):
+        train(TrainOptions(dataset_dir=edited, out_dir=tmp_path / "run", **QUICK), show_progress=False)
+    assert not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
+
+
 @pytest.mark.parametrize("max_length", [1, 2, 3])
 def test_max_length_that_leaves_no_position_is_refused(max_length, data, tmp_path, capsys):
     code = cli_main(

@@ -14,7 +14,7 @@ Entry point: `check_dataset(path, target=None, ...) -> CheckReport`.
 
 from eaglet.check.dataset import check_dataset
 from eaglet.check.heads import convention_hits, convention_problem
-from eaglet.check.identity import layer_identity_problems, prepared_mask_problem
+from eaglet.check.identity import layer_identity_problems, prepared_mask_problem, template_mismatch
 from eaglet.check.report import (
     ALL_ZERO,
     AUX_CODES,
@@ -63,6 +63,7 @@ __all__ = [
     "convention_problem",
     "layer_identity_problems",
     "prepared_mask_problem",
+    "template_mismatch",
     "CheckReport",
     "Problem",
     "problem_lines",

@@ -169,26 +169,39 @@ def expectations(
     if not layout.dequantized:  # the compact layout's files carry checksums instead
         exp.signatures, unreadable = formats.read_signatures(root, cfg.signature_key if cfg else None)
         exp.problems += [Problem(STATE_SIGNATURE, where, why) for where, why in unreadable]
-        exp.problems += signature_log_problems(cfg, exp.signatures, layout)
-        exp.signatures_required = signatures_recorded(cfg, layout)
+        exp.problems += signature_log_problems(cfg, exp.signatures, layout, root)
+        exp.signatures_required = signatures_recorded(cfg, layout, root)
     return exp
 
 
-def signatures_recorded(cfg: formats.DataConfig | None, layout: formats.Layout) -> bool:
-    """Whether data_config.json records that extraction kept every file's signature (and the files
-    are still in the layout they were written in): a file without its line is then damage."""
-    return cfg is not None and cfg.state_signatures is not None and cfg.format == layout.name
+def signatures_recorded(cfg: formats.DataConfig | None, layout: formats.Layout, root: Path) -> bool:
+    """Whether extraction kept every file's signature, so that a file without its line is damage:
+    data_config.json records the log (either of its two fields: one deleted by hand leaves the
+    other), or the log is there; and the files are in the layout the config names (or it names none)."""
+    if cfg is None or cfg.format not in (None, layout.name):
+        return False
+    return cfg.state_signatures is not None or cfg.signature_key is not None or (root / formats.SIGNATURES_DIR).exists()
 
 
 def signature_log_problems(
-    cfg: formats.DataConfig | None, recorded: dict[int, Any] | None, layout: formats.Layout
+    cfg: formats.DataConfig | None, recorded: dict[int, Any] | None, layout: formats.Layout, root: Path
 ) -> list[Problem]:
     """The log itself against data_config.json: gone where the dataset, still in the layout it was
     written in, records keeping one (every file's state check would be switched off without a
     word), or naming samples it has not."""
-    if cfg is None or not signatures_recorded(cfg, layout):
+    if cfg is None or not signatures_recorded(cfg, layout, root):
         return []
-    where = str(cfg.state_signatures)
+    where = formats.SIGNATURES_DIR
+    if cfg.signature_key is None:
+        return [
+            Problem(
+                STATE_SIGNATURE,
+                formats.DATA_CONFIG_FILE,
+                f"no signature_key, though this dataset keeps a signature log ({where}/): the key tells this "
+                "extraction's lines from lines copied in from another dataset, so no line can vouch for its "
+                "file: restore data_config.json, or extract again",
+            )
+        ]
     if recorded is None:
         return [
             Problem(
@@ -449,6 +462,8 @@ def slot_order_problems(results: list[FileResult], layer_names: list[str]) -> li
     name = lambda j: layer_names[j] if j < len(layer_names) else f"slot {j}"  # noqa: E731
     out = []
     for r, x in zip(files, scales):
+        if r.states_signed:  # its slots are what extraction wrote there: an unusual scale is the sample's own
+            continue
         for j in range(width):
             own = abs(x[j] - typical[j])
             if own / spread[j] <= SLOT_FAR:

@@ -85,6 +85,7 @@ class FileResult:
     slot_max_row_rms: list[float] = field(default_factory=list)
     masked_tokens: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # (ids, counts) masked
     tokens_signed: bool = False  # input_ids and loss_mask match the digest extraction recorded for this file
+    states_signed: bool = False  # every slot matches the signature extraction recorded for this file
     template_checked: bool = False  # the mask was compared with the chat template's assistant spans
 
 
@@ -409,10 +410,13 @@ def check_states(res: FileResult, states: formats.FileStates, exp: Expect, found
     check_slot_values(res, states.states, usable)
     if exp.signatures is not None and all(usable) and len(usable) == exp.num_states:
         recorded = exp.signatures.get(res.index)
+        mismatches = []
         if recorded is not None:
             tokens = formats.token_digest(states.input_ids, states.loss_mask)
             res.tokens_signed = any(r.tokens == tokens for r in recorded)
-        res.problems += signature_problems(states, recorded, res.tokens_signed, exp, rel)
+            mismatches = formats.signature_mismatches(formats.state_signature(states.states), recorded)
+            res.states_signed = not mismatches
+        res.problems += signature_problems(recorded, mismatches, res.tokens_signed, exp, rel)
 
 
 def slot_name(exp: Expect, j: int) -> str:
@@ -421,7 +425,11 @@ def slot_name(exp: Expect, j: int) -> str:
 
 
 def signature_problems(
-    states: formats.FileStates, recorded: list[formats.Recorded] | None, tokens_signed: bool, exp: Expect, rel: str
+    recorded: list[formats.Recorded] | None,
+    mismatches: list[formats.SlotMismatch],
+    tokens_signed: bool,
+    exp: Expect,
+    rel: str,
 ) -> list[Problem]:
     """A file's states (and, by `tokens_signed`, its tokens) against the signatures extraction
     recorded for its index: every slot of every file, in one more read of each (`formats.signatures`)."""
@@ -456,7 +464,7 @@ def signature_problems(
                 "them, edited, or another sample's): re-extract this file",
             )
         )
-    for m in formats.signature_mismatches(formats.state_signature(states.states), recorded):
+    for m in mismatches:
         if m.holds is not None:
             out.append(
                 Problem(

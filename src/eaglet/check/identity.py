@@ -367,6 +367,7 @@ def identity_check(
     labels = expected_labels(layer_ids, last_convention, n)
     worst: dict[int, SlotIdentity] = {}
     acc = [0, 0, 0, 0]
+    least: tuple[float, str] | None = None  # (agreement, path) of the file that agrees least
     for r in files:
         sample = sampled_states(root, exp, r)
         rec = recompute(model, sample.input_ids, device)
@@ -379,6 +380,8 @@ def identity_check(
         t = teacher_accuracy(rec, sample.teacher or sample.states[-1], last_convention, sample.input_ids, mask, n)
         if t:
             acc = [a + b for a, b in zip(acc, t)]
+            if t[0] and (least is None or t[3] / t[0] < least[0]):
+                least = (t[3] / t[0], r.path)
     report.identity = [worst[j] for j in sorted(worst)]
     report.identity_files = [r.path for r in files]
     if acc[0]:
@@ -389,12 +392,14 @@ def identity_check(
             "agreement": acc[3] / acc[0],
         }
         if acc[3] / acc[0] < TEACHER_AGREEMENT:
+            assert least is not None  # acc[0] > 0: some file had positions
             report.problems.append(
                 Problem(
                     LAYER_IDENTITY,
-                    files[-1].path if files else "",
+                    least[1],
                     f"the stored next-token argmax agrees with the recomputed target on only "
-                    f"{acc[3] / acc[0]:.1%} of masked positions ({len(files)} sampled files)",
+                    f"{acc[3] / acc[0]:.1%} of masked positions ({len(files)} sampled files; this file "
+                    f"agrees least, on {least[0]:.1%})",
                 )
             )
 

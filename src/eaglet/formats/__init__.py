@@ -98,6 +98,7 @@ from eaglet.formats.signatures import (
     Signature,
     SignatureLog,
     read_signatures,
+    SlotMismatch,
     signature_mismatches,
     state_signature,
     token_digest,

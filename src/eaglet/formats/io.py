@@ -445,15 +445,26 @@ def out_named(stage: str) -> str:
     return OUT_ARGUMENT.get(stage, "--out")  # a train run's folders that hold its own files only
 
 
+def folder_kind(folder: Path) -> str | None:
+    """The kind of output `folder` holds: its marker's, or, for a folder written before markers
+    (or whose marker was removed), the dataset or run its own files make it."""
+    marker = folder / OUTPUT_MARKER
+    if marker.is_file() and not marker.is_symlink():
+        return marker.read_text(encoding="utf-8", errors="replace").strip()
+    for kind in (*DATASET_KINDS, OUTPUT_KINDS["train"]):
+        if all(os.path.lexists(folder / name) for name in KIND_FILES[kind][:2]):
+            return kind
+    return None
+
+
 def refuse_inside_dataset(out: Path, stage: str) -> None:
     """An output inside a dataset a stage made, or inside a train run's checkpoints: its files
     would be the dataset's stray files, which `eaglet check` refuses (and train with it), be taken
     for its samples, or sit among the checkpoints a run prunes and resumes from."""
     path = Path(os.path.realpath(out))
     for folder in path.parents:
-        marker = folder / OUTPUT_MARKER
-        if marker.is_file() and not marker.is_symlink():
-            kind = marker.read_text(encoding="utf-8", errors="replace").strip()
+        kind = folder_kind(folder)
+        if kind is not None:
             inside = path.relative_to(folder).parts[0]
             if kind in DATASET_KINDS or (kind == OUTPUT_KINDS["train"] and inside in RUN_OWN_FOLDERS):
                 where = f"the {kind} {folder}" + (f" (its {inside}/)" if kind not in DATASET_KINDS else "")

@@ -39,7 +39,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from eaglet import families, formats, layers
-from eaglet.check import prepared_mask_problem
+from eaglet.check import prepared_mask_problem, template_mismatch
 from eaglet.drafter import STAT_ROWS, DraftModel, make_teacher_head, num_parameters, stats_summary
 from eaglet.dataset import Dataset, check_target_matches, dataset_target, recorded_target_where
 from eaglet.options import EAGLE3, TrainOptions, TrainSettings, defaults_of
@@ -395,6 +395,12 @@ def offline_target(
         ref.name,
     )
     check_target_matches(ds.config, target_heads.config, ref)
+    # as `eaglet check` with the target: masks made with another chat template mark other spans
+    other = template_mismatch(ds.config.chat_template_sha256, load_tokenizer(ref))
+    if other:
+        raise ValueError(
+            f"{ds.root / formats.DATA_CONFIG_FILE}: {other}; prepare and extract it again with this target"
+        )
     layers.check_aux_ids(ds.aux_layer_ids, target_heads.config.num_hidden_layers)
     refuse_wrong_last_state(ds, target_heads)
     check_layer_ids(ds, ref)
