@@ -76,6 +76,8 @@ def generate(
             "num_masked_tokens": masked_total,
             "seq_length": max(lengths.values()),
             "rows_per_folder": formats.ROWS_PER_FOLDER,
+            "state_signatures": formats.SIGNATURES_DIR,
+            "signature_key": "be0c4b17be0c4b17",  # what extraction draws at random
         },
     )
     log = formats.signature_log(out, "shard_0_of_1")
@@ -91,15 +93,20 @@ def plain_loop(files: list[Path]) -> float:
 
 
 def timed_check(folder: Path, workers: int | None, signed: bool = True) -> float:
-    """Seconds of a whole check; `signed` False: with the recorded signatures moved aside."""
+    """Seconds of a whole check; `signed` False: with the recorded signatures moved aside, and
+    data_config.json without the fields that record them (a dataset made without them)."""
     aside = folder.with_name(folder.name + "-signatures")
+    config = formats.read_json(folder / formats.DATA_CONFIG_FILE)
     if not signed:
         (folder / formats.SIGNATURES_DIR).rename(aside)
+        unsigned = {k: v for k, v in config.items() if k not in ("state_signatures", "signature_key")}
+        formats.write_json_atomic(folder / formats.DATA_CONFIG_FILE, unsigned)
     try:
         return checked_seconds(folder, workers)
     finally:
         if not signed:
             aside.rename(folder / formats.SIGNATURES_DIR)
+            formats.write_json_atomic(folder / formats.DATA_CONFIG_FILE, config)
 
 
 def checked_seconds(folder: Path, workers: int | None) -> float:
