@@ -217,6 +217,13 @@ def open_dataset(
                 f"{root}: its Arrow table has {rows} rows; {', '.join(unpaired)}: finish `eaglet "
                 f"extract`, or `eaglet check {root}` for the full report"
             )
+    odd = sorted(str(p) for p in files.values() if p.exists() and not p.is_file())
+    if odd:  # a pipe would block the read: named, as `eaglet check` names it
+        raise ValueError(
+            f"{odd[0]}: a pipe, socket or device where a sample file should be"
+            + (f" ({len(odd)} such entries)" if len(odd) > 1 else "")
+            + f"; remove it (`eaglet check {root}` lists every one)"
+        )
     expected = cfg.num_samples
     if expected is not None and len(files) != expected:
         raise ValueError(

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
-import hashlib
 import json
 import logging
 import os
@@ -68,6 +67,8 @@ from eaglet.prepare import prepare
 from eaglet.recipe_file import (
     apply_overrides,
     apply_scale,
+    changed_inputs,
+    input_digests,
     load_recipe,
     overridden,
     parse_value,
@@ -715,29 +716,6 @@ def finished_stages(recipe: dict[str, Any], paths: Paths, ref: TargetRef) -> dic
             )
         done[stage] = record
     return done
-
-
-def input_digests(options: dict[str, Any]) -> dict[str, str]:
-    """The sha256 of each file a stage's options name (a chat file, a prompts file): a rerun
-    compares them, so a file changed since is not taken as read already."""
-    digests = {}
-    for value in options.values():
-        if isinstance(value, str) and value and Path(value).is_file():
-            h = hashlib.sha256()
-            with open(value, "rb") as f:
-                while block := f.read(1 << 20):
-                    h.update(block)
-            digests[value] = h.hexdigest()
-    return digests
-
-
-def changed_inputs(recorded: Any, options: dict[str, Any] | None) -> list[str]:
-    """The files whose content differs from what a marker recorded (none where it recorded none:
-    markers from before they did)."""
-    if not isinstance(recorded, dict) or options is None:
-        return []
-    now = input_digests(options)
-    return [path for path, digest in recorded.items() if path in now and now[path] != digest]
 
 
 def marker_problem(record: Any) -> str | None:

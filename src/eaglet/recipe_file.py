@@ -1,9 +1,11 @@
 """A recipe file: found by name or path, read (TOML), scaled (`--scale`) and overridden (`--set`); what
-its tables may hold is checked by `recipe.validate`.
+its tables may hold is checked by `recipe.validate`; and the digests of the files its stages'
+options name, which a rerun compares before it reuses a finished stage.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tomllib
 from pathlib import Path
@@ -122,3 +124,23 @@ def apply_scale(recipe: dict[str, Any], scale: float) -> dict[str, Any]:
                 else (round(scaled) if isinstance(value, int) else scaled)
             )
     return out
+
+
+def input_digests(options: dict[str, Any]) -> dict[str, str]:
+    """The sha256 of each file a stage's options name (a chat file, a prompts file): a rerun
+    compares them, so a file changed since is not taken as read already."""
+    digests = {}
+    for value in options.values():
+        if isinstance(value, str) and value and Path(value).is_file():
+            with open(value, "rb") as f:
+                digests[value] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
+
+
+def changed_inputs(recorded: Any, options: dict[str, Any] | None) -> list[str]:
+    """The files whose content differs from what a marker recorded (none where it recorded none:
+    markers from before they did)."""
+    if not isinstance(recorded, dict) or options is None:
+        return []
+    now = input_digests(options)
+    return [path for path, digest in recorded.items() if path in now and now[path] != digest]

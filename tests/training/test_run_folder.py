@@ -182,6 +182,17 @@ def test_train_refuses_layer_ids_the_states_do_not_match(data, tmp_path):
     assert not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
 
 
+def test_train_names_a_pipe_where_a_sample_file_should_be(data, tmp_path):
+    """It said only "27 sample files, data_config.json says 26; rerun extract", which did not help."""
+    import os
+
+    edited = Path(shutil.copytree(data / "v1", tmp_path / "edited"))
+    fifo = next((edited / formats.HIDDEN_STATES_DIR).iterdir()) / "data_999.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=rf"{fifo}: a pipe, socket or device where a sample file should be"):
+        train(TrainOptions(dataset_dir=edited, out_dir=tmp_path / "run", **QUICK), show_progress=False)
+
+
 def test_train_refuses_a_dataset_of_another_chat_template(data, tmp_path):
     """check with the target refused it; train trained on it."""
     edited = Path(shutil.copytree(data / "v1", tmp_path / "edited"))

@@ -177,10 +177,15 @@ def expectations(
 def signatures_recorded(cfg: formats.DataConfig | None, layout: formats.Layout, root: Path) -> bool:
     """Whether extraction kept every file's signature, so that a file without its line is damage:
     data_config.json records the log (either of its two fields: one deleted by hand leaves the
-    other), or the log is there; and the files are in the layout the config names (or it names none)."""
-    if cfg is None or cfg.format not in (None, layout.name):
+    other), or the log is there. With the log there, the config's `format` is not asked (an edited
+    one would switch the check off); without it, files rewritten into another layout beside a
+    copied config (a flat v1 folder, say) are a dataset that kept none."""
+    if cfg is None or layout.dequantized:  # the compact layout's files carry checksums instead
         return False
-    return cfg.state_signatures is not None or cfg.signature_key is not None or (root / formats.SIGNATURES_DIR).exists()
+    if (root / formats.SIGNATURES_DIR).exists():
+        return True
+    recorded = cfg.state_signatures is not None or cfg.signature_key is not None
+    return recorded and cfg.format in (None, layout.name)
 
 
 def signature_log_problems(
@@ -189,9 +194,20 @@ def signature_log_problems(
     """The log itself against data_config.json: gone where the dataset, still in the layout it was
     written in, records keeping one (every file's state check would be switched off without a
     word), or naming samples it has not."""
-    if cfg is None or not signatures_recorded(cfg, layout, root):
+    if cfg is None or layout.dequantized:
         return []
     where = formats.SIGNATURES_DIR
+    if not signatures_recorded(cfg, layout, root):
+        return [
+            Problem(
+                STATE_SIGNATURE,
+                where,
+                "none: this dataset records no signature log (another tool's, or an older eaglet's), so each "
+                "file's slots are compared by their scale only, and a neighbouring layer's states or another "
+                "dataset's file would pass: extract it again with this eaglet to have every file checked",
+                WARNING,
+            )
+        ]
     if cfg.signature_key is None:
         return [
             Problem(
