@@ -190,11 +190,9 @@ def iter_jsonl(path: Path, stats: ReadStats) -> Iterator[tuple[str, Any]]:
                 if not line.strip():
                     continue
                 record = json.loads(line)
-            except (
-                ValueError,
-                RecursionError,
-            ) as e:  # ValueError: bad JSON, bad UTF-8, an integer of over 4,300 digits
-                # RecursionError: JSON nested deeper than Python's parser goes, no chat record
+            except (ValueError, RecursionError) as e:
+                # ValueError: bad JSON, bad UTF-8, an integer of over 4,300 digits; RecursionError: JSON
+                # nested deeper than Python's parser goes, no chat record
                 reason = "line not UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON line"
                 stats.records += 1
                 stats.skipped.add(reason, f"{path}:{line_no}")

@@ -217,7 +217,7 @@ def open_dataset(
                 f"{root}: its Arrow table has {rows} rows; {', '.join(unpaired)}: finish `eaglet "
                 f"extract`, or `eaglet check {root}` for the full report"
             )
-    odd = sorted(str(p) for p in files.values() if p.exists() and not p.is_file())
+    odd = sorted(str(p) for p in files.values() if not p.is_file() and p.exists())  # one stat for a file
     if odd:  # a pipe would block the read: named, as `eaglet check` names it
         raise ValueError(
             f"{odd[0]}: a pipe, socket or device where a sample file should be"

@@ -97,10 +97,8 @@ def jsonl_prompts(path: Path) -> Iterator[Prompt]:
                 continue
             try:
                 rec = json.loads(line)
-            except (
-                ValueError,
-                RecursionError,
-            ) as e:  # ValueError: bad JSON or an integer of over 4,300 digits; RecursionError: nested too deep
+            except (ValueError, RecursionError) as e:
+                # ValueError: bad JSON or an integer of over 4,300 digits; RecursionError: nested too deep
                 raise ValueError(f"{where}: invalid JSON ({e})") from None
             pid = str(rec.get("id", line_no)) if isinstance(rec, dict) else str(line_no)
             refuse_non_text(rec, where)

@@ -182,10 +182,8 @@ def parse_engine_args(text: str | None) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(text)
-    except (
-        ValueError,
-        RecursionError,
-    ) as e:  # ValueError: bad JSON or an integer of over 4,300 digits; RecursionError: nested too deep
+    except (ValueError, RecursionError) as e:
+        # ValueError: bad JSON or an integer of over 4,300 digits; RecursionError: nested too deep
         raise ValueError(
             f"--vllm-args {text[:200]!r}: not JSON ({getattr(e, 'msg', e)}); e.g. '{{\"max_num_seqs\": 64}}'"
         ) from None

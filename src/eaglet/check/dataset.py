@@ -169,8 +169,8 @@ def expectations(
     if not layout.dequantized:  # the compact layout's files carry checksums instead
         exp.signatures, unreadable = formats.read_signatures(root, cfg.signature_key if cfg else None)
         exp.problems += [Problem(STATE_SIGNATURE, where, why) for where, why in unreadable]
-        exp.problems += signature_log_problems(cfg, exp.signatures, layout, root)
         exp.signatures_required = signatures_recorded(cfg, layout, root)
+        exp.problems += signature_log_problems(cfg, exp.signatures, layout, exp.signatures_required)
     return exp
 
 
@@ -189,15 +189,15 @@ def signatures_recorded(cfg: formats.DataConfig | None, layout: formats.Layout, 
 
 
 def signature_log_problems(
-    cfg: formats.DataConfig | None, recorded: dict[int, Any] | None, layout: formats.Layout, root: Path
+    cfg: formats.DataConfig | None, recorded: dict[int, Any] | None, layout: formats.Layout, kept: bool
 ) -> list[Problem]:
-    """The log itself against data_config.json: gone where the dataset, still in the layout it was
-    written in, records keeping one (every file's state check would be switched off without a
-    word), or naming samples it has not."""
+    """The log itself, where `kept` (`signatures_recorded`) says the dataset keeps one: without its
+    key, gone (every file's state check would be switched off without a word), or naming samples
+    the dataset has not; where it keeps none, a warning that the files' slots are judged by scale."""
     if cfg is None or layout.dequantized:
         return []
     where = formats.SIGNATURES_DIR
-    if not signatures_recorded(cfg, layout, root):
+    if not kept:
         return [
             Problem(
                 STATE_SIGNATURE,
@@ -376,16 +376,14 @@ def token_freq_problems(recorded: dict[int, int], results: list[FileResult], com
     """token_freq.pt against the files' masked tokens; `complete`: every sample has its file (a
     missing one's tokens are counted in token_freq.pt: the files, not the counts, are short)."""
     actual: Counter = Counter()
-    holders: dict[int, list[str]] = {}
     for r in results:
         for t, c in zip(*r.masked_tokens):
             actual[t] += c
-            holders.setdefault(t, []).append(r.path)
     diff = sorted(t for t in set(recorded) | set(actual) if recorded.get(t, 0) != actual.get(t, 0))
     if not diff:
         return []
     t = diff[0]
-    held = holders.get(t, [])
+    held = [r.path for r in results if t in r.masked_tokens[0]]  # for the one id named only
     where = f"in {fmt_paths(held)}" if held else "in no file"
     if not complete:
         cause = "samples have no file (named above), and their tokens are counted here: extract those files again"

@@ -27,7 +27,6 @@ code outside the package uses, no more; anything else is reached through its mod
 from eaglet.formats.io import (
     OUTPUT_MARKER,
     PICKLED_CODE_MARKERS,
-    weights_only_refusal,
     TMP_MARK,
     OutputBusy,
     WriteFailed,
@@ -48,6 +47,7 @@ from eaglet.formats.io import (
     remove_stale_temp_files,
     torch_load_safe,
     torch_save_atomic,
+    weights_only_refusal,
     write_json_atomic,
     write_text_atomic,
 )
@@ -97,8 +97,8 @@ from eaglet.formats.signatures import (
     Recorded,
     Signature,
     SignatureLog,
-    read_signatures,
     SlotMismatch,
+    read_signatures,
     signature_mismatches,
     state_signature,
     token_digest,
@@ -107,10 +107,10 @@ from eaglet.formats.data_config import (
     DataConfig,
     data_config_from,
     ensure_data_config,
-    signature_log,
     parse_data_config,
     read_data_config,
     refuse_other_dataset,
+    signature_log,
     write_data_config,
 )
 from eaglet.formats.compact import (

@@ -437,12 +437,12 @@ def refuse_overlap(
 DATASET_KINDS = ("prepared dataset", "hidden-state dataset")
 
 
-RUN_OWN_FOLDERS = ("checkpoints",)
+RUN_OWN_FOLDERS = ("checkpoints",)  # a train run's folders that hold its own files only
 OUT_ARGUMENT = {"export": "OUT"}  # how a stage's command line names its output, where not --out
 
 
 def out_named(stage: str) -> str:
-    return OUT_ARGUMENT.get(stage, "--out")  # a train run's folders that hold its own files only
+    return OUT_ARGUMENT.get(stage, "--out")
 
 
 def folder_kind(folder: Path) -> str | None:
@@ -470,7 +470,7 @@ def refuse_inside_dataset(out: Path, stage: str) -> None:
                 where = f"the {kind} {folder}" + (f" (its {inside}/)" if kind not in DATASET_KINDS else "")
                 raise FileExistsError(
                     f"{out_named(stage)} {out}: inside {where}, whose folder holds its own files only; "
-                    f"`eaglet {stage}` wrote nothing: choose an --out outside it"
+                    f"`eaglet {stage}` wrote nothing: choose an {out_named(stage)} outside it"
                 )
 
 

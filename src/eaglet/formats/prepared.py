@@ -79,12 +79,8 @@ class TokenizedSample:
         try:
             rec = json.loads(line)
             sample = cls(str(rec["id"]), list(rec["input_ids"]), list(rec["loss_mask"]))
-        except (
-            ValueError,
-            KeyError,
-            TypeError,
-            RecursionError,
-        ) as e:  # ValueError: bad JSON, or an integer of over 4,300 digits
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            # ValueError: bad JSON, or an integer of over 4,300 digits
             raise ValueError(f"{where}: not a prepared sample ({type(e).__name__}: {e})") from e
         if len(sample.input_ids) != len(sample.loss_mask):
             raise ValueError(
